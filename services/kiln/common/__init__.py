@@ -1,0 +1,1 @@
+"""Shared service runtime: settings, errors, logging, metrics, team identity, gRPC server."""

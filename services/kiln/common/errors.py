@@ -1,0 +1,93 @@
+"""Errors that carry their gRPC status code.
+
+Domain code raises these; the service runtime turns them into a gRPC status with the message
+(``kiln.common.server``), and clients turn a status back into the same class
+(:func:`from_rpc_error`), so CLI and services speak one error vocabulary.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KilnError(Exception):
+    """Base error; ``code`` is the gRPC status it maps to."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(KilnError):
+    """Malformed input: bad id, unknown event type, payload failing its schema."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(KilnError):
+    """The named thing does not exist (stream, compilation, hardware)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(KilnError):
+    """An id was used before for something else."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Aborted(KilnError):
+    """A concurrency conflict, e.g. a stale expected stream version; re-read and retry."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class FailedPrecondition(KilnError):
+    """The system is not in the state the call needs."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unauthenticated(KilnError):
+    """The call carries no (valid) team identity."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class ResourceExhausted(KilnError):
+    """A size or rate limit was exceeded (e.g. an oversized event payload)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(KilnError):
+    """A backing server (PostgreSQL, NATS) cannot be reached; retry later."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+_BY_CODE: dict[grpc.StatusCode, type[KilnError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        Aborted,
+        FailedPrecondition,
+        Unauthenticated,
+        ResourceExhausted,
+        Unavailable,
+    )
+}
+
+
+def from_rpc_error(err: grpc.RpcError) -> KilnError:
+    """The KilnError for a failed call (``grpc.aio.AioRpcError`` or a sync ``RpcError``)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _BY_CODE.get(code, KilnError)
+    exc = cls(details or str(code))
+    exc.code = code
+    return exc

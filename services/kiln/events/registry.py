@@ -1,0 +1,153 @@
+"""The registry of event types: (type, schema version) -> pydantic model and stream category.
+
+An event is accepted only when its type is registered, its schema version is known, its
+stream's category is the one the type belongs to, and its payload validates. Schemas forbid
+unknown fields, so a typo is an error instead of silently stored data.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+_STREAM_RE = re.compile(r"^(?P<category>[a-z][a-z0-9_]{0,31})-(?P<id>[A-Za-z0-9_][A-Za-z0-9_-]{0,127})$")
+
+
+class SchemaError(ValueError):
+    """An event that cannot be stored: bad stream id, unknown type or version, bad payload."""
+
+
+@dataclass(frozen=True)
+class StreamId:
+    """A stream id ``<category>-<id>``, e.g. ``compilation-7f3a...``.
+
+    The category is lower-case ``[a-z][a-z0-9_]*`` (at most 32 characters); the id is
+    ``[A-Za-z0-9_-]`` (at most 128 characters), so a stream id is also a valid NATS subject token.
+    """
+
+    category: str
+    id: str
+
+    def __str__(self) -> str:
+        return f"{self.category}-{self.id}"
+
+
+def parse_stream_id(stream_id: str) -> StreamId:
+    """Split and check a stream id. Raises SchemaError naming the problem."""
+    m = _STREAM_RE.match(stream_id)
+    if not m:
+        raise SchemaError(
+            f"invalid stream id {stream_id!r}: expected '<category>-<id>' with category "
+            "[a-z][a-z0-9_]* (<=32 chars) and id [A-Za-z0-9_-] (<=128 chars)"
+        )
+    return StreamId(m["category"], m["id"])
+
+
+class EventSchema(BaseModel):
+    """Base of every event payload schema.
+
+    Subclasses set ``event_type``, ``schema_version`` and ``category`` (the stream category the
+    event belongs to) and are registered by defining them in a module imported by
+    ``kiln.events.types``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    event_type: ClassVar[str]
+    schema_version: ClassVar[int] = 1
+    category: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "event_type" in cls.__dict__:
+            _REGISTRY.setdefault(cls.event_type, {})[cls.schema_version] = cls
+
+    def to_json(self) -> bytes:
+        """The payload as compact UTF-8 JSON."""
+        return self.model_dump_json().encode()
+
+
+_REGISTRY: dict[str, dict[int, type[EventSchema]]] = {}
+
+S = TypeVar("S", bound=EventSchema)
+
+
+def _ensure_loaded() -> None:
+    import kiln.events.types  # noqa: F401  (defining the classes registers them)
+
+
+def registered_types() -> dict[str, list[int]]:
+    """Every registered event type with its schema versions."""
+    _ensure_loaded()
+    return {t: sorted(v) for t, v in sorted(_REGISTRY.items())}
+
+
+def latest_version(event_type: str) -> int:
+    """The newest schema version of ``event_type``. Raises SchemaError if unregistered."""
+    _ensure_loaded()
+    versions = _REGISTRY.get(event_type)
+    if not versions:
+        raise SchemaError(f"event type {event_type!r} has no registered schema")
+    return max(versions)
+
+
+def validate_event(
+    stream_id: str, event_type: str, schema_version: int, data: bytes | str | dict[str, Any]
+) -> tuple[int, dict[str, Any]]:
+    """Check one event against its schema.
+
+    Args:
+        stream_id: the stream it is appended to.
+        event_type: registered type name.
+        schema_version: 0 for the latest.
+        data: the payload, JSON bytes/str or an already-parsed object.
+
+    Returns:
+        (schema version used, payload as a JSON-compatible dict, as validated).
+
+    Raises:
+        SchemaError: unknown type or version, wrong stream category, payload not a JSON object,
+            or payload failing the schema (the message names the field).
+    """
+    sid = parse_stream_id(stream_id)
+    _ensure_loaded()
+    versions = _REGISTRY.get(event_type)
+    if not versions:
+        raise SchemaError(f"event type {event_type!r} has no registered schema")
+    version = schema_version or max(versions)
+    schema = versions.get(version)
+    if schema is None:
+        raise SchemaError(
+            f"event type {event_type!r} has no schema version {version} (known: {sorted(versions)})"
+        )
+    if schema.category != sid.category:
+        raise SchemaError(
+            f"event type {event_type!r} belongs in '{schema.category}-*' streams, not {stream_id!r}"
+        )
+    if isinstance(data, (bytes, str)):
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SchemaError(f"{event_type} payload is not valid JSON: {exc}") from None
+    else:
+        obj = data
+    if not isinstance(obj, dict):
+        raise SchemaError(f"{event_type} payload must be a JSON object, got {type(obj).__name__}")
+    try:
+        model = schema.model_validate(obj)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
+        )
+        raise SchemaError(f"{event_type} v{version} payload is invalid: {problems}") from None
+    return version, model.model_dump(mode="json")
+
+
+def parse_payload(schema: type[S], data: bytes | dict[str, Any]) -> S:
+    """Typed view of a stored payload (for consumers)."""
+    obj = json.loads(data) if isinstance(data, bytes) else data
+    return schema.model_validate(obj)

@@ -1,0 +1,135 @@
+"""The event types kiln records, version 1.
+
+Streams:
+    ``compilation-<id>``: one compilation's life (submitted, planned, baseline, best, ended).
+    ``experiment-<id>``: one experiment (requested, completed).
+
+Times inside payloads are not needed: every event carries ``recorded_at`` from the ledger.
+Units: milliseconds for latencies, tokens/s for throughput, bytes for memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from kiln.events.registry import EventSchema
+
+Tier = Literal["fast", "full"]
+ExperimentStatus = Literal["ok", "incorrect", "crashed", "timed_out", "rejected"]
+EndStatus = Literal["succeeded", "cancelled", "failed"]
+
+
+class Budget(EventSchema):
+    """Compilation limits: wall-clock seconds (>0) and experiment count (0 = unlimited)."""
+
+    wall_seconds: float = Field(gt=0)
+    max_experiments: int = Field(0, ge=0)
+
+
+class CompilationSubmitted(EventSchema):
+    """A team asked for a compilation of a workload."""
+
+    event_type = "CompilationSubmitted"
+    category = "compilation"
+
+    compilation_id: str = Field(min_length=1, max_length=128)
+    team: str = Field(min_length=1)
+    workload_key: str = Field(min_length=1)
+    model_name: str = Field(min_length=1)
+    hardware: str = Field(min_length=1)
+    workload: dict[str, Any] = Field(description="The kiln.v1.Workload message as JSON.")
+    budget: Budget
+    agents: list[str] = Field(default_factory=list)
+
+
+class CompilationPlanned(EventSchema):
+    """The cost model chose a parallelism plan."""
+
+    event_type = "CompilationPlanned"
+    category = "compilation"
+
+    plan: dict[str, Any] = Field(description="The kiln.v1.ParallelismPlan message as JSON.")
+
+
+class BaselineMeasured(EventSchema):
+    """The reference forward pass was measured; speedups are relative to it."""
+
+    event_type = "BaselineMeasured"
+    category = "compilation"
+
+    experiment_id: str
+    candidate_id: str
+    tokens_per_s: float = Field(ge=0)
+    median_ms: float = Field(ge=0)
+
+
+class BestCandidateImproved(EventSchema):
+    """A correct candidate beat the best so far (confirmed on the full tier where required)."""
+
+    event_type = "BestCandidateImproved"
+    category = "compilation"
+
+    workload_key: str
+    experiment_id: str
+    candidate_id: str
+    tokens_per_s: float = Field(ge=0)
+    median_ms: float = Field(ge=0)
+    speedup: float = Field(ge=0)
+    tier: Tier
+
+
+class CompilationCancelRequested(EventSchema):
+    """Someone asked a running compilation to stop."""
+
+    event_type = "CompilationCancelRequested"
+    category = "compilation"
+
+    reason: str = ""
+
+
+class CompilationEnded(EventSchema):
+    """The compilation stopped: budget spent (succeeded), cancelled, or failed."""
+
+    event_type = "CompilationEnded"
+    category = "compilation"
+
+    status: EndStatus
+    reason: str = ""
+
+
+class ExperimentRequested(EventSchema):
+    """An agent asked for a candidate to be measured."""
+
+    event_type = "ExperimentRequested"
+    category = "experiment"
+
+    experiment_id: str
+    compilation_id: str
+    candidate_id: str
+    candidate: dict[str, Any] = Field(description="The kiln.v1.Candidate message as JSON.")
+    tier: Tier
+    agent: str
+
+
+class ExperimentCompleted(EventSchema):
+    """An engine measured (or failed to measure) a candidate."""
+
+    event_type = "ExperimentCompleted"
+    category = "experiment"
+
+    experiment_id: str
+    compilation_id: str
+    candidate_id: str
+    status: ExperimentStatus
+    correct: bool
+    max_abs_error: float = Field(0.0, ge=0)
+    median_ms: float = Field(0.0, ge=0)
+    p10_ms: float = Field(0.0, ge=0)
+    p90_ms: float = Field(0.0, ge=0)
+    tokens_per_s: float = Field(0.0, ge=0)
+    memory_bytes: int = Field(0, ge=0)
+    engine_id: str = ""
+    tier: Tier
+    error: str = ""

@@ -1,0 +1,1 @@
+"""The results ledger: event store on PostgreSQL, projections, replay, outbox to JetStream."""
