@@ -1,0 +1,119 @@
+"""Backing servers for the tests: the running PostgreSQL and NATS when present, else embedded.
+
+Set ``KILN_TEST_EMBEDDED=1`` to force the embedded servers (CI runs the suite both ways).
+Set ``KILN_TEST_DATABASE_URL`` / ``KILN_TEST_NATS_URL`` to use other servers.
+Each test session gets its own database (dropped at the end) and its own NATS subject prefix,
+so sessions and the developer's own data never meet.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kiln.common.settings import KilnSettings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _force_embedded() -> bool:
+    return os.environ.get("KILN_TEST_EMBEDDED", "") not in ("", "0", "false")
+
+
+@pytest.fixture(scope="session")
+def embedded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("embedded")
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url(embedded_dir: Path) -> Iterator[str]:
+    """URL of a PostgreSQL server's maintenance database ``postgres``."""
+    explicit = os.environ.get("KILN_TEST_DATABASE_URL")
+    if explicit:
+        yield explicit
+        return
+    if not _force_embedded() and _port_open("127.0.0.1", 5432):
+        yield "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+        return
+    from kiln.embedded.postgres import EmbeddedPostgres, free_port
+
+    pg = EmbeddedPostgres(embedded_dir / "pg", port=free_port())
+    url = pg.start()
+    try:
+        yield url
+    finally:
+        pg.stop()
+
+
+@pytest.fixture(scope="session")
+def database_url(postgres_server_url: str) -> Iterator[str]:
+    """A fresh, migrated database for this test session."""
+    import psycopg
+
+    from kiln.ledger.migrate import sync_url, upgrade
+
+    name = f"kiln_test_{uuid.uuid4().hex[:12]}"
+    admin = sync_url(postgres_server_url).replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = postgres_server_url.rsplit("/", 1)[0] + f"/{name}"
+    upgrade(url)
+    try:
+        yield url
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def nats_url(embedded_dir: Path) -> Iterator[str]:
+    """URL of a NATS server with JetStream."""
+    explicit = os.environ.get("KILN_TEST_NATS_URL")
+    if explicit:
+        yield explicit
+        return
+    if not _force_embedded() and _port_open("127.0.0.1", 4222):
+        yield "nats://127.0.0.1:4222"
+        return
+    from kiln.embedded.nats import EmbeddedNats
+    from kiln.embedded.postgres import free_port
+
+    server = EmbeddedNats(embedded_dir / "nats", port=free_port())
+    url = server.start()
+    try:
+        yield url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def subject_prefix() -> str:
+    """A NATS subject prefix private to this test session."""
+    return "kt" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="session")
+def settings(database_url: str, nats_url: str, subject_prefix: str, tmp_path_factory) -> KilnSettings:
+    """Settings pointing at this session's database, NATS and prefix."""
+    return KilnSettings(
+        database_url=database_url,
+        nats_url=nats_url,
+        subject_prefix=subject_prefix,
+        state_dir=tmp_path_factory.mktemp("state"),
+        team="test-team",
+        log_format="console",
+    )
