@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine, pool
-
 from kiln.ledger.tables import metadata
+from sqlalchemy import create_engine, pool
 
 config = context.config
 

@@ -107,7 +107,9 @@ def subject_prefix() -> str:
 
 
 @pytest.fixture(scope="session")
-def settings(database_url: str, nats_url: str, subject_prefix: str, tmp_path_factory) -> KilnSettings:
+def settings(
+    database_url: str, nats_url: str, subject_prefix: str, tmp_path_factory
+) -> KilnSettings:
     """Settings pointing at this session's database, NATS and prefix."""
     return KilnSettings(
         database_url=database_url,

@@ -55,7 +55,9 @@ def generate(out_root: Path) -> list[Path]:
     if rc != 0:
         raise RuntimeError(f"protoc failed with exit code {rc}")
     pkg = out_root / PACKAGE_DIR
-    (pkg / "__init__.py").write_text('"""Generated gRPC code for package kiln.v1 (python -m kiln.protogen)."""\n')
+    (pkg / "__init__.py").write_text(
+        '"""Generated gRPC code for package kiln.v1 (python -m kiln.protogen)."""\n'
+    )
     (pkg / "py.typed").write_text("")
     return sorted(p for p in pkg.iterdir() if p.is_file())
 

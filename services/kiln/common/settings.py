@@ -54,7 +54,8 @@ class KilnSettings(BaseSettings):
     agent_runner_addr: str = "127.0.0.1:50053"
     cost_model_addr: str = "127.0.0.1:50054"
     listen_addr: str | None = Field(
-        None, description="Address a service binds; unset = its *_addr (use 0.0.0.0:PORT in containers)."
+        None,
+        description="Address a service binds; unset = its *_addr (use 0.0.0.0:PORT in containers).",
     )
     metrics_port: int | None = Field(
         None, description="Prometheus /metrics port; unset = 9400 + the service's index; 0 = off."
@@ -123,7 +124,9 @@ class KilnSettings(BaseSettings):
         """The NATS URL; raises RuntimeError with a hint when none is configured."""
         url = self.with_embedded_endpoints().nats_url
         if not url:
-            raise RuntimeError("no NATS: set KILN_NATS_URL or start the embedded default with `kiln up`")
+            raise RuntimeError(
+                "no NATS: set KILN_NATS_URL or start the embedded default with `kiln up`"
+            )
         return url
 
 

@@ -14,7 +14,9 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-_STREAM_RE = re.compile(r"^(?P<category>[a-z][a-z0-9_]{0,31})-(?P<id>[A-Za-z0-9_][A-Za-z0-9_-]{0,127})$")
+_STREAM_RE = re.compile(
+    r"^(?P<category>[a-z][a-z0-9_]{0,31})-(?P<id>[A-Za-z0-9_][A-Za-z0-9_-]{0,127})$"
+)
 
 
 class SchemaError(ValueError):

@@ -13,7 +13,7 @@ def sync_url(url: str) -> str:
     """The same database through the synchronous psycopg driver (Alembic runs sync)."""
     for prefix in ("postgresql+asyncpg://", "postgresql+psycopg_async://", "postgresql://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url
 
 

@@ -1,0 +1,167 @@
+"""Ledger benchmark: sustained append throughput (events/s) and replay speed (events/s).
+
+Usage (from the repository root, with PostgreSQL reachable):
+
+    python benchmarks/ledger_throughput.py [--database-url URL] [--seconds 20] [--writers 16]
+
+It creates a scratch database next to the one URL names (default: the local server's
+``postgres`` database), migrates it, and measures:
+
+1. store appends: ``writers`` concurrent asyncio writers, each appending batches of
+   ``--batch`` events to its own streams through ``EventStore.append`` (one transaction each);
+2. gRPC appends: the same through a ledger service in this process (``LedgerClient.append``);
+3. replay (verify mode) over everything written.
+
+It prints one table; the scratch database is dropped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import socket
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from integration.events_factory import compilation_story  # noqa: E402
+
+from kiln.common.server import serve  # noqa: E402
+from kiln.common.settings import KilnSettings  # noqa: E402
+from kiln.ledger.app import LedgerApp  # noqa: E402
+from kiln.ledger.client import LedgerClient  # noqa: E402
+from kiln.ledger.db import create_engine  # noqa: E402
+from kiln.ledger.migrate import sync_url, upgrade  # noqa: E402
+from kiln.ledger.model import NewEvent  # noqa: E402
+from kiln.ledger.replay import replay  # noqa: E402
+from kiln.ledger.store import EventStore  # noqa: E402
+
+Append = Callable[[str, list[NewEvent]], Awaitable[object]]
+
+
+async def sustained(
+    append: Append, seconds: float, writers: int, batch: int
+) -> tuple[float, list[float]]:
+    """Events/s over ``seconds`` with ``writers`` concurrent writers; also per-append latencies (ms)."""
+    deadline = time.perf_counter() + seconds
+    counts = [0] * writers
+    latencies: list[float] = []
+    rng = random.Random(0)
+
+    async def writer(w: int) -> None:
+        while time.perf_counter() < deadline:
+            cid = uuid.uuid4().hex[:16]
+            for stream, evs in compilation_story(rng, cid, f"wk-{w}", n_experiments=4):
+                for i in range(0, len(evs), batch):
+                    t0 = time.perf_counter()
+                    await append(stream, evs[i : i + batch])
+                    latencies.append((time.perf_counter() - t0) * 1e3)
+                    counts[w] += len(evs[i : i + batch])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(writer(w) for w in range(writers)))
+    return sum(counts) / (time.perf_counter() - t0), latencies
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def main(args: argparse.Namespace) -> None:
+    admin = sync_url(args.database_url).replace("postgresql+psycopg://", "postgresql://")
+    name = f"kiln_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = args.database_url.rsplit("/", 1)[0] + f"/{name}"
+    rows: list[tuple[str, str]] = []
+    try:
+        upgrade(url)
+        engine = create_engine(url, pool_size=args.writers)
+        store = EventStore(engine)
+
+        async def store_append(stream: str, evs: list[NewEvent]) -> object:
+            return await store.append(stream, evs, "any", team="bench")
+
+        rate, lat = await sustained(store_append, args.seconds, args.writers, args.batch)
+        rows.append(
+            (
+                "store append",
+                f"{rate:,.0f} events/s  (p50 {statistics.median(lat):.1f} ms, "
+                f"p99 {statistics.quantiles(lat, n=100)[98]:.1f} ms per append)",
+            )
+        )
+
+        settings = KilnSettings(
+            database_url=url,
+            nats_url=args.nats_url,
+            metrics_port=0,
+            log_level="warning",
+            subject_prefix="kbench",
+        )
+        addr = f"127.0.0.1:{_free_port()}"
+        started = asyncio.Event()
+        server = asyncio.create_task(
+            serve(LedgerApp(settings), settings, listen=addr, started=started, handle_signals=False)
+        )
+        await started.wait()
+        async with LedgerClient(addr, "bench") as client:
+
+            async def grpc_append(stream: str, evs: list[NewEvent]) -> object:
+                return await client.append(stream, evs)
+
+            rate, lat = await sustained(grpc_append, args.seconds, args.writers, args.batch)
+        rows.append(
+            (
+                "gRPC append",
+                f"{rate:,.0f} events/s  (p50 {statistics.median(lat):.1f} ms, "
+                f"p99 {statistics.quantiles(lat, n=100)[98]:.1f} ms per append)",
+            )
+        )
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+
+        total = await store.head_position()
+        report = await replay(engine)
+        rows.append(
+            (
+                "replay (verify)",
+                f"{report.events_replayed / report.duration_s:,.0f} events/s "
+                f"({report.events_replayed:,} events in {report.duration_s:.1f} s, equal={report.equal})",
+            )
+        )
+        rows.append(("events in ledger", f"{total:,}"))
+        await engine.dispose()
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    print(
+        f"\nledger benchmark: {args.writers} writers, batch {args.batch}, {args.seconds:.0f} s per phase"
+    )
+    for label, value in rows:
+        print(f"  {label:<20} {value}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--database-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+    )
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--writers", type=int, default=16)
+    parser.add_argument(
+        "--batch", type=int, default=1, help="events per append (max of a story step)"
+    )
+    asyncio.run(main(parser.parse_args()))

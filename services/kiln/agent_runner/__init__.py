@@ -1,0 +1,1 @@
+"""The agent runner: compilations (the Compiler API), agents, budgets, best-so-far."""

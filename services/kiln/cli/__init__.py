@@ -1,0 +1,1 @@
+"""The ``kiln`` command line (typer + rich); the app is :data:`kiln.cli.main.app`."""

@@ -1,0 +1,43 @@
+"""State the root command hands to subcommands: global options and the resulting settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import typer
+
+from kiln.common.settings import KilnSettings, load_settings
+from kiln.embedded.endpoints import Endpoints
+
+
+@dataclass
+class CliState:
+    """Global options (``kiln --team T --ledger-addr A ...``); None = from the environment."""
+
+    team: str | None = None
+    ledger_addr: str | None = None
+
+
+def state(ctx: typer.Context) -> CliState:
+    """The global options of this invocation."""
+    root = ctx.find_root()
+    if not isinstance(root.obj, CliState):
+        root.obj = CliState()
+    return root.obj
+
+
+def settings_for(ctx: typer.Context, **overrides: Any) -> KilnSettings:
+    """Settings from the environment, the global options, then ``overrides`` (None = unset)."""
+    opts = state(ctx)
+    return load_settings(team=opts.team, ledger_addr=opts.ledger_addr, **overrides)
+
+
+def ledger_addr(settings: KilnSettings) -> str:
+    """The ledger address to dial: ``--ledger-addr`` / ``KILN_LEDGER_ADDR`` when given, else
+    the one the last ``kiln up`` recorded, else the default."""
+    if "ledger_addr" not in settings.model_fields_set:
+        recorded = Endpoints.read(settings.endpoints_file)
+        if recorded is not None and recorded.services.get("ledger"):
+            return recorded.services["ledger"]
+    return settings.ledger_addr

@@ -1,0 +1,79 @@
+"""How the CLI reports failures: one red ``error: ...`` line on stderr and a non-zero exit, never
+a traceback (set ``KILN_DEBUG=1`` to get the traceback of an unexpected error)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grpc
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.text import Text
+from typer.core import TyperGroup
+
+from kiln.common.errors import KilnError, from_rpc_error
+
+_CLICK_EXCEPTION: type[Exception] = next(
+    c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"
+)  # click's base of usage errors (typer vendors click in newer releases)
+
+err_console = Console(stderr=True, soft_wrap=True, highlight=False)
+"""Console for errors and progress (stderr); soft wrap keeps one message on one line."""
+
+
+class CliError(Exception):
+    """A user-facing failure whose message is printed as is."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+
+
+def print_error(message: str) -> None:
+    """Print ``error: <message>`` in red on stderr."""
+    err_console.print(Text(f"error: {message}", style="bold red"))
+
+
+def describe(exc: BaseException) -> str:
+    """The one-line (where possible) description of ``exc`` that the CLI prints."""
+    if isinstance(exc, CliError):
+        return exc.message
+    if isinstance(exc, grpc.RpcError) and not isinstance(exc, KilnError):
+        exc = from_rpc_error(exc)
+    if isinstance(exc, KilnError):
+        code = getattr(exc.code, "name", str(exc.code))
+        return f"{code}: {exc.message}"
+    if isinstance(exc, ValidationError):
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        return f"invalid settings: {problems}"
+    orig = getattr(exc, "orig", None)  # SQLAlchemy's wrapper of a driver error
+    if type(exc).__module__.startswith("sqlalchemy") and orig is not None:
+        return "database: " + (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+    if isinstance(exc, RuntimeError | OSError | ValueError | TimeoutError):
+        return str(exc) or type(exc).__name__
+    return f"unexpected {type(exc).__name__}: {exc}"
+
+
+class KilnGroup(TyperGroup):
+    """The root command group: turns any exception a command raises into :func:`print_error`
+    and exit status 1 (130 on Ctrl-C)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        """Run the command, reporting failures as one line."""
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, _CLICK_EXCEPTION):
+            raise  # exits, and usage errors that typer prints itself
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        except Exception as exc:
+            if os.environ.get("KILN_DEBUG") and not isinstance(exc, CliError | KilnError):
+                raise
+            print_error(describe(exc))
+            raise typer.Exit(exc.exit_code if isinstance(exc, CliError) else 1) from None

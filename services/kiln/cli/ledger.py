@@ -1,0 +1,212 @@
+"""``kiln ledger ...``: read streams and the global log, query projections, replay."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import grpc
+import typer
+
+from kiln.cli.context import ledger_addr, settings_for
+from kiln.cli.errors import CliError
+from kiln.cli.render import (
+    console,
+    event_dict,
+    event_line,
+    events_table,
+    print_json_lines,
+    replay_table,
+    rows_table,
+)
+from kiln.common.errors import KilnError, Unavailable
+
+if TYPE_CHECKING:
+    from kiln.ledger.client import LedgerClient
+
+app = typer.Typer(
+    help="Read the ledger: one stream, the global log, projections; rebuild and compare.",
+    no_args_is_help=True,
+)
+
+T = TypeVar("T")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per line.")]
+AddrOpt = Annotated[
+    str | None, typer.Option("--ledger-addr", help="Ledger address host:port.", show_default=False)
+]
+TeamOpt = Annotated[str | None, typer.Option("--team", help="Team identity.", show_default=False)]
+
+
+class ProjectionName(StrEnum):
+    """The projections ``kiln ledger query`` reads."""
+
+    compilations = "compilations"
+    experiments = "experiments"
+    best_candidates = "best-candidates"
+
+
+@asynccontextmanager
+async def open_ledger(
+    ctx: typer.Context, addr: str | None = None, team: str | None = None
+) -> AsyncIterator[LedgerClient]:
+    """A LedgerClient for the configured ledger and team (``addr`` / ``team`` override the
+    global options); an unreachable ledger becomes one readable error."""
+    from kiln.ledger.client import LedgerClient
+
+    overrides = {"ledger_addr": addr, "team": team}
+    settings = settings_for(ctx, **{k: v for k, v in overrides.items() if v})
+    addr = ledger_addr(settings)
+    client = LedgerClient(addr, settings.team)
+    try:
+        yield client
+    except (KilnError, grpc.RpcError) as exc:
+        code = exc.code() if isinstance(exc, grpc.RpcError) and callable(exc.code) else None
+        if isinstance(exc, Unavailable) or code == grpc.StatusCode.UNAVAILABLE:
+            raise CliError(f"ledger at {addr} is not reachable; start it with `kiln up`") from None
+        raise
+    finally:
+        await client.close()
+
+
+def run_with_ledger(
+    ctx: typer.Context,
+    call: Callable[[LedgerClient], Awaitable[T]],
+    addr: str | None = None,
+    team: str | None = None,
+) -> T:
+    """Open a client, await ``call(client)``, close the client."""
+
+    async def go() -> T:
+        async with open_ledger(ctx, addr, team) as client:
+            return await call(client)
+
+    return asyncio.run(go())
+
+
+@app.command()
+def events(
+    ctx: typer.Context,
+    stream: Annotated[str, typer.Argument(help="Stream id, e.g. compilation-42.")],
+    from_version: Annotated[int, typer.Option(help="First stream version to show.")] = 1,
+    as_json: JsonOpt = False,
+    ledger_addr: AddrOpt = None,
+    team: TeamOpt = None,
+) -> None:
+    """Show the events of one stream, in version order."""
+    found = run_with_ledger(
+        ctx, lambda c: c.read_stream(stream, from_version=from_version), ledger_addr, team
+    )
+    if as_json:
+        print_json_lines(event_dict(e) for e in found)
+    else:
+        console.print(events_table(found, title=f"{stream}: {len(found)} events"))
+
+
+@app.command()
+def tail(
+    ctx: typer.Context,
+    after: Annotated[int, typer.Option(help="Show events after this global position.")] = 0,
+    follow: Annotated[
+        bool, typer.Option("--follow/--no-follow", help="Keep printing new events.")
+    ] = True,
+    types: Annotated[
+        list[str] | None, typer.Option("--type", help="Only this event type (repeatable).")
+    ] = None,
+    stream_prefix: Annotated[str, typer.Option(help="Only streams starting with this.")] = "",
+    max_count: Annotated[int, typer.Option(help="Stop after this many events (0 = all).")] = 0,
+    as_json: JsonOpt = False,
+    ledger_addr: AddrOpt = None,
+    team: TeamOpt = None,
+) -> None:
+    """Show the global log of events; with --follow (the default), keep printing new ones."""
+
+    async def go(client: LedgerClient) -> list[Any]:
+        seen: list[Any] = []
+        stream = client.read_all(
+            after_position=after,
+            follow=follow,
+            types=tuple(types or ()),
+            stream_prefix=stream_prefix,
+            max_count=max_count,
+        )
+        async for event in stream:
+            if as_json:
+                print_json_lines([event_dict(event)])
+            elif follow:
+                console.print(event_line(event))
+            else:
+                seen.append(event)
+        return seen
+
+    try:
+        collected = run_with_ledger(ctx, go, ledger_addr, team)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+    if not follow and not as_json:
+        console.print(events_table(collected, title=f"{len(collected)} events after {after}"))
+
+
+def _parse_filters(pairs: list[str]) -> dict[str, str]:
+    parsed: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CliError(f"--filter wants KEY=VALUE, got {pair!r}")
+        parsed[key.strip()] = value
+    return parsed
+
+
+@app.command()
+def query(
+    ctx: typer.Context,
+    projection: Annotated[ProjectionName, typer.Argument(help="Which projection.")],
+    filters: Annotated[
+        list[str] | None,
+        typer.Option("--filter", help="Column equality, KEY=VALUE (repeatable)."),
+    ] = None,
+    limit: Annotated[int, typer.Option(help="At most this many rows (0 = server default).")] = 0,
+    as_json: JsonOpt = False,
+    ledger_addr: AddrOpt = None,
+    team: TeamOpt = None,
+) -> None:
+    """Show rows of a projection (compilations, experiments, best-candidates)."""
+    wanted = _parse_filters(filters or [])
+    rows = run_with_ledger(
+        ctx, lambda c: c.query(projection.value, wanted, limit=limit), ledger_addr, team
+    )
+    if as_json:
+        print_json_lines(rows)
+    else:
+        console.print(rows_table(rows, title=f"{projection.value}: {len(rows)} rows"))
+
+
+@app.command()
+def replay(
+    ctx: typer.Context,
+    apply: Annotated[
+        bool, typer.Option("--apply", help="Replace live projections that differ.")
+    ] = False,
+    ledger_addr: AddrOpt = None,
+    team: TeamOpt = None,
+) -> None:
+    """Rebuild the projections from the events and compare them with the live ones.
+
+    Exits 1 when a projection differs and was not replaced (--apply replaces it).
+    """
+    response = run_with_ledger(ctx, lambda c: c.replay(apply=apply), ledger_addr, team)
+    console.print(replay_table(response))
+    for proj in response.projections:
+        for line in list(proj.differences)[:10]:
+            console.print(f"  {proj.name}: {line}", markup=False)
+    unresolved = [p.name for p in response.projections if not p.equal and not p.applied]
+    if unresolved:
+        console.print(
+            f"differs: {', '.join(unresolved)} (run `kiln ledger replay --apply` to rebuild)",
+            style="red",
+            markup=False,
+        )
+        raise typer.Exit(1)

@@ -1,0 +1,50 @@
+"""The ``kiln`` command: ``kiln up`` / ``down`` / ``status``, ``kiln serve``, ``kiln migrate``
+and ``kiln ledger ...``. Every user error is one red line on stderr and a non-zero exit."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kiln.cli import ledger, migrate, serve, up
+from kiln.cli.context import CliState
+from kiln.cli.errors import KilnGroup
+
+app = typer.Typer(
+    name="kiln",
+    cls=KilnGroup,
+    help="kiln: continual compilation for AI inference.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+"""The root command (console script ``kiln``)."""
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    team: Annotated[
+        str | None,
+        typer.Option(help="Team identity sent on every call.", envvar="KILN_TEAM"),
+    ] = None,
+    ledger_addr: Annotated[
+        str | None,
+        typer.Option(help="Ledger address host:port.", envvar="KILN_LEDGER_ADDR"),
+    ] = None,
+) -> None:
+    """kiln: continual compilation for AI inference. Start with `kiln up`."""
+    ctx.obj = CliState(team=team, ledger_addr=ledger_addr)
+
+
+app.command()(up.up)
+app.command()(up.down)
+app.command()(up.status)
+app.command()(serve.serve)
+app.command()(migrate.migrate)
+app.add_typer(ledger.app, name="ledger")
+
+if __name__ == "__main__":
+    app(prog_name="kiln")

@@ -1,0 +1,300 @@
+"""NATS for kiln: connecting, subject and stream names, and the JetStream streams.
+
+Subjects (``prefix`` is ``settings.subject_prefix``, default ``kiln``):
+
+``{prefix}.events.{category}.{stream_id}.{event_type}``
+    every committed ledger event, published by the outbox (stream ``{PREFIX}_EVENTS``), with
+    ``Nats-Msg-Id`` = event id and the ``Kiln-*`` headers named below.
+``{prefix}.board.{compilation_id}.{kind}.{candidate_id}``
+    the agents' message board (stream ``{PREFIX}_BOARD``); ``kind`` is idea, claim or result.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final, Literal
+
+import nats
+import structlog
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from kiln.common.errors import InvalidArgument, Unavailable
+
+log = structlog.get_logger(__name__)
+
+# --- headers of an event message (the outbox writes them, consumers read them) --------------
+MSG_ID: Final = "Nats-Msg-Id"
+"""JetStream de-duplication header; on event messages it is the event id (a UUID)."""
+H_POSITION: Final = "Kiln-Position"
+"""The event's global ledger position (decimal)."""
+H_STREAM_ID: Final = "Kiln-Stream-Id"
+H_STREAM_VERSION: Final = "Kiln-Stream-Version"
+H_EVENT_TYPE: Final = "Kiln-Event-Type"
+H_SCHEMA_VERSION: Final = "Kiln-Schema-Version"
+H_TEAM: Final = "Kiln-Team"
+H_CORRELATION_ID: Final = "Kiln-Correlation-Id"
+H_CAUSATION_ID: Final = "Kiln-Causation-Id"
+H_RECORDED_AT: Final = "Kiln-Recorded-At"
+"""When the ledger committed the event, ISO 8601 with UTC offset."""
+
+BoardKind = Literal["idea", "claim", "result"]
+BOARD_KINDS: Final[tuple[BoardKind, ...]] = ("idea", "claim", "result")
+
+EVENTS_DUPLICATE_WINDOW_S: Final = 600.0
+"""How long JetStream remembers ``Nats-Msg-Id`` values on the events stream, seconds."""
+BOARD_DUPLICATE_WINDOW_S: Final = 120.0
+"""How long JetStream remembers ``Nats-Msg-Id`` values on the board stream, seconds."""
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_STREAM_ID_RE = re.compile(r"^(?P<category>[a-z][a-z0-9_]{0,31})-[A-Za-z0-9_-]{1,128}$")
+_EVENT_TYPE_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,127}$")
+_PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+# --- connecting ---------------------------------------------------------------------------
+_CONNECT_ERRORS = (OSError, TimeoutError, nats.errors.Error)
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    attempts: int = 5,
+    connect_timeout_s: float = 2.0,
+    reconnect_wait_s: float = 1.0,
+) -> Client:
+    """Connect to NATS, retrying the initial connection, then reconnecting forever.
+
+    Args:
+        url: server URL(s), comma-separated, e.g. ``nats://127.0.0.1:4222``.
+        name: client name shown by the server (e.g. the service name).
+        attempts: initial-connect attempts (each tries the servers about twice) before giving up.
+        connect_timeout_s: TCP/handshake timeout of one try, seconds.
+        reconnect_wait_s: pause between tries to the same server, seconds.
+
+    Returns:
+        A connected client whose reconnects are unlimited once connected.
+
+    Raises:
+        Unavailable: no server answered within ``attempts`` attempts.
+    """
+    servers = [s.strip() for s in url.split(",") if s.strip()]
+
+    async def _error_cb(exc: Exception) -> None:
+        log.warning("nats.error", client=name, error=str(exc) or type(exc).__name__)
+
+    async def _disconnected_cb() -> None:
+        log.info("nats.disconnected", client=name)
+
+    async def _reconnected_cb() -> None:
+        log.info("nats.reconnected", client=name)
+
+    last: BaseException | None = None
+    try:
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(max(1, attempts)),
+            wait=wait_exponential(multiplier=0.25, max=4.0),
+            retry=retry_if_exception(lambda e: isinstance(e, _CONNECT_ERRORS)),
+            reraise=True,
+        ):
+            with attempt:
+                # nats-py quirk: with max_reconnect_attempts <= 0 the *initial* connect loops
+                # forever, so bound it here and lift the bound once connected.
+                nc = await nats.connect(
+                    servers,
+                    name=name,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=1,
+                    connect_timeout=connect_timeout_s,
+                    reconnect_time_wait=reconnect_wait_s,
+                    error_cb=_error_cb,
+                    disconnected_cb=_disconnected_cb,
+                    reconnected_cb=_reconnected_cb,
+                )
+                nc.options["max_reconnect_attempts"] = -1
+                return nc
+    except _CONNECT_ERRORS as exc:
+        last = exc
+    raise Unavailable(f"cannot reach NATS at {url} after {attempts} attempts: {last!r}")
+
+
+# --- names ----------------------------------------------------------------------------------
+def _check_prefix(prefix: str) -> str:
+    if not _PREFIX_RE.match(prefix):
+        raise InvalidArgument(f"invalid subject prefix {prefix!r}: expected [a-z][a-z0-9_]{{0,31}}")
+    return prefix
+
+
+def check_id(what: str, value: str) -> str:
+    """Return ``value`` if it is a valid id token (``[A-Za-z0-9_-]``, 1-128 chars).
+
+    Raises:
+        InvalidArgument: naming ``what`` and the bad value.
+    """
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise InvalidArgument(f"invalid {what} {value!r}: expected 1-128 chars of [A-Za-z0-9_-]")
+    return value
+
+
+def events_stream_name(prefix: str) -> str:
+    """The JetStream stream holding published events, e.g. ``KILN_EVENTS``."""
+    return _check_prefix(prefix).upper() + "_EVENTS"
+
+
+def board_stream_name(prefix: str) -> str:
+    """The JetStream stream holding the message board, e.g. ``KILN_BOARD``."""
+    return _check_prefix(prefix).upper() + "_BOARD"
+
+
+def events_subject(prefix: str, stream_id: str, event_type: str) -> str:
+    """Subject of one event: ``{prefix}.events.{category}.{stream_id}.{event_type}``.
+
+    ``category`` is the part of ``stream_id`` before the first ``-``, so a consumer can
+    subscribe to ``kiln.events.compilation.>`` or ``kiln.events.*.*.ExperimentCompleted``.
+
+    Raises:
+        InvalidArgument: a stream id or event type that is not a valid subject token.
+    """
+    m = _STREAM_ID_RE.match(stream_id)
+    if not m:
+        raise InvalidArgument(f"invalid stream id {stream_id!r} for a subject")
+    if not _EVENT_TYPE_RE.match(event_type):
+        raise InvalidArgument(f"invalid event type {event_type!r} for a subject")
+    return f"{_check_prefix(prefix)}.events.{m['category']}.{stream_id}.{event_type}"
+
+
+def events_filter(prefix: str) -> str:
+    """The wildcard subject of every event, ``{prefix}.events.>``."""
+    return f"{_check_prefix(prefix)}.events.>"
+
+
+def _check_kind(kind: str) -> BoardKind:
+    if kind not in BOARD_KINDS:
+        raise InvalidArgument(f"invalid board kind {kind!r}: expected one of {BOARD_KINDS}")
+    return kind
+
+
+def board_subject(prefix: str, compilation_id: str, kind: str, candidate_id: str) -> str:
+    """Subject of one board post: ``{prefix}.board.{compilation_id}.{kind}.{candidate_id}``.
+
+    Raises:
+        InvalidArgument: a bad id (``[A-Za-z0-9_-]``, 1-128 chars) or an unknown kind.
+    """
+    check_id("compilation id", compilation_id)
+    check_id("candidate id", candidate_id)
+    return f"{_check_prefix(prefix)}.board.{compilation_id}.{_check_kind(kind)}.{candidate_id}"
+
+
+def board_filter(prefix: str, compilation_id: str, kind: str | None = None) -> str:
+    """Wildcard subject of one compilation's board, or of one kind of post on it.
+
+    Raises:
+        InvalidArgument: a bad compilation id or an unknown kind.
+    """
+    check_id("compilation id", compilation_id)
+    base = f"{_check_prefix(prefix)}.board.{compilation_id}"
+    return f"{base}.>" if kind is None else f"{base}.{_check_kind(kind)}.*"
+
+
+def parse_board_subject(prefix: str, subject: str) -> tuple[str, BoardKind, str]:
+    """Split a board subject into (compilation id, kind, candidate id).
+
+    Raises:
+        InvalidArgument: the subject is not a board subject under ``prefix``.
+    """
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[0] != prefix or parts[1] != "board":
+        raise InvalidArgument(f"not a board subject under {prefix!r}: {subject!r}")
+    compilation_id = check_id("compilation id", parts[2])
+    return compilation_id, _check_kind(parts[3]), check_id("candidate id", parts[4])
+
+
+# --- streams --------------------------------------------------------------------------------
+def events_stream_config(
+    prefix: str, *, duplicate_window_s: float = EVENTS_DUPLICATE_WINDOW_S
+) -> StreamConfig:
+    """Config of the events stream: file storage, limits retention, kept forever."""
+    return StreamConfig(
+        name=events_stream_name(prefix),
+        description="kiln ledger events, published through the outbox",
+        subjects=[events_filter(prefix)],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=duplicate_window_s,
+        num_replicas=1,
+    )
+
+
+def board_stream_config(
+    prefix: str, *, duplicate_window_s: float = BOARD_DUPLICATE_WINDOW_S
+) -> StreamConfig:
+    """Config of the board stream: file storage, limits retention, kept forever."""
+    return StreamConfig(
+        name=board_stream_name(prefix),
+        description="kiln message board: ideas, claims and results per compilation",
+        subjects=[f"{_check_prefix(prefix)}.board.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=duplicate_window_s,
+        num_replicas=1,
+    )
+
+
+_STREAM_NAME_IN_USE = 10058  # JSStreamNameExistErr: same name, different config
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        await js.add_stream(config)
+        return
+    except BadRequestError as exc:
+        if exc.err_code != _STREAM_NAME_IN_USE:
+            raise
+    # The stream exists with another config: bring it to ours (idempotent, safe to race).
+    await js.update_stream(config)
+    log.info("nats.stream_updated", stream=config.name)
+
+
+async def ensure_streams(
+    js: JetStreamContext,
+    prefix: str,
+    *,
+    events_duplicate_window_s: float = EVENTS_DUPLICATE_WINDOW_S,
+    board_duplicate_window_s: float = BOARD_DUPLICATE_WINDOW_S,
+) -> None:
+    """Create or update the events and board streams; idempotent and safe to run concurrently.
+
+    Creating a stream that exists with an identical config succeeds on the server; one with a
+    different config is updated to this one.
+
+    Raises:
+        nats.js.errors.APIError: the server refused (e.g. an update it cannot apply).
+        nats.errors.TimeoutError: JetStream did not answer.
+    """
+    events = events_stream_config(prefix, duplicate_window_s=events_duplicate_window_s)
+    board = board_stream_config(prefix, duplicate_window_s=board_duplicate_window_s)
+    await _ensure_stream(js, events)
+    await _ensure_stream(js, board)
+
+
+async def delete_streams(js: JetStreamContext, prefix: str) -> None:
+    """Delete the events and board streams of ``prefix`` if present (tests, ``kiln down``)."""
+    for name in (events_stream_name(prefix), board_stream_name(prefix)):
+        try:
+            await js.delete_stream(name)
+        except nats.js.errors.NotFoundError:
+            pass
+
+
+def header(headers: dict[str, Any] | None, key: str) -> str | None:
+    """One header value of a received message, or None."""
+    if not headers:
+        return None
+    value = headers.get(key)
+    return None if value is None else str(value)

@@ -1,0 +1,408 @@
+"""The gRPC service runtime every kiln service runs in.
+
+:func:`serve` hosts a :class:`ServiceApp` on a ``grpc.aio`` server with
+
+- health checking (``grpc.health.v1``): ``"liveness"`` is SERVING while the process runs;
+  ``""``, ``"readiness"`` and each of the app's gRPC services follow ``app.is_ready()``;
+- reflection for the health service and the app's services;
+- one interceptor on every kiln method (:class:`RuntimeInterceptor`): team identity from
+  metadata, log context, errors to status codes, Prometheus metrics;
+- a Prometheus endpoint;
+- graceful shutdown on SIGTERM/SIGINT or cancellation: NOT_SERVING everywhere, in-flight RPCs
+  get ``settings.grace_period_s``, then ``app.stop()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, cast, runtime_checkable
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
+from grpc_reflection.v1alpha import reflection
+
+from kiln.common.errors import KilnError
+from kiln.common.identity import CallIdentity, identity_from_metadata, use_call
+from kiln.common.logging import configure_logging, get_logger
+from kiln.common.metrics import (
+    RPC_IN_FLIGHT,
+    RPC_LATENCY,
+    RPC_REQUESTS,
+    start_metrics_server,
+    stop_metrics_server,
+)
+from kiln.common.settings import KilnSettings, ServiceName
+
+log = get_logger("kiln.server")
+
+LIVENESS = "liveness"
+READINESS = "readiness"
+HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+_UNINTERCEPTED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    # grpc enables SO_REUSEPORT by default, which lets a second server "bind" a port in use
+    # and silently share its traffic; kiln wants the bind to fail instead.
+    ("grpc.so_reuseport", 0),
+    # Accept the clients' keepalive pings (kiln.common.client pings every 30 s).
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+
+
+@runtime_checkable
+class ServiceApp(Protocol):
+    """What a service plugs into :func:`serve`."""
+
+    @property
+    def name(self) -> str:
+        """The service name: "ledger", "engine-pool", "agent-runner" or "cost-model"."""
+
+    @property
+    def grpc_service_names(self) -> Sequence[str]:
+        """Full names of the gRPC services it adds, e.g. ``["kiln.v1.Ledger"]``."""
+
+    async def start(self, server: grpc.aio.Server) -> None:
+        """Add servicers, connect backing servers, start background tasks (before the server
+        starts listening)."""
+
+    async def is_ready(self) -> bool:
+        """Readiness: True when calls can be served (backing servers reachable, ...)."""
+
+    async def stop(self) -> None:
+        """Stop background tasks and close connections (after the server has drained; also
+        called when ``start`` failed part-way, so it must tolerate a partial start)."""
+
+
+class ServiceStartError(RuntimeError):
+    """The service could not start (address or metrics port unavailable)."""
+
+
+# --------------------------------------------------------------------------------------- #
+# The interceptor                                                                          #
+# --------------------------------------------------------------------------------------- #
+
+
+class _Rpc:
+    """One RPC in flight: identity, log context, error mapping and metrics."""
+
+    def __init__(self, service: str, method: str, context: grpc.aio.ServicerContext) -> None:
+        self.service = service
+        self.method = method
+        self.context = context
+        self.started = time.perf_counter()
+        self.code = grpc.StatusCode.OK
+        self._log_tokens: dict[str, Any] = {}
+        RPC_IN_FLIGHT.labels(service).inc()
+
+    def enter(self) -> CallIdentity:
+        """Validate the caller's identity and bind it to the log context (raises KilnError)."""
+        identity = identity_from_metadata(self.context.invocation_metadata())
+        bound: dict[str, Any] = {"team": identity.team, "method": self.method}
+        if identity.correlation_id:
+            bound["correlation_id"] = identity.correlation_id
+        self._log_tokens = dict(structlog.contextvars.bind_contextvars(**bound))
+        return identity
+
+    async def fail(self, exc: BaseException) -> None:
+        """Turn ``exc`` into the RPC's status; always raises."""
+        if isinstance(exc, asyncio.CancelledError):
+            self.code = grpc.StatusCode.CANCELLED
+            raise exc
+        if isinstance(exc, grpc.aio.AbortError):  # the handler aborted the call itself
+            self.code = _status(self.context, grpc.StatusCode.UNKNOWN)
+            raise exc
+        if isinstance(exc, KilnError):
+            self.code = exc.code
+            log.info("rpc failed", method=self.method, code=exc.code.name, error=exc.message)
+            await self.context.abort(exc.code, exc.message)
+        if not isinstance(exc, Exception):
+            raise exc
+        if isinstance(exc, NotImplementedError):  # e.g. a generated servicer's default method
+            self.code = grpc.StatusCode.UNIMPLEMENTED
+            await self.context.abort(self.code, f"{self.method} is not implemented")
+        self.code = grpc.StatusCode.INTERNAL
+        log.error("unhandled error in rpc handler", method=self.method, exc_info=exc)
+        await self.context.abort(
+            grpc.StatusCode.INTERNAL, f"internal error (see service log): {type(exc).__name__}"
+        )
+
+    def finish(self) -> None:
+        """Record metrics and unbind the log context."""
+        if self.code == grpc.StatusCode.OK:
+            self.code = _status(self.context, grpc.StatusCode.OK)
+        RPC_IN_FLIGHT.labels(self.service).dec()
+        RPC_REQUESTS.labels(self.service, self.method, self.code.name).inc()
+        RPC_LATENCY.labels(self.service, self.method).observe(time.perf_counter() - self.started)
+        with contextlib.suppress(ValueError):  # an abandoned generator, finalized elsewhere
+            structlog.contextvars.reset_contextvars(**self._log_tokens)
+
+
+def _status(context: grpc.aio.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, int):
+        return next((c for c in grpc.StatusCode if c.value[0] == code), default)
+    return default
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _wrap_unary_response(service: str, method: str, behavior: Callable[..., Any]) -> Any:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        rpc = _Rpc(service, method, context)
+        try:
+            with use_call(rpc.enter()):
+                return await _maybe_await(behavior(request, context))
+        except BaseException as exc:
+            await rpc.fail(exc)
+        finally:
+            rpc.finish()
+
+    return handle
+
+
+def _wrap_stream_response(service: str, method: str, behavior: Callable[..., Any]) -> Any:
+    if inspect.iscoroutinefunction(behavior):  # writes with context.write() and returns None
+        return _wrap_unary_response(service, method, behavior)
+
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        rpc = _Rpc(service, method, context)
+        try:
+            with use_call(rpc.enter()):
+                responses = behavior(request, context)
+                if hasattr(responses, "__aiter__"):
+                    async for response in responses:
+                        yield response
+                else:  # a plain generator: fine for quick ones, it runs on the event loop
+                    for response in responses:
+                        yield response
+        except BaseException as exc:
+            await rpc.fail(exc)
+        finally:
+            rpc.finish()
+
+    return handle
+
+
+def wrap_handler(
+    handler: grpc.RpcMethodHandler, service: str, method: str
+) -> grpc.RpcMethodHandler:
+    """The same handler with kiln's identity, error and metrics behaviour around it."""
+    des, ser = handler.request_deserializer, handler.response_serializer
+    h: Any = handler
+    if not handler.request_streaming and not handler.response_streaming:
+        return grpc.unary_unary_rpc_method_handler(
+            _wrap_unary_response(service, method, h.unary_unary), des, ser
+        )
+    if not handler.request_streaming:
+        return grpc.unary_stream_rpc_method_handler(
+            _wrap_stream_response(service, method, h.unary_stream), des, ser
+        )
+    if not handler.response_streaming:
+        return grpc.stream_unary_rpc_method_handler(
+            _wrap_unary_response(service, method, h.stream_unary), des, ser
+        )
+    return grpc.stream_stream_rpc_method_handler(
+        _wrap_stream_response(service, method, h.stream_stream), des, ser
+    )
+
+
+class RuntimeInterceptor(grpc.aio.ServerInterceptor):
+    """Server interceptor for every kiln method (health and reflection pass untouched).
+
+    - team identity: metadata ``kiln-team`` is required (UNAUTHENTICATED when missing,
+      INVALID_ARGUMENT when malformed); handlers read it with
+      :func:`kiln.common.identity.current_call`; ``team``, ``method`` and ``correlation_id``
+      are bound to the log context;
+    - errors: a :class:`KilnError` becomes its status code and message; any other exception is
+      logged with its traceback and becomes INTERNAL without details;
+    - metrics: ``kiln_rpc_requests_total``, ``kiln_rpc_latency_seconds``, ``kiln_rpc_in_flight``.
+
+    Handlers must be ``async`` (coroutines or async generators); a plain generator is
+    iterated on the event loop.
+    """
+
+    def __init__(self, service: str) -> None:
+        self._service = service
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        """Wrap the method's handler; pass health and reflection through."""
+        handler: grpc.RpcMethodHandler | None = await continuation(handler_call_details)
+        method = str(handler_call_details.method)
+        if handler is None or method.startswith(_UNINTERCEPTED):
+            return handler
+        return wrap_handler(handler, self._service, method)
+
+
+# --------------------------------------------------------------------------------------- #
+# serve                                                                                    #
+# --------------------------------------------------------------------------------------- #
+
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def _set_readiness(health: health_aio.HealthServicer, app: ServiceApp, status: Any) -> None:
+    for name in ("", READINESS, *app.grpc_service_names):
+        await health.set(name, status)
+
+
+async def _poll_readiness(
+    health: health_aio.HealthServicer, app: ServiceApp, interval_s: float
+) -> None:
+    """Keep the readiness statuses equal to ``app.is_ready()``, checked every ``interval_s``."""
+    last: bool | None = None
+    while True:
+        try:
+            ready = bool(await asyncio.wait_for(app.is_ready(), timeout=max(interval_s, 5.0)))
+            reason = None
+        except Exception as exc:
+            ready, reason = False, f"{type(exc).__name__}: {exc}"
+        if ready != last:
+            await _set_readiness(health, app, _SERVING if ready else _NOT_SERVING)
+            log.info("readiness changed", ready=ready, reason=reason)
+            last = ready
+        await asyncio.sleep(interval_s)
+
+
+def _bind(server: grpc.aio.Server, address: str, service: str) -> str:
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        port, cause = 0, str(exc)
+    else:
+        cause = "bind returned port 0"
+    if not port:
+        raise ServiceStartError(
+            f"{service}: cannot listen on {address}: the port is in use or the address is not "
+            f"available here (set KILN_LISTEN_ADDR or --listen to another one) [{cause}]"
+        )
+    host = address.rsplit(":", 1)[0]
+    return f"{host}:{port}"
+
+
+def _start_metrics(port: int, service: str) -> int:
+    try:
+        return start_metrics_server(port)
+    except OSError as exc:
+        raise ServiceStartError(
+            f"{service}: cannot serve metrics on port {port}: {exc} "
+            "(set KILN_METRICS_PORT to another port, or 0 to turn the endpoint off)"
+        ) from exc
+
+
+@contextlib.contextmanager
+def _signals_set(event: asyncio.Event, enabled: bool) -> Any:
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    if enabled:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, event.set)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                pass
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+async def serve(
+    app: ServiceApp,
+    settings: KilnSettings,
+    *,
+    listen: str | None = None,
+    started: asyncio.Event | None = None,
+    readiness_interval_s: float = 1.0,
+    handle_signals: bool = True,
+) -> None:
+    """Run ``app`` until SIGTERM/SIGINT or until this coroutine is cancelled.
+
+    Args:
+        app: the service.
+        settings: logging, grace period, addresses and metrics port come from here.
+        listen: address to bind; default ``settings.listen_addr``, else the service's address.
+        started: set once the server accepts calls.
+        readiness_interval_s: how often ``app.is_ready()`` is polled, seconds.
+        handle_signals: install SIGTERM/SIGINT handlers (main thread only).
+
+    Raises:
+        ServiceStartError: the address or the metrics port cannot be bound.
+        Exception: whatever ``app.start`` raises (``app.stop`` is still called).
+    """
+    configure_logging(settings.log_level, settings.log_format, app.name)
+    server = grpc.aio.server(interceptors=[RuntimeInterceptor(app.name)], options=SERVER_OPTIONS)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (HEALTH_SERVICE_NAME, reflection.SERVICE_NAME, *app.grpc_service_names), server
+    )
+    await health.set(LIVENESS, _SERVING)
+    await _set_readiness(health, app, _NOT_SERVING)
+
+    name = cast(ServiceName, app.name)
+    address = _bind(server, listen or settings.listen_addr or settings.service_addr(name), app.name)
+    metrics_port = _start_metrics(settings.service_metrics_port(name), app.name)
+    stop = asyncio.Event()
+    poller: asyncio.Task[None] | None = None
+    try:
+        await app.start(server)
+        await server.start()
+        poller = asyncio.create_task(
+            _poll_readiness(health, app, readiness_interval_s), name="kiln-readiness"
+        )
+        with _signals_set(stop, handle_signals):
+            if started is not None:
+                started.set()
+            log.info("service started", address=address, metrics_port=metrics_port)
+            await stop.wait()
+            log.info("shutdown requested", grace_period_s=settings.grace_period_s)
+    finally:
+        await _shut_down(app, server, health, settings.grace_period_s, poller)
+        stop_metrics_server(metrics_port)
+        log.info("service stopped")
+
+
+async def _shut_down(
+    app: ServiceApp,
+    server: grpc.aio.Server,
+    health: health_aio.HealthServicer,
+    grace_s: float,
+    poller: asyncio.Task[None] | None,
+) -> None:
+    """NOT_SERVING everywhere, drain in-flight RPCs for up to ``grace_s``, then ``app.stop()``."""
+    if poller is not None:
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller
+    await health.enter_graceful_shutdown()
+    try:
+        await server.stop(grace_s)
+    finally:
+        await app.stop()
+
+
+def run(app_factory: Callable[[KilnSettings], ServiceApp], settings: KilnSettings) -> None:
+    """Build the app with ``app_factory(settings)`` and serve it until SIGTERM/SIGINT (CLI)."""
+    asyncio.run(serve(app_factory(settings), settings))

@@ -1,0 +1,1 @@
+"""The cost model: hardware catalogue, parallelism planner, tiered estimates."""

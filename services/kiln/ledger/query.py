@@ -1,0 +1,99 @@
+"""Reading the projections: equality filters on columns, keyset pagination by primary key."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from sqlalchemy import BigInteger, Boolean, Float, Integer, Table, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from kiln.common.errors import InvalidArgument
+from kiln.ledger.projections import all_projections
+from kiln.ledger.projections.checkpoint import read_checkpoint
+
+MAX_LIMIT = 10_000
+
+
+def projection_names() -> list[str]:
+    """Names accepted by :func:`query` ("compilations", "experiments", "best_candidates")."""
+    return [p.name for p in all_projections()]
+
+
+def _cast(table: Table, column: str, value: str) -> Any:
+    col = table.c[column]
+    try:
+        if isinstance(col.type, Boolean):
+            if value.lower() not in ("true", "false"):
+                raise ValueError(value)
+            return value.lower() == "true"
+        if isinstance(col.type, (Integer, BigInteger)):
+            return int(value)
+        if isinstance(col.type, Float):
+            return float(value)
+    except ValueError:
+        raise InvalidArgument(
+            f"filter {column}={value!r}: not a valid {col.type.python_type.__name__}"
+        ) from None
+    return value
+
+
+def _decode_token(token: str) -> str:
+    try:
+        return str(json.loads(base64.urlsafe_b64decode(token.encode()))["after"])
+    except (ValueError, KeyError, TypeError):
+        raise InvalidArgument(f"malformed page_token {token!r}") from None
+
+
+async def query(
+    engine: AsyncEngine,
+    projection: str,
+    filters: dict[str, str],
+    *,
+    limit: int = 1000,
+    page_token: str = "",
+) -> tuple[list[dict[str, Any]], str, int]:
+    """Rows of one projection, ordered by primary key.
+
+    Args:
+        projection: a name from :func:`projection_names`.
+        filters: column -> value (compared for equality, cast to the column's type).
+        limit: rows per page (1..10000).
+        page_token: from the previous page ("" = first page).
+
+    Returns:
+        (rows, next page token or "", the projection checkpoint position the rows reflect).
+
+    Raises:
+        InvalidArgument: unknown projection or column, a value of the wrong type, a bad token.
+    """
+    by_name = {p.name: p for p in all_projections()}
+    proj = by_name.get(projection)
+    if proj is None:
+        raise InvalidArgument(
+            f"unknown projection {projection!r}; known: {', '.join(sorted(by_name))}"
+        )
+    table, key = proj.table, proj.key
+    if not 1 <= limit <= MAX_LIMIT:
+        raise InvalidArgument(f"limit must be within 1..{MAX_LIMIT}, got {limit}")
+    stmt = select(table)
+    for column, value in filters.items():
+        if column not in table.c:
+            raise InvalidArgument(
+                f"{projection} has no column {column!r}; columns: {', '.join(table.c.keys())}"
+            )
+        stmt = stmt.where(table.c[column] == _cast(table, column, value))
+    if page_token:
+        stmt = stmt.where(table.c[key] > _decode_token(page_token))
+    stmt = stmt.order_by(table.c[key]).limit(limit + 1)
+    async with engine.connect() as conn:
+        checkpoint = await read_checkpoint(conn)
+        rows = [dict(r._mapping) for r in await conn.execute(stmt)]
+    next_token = ""
+    if len(rows) > limit:
+        rows = rows[:limit]
+        next_token = base64.urlsafe_b64encode(
+            json.dumps({"after": rows[-1][key]}).encode()
+        ).decode()
+    return rows, next_token, checkpoint

@@ -1,0 +1,172 @@
+"""The Ledger gRPC servicer: the event store, projections and replay over kiln.v1.Ledger."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from prometheus_client import Counter, Histogram
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from kiln.common.errors import InvalidArgument
+from kiln.common.identity import current_call
+from kiln.common.settings import KilnSettings
+from kiln.ledger import convert
+from kiln.ledger.notifier import CommitNotifier
+from kiln.ledger.query import query
+from kiln.ledger.replay import replay
+from kiln.ledger.store import EventStore
+from kiln.v1 import ledger_pb2, ledger_pb2_grpc
+
+log = structlog.get_logger("kiln.ledger")
+
+APPENDED = Counter("kiln_ledger_events_appended_total", "Events appended", ["type"])
+APPEND_SECONDS = Histogram("kiln_ledger_append_seconds", "Append transaction latency, seconds")
+
+PROJECTION_NAMES = {
+    ledger_pb2.PROJECTION_COMPILATIONS: "compilations",
+    ledger_pb2.PROJECTION_EXPERIMENTS: "experiments",
+    ledger_pb2.PROJECTION_BEST_CANDIDATES: "best_candidates",
+}
+
+
+def _projection_name(value: int) -> str:
+    name = PROJECTION_NAMES.get(value)  # type: ignore[call-overload]
+    if name is None:
+        raise InvalidArgument(f"projection must be one of {sorted(PROJECTION_NAMES.values())}")
+    return name
+
+
+class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
+    """kiln.v1.Ledger over an :class:`EventStore`; errors are ``KilnError`` (mapped by the
+    runtime to gRPC status codes)."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        engine: AsyncEngine,
+        notifier: CommitNotifier,
+        settings: KilnSettings,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.notifier = notifier
+        self.settings = settings
+
+    async def Append(
+        self, request: ledger_pb2.AppendRequest, context: grpc.aio.ServicerContext
+    ) -> ledger_pb2.AppendResponse:
+        call = current_call()
+        new_events = [convert.event_from_proto(e, call.causation_id) for e in request.events]
+        expected = convert.expected_from_proto(
+            request.expected_version, request.HasField("expected_version")
+        )
+        with APPEND_SECONDS.time():
+            result = await self.store.append(
+                request.stream_id,
+                new_events,
+                expected,
+                team=call.team,
+                correlation_id=call.correlation_id,
+            )
+        if not result.already_stored:
+            for ev in new_events:
+                APPENDED.labels(ev.type).inc()
+        log.info(
+            "appended",
+            stream_id=request.stream_id,
+            event_ids=[e.event_id for e in new_events],
+            positions=result.positions,
+            already_stored=result.already_stored,
+        )
+        return ledger_pb2.AppendResponse(
+            positions=result.positions,
+            stream_version=result.stream_version,
+            already_stored=result.already_stored,
+        )
+
+    async def ReadStream(
+        self, request: ledger_pb2.ReadStreamRequest, context: grpc.aio.ServicerContext
+    ) -> ledger_pb2.ReadStreamResponse:
+        page = request.max_count or self.settings.read_page_size
+        events, version = await self.store.read_stream(
+            request.stream_id, max(request.from_version, 1), page
+        )
+        return ledger_pb2.ReadStreamResponse(
+            events=[convert.recorded_to_proto(e) for e in events],
+            stream_version=version,
+            end_of_stream=not events or events[-1].stream_version >= version,
+        )
+
+    async def ReadAll(
+        self, request: ledger_pb2.ReadAllRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ledger_pb2.RecordedEvent]:
+        after = request.after_position
+        remaining = request.max_count or None
+        page = self.settings.read_page_size
+        while True:
+            size = min(page, remaining) if remaining else page
+            batch = await self.store.read_all(
+                after, size, types=list(request.types), stream_prefix=request.stream_prefix
+            )
+            for event in batch:
+                yield convert.recorded_to_proto(event)
+            if batch:
+                after = batch[-1].position
+                if remaining is not None:
+                    remaining -= len(batch)
+                    if remaining <= 0:
+                        return
+                if len(batch) == size:
+                    continue
+            if not request.follow:
+                return
+            await self.notifier.wait(self.settings.poll_interval_s)
+
+    async def Query(
+        self, request: ledger_pb2.QueryRequest, context: grpc.aio.ServicerContext
+    ) -> ledger_pb2.QueryResponse:
+        rows, token, checkpoint = await query(
+            self.engine,
+            _projection_name(request.projection),
+            dict(request.filter),
+            limit=request.limit or self.settings.read_page_size,
+            page_token=request.page_token,
+        )
+        return ledger_pb2.QueryResponse(
+            rows=[convert.row_to_struct(r) for r in rows],
+            next_page_token=token,
+            checkpoint_position=checkpoint,
+        )
+
+    async def Replay(
+        self, request: ledger_pb2.ReplayRequest, context: grpc.aio.ServicerContext
+    ) -> ledger_pb2.ReplayResponse:
+        names = [_projection_name(p) for p in request.projections]
+        report = await replay(self.engine, apply=request.apply, names=names)
+        log.info(
+            "replayed",
+            checkpoint=report.checkpoint_position,
+            equal=report.equal,
+            applied=[p.name for p in report.projections if p.applied],
+        )
+        response = ledger_pb2.ReplayResponse(
+            checkpoint_position=report.checkpoint_position,
+            events_replayed=report.events_replayed,
+            equal=report.equal,
+            duration_s=report.duration_s,
+            projections=[
+                ledger_pb2.ProjectionReplay(
+                    name=p.name,
+                    rows_live=p.rows_live,
+                    rows_rebuilt=p.rows_rebuilt,
+                    equal=p.equal,
+                    differences=p.differences,
+                    applied=p.applied,
+                )
+                for p in report.projections
+            ],
+        )
+        response.replayed_at.GetCurrentTime()
+        return response
