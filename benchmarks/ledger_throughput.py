@@ -9,7 +9,7 @@ It creates a scratch database next to the one URL names (default: the local serv
 
 1. store appends: ``writers`` concurrent asyncio writers, each appending batches of
    ``--batch`` events to its own streams through ``EventStore.append`` (one transaction each);
-2. gRPC appends: the same through a ledger service in this process (``LedgerClient.append``);
+2. gRPC appends: the same through a ``kiln serve ledger`` process (``LedgerClient.append``);
 3. replay (verify mode) over everything written.
 
 It prints one table; the scratch database is dropped at the end.
@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import socket
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -32,17 +34,15 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from integration.events_factory import compilation_story  # noqa: E402
+from integration.events_factory import compilation_story
 
-from kiln.common.server import serve  # noqa: E402
-from kiln.common.settings import KilnSettings  # noqa: E402
-from kiln.ledger.app import LedgerApp  # noqa: E402
-from kiln.ledger.client import LedgerClient  # noqa: E402
-from kiln.ledger.db import create_engine  # noqa: E402
-from kiln.ledger.migrate import sync_url, upgrade  # noqa: E402
-from kiln.ledger.model import NewEvent  # noqa: E402
-from kiln.ledger.replay import replay  # noqa: E402
-from kiln.ledger.store import EventStore  # noqa: E402
+from kiln.common.client import wait_healthy
+from kiln.ledger.client import LedgerClient
+from kiln.ledger.db import create_engine
+from kiln.ledger.migrate import sync_url, upgrade
+from kiln.ledger.model import NewEvent
+from kiln.ledger.replay import replay
+from kiln.ledger.store import EventStore
 
 Append = Callable[[str, list[NewEvent]], Awaitable[object]]
 
@@ -50,7 +50,8 @@ Append = Callable[[str, list[NewEvent]], Awaitable[object]]
 async def sustained(
     append: Append, seconds: float, writers: int, batch: int
 ) -> tuple[float, list[float]]:
-    """Events/s over ``seconds`` with ``writers`` concurrent writers; also per-append latencies (ms)."""
+    """Events/s over ``seconds`` with ``writers`` concurrent writers, and the latency of each
+    append (ms)."""
     deadline = time.perf_counter() + seconds
     counts = [0] * writers
     latencies: list[float] = []
@@ -101,25 +102,34 @@ async def main(args: argparse.Namespace) -> None:
             )
         )
 
-        settings = KilnSettings(
-            database_url=url,
-            nats_url=args.nats_url,
-            metrics_port=0,
-            log_level="warning",
-            subject_prefix="kbench",
-        )
+        # The service in its own process, as deployed (client and server would share a core
+        # and an event loop otherwise).
         addr = f"127.0.0.1:{_free_port()}"
-        started = asyncio.Event()
-        server = asyncio.create_task(
-            serve(LedgerApp(settings), settings, listen=addr, started=started, handle_signals=False)
+        env = {
+            **os.environ,
+            "KILN_DATABASE_URL": url,
+            "KILN_NATS_URL": args.nats_url,
+            "KILN_SUBJECT_PREFIX": "kbench",
+            "KILN_METRICS_PORT": "0",
+            "KILN_LOG_LEVEL": "warning",
+        }
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kiln", "serve", "ledger", "--listen", addr],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
-        await started.wait()
-        async with LedgerClient(addr, "bench") as client:
+        try:
+            await wait_healthy(addr, timeout_s=30)
+            async with LedgerClient(addr, "bench") as client:
 
-            async def grpc_append(stream: str, evs: list[NewEvent]) -> object:
-                return await client.append(stream, evs)
+                async def grpc_append(stream: str, evs: list[NewEvent]) -> object:
+                    return await client.append(stream, evs)
 
-            rate, lat = await sustained(grpc_append, args.seconds, args.writers, args.batch)
+                rate, lat = await sustained(grpc_append, args.seconds, args.writers, args.batch)
+        finally:
+            server.terminate()
+            server.wait(30)
         rows.append(
             (
                 "gRPC append",
@@ -127,8 +137,6 @@ async def main(args: argparse.Namespace) -> None:
                 f"p99 {statistics.quantiles(lat, n=100)[98]:.1f} ms per append)",
             )
         )
-        server.cancel()
-        await asyncio.gather(server, return_exceptions=True)
 
         total = await store.head_position()
         report = await replay(engine)
@@ -136,7 +144,8 @@ async def main(args: argparse.Namespace) -> None:
             (
                 "replay (verify)",
                 f"{report.events_replayed / report.duration_s:,.0f} events/s "
-                f"({report.events_replayed:,} events in {report.duration_s:.1f} s, equal={report.equal})",
+                f"({report.events_replayed:,} events in {report.duration_s:.1f} s, "
+                f"equal={report.equal})",
             )
         )
         rows.append(("events in ledger", f"{total:,}"))
@@ -145,7 +154,8 @@ async def main(args: argparse.Namespace) -> None:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     print(
-        f"\nledger benchmark: {args.writers} writers, batch {args.batch}, {args.seconds:.0f} s per phase"
+        f"\nledger benchmark: {args.writers} writers, batch {args.batch}, "
+        f"{args.seconds:.0f} s per phase"
     )
     for label, value in rows:
         print(f"  {label:<20} {value}")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from alembic import context
-from kiln.ledger.tables import metadata
 from sqlalchemy import create_engine, pool
+
+from kiln.ledger.tables import metadata
 
 config = context.config
 

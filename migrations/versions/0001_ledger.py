@@ -8,6 +8,7 @@ Create Date: 2026-11-30
 from __future__ import annotations
 
 from alembic import op
+
 from kiln.ledger import tables
 
 revision = "0001"

@@ -36,8 +36,8 @@ def generate(out_root: Path) -> list[Path]:
 
     Returns the generated file paths. Raises RuntimeError when protoc fails.
     """
-    from grpc_tools import protoc  # dev dependency
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     out_root.mkdir(parents=True, exist_ok=True)

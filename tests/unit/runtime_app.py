@@ -49,15 +49,24 @@ class PlanServicer(cost_model_pb2_grpc.CostModelServicer):
         if request.max_plans == ABORT:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "aborted by the handler")
         if request.max_plans == SLOW:
+            self.app.slow_started.set()
             await asyncio.sleep(self.app.slow_s)
             self.app.slow_done_at = time.monotonic()
         return cost_model_pb2.PlanResponse(hardware_source=_who())
 
 
 class WatchServicer(compiler_pb2_grpc.CompilerServicer):
-    """Compiler.Watch streams three events naming the caller, or two and then NOT_FOUND."""
+    """Compiler.Watch streams three events naming the caller, or two and then NOT_FOUND, or
+    (``follow``) one and then waits until shutdown begins."""
+
+    def __init__(self, app: RuntimeTestApp) -> None:
+        self.app = app
 
     async def Watch(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        if request.compilation_id == "follow":  # endless until the app drains
+            yield compiler_pb2.CompilationEvent(position=1, compilation_id=_who())
+            await self.app.draining_started.wait()
+            return
         for i in range(3):
             if request.compilation_id == "fail-after-2" and i == 2:
                 raise NotFound("compilation vanished")
@@ -100,17 +109,22 @@ class RuntimeTestApp:
         self.started = False
         self.stopped_at: float | None = None
         self.slow_done_at: float | None = None
+        self.slow_started = asyncio.Event()
+        self.draining_started = asyncio.Event()
 
     async def start(self, server: grpc.aio.Server) -> None:
         self.started = True
         if self.fail_start:
             raise RuntimeError("backing server unreachable")
         cost_model_pb2_grpc.add_CostModelServicer_to_server(PlanServicer(self), server)
-        compiler_pb2_grpc.add_CompilerServicer_to_server(WatchServicer(), server)
+        compiler_pb2_grpc.add_CompilerServicer_to_server(WatchServicer(self), server)
         server.add_generic_rpc_handlers((ECHO_HANDLER,))
 
     async def is_ready(self) -> bool:
         return self.ready
+
+    async def draining(self) -> None:
+        self.draining_started.set()
 
     async def stop(self) -> None:
         self.stopped_at = time.monotonic()

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kiln.common.client import channel, team_channel, wait_healthy
 from kiln.common.server import ServiceStartError, serve
 from kiln.common.settings import KilnSettings
-from kiln.v1 import cost_model_pb2, cost_model_pb2_grpc
+from kiln.v1 import compiler_pb2, compiler_pb2_grpc, cost_model_pb2, cost_model_pb2_grpc
 
 from .runtime_app import SLOW, RuntimeTestApp, free_port
 
@@ -57,12 +57,6 @@ async def slow_plan(addr: str) -> str:
         return str(reply.hardware_source)
 
 
-async def wait_for_in_flight(app: RuntimeTestApp, calls: int) -> None:
-    async with asyncio.timeout(5):
-        while app.calls < calls:
-            await asyncio.sleep(0.01)
-
-
 async def test_shutdown_drains_in_flight_rpc_and_goes_not_serving(tmp_path: Path) -> None:
     app = RuntimeTestApp(slow_s=0.5)
     task, addr = await start(app, settings_for(tmp_path, grace_s=5.0))
@@ -72,12 +66,13 @@ async def test_shutdown_drains_in_flight_rpc_and_goes_not_serving(tmp_path: Path
         )
         assert (await watch.read()).status == SERVING
         slow = asyncio.create_task(slow_plan(addr))
-        await wait_for_in_flight(app, 1)
+        await asyncio.wait_for(app.slow_started.wait(), 5)
 
         t0 = time.monotonic()
         task.cancel()  # what asyncio.run does on Ctrl-C; SIGTERM is tested below
         assert (await asyncio.wait_for(watch.read(), 2)).status == NOT_SERVING
-        watch.cancel()  # an open health Watch would otherwise hold the drain to the grace end
+        # The Watch stream then ends by itself rather than hold the drain to the grace end.
+        assert await asyncio.wait_for(watch.read(), 2) is grpc.aio.EOF
 
         assert await asyncio.wait_for(slow, 3) == "search|"  # finished, not cut off
         with pytest.raises(asyncio.CancelledError):
@@ -90,11 +85,28 @@ async def test_shutdown_drains_in_flight_rpc_and_goes_not_serving(tmp_path: Path
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_draining_hook_ends_endless_streams_early(tmp_path: Path) -> None:
+    app = RuntimeTestApp()
+    task, addr = await start(app, settings_for(tmp_path, grace_s=5.0))
+    async with team_channel(addr, "search") as ch:
+        follow = compiler_pb2_grpc.CompilerStub(ch).Watch(
+            compiler_pb2.WatchRequest(compilation_id="follow")
+        )
+        assert (await follow.read()).position == 1
+        t0 = time.monotonic()
+        task.cancel()
+        assert await asyncio.wait_for(follow.read(), 3) is grpc.aio.EOF
+        assert await follow.code() == grpc.StatusCode.OK
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 3)
+    assert time.monotonic() - t0 < 3.0  # not held to the 5 s grace end
+
+
 async def test_grace_period_bounds_a_slow_rpc(tmp_path: Path) -> None:
     app = RuntimeTestApp(slow_s=30.0)
     task, addr = await start(app, settings_for(tmp_path, grace_s=0.3))
     slow = asyncio.create_task(slow_plan(addr))
-    await wait_for_in_flight(app, 1)
+    await asyncio.wait_for(app.slow_started.wait(), 5)
     t0 = time.monotonic()
     task.cancel()
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -121,12 +133,17 @@ async def test_sigterm_stops_the_service(tmp_path: Path) -> None:
 async def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     app = RuntimeTestApp()
     with socket.socket() as held:
+        # Held the way another grpc server holds it: with SO_REUSEPORT, which grpc also sets
+        # by default and which would let a second server share the port silently.
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         held.bind(("127.0.0.1", 0))
         held.listen()
         addr = f"127.0.0.1:{held.getsockname()[1]}"
         with pytest.raises(ServiceStartError, match=f"cannot listen on {addr}"):
-            await serve(app, settings_for(tmp_path, 1.0), listen=addr, handle_signals=False)
-    assert not app.started  # nothing was connected for nothing
+            await asyncio.wait_for(
+                serve(app, settings_for(tmp_path, 1.0), listen=addr, handle_signals=False), 5
+            )
+    assert app.started and app.stopped_at is not None  # what start() connected is released
 
 
 async def test_metrics_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
@@ -136,11 +153,14 @@ async def test_metrics_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(ServiceStartError, match=f"metrics on port {port}"):
-            await serve(
-                app,
-                settings_for(tmp_path, 1.0, metrics_port=port),
-                listen=f"127.0.0.1:{free_port()}",
-                handle_signals=False,
+            await asyncio.wait_for(
+                serve(
+                    app,
+                    settings_for(tmp_path, 1.0, metrics_port=port),
+                    listen=f"127.0.0.1:{free_port()}",
+                    handle_signals=False,
+                ),
+                5,
             )
     assert not app.started
 
@@ -149,12 +169,16 @@ async def test_failed_start_still_stops_the_app_and_frees_the_port(tmp_path: Pat
     app = RuntimeTestApp(fail_start=True)
     addr = f"127.0.0.1:{free_port()}"
     with pytest.raises(RuntimeError, match="backing server unreachable"):
-        await serve(app, settings_for(tmp_path, 1.0), listen=addr, handle_signals=False)
+        await asyncio.wait_for(
+            serve(app, settings_for(tmp_path, 1.0), listen=addr, handle_signals=False), 5
+        )
     assert app.stopped_at is not None
     again = RuntimeTestApp()
     started = asyncio.Event()
     task = asyncio.create_task(
-        serve(again, settings_for(tmp_path, 1.0), listen=addr, started=started, handle_signals=False)
+        serve(
+            again, settings_for(tmp_path, 1.0), listen=addr, started=started, handle_signals=False
+        )
     )
     await asyncio.wait_for(started.wait(), 5)
     task.cancel()

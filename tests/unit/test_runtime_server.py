@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.common.client import channel, team_channel, wait_healthy
-from kiln.common.identity import TEAM_RULE
+from kiln.common.identity import TEAM_RULE, CallIdentity, use_call
 from kiln.common.server import serve
 from kiln.common.settings import KilnSettings
 from kiln.v1 import compiler_pb2, compiler_pb2_grpc, cost_model_pb2, cost_model_pb2_grpc
@@ -73,7 +73,9 @@ async def health_of(addr: str, service: str) -> int:
 
 async def until_health(addr: str, service: str, status: int, timeout_s: float = 3.0) -> None:
     async with asyncio.timeout(timeout_s):
-        while await health_of(addr, service) != status:
+        while True:
+            if await health_of(addr, service) == status:
+                return
             await asyncio.sleep(0.02)
 
 
@@ -167,6 +169,13 @@ async def test_unary_handler_sees_team_and_correlation(running: Running) -> None
     assert await plan(running.addr, 0, team="ads.ranking") == "ads.ranking|"
 
 
+async def test_calls_made_while_handling_a_call_forward_its_correlation_id(
+    running: Running,
+) -> None:
+    with use_call(CallIdentity(team="agents", correlation_id="outer-1")):
+        assert await plan(running.addr, 0, team="search") == "search|outer-1"
+
+
 async def test_server_stream_handler_sees_team(running: Running) -> None:
     async with team_channel(running.addr, "search", correlation_id="c-9") as ch:
         stub = compiler_pb2_grpc.CompilerStub(ch)
@@ -225,6 +234,8 @@ async def test_metrics_count_calls_by_method_and_code(running: Running) -> None:
     await plan(running.addr, 0)
     with pytest.raises(grpc.aio.AioRpcError):
         await plan(running.addr, NOT_FOUND)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await plan(running.addr, ABORT)
     async with channel(running.addr) as ch:  # no team
         with pytest.raises(grpc.aio.AioRpcError):
             await cost_model_pb2_grpc.CostModelStub(ch).Plan(cost_model_pb2.PlanRequest())
@@ -233,5 +244,6 @@ async def test_metrics_count_calls_by_method_and_code(running: Running) -> None:
     def delta(code: str) -> float:
         return after.get((PLAN, code), 0) - before.get((PLAN, code), 0)
 
-    assert (delta("OK"), delta("NOT_FOUND"), delta("UNAUTHENTICATED")) == (1, 1, 1)
+    codes = ("OK", "NOT_FOUND", "FAILED_PRECONDITION", "UNAUTHENTICATED")
+    assert [delta(code) for code in codes] == [1, 1, 1, 1]
     assert not any(method.startswith("/grpc.health") for method, _ in after)

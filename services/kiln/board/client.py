@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any, Final
 
 import nats.errors
@@ -209,7 +209,7 @@ class Board:
 
     async def follow(
         self, compilation_id: str, kinds: Iterable[str] | None = None, since_seq: int = 0
-    ) -> AsyncIterator[BoardPost]:
+    ) -> AsyncGenerator[BoardPost, None]:
         """Posts of a compilation with stream seq > ``since_seq``: the stored ones, then live.
 
         Never ends on its own; close it (``contextlib.aclosing``) to drop the consumer. Pass the

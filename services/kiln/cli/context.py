@@ -30,7 +30,9 @@ def state(ctx: typer.Context) -> CliState:
 def settings_for(ctx: typer.Context, **overrides: Any) -> KilnSettings:
     """Settings from the environment, the global options, then ``overrides`` (None = unset)."""
     opts = state(ctx)
-    return load_settings(team=opts.team, ledger_addr=opts.ledger_addr, **overrides)
+    given: dict[str, Any] = {"team": opts.team, "ledger_addr": opts.ledger_addr}
+    given.update({k: v for k, v in overrides.items() if v is not None})
+    return load_settings(**given)
 
 
 def ledger_addr(settings: KilnSettings) -> str:

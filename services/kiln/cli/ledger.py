@@ -17,10 +17,10 @@ from kiln.cli.render import (
     console,
     event_dict,
     event_line,
-    events_table,
+    print_events,
     print_json_lines,
     replay_table,
-    rows_table,
+    rows_tables,
 )
 from kiln.common.errors import KilnError, Unavailable
 
@@ -103,7 +103,7 @@ def events(
     if as_json:
         print_json_lines(event_dict(e) for e in found)
     else:
-        console.print(events_table(found, title=f"{stream}: {len(found)} events"))
+        print_events(found, title=f"{stream}: {len(found)} events")
 
 
 @app.command()
@@ -137,7 +137,7 @@ def tail(
             if as_json:
                 print_json_lines([event_dict(event)])
             elif follow:
-                console.print(event_line(event))
+                console.print(event_line(event), no_wrap=True, overflow="ellipsis")
             else:
                 seen.append(event)
         return seen
@@ -147,7 +147,7 @@ def tail(
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
     if not follow and not as_json:
-        console.print(events_table(collected, title=f"{len(collected)} events after {after}"))
+        print_events(collected, title=f"{len(collected)} events after position {after}")
 
 
 def _parse_filters(pairs: list[str]) -> dict[str, str]:
@@ -181,7 +181,8 @@ def query(
     if as_json:
         print_json_lines(rows)
     else:
-        console.print(rows_table(rows, title=f"{projection.value}: {len(rows)} rows"))
+        for table in rows_tables(rows, title=f"{projection.value}: {len(rows)} rows"):
+            console.print(table)
 
 
 @app.command()

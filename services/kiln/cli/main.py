@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import ledger, migrate, serve, up
+from kiln.cli import health, ledger, migrate, serve, up
 from kiln.cli.context import CliState
 from kiln.cli.errors import KilnGroup
 
@@ -44,6 +44,7 @@ app.command()(up.down)
 app.command()(up.status)
 app.command()(serve.serve)
 app.command()(migrate.migrate)
+app.command()(health.health)
 app.add_typer(ledger.app, name="ledger")
 
 if __name__ == "__main__":

@@ -63,31 +63,47 @@ def _cut(text: str, width: int = DATA_WIDTH) -> str:
 
 
 def event_cells(event: Any) -> list[str]:
-    """The table cells of one event."""
+    """The table cells of one event (time to the second, data cut to ``DATA_WIDTH``)."""
+    at = recorded_at(event)
     return [
         str(event.position),
         event.stream_id,
         str(event.stream_version),
         event.type,
         event.metadata.team,
-        recorded_at(event),
+        at[:19].replace("T", " "),
         _cut(compact_json(event_data(event))),
     ]
 
 
-EVENT_COLUMNS = ("pos", "stream", "ver", "type", "team", "recorded_at", "data")
-
-
 def events_table(events: Iterable[Any], title: str | None = None) -> Table:
-    """A table of events, one row each."""
-    table = Table(*EVENT_COLUMNS, title=title, title_justify="left")
+    """A table of events, one row each; the data column is cut to fit the terminal."""
+    table = Table(title=title, title_justify="left")
+    for name in ("pos", "stream", "ver", "type", "team", "recorded_at (UTC)"):
+        table.add_column(name, no_wrap=True, justify="right" if name in ("pos", "ver") else "left")
+    table.add_column("data")  # the one column that gives up width on a narrow terminal
     for event in events:
-        table.add_row(*event_cells(event))
+        *fixed, data = event_cells(event)
+        table.add_row(*fixed, Text(data, no_wrap=True, overflow="ellipsis"))
     return table
 
 
+NARROW = 110
+"""Below this many columns, events print one per line instead of as a table."""
+
+
+def print_events(events: Sequence[Any], title: str) -> None:
+    """Print events as a table, or one line each on a narrow terminal."""
+    if console.width >= NARROW:
+        console.print(events_table(events, title=title))
+        return
+    console.print(title, style="bold", markup=False)
+    for event in events:
+        console.print(event_line(event), no_wrap=True, overflow="ellipsis")
+
+
 def event_line(event: Any) -> Text:
-    """One event on one line (``kiln ledger tail --follow``)."""
+    """One event on one line (``kiln ledger tail --follow``); print it with ``no_wrap``."""
     pos, stream, ver, type_, team, at, data = event_cells(event)
     line = Text()
     line.append(f"{pos:>6} ", style="bold")
@@ -105,15 +121,30 @@ def print_json_lines(items: Iterable[dict[str, Any]]) -> None:
         print(compact_json(item), flush=True)
 
 
-def rows_table(rows: Sequence[dict[str, Any]], title: str | None = None) -> Table:
-    """A table of projection rows; columns in order of first appearance."""
+WIDE_ROWS = 6
+"""Rows with more columns than this are shown one record at a time (key | value)."""
+
+
+def rows_tables(rows: Sequence[dict[str, Any]], title: str | None = None) -> list[Table]:
+    """Projection rows as tables: one table (columns in order of first appearance) when rows
+    are narrow, else one key/value table per row."""
     columns: list[str] = []
     for row in rows:
         columns.extend(k for k in row if k not in columns)
-    table = Table(*columns, title=title, title_justify="left")
-    for row in rows:
-        table.add_row(*(_cell(row.get(c)) for c in columns))
-    return table
+    if len(columns) <= WIDE_ROWS:
+        table = Table(*columns, title=title, title_justify="left")
+        for row in rows:
+            table.add_row(*(_cell(row.get(c)) for c in columns))
+        return [table]
+    tables = []
+    for i, row in enumerate(rows, 1):
+        table = Table(title=f"{title} [{i}/{len(rows)}]" if title else None, title_justify="left")
+        table.add_column("column", no_wrap=True, style="bold")
+        table.add_column("value", overflow="fold")
+        for key in sorted(row):
+            table.add_row(key, _cell(row[key]))
+        tables.append(table)
+    return tables or [Table(title=title, title_justify="left")]
 
 
 def _cell(value: Any) -> str:
@@ -152,6 +183,7 @@ def replay_table(response: Any) -> Table:
 def status_table(rows: Iterable[ComponentStatus]) -> Table:
     """``kiln status``: component, pid, address, healthy, note."""
     table = Table("component", "pid", "address", "healthy", "note")
+    table.columns[2].overflow = "fold"
     for row in rows:
         table.add_row(row.name, str(row.pid or ""), row.address, _mark(row.healthy), row.note)
     return table

@@ -19,7 +19,7 @@ import contextlib
 import inspect
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 import grpc
@@ -62,7 +62,13 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 
 @runtime_checkable
 class ServiceApp(Protocol):
-    """What a service plugs into :func:`serve`."""
+    """What a service plugs into :func:`serve`.
+
+    Optionally, an app may also define ``async def draining(self) -> None``: it is called when
+    shutdown begins, before in-flight RPCs are drained. End endless server streams there
+    (``ReadAll`` with follow, ``Compiler.Watch``); otherwise each holds the drain until the
+    grace period ends and is then cancelled.
+    """
 
     @property
     def name(self) -> str:
@@ -261,14 +267,43 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def _set_readiness(health: health_aio.HealthServicer, app: ServiceApp, status: Any) -> None:
+class HealthServicer(health_aio.HealthServicer):
+    """grpcio-health-checking's asyncio servicer, except that ``Watch`` streams end (after
+    sending NOT_SERVING) once graceful shutdown begins: an open Watch, as gRPC clients with
+    client-side health checking keep, would otherwise hold the drain to the grace period's end.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._closing = asyncio.Event()
+
+    async def Watch(self, request: Any, context: Any) -> None:
+        """Stream status changes of one service until shutdown or until the client leaves."""
+        watch = asyncio.ensure_future(super().Watch(request, context))
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait({watch, closing}, return_when=asyncio.FIRST_COMPLETED)
+            if not watch.done():  # shutting down: let it send NOT_SERVING, then end the stream
+                await asyncio.wait({watch}, timeout=0.2)
+        finally:
+            for task in (watch, closing):
+                task.cancel()
+            outcome = await asyncio.gather(watch, closing, return_exceptions=True)
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Set every status NOT_SERVING for good and end the Watch streams."""
+        await super().enter_graceful_shutdown()
+        self._closing.set()
+
+
+async def _set_readiness(health: HealthServicer, app: ServiceApp, status: Any) -> None:
     for name in ("", READINESS, *app.grpc_service_names):
         await health.set(name, status)
 
 
-async def _poll_readiness(
-    health: health_aio.HealthServicer, app: ServiceApp, interval_s: float
-) -> None:
+async def _poll_readiness(health: HealthServicer, app: ServiceApp, interval_s: float) -> None:
     """Keep the readiness statuses equal to ``app.is_ready()``, checked every ``interval_s``."""
     last: bool | None = None
     while True:
@@ -311,13 +346,23 @@ def _start_metrics(port: int, service: str) -> int:
 
 
 @contextlib.contextmanager
-def _signals_set(event: asyncio.Event, enabled: bool) -> Any:
+def _signals_set(event: asyncio.Event, enabled: bool) -> Iterator[None]:
+    """While in the block, SIGTERM and SIGINT set ``event`` (main thread only; a repeated
+    signal is logged and otherwise ignored: the grace period already bounds the drain)."""
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if event.is_set():
+            log.warning("shutdown already in progress", signal=sig.name)
+        else:
+            log.info("signal received", signal=sig.name)
+        event.set()
+
     if enabled:
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
-                loop.add_signal_handler(sig, event.set)
+                loop.add_signal_handler(sig, on_signal, sig)
                 installed.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 pass
@@ -339,6 +384,14 @@ async def serve(
 ) -> None:
     """Run ``app`` until SIGTERM/SIGINT or until this coroutine is cancelled.
 
+    Order: configure logging; health (``liveness`` SERVING, the rest NOT_SERVING) and
+    reflection; metrics endpoint; ``app.start(server)``; bind; start; readiness polling. On
+    shutdown: every health status NOT_SERVING (health Watch streams end), ``app.draining()``
+    if the app has it, ``server.stop(grace_period_s)`` (in-flight RPCs
+    may finish, new ones are refused; after the grace period the rest are cancelled), then
+    ``app.stop()``. Cancellation re-raises ``CancelledError`` after the shutdown; a signal makes
+    ``serve`` return normally.
+
     Args:
         app: the service.
         settings: logging, grace period, addresses and metrics port come from here.
@@ -353,7 +406,7 @@ async def serve(
     """
     configure_logging(settings.log_level, settings.log_format, app.name)
     server = grpc.aio.server(interceptors=[RuntimeInterceptor(app.name)], options=SERVER_OPTIONS)
-    health = health_aio.HealthServicer()
+    health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (HEALTH_SERVICE_NAME, reflection.SERVICE_NAME, *app.grpc_service_names), server
@@ -362,41 +415,51 @@ async def serve(
     await _set_readiness(health, app, _NOT_SERVING)
 
     name = cast(ServiceName, app.name)
-    address = _bind(server, listen or settings.listen_addr or settings.service_addr(name), app.name)
+    address = listen or settings.listen_addr or settings.service_addr(name)
     metrics_port = _start_metrics(settings.service_metrics_port(name), app.name)
     stop = asyncio.Event()
     poller: asyncio.Task[None] | None = None
-    try:
-        await app.start(server)
-        await server.start()
-        poller = asyncio.create_task(
-            _poll_readiness(health, app, readiness_interval_s), name="kiln-readiness"
-        )
-        with _signals_set(stop, handle_signals):
+    with _signals_set(stop, handle_signals):
+        try:
+            await app.start(server)
+            # Bind only now: a grpc server that bound a port but never started cannot release
+            # it (stop() is a no-op), so a failed app.start() would hold the port until exit.
+            address = _bind(server, address, app.name)
+            await server.start()
+            poller = asyncio.create_task(
+                _poll_readiness(health, app, readiness_interval_s), name="kiln-readiness"
+            )
             if started is not None:
                 started.set()
             log.info("service started", address=address, metrics_port=metrics_port)
             await stop.wait()
-            log.info("shutdown requested", grace_period_s=settings.grace_period_s)
-    finally:
-        await _shut_down(app, server, health, settings.grace_period_s, poller)
-        stop_metrics_server(metrics_port)
-        log.info("service stopped")
+            log.info("shutting down", grace_period_s=settings.grace_period_s)
+        finally:
+            await _shut_down(app, server, health, settings.grace_period_s, poller)
+            stop_metrics_server(metrics_port)
+            log.info("service stopped")
 
 
 async def _shut_down(
     app: ServiceApp,
     server: grpc.aio.Server,
-    health: health_aio.HealthServicer,
+    health: HealthServicer,
     grace_s: float,
     poller: asyncio.Task[None] | None,
 ) -> None:
-    """NOT_SERVING everywhere, drain in-flight RPCs for up to ``grace_s``, then ``app.stop()``."""
+    """NOT_SERVING everywhere, ``app.draining()`` if defined, drain in-flight RPCs for up to
+    ``grace_s``, then ``app.stop()``."""
     if poller is not None:
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await poller
     await health.enter_graceful_shutdown()
+    draining = getattr(app, "draining", None)
+    if draining is not None:
+        try:
+            await draining()
+        except Exception:
+            log.exception("app.draining() failed; draining anyway")
     try:
         await server.stop(grace_s)
     finally:

@@ -13,6 +13,7 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from kiln.embedded.process import log_tail, port_open, process_alive, read_pid, terminate
 
@@ -55,14 +56,27 @@ def jetstream_answers(url: str) -> bool:
 async def _jetstream_answers(url: str) -> bool:
     import nats
 
+    async def quiet(_exc: Exception) -> None:
+        return None
+
+    parts = urlsplit(url)
+    if not port_open(parts.hostname or "127.0.0.1", parts.port or 4222):
+        return False
     try:
-        nc = await nats.connect(
-            url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False
+        nc = await asyncio.wait_for(
+            nats.connect(
+                url,
+                connect_timeout=1,
+                allow_reconnect=False,
+                max_reconnect_attempts=1,
+                error_cb=quiet,
+            ),
+            timeout=3,
         )
     except Exception:
         return False
     try:
-        await nc.jetstream().account_info()
+        await asyncio.wait_for(nc.jetstream().account_info(), timeout=3)
         return True
     except Exception:
         return False
@@ -164,7 +178,7 @@ class EmbeddedNats:
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
                 raise self._failure(f"nats-server exited with status {proc.returncode}")
-            if port_open("127.0.0.1", self.port) and jetstream_answers(self.url):
+            if jetstream_answers(self.url):
                 if proc is None or self.pid == proc.pid:
                     return
             time.sleep(0.1)

@@ -38,6 +38,7 @@ class LedgerApp:
         self.database_url = settings.require_database_url()
         self.engine: AsyncEngine | None = None
         self.store: EventStore | None = None
+        self.servicer: LedgerServicer | None = None
         self.notifier = CommitNotifier()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -56,9 +57,8 @@ class LedgerApp:
         self._spawn(self.notifier.run(libpq_dsn(self.database_url), self._stop))
         self._spawn(projector.run(self._stop, self.notifier, self.settings.poll_interval_s * 5))
         self._spawn(self._publish_outbox())
-        ledger_pb2_grpc.add_LedgerServicer_to_server(
-            LedgerServicer(store, self.engine, self.notifier, self.settings), server
-        )
+        self.servicer = LedgerServicer(store, self.engine, self.notifier, self.settings)
+        ledger_pb2_grpc.add_LedgerServicer_to_server(self.servicer, server)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self._tasks.append(asyncio.create_task(coro))
@@ -76,7 +76,10 @@ class LedgerApp:
                 nc = await connect(self.settings.require_nats_url(), name="kiln-ledger-outbox")
                 js = nc.jetstream()
                 await ensure_streams(js, prefix)
-                await OutboxPublisher(self.engine, js, prefix).run(self._stop)
+                publisher = OutboxPublisher(
+                    self.engine, js, prefix, poll_interval_s=self.settings.poll_interval_s
+                )
+                await publisher.run(self._stop)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -98,6 +101,12 @@ class LedgerApp:
             return True
         except Exception:
             return False
+
+    async def draining(self) -> None:
+        """End ReadAll followers' streams so the server drains without waiting them out."""
+        if self.servicer is not None:
+            self.servicer.closing.set()
+            self.notifier.notify()
 
     async def stop(self) -> None:
         """Stop the loops (the outbox keeps anything unpublished) and close the pool."""

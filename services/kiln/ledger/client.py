@@ -49,7 +49,7 @@ class LedgerClient:
 
     async def close(self) -> None:
         """Close the channel."""
-        await self._channel.close()
+        await self._channel.close(None)
 
     async def append(
         self, stream_id: str, events: Sequence[NewEvent], expected: ExpectedVersion = "any"

@@ -40,7 +40,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kiln.common import nats as kn
-from kiln.common.errors import Unavailable
+from kiln.common.errors import InvalidArgument, Unavailable
 from kiln.ledger.tables import events, outbox
 
 log = structlog.get_logger(__name__)
@@ -63,6 +63,15 @@ PUBLISH_SECONDS = Histogram(
 )
 
 _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError)
+
+
+class PublishFailed(Unavailable):
+    """A pass stopped at a row it could not publish; ``done`` lists the positions before it
+    that are on the stream (the pass deletes those, the rest stay in the outbox)."""
+
+    def __init__(self, message: str, done: list[int]) -> None:
+        super().__init__(message)
+        self.done = list(done)
 
 
 @dataclass(frozen=True)
@@ -156,7 +165,11 @@ class OutboxPublisher:
 
     @property
     def watermark(self) -> int:
-        """Highest position known to be on the stream (0 before the first sync)."""
+        """Highest position found on the stream by the last :meth:`sync_watermark` (0 before).
+
+        It is not advanced while publishing: rows published since are guarded by JetStream's
+        duplicate window, and a later sync (each new leadership) picks them up.
+        """
         return self._watermark or 0
 
     # --- one pass ------------------------------------------------------------------------
@@ -247,8 +260,9 @@ class OutboxPublisher:
             The positions that are now on the stream (acknowledged or skipped), in order.
 
         Raises:
-            Unavailable: NATS or JetStream failed; the positions handled before the failure
-                are on the exception as ``done`` (list[int]).
+            PublishFailed: NATS or JetStream failed (or a row cannot be published); the
+                positions handled before the failure are its ``done``.
+            Unavailable: the watermark could not be read (nothing was sent).
         """
         if self._watermark is None:
             await self.sync_watermark()
@@ -258,7 +272,11 @@ class OutboxPublisher:
                 SKIPPED.inc()
                 done.append(row.position)
                 continue
-            subject = kn.events_subject(self._prefix, row.stream_id, row.type)
+            try:
+                subject = kn.events_subject(self._prefix, row.stream_id, row.type)
+            except InvalidArgument as exc:  # cannot happen for validated appends; never drop it
+                log.error("outbox.unpublishable", position=row.position, error=exc.message)
+                raise PublishFailed(f"position {row.position}: {exc.message}", done) from exc
             started = time.perf_counter()
             try:
                 ack = await self._js.publish(
@@ -269,14 +287,12 @@ class OutboxPublisher:
                     headers=row.headers(),
                 )
             except _NATS_ERRORS as exc:
-                err = Unavailable(f"publishing position {row.position} to {subject}: {exc!r}")
-                err.done = done  # type: ignore[attr-defined]
-                raise err from exc
+                msg = f"publishing position {row.position} to {subject}: {exc!r}"
+                raise PublishFailed(msg, done) from exc
             PUBLISH_SECONDS.observe(time.perf_counter() - started)
             PUBLISHED.inc()
             if ack.duplicate:
                 log.info("outbox.duplicate", position=row.position, event_id=row.event_id)
-            self._watermark = max(self.watermark, row.position)
             done.append(row.position)
         return done
 
@@ -313,8 +329,11 @@ class OutboxPublisher:
             return 0
         try:
             done = await self.publish(rows)
-        except Unavailable as exc:
-            await self.delete(getattr(exc, "done", []))
+        except PublishFailed as exc:
+            await self.delete(exc.done)
+            PENDING.set(await self.pending_count())
+            raise
+        except Unavailable:
             PENDING.set(await self.pending_count())
             raise
         await self.delete(done)
@@ -394,14 +413,29 @@ class OutboxPublisher:
                 await _wait(stop, self._backoff(failures))
                 continue
             if n < batch:
-                await self._wait_notify(pg)
+                await self._wait_notify(pg, stop)
 
-    async def _wait_notify(self, pg: Any) -> None:
-        """Return on the first NOTIFY or after the poll interval; raises if the session died."""
-        gen = pg.notifies(timeout=self._poll_interval_s, stop_after=1)
-        async with contextlib.aclosing(gen):
-            async for _ in gen:
-                break
+    async def _wait_notify(self, pg: Any, stop: asyncio.Event) -> None:
+        """Return on a NOTIFY, on ``stop`` or after the poll interval; raises if the session
+        died (so the caller steps down)."""
+
+        async def notified() -> None:
+            gen = pg.notifies(timeout=self._poll_interval_s, stop_after=1)
+            async with contextlib.aclosing(gen):
+                async for _ in gen:
+                    break
+
+        waiter = asyncio.create_task(notified())
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not waiter.done():
+                waiter.cancel()  # only on stop; the connection is discarded right after
+            await asyncio.gather(waiter, stopper, return_exceptions=True)
+        if not waiter.cancelled() and waiter.exception() is not None:
+            raise waiter.exception()  # type: ignore[misc]
 
     def _backoff(self, failures: int) -> float:
         return float(min(self._max_backoff_s, 0.1 * 2 ** min(failures, 10)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -53,6 +54,8 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         self.engine = engine
         self.notifier = notifier
         self.settings = settings
+        self.closing = asyncio.Event()
+        """Set when the service drains: followers end their streams so shutdown is prompt."""
 
     async def Append(
         self, request: ledger_pb2.AppendRequest, context: grpc.aio.ServicerContext
@@ -120,7 +123,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
                         return
                 if len(batch) == size:
                     continue
-            if not request.follow:
+            if not request.follow or self.closing.is_set():
                 return
             await self.notifier.wait(self.settings.poll_interval_s)
 

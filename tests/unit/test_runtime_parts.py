@@ -1,0 +1,200 @@
+"""The runtime's parts on their own: team identity, logging, health waiting, the app registry
+and the placeholder services."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import structlog
+
+from kiln.common.apps import app_factory
+from kiln.common.client import team_channel, wait_healthy
+from kiln.common.errors import InvalidArgument, Unauthenticated
+from kiln.common.identity import (
+    CallIdentity,
+    current_call,
+    identity_from_metadata,
+    use_call,
+    validate_team,
+)
+from kiln.common.logging import configure_logging, get_logger
+from kiln.common.server import serve
+from kiln.common.settings import KilnSettings
+from kiln.v1 import (
+    compiler_pb2,
+    compiler_pb2_grpc,
+    cost_model_pb2,
+    cost_model_pb2_grpc,
+    engine_pool_pb2,
+    engine_pool_pb2_grpc,
+)
+
+from .runtime_app import free_port
+
+
+@pytest.mark.parametrize("name", ["a", "search", "ads.ranking-2", "team_7", "0x", "x" * 64])
+def test_valid_team_names(name: str) -> None:
+    assert validate_team(name) == name
+
+
+@pytest.mark.parametrize("name", ["A", "Search", "-x", ".x", "a b", "x" * 65, "équipe", "a/b"])
+def test_malformed_team_names(name: str) -> None:
+    with pytest.raises(InvalidArgument, match="must match"):
+        validate_team(name)
+
+
+@pytest.mark.parametrize("name", ["", None])
+def test_missing_team_is_unauthenticated(name: str | None) -> None:
+    with pytest.raises(Unauthenticated, match="missing team identity"):
+        validate_team(name)
+
+
+def test_identity_from_metadata() -> None:
+    md = [("kiln-team", "search"), ("kiln-correlation-id", "c1"), ("other", "x")]
+    assert identity_from_metadata(md) == CallIdentity("search", "c1", None)
+    with pytest.raises(InvalidArgument, match="conflicting"):
+        identity_from_metadata([("kiln-team", "a"), ("kiln-team", "b")])
+    with pytest.raises(InvalidArgument, match="kiln-causation-id"):
+        identity_from_metadata([("kiln-team", "a"), ("kiln-causation-id", "x" * 200)])
+    with pytest.raises(Unauthenticated):
+        identity_from_metadata(None)
+
+
+def test_current_call_only_inside_a_call() -> None:
+    with pytest.raises(RuntimeError, match="outside an RPC handler"):
+        current_call()
+    with use_call(CallIdentity("search")):
+        assert current_call().team == "search"
+    with pytest.raises(RuntimeError):
+        current_call()
+
+
+def _json_lines(text: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_json_logs_carry_context_and_stdlib_records(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging("info", "json", "ledger")
+    with structlog.contextvars.bound_contextvars(compilation_id="cmp-1", event_id="ev-1"):
+        get_logger("kiln.test").info("appended", stream="s-1")
+        get_logger("kiln.test").debug("below the level")
+        logging.getLogger("alembic.runtime").warning("from %s", "stdlib")
+    lines = _json_lines(capsys.readouterr().err)
+    assert [line["event"] for line in lines] == ["appended", "from stdlib"]
+    for line in lines:
+        assert line["service"] == "ledger"
+        assert line["compilation_id"] == "cmp-1" and line["event_id"] == "ev-1"
+        assert str(line["timestamp"]).endswith("Z")
+    assert lines[0]["level"] == "info" and lines[0]["stream"] == "s-1"
+    assert lines[1]["level"] == "warning" and lines[1]["logger"] == "alembic.runtime"
+
+
+def test_console_logs_and_reconfiguration(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging("debug", "console", "cost-model")
+    get_logger("kiln.test").debug("hello console")
+    configure_logging("info", "json", "cost-model")  # replaces the handler, not adds one
+    get_logger("kiln.test").info("hello json")
+    err = capsys.readouterr().err
+    assert "hello console" in err and not _json_lines(err.split("hello console")[0])
+    assert [line["event"] for line in _json_lines(err)] == ["hello json"]
+    with pytest.raises(ValueError, match="unknown log level"):
+        configure_logging("loud", "json", "x")
+
+
+async def test_wait_healthy_times_out_naming_the_address() -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"{addr}.*last status: UNAVAILABLE"):
+        await wait_healthy(addr, 0.5)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_app_factory_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="unknown service 'nope'"):
+        app_factory("nope")
+    assert callable(app_factory("ledger"))  # imported lazily, only when called
+
+
+async def _placeholder(name: str, tmp_path: Path) -> tuple[asyncio.Task[None], str]:
+    settings = KilnSettings(metrics_port=0, grace_period_s=1.0, state_dir=tmp_path)
+    app = app_factory(name)(settings)
+    addr, started = f"127.0.0.1:{free_port()}", asyncio.Event()
+    task = asyncio.create_task(
+        serve(
+            app,
+            settings,
+            listen=addr,
+            started=started,
+            handle_signals=False,
+            readiness_interval_s=0.05,
+        )
+    )
+    await asyncio.wait_for(started.wait(), 5)
+    await wait_healthy(addr, 5, service=app.grpc_service_names[0])
+    return task, addr
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _run_experiment(ch: grpc.aio.Channel) -> Any:
+    stub = engine_pool_pb2_grpc.EnginePoolStub(ch)
+    return stub.RunExperiment(engine_pool_pb2.RunExperimentRequest(), timeout=5)
+
+
+def _plan(ch: grpc.aio.Channel) -> Any:
+    return cost_model_pb2_grpc.CostModelStub(ch).Plan(cost_model_pb2.PlanRequest(), timeout=5)
+
+
+def _submit(ch: grpc.aio.Channel) -> Any:
+    return compiler_pb2_grpc.CompilerStub(ch).Submit(compiler_pb2.SubmitRequest(), timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("name", "call", "message"),
+    [
+        ("engine-pool", _run_experiment, "EnginePool.RunExperiment is not implemented yet: "),
+        ("cost-model", _plan, "CostModel.Plan is not implemented yet: "),
+        ("agent-runner", _submit, "Compiler.Submit is not implemented yet: "),
+    ],
+)
+async def test_placeholder_services_answer_unimplemented(
+    name: str, call: Callable[[grpc.aio.Channel], Any], message: str, tmp_path: Path
+) -> None:
+    task, addr = await _placeholder(name, tmp_path)
+    try:
+        async with team_channel(addr, "search") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(ch)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert (err.value.details() or "").startswith(message)
+    finally:
+        await _stop(task)
+
+
+async def test_placeholder_compiler_watch_is_unimplemented(tmp_path: Path) -> None:
+    task, addr = await _placeholder("agent-runner", tmp_path)
+    try:
+        async with team_channel(addr, "search") as ch:
+            call = compiler_pb2_grpc.CompilerStub(ch).Watch(compiler_pb2.WatchRequest(), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                _ = [event async for event in call]
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert err.value.details() == (
+            "Compiler.Watch is not implemented yet: "
+            "the agent runner (Compiler API) arrives with a later issue"
+        )
+    finally:
+        await _stop(task)
