@@ -94,6 +94,9 @@ NARROW = 110
 
 def print_events(events: Sequence[Any], title: str) -> None:
     """Print events as a table, or one line each on a narrow terminal."""
+    if not events:
+        console.print(f"{title} (none yet)", markup=False)
+        return
     if console.width >= NARROW:
         console.print(events_table(events, title=title))
         return

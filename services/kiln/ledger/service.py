@@ -76,8 +76,11 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         if not result.already_stored:
             for ev in new_events:
                 APPENDED.labels(ev.type).inc()
+        category, _, entity = request.stream_id.partition("-")
+        ids = {"compilation_id": entity} if category == "compilation" else {}
         log.info(
             "appended",
+            **ids,
             stream_id=request.stream_id,
             event_ids=[e.event_id for e in new_events],
             positions=result.positions,
