@@ -194,7 +194,7 @@ async def test_placeholder_compiler_watch_is_unimplemented(tmp_path: Path) -> No
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert err.value.details() == (
             "Compiler.Watch is not implemented yet: "
-            "the agent runner (Compiler API) arrives with a later issue"
+            "the agent runner (Compiler API) arrives with issue 3"
         )
     finally:
         await _stop(task)

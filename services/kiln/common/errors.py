@@ -62,6 +62,12 @@ class ResourceExhausted(KilnError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class Unimplemented(KilnError):
+    """The RPC exists in the contract but is not built yet."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class Unavailable(KilnError):
     """A backing server (PostgreSQL, NATS) cannot be reached; retry later."""
 
@@ -78,6 +84,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KilnError]] = {
         FailedPrecondition,
         Unauthenticated,
         ResourceExhausted,
+        Unimplemented,
         Unavailable,
     )
 }
