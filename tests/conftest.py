@@ -18,6 +18,8 @@ import pytest
 
 from kiln.common.settings import KilnSettings
 
+from .databases import scratch_database
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
@@ -62,21 +64,8 @@ def postgres_server_url(embedded_dir: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def database_url(postgres_server_url: str) -> Iterator[str]:
     """A fresh, migrated database for this test session."""
-    import psycopg
-
-    from kiln.ledger.migrate import sync_url, upgrade
-
-    name = f"kiln_test_{uuid.uuid4().hex[:12]}"
-    admin = sync_url(postgres_server_url).replace("postgresql+psycopg://", "postgresql://")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = postgres_server_url.rsplit("/", 1)[0] + f"/{name}"
-    upgrade(url)
-    try:
+    with scratch_database(postgres_server_url) as url:
         yield url
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(scope="session")

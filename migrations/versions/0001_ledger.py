@@ -20,6 +20,7 @@ _TABLES = [
     tables.events,
     tables.outbox,
     tables.projection_checkpoints,
+    tables.projection_failures,
     tables.proj_compilations,
     tables.proj_experiments,
     tables.proj_best_candidates,

@@ -89,12 +89,9 @@ def _append_event(addr: str, stream: str) -> str:
     from kiln.ledger.client import LedgerClient
     from kiln.ledger.model import NewEvent
 
-    compilation_id = stream.split("-", 1)[1]
     event = NewEvent(
         "CompilationSubmitted",
         {
-            "compilation_id": compilation_id,
-            "team": "e2e",
             "workload_key": "wk-e2e",
             "model_name": "tiny",
             "hardware": "cpu",

@@ -12,14 +12,11 @@ def new_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def submitted(
-    compilation_id: str, workload_key: str = "wk-llama-h200", team: str = "search"
-) -> NewEvent:
+def submitted(workload_key: str = "wk-llama-h200") -> NewEvent:
+    """CompilationSubmitted (its id is the stream's, its team the appending call's)."""
     return NewEvent(
         "CompilationSubmitted",
         {
-            "compilation_id": compilation_id,
-            "team": team,
             "workload_key": workload_key,
             "model_name": "llama-3.2-1b",
             "hardware": "h200",
@@ -34,7 +31,6 @@ def requested(compilation_id: str, experiment_id: str, candidate_id: str) -> New
     return NewEvent(
         "ExperimentRequested",
         {
-            "experiment_id": experiment_id,
             "compilation_id": compilation_id,
             "candidate_id": candidate_id,
             "candidate": {"ops": {"attention": "sdpa"}},
@@ -50,7 +46,6 @@ def completed(
     return NewEvent(
         "ExperimentCompleted",
         {
-            "experiment_id": experiment_id,
             "compilation_id": compilation_id,
             "candidate_id": candidate_id,
             "status": "ok" if ok else "crashed",
@@ -86,7 +81,7 @@ def compilation_story(
 ) -> list[tuple[str, list[NewEvent]]]:
     """(stream id, events) appends that tell one compilation's life in order."""
     out: list[tuple[str, list[NewEvent]]] = [
-        (f"compilation-{compilation_id}", [submitted(compilation_id, workload_key)])
+        (f"compilation-{compilation_id}", [submitted(workload_key)])
     ]
     baseline = 100.0
     best_tps = baseline

@@ -14,7 +14,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import psycopg
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
@@ -26,8 +25,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from kiln.common import nats as kn
 from kiln.common.errors import Unavailable
 from kiln.ledger.group_commit import APPEND_LOCK_KEY
-from kiln.ledger.migrate import sync_url, upgrade
+from kiln.ledger.migrate import sync_url
 from kiln.ledger.outbox import OutboxPublisher
+
+from ..databases import scratch_database
 
 pytestmark = pytest.mark.integration
 
@@ -36,17 +37,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def outbox_db_url(postgres_server_url: str) -> Iterator[str]:
     """A fresh migrated database for this module only."""
-    name = f"kiln_outbox_{uuid.uuid4().hex[:12]}"
-    admin = sync_url(postgres_server_url).replace("postgresql+psycopg://", "postgresql://")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = postgres_server_url.rsplit("/", 1)[0] + f"/{name}"
-    upgrade(url)
-    try:
+    with scratch_database(postgres_server_url, "kiln_outbox") as url:
         yield url
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest_asyncio.fixture
@@ -259,8 +251,7 @@ async def test_two_publishers_one_leader_no_duplicates_and_failover(
     js = nc.jetstream()
     # A long poll interval: after the first pass only NOTIFY can wake the leader quickly.
     pubs = [
-        OutboxPublisher(db, js, prefix, poll_interval_s=30.0, lock_retry_s=0.2)
-        for _ in range(2)
+        OutboxPublisher(db, js, prefix, poll_interval_s=30.0, lock_retry_s=0.2) for _ in range(2)
     ]
     stops = [asyncio.Event(), asyncio.Event()]
     tasks = [asyncio.create_task(p.run(s)) for p, s in zip(pubs, stops, strict=True)]

@@ -8,12 +8,14 @@ import pytest
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from kiln.ledger.db import create_engine
 from kiln.ledger.model import NewEvent
 from kiln.ledger.projections.projector import Projector
 from kiln.ledger.replay import replay
 from kiln.ledger.store import EventStore
 from kiln.ledger.tables import proj_best_candidates, proj_compilations, proj_experiments
 
+from ..databases import scratch_database
 from .events_factory import compilation_story, new_id
 
 pytestmark = pytest.mark.integration
@@ -115,3 +117,81 @@ async def test_projector_and_checkpoint_advance_atomically(
 async def test_replay_rejects_unknown_projection(engine: AsyncEngine) -> None:
     with pytest.raises(ValueError, match="unknown projection"):
         await replay(engine, names=["nope"])
+
+
+async def _raw_append(engine: AsyncEngine, stream: str, type_: str, data: dict) -> int:
+    """Append bypassing validation (as an older or buggy writer might have), under the append
+    lock so positions stay in commit order."""
+    import json
+    import uuid
+
+    from kiln.ledger.group_commit import APPEND_LOCK_KEY
+
+    async with engine.begin() as conn:
+        await conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": APPEND_LOCK_KEY})
+        version = await conn.scalar(
+            text("SELECT coalesce(max(stream_version), 0) + 1 FROM events WHERE stream_id = :s"),
+            {"s": stream},
+        )
+        return int(
+            await conn.scalar(
+                text(
+                    "INSERT INTO events (position, stream_id, stream_version, event_id, type, "
+                    "schema_version, data, metadata) VALUES (nextval('events_position_seq'), :s, "
+                    ':v, :e, :t, 1, CAST(:d AS jsonb), \'{"team": "old"}\') RETURNING position'
+                ),
+                {
+                    "s": stream,
+                    "v": version,
+                    "e": str(uuid.uuid4()),
+                    "t": type_,
+                    "d": json.dumps(data),
+                },
+            )
+        )
+
+
+async def test_a_poison_event_is_quarantined_and_projection_goes_on(
+    postgres_server_url: str,
+) -> None:
+    # Its own database: the quarantined event leaves replay unequal for good.
+    with scratch_database(postgres_server_url) as url:
+        engine = create_engine(url)
+        store = EventStore(engine)
+        try:
+            await _poison_scenario(store, engine)
+        finally:
+            await store.close()
+            await engine.dispose()
+
+
+async def _poison_scenario(store: EventStore, engine: AsyncEngine) -> None:
+    cid = new_id()
+    # A fold error (no "status"): skipped live and in replay alike.
+    bad_fold = await _raw_append(engine, f"experiment-{new_id()}", "ExperimentCompleted", {"x": 1})
+    # A value the projection table cannot hold (bigint overflow): quarantined live only.
+    huge = {
+        "workload_key": "w",
+        "model_name": "m",
+        "hardware": "h",
+        "workload": {},
+        "budget": {"wall_seconds": 1, "max_experiments": 2**70},
+    }
+    bad_db = await _raw_append(engine, f"compilation-{new_id()}", "CompilationSubmitted", huge)
+    for stream, evs in compilation_story(random.Random(5), cid, f"wk-{new_id()}", n_experiments=2):
+        await store.append(stream, evs, "any", team="t")
+    await Projector(engine).catch_up()
+    async with engine.connect() as conn:
+        quarantined = set(
+            (await conn.execute(text("SELECT position FROM projection_failures"))).scalars()
+        )
+        status = await conn.scalar(
+            select(proj_compilations.c.status).where(proj_compilations.c.compilation_id == cid)
+        )
+    assert {bad_fold, bad_db} <= quarantined
+    assert status == "succeeded", "events after the poison ones were not projected"
+    report = await replay(engine)
+    (comp,) = [p for p in report.projections if p.name == "compilations"]
+    assert not comp.equal and any(
+        "9223372036854775807" in d or str(2**70) in d for d in comp.differences
+    )

@@ -22,7 +22,7 @@ async def test_append_assigns_versions_positions_and_metadata(store: EventStore)
     cid = new_id()
     stream = f"compilation-{cid}"
     first = await store.append(
-        stream, [submitted(cid)], "no_stream", team="search", correlation_id="corr-1"
+        stream, [submitted()], "no_stream", team="search", correlation_id="corr-1"
     )
     second = await store.append(
         stream,
@@ -50,8 +50,8 @@ async def test_expected_version_conflicts_are_aborted_and_change_nothing(store: 
     cid = new_id()
     stream = f"compilation-{cid}"
     with pytest.raises(Aborted, match="expected an existing stream"):
-        await store.append(stream, [submitted(cid)], "stream_exists", team="t")
-    await store.append(stream, [submitted(cid)], "no_stream", team="t")
+        await store.append(stream, [submitted()], "stream_exists", team="t")
+    await store.append(stream, [submitted()], "no_stream", team="t")
     with pytest.raises(Aborted, match="expected no stream, but the stream is at version 1"):
         await store.append(
             stream, [NewEvent("CompilationPlanned", {"plan": {}})], "no_stream", team="t"
@@ -77,9 +77,9 @@ async def test_reappending_same_events_returns_original_positions(store: EventSt
 
 async def test_event_id_reused_with_other_content_is_already_exists(store: EventStore) -> None:
     cid = new_id()
-    ev = submitted(cid)
+    ev = submitted()
     await store.append(f"compilation-{cid}", [ev], "any", team="t")
-    forged = NewEvent(ev.type, {**ev.data, "team": "other"}, event_id=ev.event_id)  # type: ignore[dict-item]
+    forged = NewEvent(ev.type, {**ev.data, "workload_key": "other"}, event_id=ev.event_id)  # type: ignore[dict-item]
     with pytest.raises(AlreadyExists, match=ev.event_id):
         await store.append(f"compilation-{cid}", [forged], "any", team="t")
     partial = [ev, NewEvent("CompilationPlanned", {"plan": {}})]
@@ -122,6 +122,59 @@ async def test_event_id_reused_with_other_content_is_already_exists(store: Event
             NewEvent("CompilationEnded", {"status": "failed", "reason": "x" * 70_000}),
             "payload is 700",
         ),
+        # Storable JSON only: PostgreSQL's jsonb refuses these, so they must never reach it.
+        (
+            "compilation-x",
+            NewEvent("CompilationEnded", b'{"status": "failed", "reason": "a\\u0000b"}'),
+            "NUL",
+        ),
+        (
+            "compilation-x",
+            NewEvent("CompilationEnded", {"status": "failed", "reason": "\ud800"}),
+            "surrogate",
+        ),
+        (
+            "compilation-x",
+            NewEvent("CompilationPlanned", b'{"plan": {"tp": NaN}}'),
+            "not valid JSON",
+        ),
+        (
+            "compilation-x",
+            NewEvent("CompilationPlanned", b'{"plan": {"tp": Infinity}}'),
+            "not valid JSON",
+        ),
+        (
+            "compilation-x",
+            NewEvent("CompilationPlanned", {"plan": {"tp": float("inf")}}),
+            "non-finite",
+        ),
+        (
+            "compilation-x",
+            NewEvent("CompilationPlanned", b'{"plan": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+            "nested",
+        ),
+        (
+            "compilation-x",
+            NewEvent(
+                "CompilationPlanned",
+                {"plan": {"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}},
+            ),
+            "levels deep",
+        ),
+        (
+            "compilation-x",
+            NewEvent(
+                "CompilationSubmitted",
+                {
+                    "workload_key": "w",
+                    "model_name": "m",
+                    "hardware": "h",
+                    "workload": {},
+                    "budget": {"wall_seconds": 60, "max_experiments": 2**31},
+                },
+            ),
+            "max_experiments",
+        ),
     ],
 )
 async def test_bad_input_is_invalid_argument_and_stores_nothing(
@@ -138,7 +191,7 @@ async def test_a_bad_event_rejects_the_whole_batch(store: EventStore) -> None:
     with pytest.raises(InvalidArgument, match="event 1"):
         await store.append(
             f"compilation-{cid}",
-            [submitted(cid), NewEvent("CompilationEnded", {"status": "nah"})],
+            [submitted(), NewEvent("CompilationEnded", {"status": "nah"})],
             "any",
             team="t",
         )
@@ -155,7 +208,7 @@ async def test_duplicate_ids_in_one_batch_are_rejected(store: EventStore) -> Non
 
 async def test_events_table_refuses_update_and_delete(store: EventStore) -> None:
     cid = new_id()
-    await store.append(f"compilation-{cid}", [submitted(cid)], "any", team="t")
+    await store.append(f"compilation-{cid}", [submitted()], "any", team="t")
     for sql in (
         "UPDATE events SET type = 'X' WHERE stream_id = :s",
         "DELETE FROM events WHERE stream_id = :s",
@@ -178,3 +231,38 @@ async def test_payload_round_trips_as_json(store: EventStore) -> None:
     await store.append(f"compilation-{cid}", [NewEvent("CompilationEnded", raw)], "any", team="t")
     events, _ = await store.read_stream(f"compilation-{cid}")
     assert events[0].data == {"status": "cancelled", "reason": "budget ünïcode ✓"}
+
+
+async def test_a_failing_append_does_not_fail_the_others_of_its_group(store: EventStore) -> None:
+    """A writer outside the ledger's lock holds version 1 of one stream, so the group's
+    transaction fails on the unique key; the group is then committed append by append: the
+    colliding append fails (Aborted: the stream exists now), the others of its group succeed."""
+    import asyncio
+
+    victim = f"compilation-{new_id()}"
+    async with store.engine.connect() as raw:
+        await raw.begin()
+        await raw.execute(
+            text(
+                "INSERT INTO events (position, stream_id, stream_version, event_id, type, "
+                "schema_version, data, metadata) VALUES (nextval('events_position_seq'), :s, 1, "
+                ':e, \'CompilationEnded\', 1, \'{"status": "failed", "reason": ""}\', \'{}\')'
+            ),
+            {"s": victim, "e": str(uuid.uuid4())},
+        )
+        others = [f"compilation-{new_id()}" for _ in range(6)]
+        ended = NewEvent("CompilationEnded", {"status": "cancelled"})
+        tasks = [
+            asyncio.create_task(
+                store.append(s, [NewEvent(ended.type, ended.data)], "no_stream", team="t")
+            )
+            for s in [victim, *others]
+        ]
+        await asyncio.sleep(0.3)  # the group is now blocked on the uncommitted row's unique key
+        await raw.commit()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[0], Aborted), results[0]
+    assert all(not isinstance(r, BaseException) for r in results[1:]), results[1:]
+    for s in others:
+        events, version = await store.read_stream(s)
+        assert version == 1 and events[0].type == "CompilationEnded"

@@ -22,7 +22,7 @@ async def test_concurrent_appenders_to_one_stream_exactly_one_wins_each_version(
 ) -> None:
     cid = new_id()
     stream = f"compilation-{cid}"
-    await store.append(stream, [submitted(cid)], "no_stream", team="t")
+    await store.append(stream, [submitted()], "no_stream", team="t")
     writers, rounds = 8, 6
     wins: Counter[int] = Counter()
     written: dict[str, int] = {}
@@ -61,8 +61,7 @@ async def test_tailing_reader_sees_every_event_once_in_order_while_many_streams_
     finished = asyncio.Event()
 
     async def writer(stream: str) -> None:
-        cid = stream.removeprefix("compilation-")
-        result = await store.append(stream, [submitted(cid)], "no_stream", team="t")
+        result = await store.append(stream, [submitted()], "no_stream", team="t")
         acked.update(result.positions)
         for i in range(per_stream - 1):
             batch = [NewEvent("CompilationCancelRequested", {"reason": str(i)})] * 1
@@ -100,7 +99,7 @@ async def test_tailing_reader_sees_every_event_once_in_order_while_many_streams_
 async def test_concurrent_idempotent_retries_store_the_batch_once(store: EventStore) -> None:
     cid = new_id()
     stream = f"compilation-{cid}"
-    batch = [submitted(cid), NewEvent("CompilationPlanned", {"plan": {"tp": 1}})]
+    batch = [submitted(), NewEvent("CompilationPlanned", {"plan": {"tp": 1}})]
     results = await asyncio.gather(
         *(store.append(stream, batch, "any", team="t") for _ in range(6))
     )

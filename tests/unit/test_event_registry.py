@@ -62,8 +62,6 @@ def test_validation_fills_defaults_and_normalises() -> None:
 
 def test_nested_schema_errors_name_the_field() -> None:
     payload = {
-        "compilation_id": "c",
-        "team": "t",
         "workload_key": "w",
         "model_name": "m",
         "hardware": "h200",

@@ -54,7 +54,7 @@ def test_fast_tier_truncates_layers() -> None:
     cfg = load_config(MODELS / "llama-3.2-1b.json")
     fast = cfg.with_layers(2)
     assert fast.num_hidden_layers == 2 and fast.hidden_size == cfg.hidden_size
-    with pytest.raises(ValueError, match="1..16"):
+    with pytest.raises(ValueError, match=r"1\.\.16"):
         cfg.with_layers(17)
 
 

@@ -166,7 +166,6 @@ def _submit(ch: grpc.aio.Channel) -> Any:
     ("name", "call", "message"),
     [
         ("engine-pool", _run_experiment, "EnginePool.RunExperiment is not implemented yet: "),
-        ("cost-model", _plan, "CostModel.Plan is not implemented yet: "),
         ("agent-runner", _submit, "Compiler.Submit is not implemented yet: "),
     ],
 )
@@ -180,6 +179,18 @@ async def test_placeholder_services_answer_unimplemented(
                 await call(ch)
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert (err.value.details() or "").startswith(message)
+    finally:
+        await _stop(task)
+
+
+async def test_cost_model_is_no_longer_a_placeholder(tmp_path: Path) -> None:
+    task, addr = await _placeholder("cost-model", tmp_path)
+    try:
+        async with team_channel(addr, "search") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _plan(ch)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "config_json is empty" in (err.value.details() or "")
     finally:
         await _stop(task)
 

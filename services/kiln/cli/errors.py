@@ -47,17 +47,35 @@ def describe(exc: BaseException) -> str:
         code = getattr(exc.code, "name", str(exc.code))
         return f"{code}: {exc.message}"
     if isinstance(exc, ValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
-            for err in exc.errors()
-        )
-        return f"invalid settings: {problems}"
+        return "invalid settings: " + "; ".join(_setting_problem(err) for err in exc.errors())
     orig = getattr(exc, "orig", None)  # SQLAlchemy's wrapper of a driver error
     if type(exc).__module__.startswith("sqlalchemy") and orig is not None:
         return "database: " + (str(orig).strip().splitlines() or [type(orig).__name__])[0]
     if isinstance(exc, RuntimeError | OSError | ValueError | TimeoutError):
         return str(exc) or type(exc).__name__
     return f"unexpected {type(exc).__name__}: {exc}"
+
+
+_SETTING_FLAGS = {
+    "team": "--team",
+    "ledger_addr": "--ledger-addr",
+    "listen_addr": "--listen",
+    "metrics_port": "--metrics-port",
+    "state_dir": "--state-dir",
+    "database_url": "--database-url",
+}
+"""Settings that CLI flags can set too: the flag, named beside the variable in errors."""
+
+
+def _setting_problem(err: Any) -> str:
+    """One pydantic error about a setting: ``name (KILN_NAME / --flag): reason``."""
+    field = ".".join(str(p) for p in err.get("loc", ())) or "settings"
+    source = f"KILN_{field.upper()}"
+    if field in _SETTING_FLAGS:
+        source += f" / {_SETTING_FLAGS[field]}"
+    reason = str(err.get("msg", "invalid"))
+    reason = reason.removeprefix("Value error, ")
+    return f"{field} ({source}): {reason}"
 
 
 class KilnGroup(TyperGroup):

@@ -1,14 +1,23 @@
 """``kiln serve NAME``: run one service in the foreground (what ``kiln up`` and each container
-run)."""
+run).
+
+Its stderr is the service's log. With ``KILN_LOG_FORMAT=json`` (the default) and stderr not a
+terminal (a log file, a container), a failure is logged as one JSON line too, so every line of
+the log parses; at a terminal it is the usual red ``error: ...`` line.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from kiln.cli.context import settings_for
+from kiln.cli.errors import CliError, describe
 
 
 class ServiceChoice(StrEnum):
@@ -20,6 +29,20 @@ class ServiceChoice(StrEnum):
     cost_model = "cost-model"
 
 
+_LISTEN_HINT = "(set KILN_LISTEN_ADDR or --listen to another one)"
+"""The runtime's hint when the address cannot be bound (kiln.common.server)."""
+
+
+def listen_hint(service: str, listen_given: bool) -> str:
+    """What to change when ``service`` cannot bind its address: ``--listen`` /
+    ``KILN_LISTEN_ADDR`` when one of them chose it, else the service's own ``KILN_*_ADDR``
+    (the variable ``kiln up`` passes to each service)."""
+    if listen_given:
+        return "(set --listen or KILN_LISTEN_ADDR to another address)"
+    var = f"KILN_{service.replace('-', '_').upper()}_ADDR"
+    return f"(set {var} to another address, or pass --listen)"
+
+
 def serve(
     ctx: typer.Context,
     name: Annotated[ServiceChoice, typer.Argument(help="Which service.")],
@@ -28,15 +51,47 @@ def serve(
         typer.Option(help="Address to bind, e.g. 0.0.0.0:50051 (default: the service's address)."),
     ] = None,
     metrics_port: Annotated[
-        int | None, typer.Option(help="Prometheus /metrics port (0 = off).")
+        int | None,
+        typer.Option(
+            help="Prometheus /metrics port (0 = off; default 9401..9404 by service), bound on "
+            "the host of the listen address."
+        ),
     ] = None,
 ) -> None:
     """Run a service until SIGTERM / Ctrl-C (then shut down gracefully)."""
     from kiln.common.apps import app_factory
-    from kiln.common.logging import configure_logging
-    from kiln.common.server import run
+    from kiln.common.logging import configure_logging, parse_level
+    from kiln.common.server import ServiceStartError, run
 
-    settings = settings_for(ctx, listen_addr=listen, metrics_port=metrics_port)
-    settings = settings.with_embedded_endpoints()
-    configure_logging(settings.log_level, settings.log_format, service=name.value)
-    run(app_factory(name.value), settings)
+    fmt: Literal["json", "console"] = "json"
+    configured = False
+    try:
+        settings = settings_for(ctx, listen_addr=listen, metrics_port=metrics_port)
+        settings = settings.with_embedded_endpoints()
+        fmt = settings.log_format
+        configure_logging(settings.log_level, fmt, service=name.value)
+        configured = True
+        if parse_level(settings.log_level) > logging.DEBUG:
+            # Alembic logs "setup plugin ..." at INFO when the ledger imports it.
+            logging.getLogger("alembic").setLevel(logging.WARNING)
+        try:
+            run(app_factory(name.value), settings)
+        except ServiceStartError as exc:
+            message = str(exc).replace(
+                _LISTEN_HINT, listen_hint(name.value, settings.listen_addr is not None)
+            )
+            raise CliError(message) from None
+    except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        if fmt != "json" or sys.stderr.isatty() or os.environ.get("KILN_DEBUG"):
+            raise  # the CLI's one red line (or the traceback with KILN_DEBUG)
+        if not configured:
+            configure_logging("info", "json", service=name.value)
+        from kiln.common.logging import get_logger
+
+        unexpected = describe(exc).startswith("unexpected ")
+        get_logger("kiln.serve").error(
+            "service failed", error=describe(exc), exc_info=exc if unexpected else None
+        )
+        raise typer.Exit(1) from None

@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from kiln.common.settings import split_host_port
+
 RPC_REQUESTS = Counter(
     "kiln_rpc_requests",
     "RPCs handled, by final status code.",
@@ -34,12 +36,24 @@ _servers: dict[int, Any] = {}
 _lock = threading.Lock()
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
+def metrics_host(listen_addr: str) -> str:
+    """The interface the metrics endpoint binds for a service listening on ``listen_addr``:
+    the same host (``127.0.0.1:50051`` -> ``127.0.0.1``, ``0.0.0.0:50051`` -> ``0.0.0.0``,
+    ``[::]:50051`` -> ``::``), so it is exactly as reachable as the gRPC port. Addresses without
+    a TCP host (``unix:...``) or that do not parse give ``127.0.0.1``."""
+    try:
+        host, _port = split_host_port(listen_addr, allow_zero=True)
+    except ValueError:
+        return "127.0.0.1"
+    return host
+
+
+def start_metrics_server(port: int, addr: str = "127.0.0.1") -> int:
     """Serve the default registry at ``http://addr:port/metrics`` from a daemon thread.
 
     Args:
         port: TCP port; 0 disables the endpoint.
-        addr: interface to bind.
+        addr: interface to bind (services pass :func:`metrics_host` of their listen address).
 
     Returns:
         The port bound, or 0 when disabled.

@@ -35,6 +35,7 @@ from kiln.common.metrics import (
     RPC_IN_FLIGHT,
     RPC_LATENCY,
     RPC_REQUESTS,
+    metrics_host,
     start_metrics_server,
     stop_metrics_server,
 )
@@ -335,12 +336,12 @@ def _bind(server: grpc.aio.Server, address: str, service: str) -> str:
     return f"{host}:{port}"
 
 
-def _start_metrics(port: int, service: str) -> int:
+def _start_metrics(port: int, host: str, service: str) -> int:
     try:
-        return start_metrics_server(port)
+        return start_metrics_server(port, host)
     except OSError as exc:
         raise ServiceStartError(
-            f"{service}: cannot serve metrics on port {port}: {exc} "
+            f"{service}: cannot serve metrics on port {port} of {host}: {exc} "
             "(set KILN_METRICS_PORT to another port, or 0 to turn the endpoint off)"
         ) from exc
 
@@ -416,7 +417,9 @@ async def serve(
 
     name = cast(ServiceName, app.name)
     address = listen or settings.listen_addr or settings.service_addr(name)
-    metrics_port = _start_metrics(settings.service_metrics_port(name), app.name)
+    metrics_port = _start_metrics(
+        settings.service_metrics_port(name), metrics_host(address), app.name
+    )  # on the gRPC address's host: a loopback service keeps its metrics on loopback too
     stop = asyncio.Event()
     poller: asyncio.Task[None] | None = None
     with _signals_set(stop, handle_signals):

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SERVICE_NAMES = ("ledger", "engine-pool", "agent-runner", "cost-model")
@@ -22,6 +22,50 @@ SERVICE_NAMES = ("ledger", "engine-pool", "agent-runner", "cost-model")
 ServiceName = Literal["ledger", "engine-pool", "agent-runner", "cost-model"]
 
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+METRICS_PORT_BASE = 9400
+"""A service's default metrics port is this plus its 1-based index in ``SERVICE_NAMES``
+(ledger 9401, engine-pool 9402, agent-runner 9403, cost-model 9404)."""
+
+_PORTLESS_SCHEMES = ("unix:", "unix-abstract:", "vsock:")
+"""gRPC address schemes that name no TCP port (passed through unchecked)."""
+
+
+def check_port(port: int, *, allow_zero: bool = False, what: str = "port") -> int:
+    """``port`` when it is a TCP port (1..65535, or 0 when ``allow_zero``); else ValueError."""
+    low = 0 if allow_zero else 1
+    if not low <= port <= 65535:
+        raise ValueError(f"{what} {port} is out of range {low}..65535")
+    return port
+
+
+def split_host_port(addr: str, *, allow_zero: bool = False) -> tuple[str, int]:
+    """Host and port of a gRPC address ``HOST:PORT`` or ``[IPV6]:PORT`` (a ``dns:///``,
+    ``ipv4:`` or ``ipv6:`` prefix is dropped); the port must be 1..65535 (0 too when
+    ``allow_zero``: an ephemeral port to bind). Raises ValueError with a readable reason.
+    """
+    rest = addr.strip()
+    if rest.startswith("dns:"):
+        rest = rest[len("dns:") :]
+        if rest.startswith("//"):  # dns://[authority]/host:port
+            rest = rest[2:].split("/", 1)[-1]
+    elif rest.startswith(("ipv4:", "ipv6:")):
+        rest = rest[len("ipv4:") :]
+    host, sep, port_text = rest.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {addr!r}")
+    return host, check_port(int(port_text), allow_zero=allow_zero)
+
+
+def check_addr(addr: str, *, allow_zero: bool = False) -> str:
+    """``addr`` when it is a usable gRPC address (see :func:`split_host_port`; ``unix:`` and
+    other port-less schemes pass as they are); else ValueError."""
+    if addr.startswith(_PORTLESS_SCHEMES):
+        return addr
+    split_host_port(addr, allow_zero=allow_zero)
+    return addr.strip()
 
 
 class KilnSettings(BaseSettings):
@@ -58,7 +102,9 @@ class KilnSettings(BaseSettings):
         description="Address a service binds; unset = its *_addr (use 0.0.0.0:PORT in containers).",
     )
     metrics_port: int | None = Field(
-        None, description="Prometheus /metrics port; unset = 9400 + the service's index; 0 = off."
+        None,
+        description="Prometheus /metrics port; unset = ledger 9401, engine-pool 9402, "
+        "agent-runner 9403, cost-model 9404; 0 = off. Bound on the host of the listen address.",
     )
 
     # --- runtime ------------------------------------------------------------------------
@@ -80,6 +126,23 @@ class KilnSettings(BaseSettings):
             raise ValueError("subject_prefix must match [a-z][a-z0-9_]{0,31}")
         return v
 
+    @field_validator("ledger_addr", "engine_pool_addr", "agent_runner_addr", "cost_model_addr")
+    @classmethod
+    def _check_service_addr(cls, v: str) -> str:
+        return check_addr(v)
+
+    @field_validator("listen_addr")
+    @classmethod
+    def _check_listen_addr(cls, v: str | None) -> str | None:
+        return None if v is None else check_addr(v, allow_zero=True)  # 0 = an ephemeral port
+
+    @field_validator("metrics_port", "embedded_nats_port", "embedded_postgres_port")
+    @classmethod
+    def _check_ports(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is None:
+            return None
+        return check_port(v, allow_zero=info.field_name == "metrics_port")  # 0 = off
+
     # ------------------------------------------------------------------------------------
     def service_addr(self, service: ServiceName) -> str:
         """The address clients dial for ``service``."""
@@ -89,7 +152,7 @@ class KilnSettings(BaseSettings):
         """The metrics port of ``service`` (0 = disabled)."""
         if self.metrics_port is not None:
             return self.metrics_port
-        return 9400 + SERVICE_NAMES.index(service) + 1
+        return METRICS_PORT_BASE + SERVICE_NAMES.index(service) + 1
 
     @property
     def endpoints_file(self) -> Path:

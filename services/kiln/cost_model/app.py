@@ -1,12 +1,39 @@
-"""The cost model service process (a placeholder until the cost model is built)."""
+"""The cost model service process: the hardware catalogue and the roofline planner over gRPC.
 
-from kiln.common.placeholder import placeholder_factory
-from kiln.v1 import cost_model_pb2, cost_model_pb2_grpc
+Stateless and self-contained (no database, no NATS), so it is ready as soon as it starts.
+"""
 
-create_app = placeholder_factory(
-    "cost-model",
-    cost_model_pb2.DESCRIPTOR.services_by_name["CostModel"],
-    cost_model_pb2_grpc.CostModelServicer,
-    cost_model_pb2_grpc.add_CostModelServicer_to_server,
-    "the cost model arrives with issue 3",
-)
+from __future__ import annotations
+
+import grpc
+
+from kiln.common.settings import KilnSettings
+from kiln.cost_model.service import CostModelServicer
+from kiln.v1 import cost_model_pb2_grpc
+
+
+class CostModelApp:
+    """``ServiceApp`` of the cost model (see ``kiln.common.server``)."""
+
+    name = "cost-model"
+    grpc_service_names = ("kiln.v1.CostModel",)
+
+    def __init__(self, settings: KilnSettings) -> None:
+        self.settings = settings
+        self.servicer = CostModelServicer()
+
+    async def start(self, server: grpc.aio.Server) -> None:
+        """Register the servicer."""
+        cost_model_pb2_grpc.add_CostModelServicer_to_server(self.servicer, server)
+
+    async def is_ready(self) -> bool:
+        """Always True: the catalogue and planner are in-process."""
+        return True
+
+    async def stop(self) -> None:
+        """Nothing to release."""
+
+
+def create_app(settings: KilnSettings) -> CostModelApp:
+    """The cost model's ``ServiceApp`` (``kiln serve cost-model``)."""
+    return CostModelApp(settings)

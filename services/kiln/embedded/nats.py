@@ -40,6 +40,25 @@ def nats_server_binary() -> str:
     return found
 
 
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def _servers(url: str) -> list[tuple[str, int]] | None:
+    """Host and port of each server of a NATS URL (comma-separated), or None when one does not
+    parse as ``nats://HOST[:PORT]`` (or tls/ws/wss)."""
+    found = []
+    for part in url.split(","):
+        try:
+            parts = urlsplit(part.strip())
+            port = parts.port
+        except ValueError:
+            return None
+        if parts.scheme not in NATS_SCHEMES or not parts.hostname:
+            return None
+        found.append((parts.hostname, port or 4222))
+    return found
+
+
 def jetstream_answers(url: str) -> bool:
     """True when a NATS server at ``url`` accepts a connection and JetStream answers.
 
@@ -48,20 +67,25 @@ def jetstream_answers(url: str) -> bool:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(_jetstream_answers(url))
+        return asyncio.run(nats_problem(url)) is None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, _jetstream_answers(url)).result()
+        return pool.submit(asyncio.run, nats_problem(url)).result() is None
 
 
-async def _jetstream_answers(url: str) -> bool:
+async def nats_problem(url: str, timeout_s: float = 3.0) -> str | None:
+    """None when the NATS server at ``url`` accepts a client connection and JetStream
+    answers; else why not, in a few words ("invalid URL ...", "nothing listens at ...")."""
     import nats
 
     async def quiet(_exc: Exception) -> None:
         return None
 
-    parts = urlsplit(url)
-    if not port_open(parts.hostname or "127.0.0.1", parts.port or 4222):
-        return False
+    servers = _servers(url)
+    if not servers:
+        return f"invalid URL (want nats://HOST:PORT): {url!r}"
+    if not any(port_open(host, port) for host, port in servers):
+        host, port = servers[0]
+        return f"nothing listens at {host}:{port}"
     try:
         nc = await asyncio.wait_for(
             nats.connect(
@@ -71,15 +95,15 @@ async def _jetstream_answers(url: str) -> bool:
                 max_reconnect_attempts=1,
                 error_cb=quiet,
             ),
-            timeout=3,
+            timeout=timeout_s,
         )
-    except Exception:
-        return False
+    except Exception as exc:
+        return f"NATS connect failed: {type(exc).__name__}: {exc}".rstrip(": ")
     try:
-        await asyncio.wait_for(nc.jetstream().account_info(), timeout=3)
-        return True
+        await asyncio.wait_for(nc.jetstream().account_info(), timeout=timeout_s)
+        return None
     except Exception:
-        return False
+        return "connected, but JetStream does not answer"
     finally:
         with contextlib.suppress(Exception):
             await nc.close()

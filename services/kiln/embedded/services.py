@@ -4,14 +4,60 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
-from kiln.embedded.process import log_tail, process_alive, read_pid, terminate
+from kiln.embedded.process import log_tail, process_alive, read_pid, wait_gone
+
+SUPERVISOR_LOGGER = "kiln.supervisor"
+"""The ``logger`` of the lines the supervisor itself writes into a service's log."""
+
+
+def supervisor_line(service: str, event: str, **fields: Any) -> str:
+    """One JSON log line (the services' own key order) that the supervisor writes into a
+    service's log, so the file stays one JSON object per line."""
+    stamp = datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    record = {
+        "timestamp": stamp,
+        "level": "info",
+        "service": service,
+        "logger": SUPERVISOR_LOGGER,
+        "event": event,
+        **fields,
+    }
+    return json.dumps(record, default=str) + "\n"
+
+
+def last_run_lines(text: str) -> list[str]:
+    """The lines of a service log since the supervisor last started the service."""
+    lines = text.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if SUPERVISOR_LOGGER in lines[i] and '"starting service"' in lines[i]:
+            return lines[i + 1 :]
+    return lines
+
+
+def failure_summary(lines: list[str]) -> str | None:
+    """The error a service logged before it exited (``kiln serve`` logs a failure as a JSON
+    line with ``level`` ``error``, or prints ``error: ...``), or None when there is none."""
+    for line in reversed(lines):
+        if line.startswith("error: "):
+            return line[len("error: ") :]
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("level") in ("error", "critical"):
+            detail = record.get("error") or record.get("event")
+            return str(detail)
+    return None
 
 
 class ServiceProcess:
@@ -45,7 +91,7 @@ class ServiceProcess:
         self.pid_file.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')} starting {self.name}\n".encode())
+            log.write(supervisor_line(self.name, "starting service", addr=self.addr).encode())
             log.flush()
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "kiln", "serve", self.name],
@@ -84,31 +130,45 @@ class ServiceProcess:
             await asyncio.sleep(0)
 
     def stop_signal(self) -> int | None:
-        """Send SIGTERM (graceful shutdown) if running; returns the pid signalled."""
+        """Send SIGTERM (graceful shutdown) if running; returns the pid signalled. Follow with
+        :meth:`wait_stopped` (signalling again would only log "shutdown already in
+        progress")."""
         pid = self.pid
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)  # the caller waits via stop()
+                os.kill(pid, signal.SIGTERM)
         return pid
 
-    def stop(self, timeout_s: float) -> None:
-        """Stop the service: SIGTERM, wait up to ``timeout_s``, then SIGKILL; drop the pid
-        file."""
-        pid = self.pid
-        if pid is not None:
-            terminate(pid, timeout_s=timeout_s)
+    def wait_stopped(self, pid: int | None, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for ``pid`` (signalled by :meth:`stop_signal`) to exit,
+        SIGKILL it only then; reap our own child and drop the pid file."""
+        if pid is not None and not wait_gone(pid, timeout_s):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            wait_gone(pid, 5.0)
         if self._proc is not None:  # reap our own child
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=1)
+            self._proc = None
         self.pid_file.unlink(missing_ok=True)
 
+    def stop(self, timeout_s: float) -> None:
+        """Stop the service: SIGTERM once, wait up to ``timeout_s``, then SIGKILL; drop the pid
+        file."""
+        self.wait_stopped(self.stop_signal(), timeout_s)
+
     def _failure(self, what: str) -> RuntimeError:
+        """A short error: what happened, the error the service logged (else the tail of
+        this run's log), and where the log is."""
         if self._proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=0.2)
-        return RuntimeError(
-            f"service {self.name} {what}\n--- {self.log_path} ---\n{log_tail(self.log_path)}"
-        )
+        lines = last_run_lines(log_tail(self.log_path, lines=200))
+        logged = failure_summary(lines)
+        if logged:
+            return RuntimeError(f"service {self.name} {what}: {logged} (log: {self.log_path})")
+        tail = "\n".join(lines[-10:])
+        return RuntimeError(f"service {self.name} {what}\n--- {self.log_path} ---\n{tail}")
 
 
 def service_env(base: dict[str, str], updates: dict[str, str]) -> dict[str, str]:

@@ -16,15 +16,20 @@ their data survives. Layout of ``state_dir``::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 from urllib.parse import urlsplit
 
-from kiln.common.settings import SERVICE_NAMES, KilnSettings, ServiceName
+from kiln.common.settings import SERVICE_NAMES, KilnSettings, ServiceName, split_host_port
 from kiln.embedded.endpoints import Endpoints
-from kiln.embedded.nats import EmbeddedNats
+from kiln.embedded.lock import state_lock
+from kiln.embedded.nats import EmbeddedNats, nats_problem
 from kiln.embedded.postgres import EmbeddedPostgres
 from kiln.embedded.process import port_open
 from kiln.embedded.services import ServiceProcess, service_env
@@ -44,6 +49,11 @@ class ComponentStatus:
     note: str = ""
 
 
+def addr_env_var(service: str) -> str:
+    """The variable that sets ``service``'s address, e.g. ``KILN_AGENT_RUNNER_ADDR``."""
+    return f"KILN_{service.replace('-', '_').upper()}_ADDR"
+
+
 class Supervisor:
     """Starts, stops and reports the embedded default under ``settings.state_dir``."""
 
@@ -54,7 +64,8 @@ class Supervisor:
             self.state_dir / "postgres", settings.embedded_postgres_port
         )
         self.nats = EmbeddedNats(self.state_dir / "nats", settings.embedded_nats_port)
-        self.services = {name: self._service(name) for name in SERVICE_NAMES}
+        recorded = self.recorded()
+        self.services = {name: self._service(name, recorded) for name in SERVICE_NAMES}
 
     @property
     def endpoints_file(self) -> Path:
@@ -69,11 +80,16 @@ class Supervisor:
     def up(self, start_services: bool = True) -> list[ComponentStatus]:
         """Start what is not running; return the status of every component.
 
-        Raises RuntimeError (with log tails) when a server or service fails to start.
-        """
-        from kiln.ledger.migrate import upgrade
+        Holds ``state_dir/kiln.lock`` throughout (a concurrent ``up`` / ``down`` for the same
+        state directory fails with :class:`~kiln.embedded.lock.StateDirBusy`).
 
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        Raises RuntimeError (with the services' errors) when a server or service fails to
+        start.
+        """
+        with state_lock(self.state_dir):
+            return self._up(start_services)
+
+    def _up(self, start_services: bool) -> list[ComponentStatus]:
         notes: dict[str, str] = {}
         database_url = self.settings.database_url
         if not database_url:
@@ -92,7 +108,10 @@ class Supervisor:
             },
             services={name: svc.addr for name, svc in self.services.items()},
         ).write(self.endpoints_file)
-        upgrade(database_url)
+        with _quiet_alembic():
+            from kiln.ledger.migrate import upgrade
+
+            upgrade(database_url)
         if start_services:
             notes.update(self._start_services(database_url, nats_url))
         statuses = self.status()
@@ -107,21 +126,22 @@ class Supervisor:
                 "KILN_DATABASE_URL": database_url,
                 "KILN_NATS_URL": nats_url,
                 "KILN_STATE_DIR": str(self.state_dir),
-                **{
-                    f"KILN_{name.replace('-', '_').upper()}_ADDR": svc.addr
-                    for name, svc in self.services.items()
-                },
+                **{addr_env_var(name): svc.addr for name, svc in self.services.items()},
             },
         )
         notes: dict[str, str] = {}
-        started: list[ServiceProcess] = []
+        to_start = []
         for name, svc in self.services.items():
             if svc.is_running():
                 notes[name] = "already running"
-                continue
+            else:
+                to_start.append(svc)
+        taken = [_taken_message(svc) for svc in to_start if _answers(svc.addr)]
+        if taken:
+            raise RuntimeError("\n".join(taken))
+        for svc in to_start:
             svc.spawn(env, cwd=self.state_dir)
-            started.append(svc)
-            notes[name] = "started"
+            notes[svc.name] = "started"
 
         async def wait_all() -> list[BaseException | None]:
             return await asyncio.gather(
@@ -131,20 +151,29 @@ class Supervisor:
 
         failures = [exc for exc in asyncio.run(wait_all()) if exc is not None]
         if failures:
-            for svc in started:
+            for svc in to_start:
                 svc.stop(timeout_s=5.0)
             raise RuntimeError("\n".join(str(exc) for exc in failures))
         return notes
 
     # -------------------------------------------------------------------- down
     def down(self) -> list[str]:
-        """Stop the services, then the embedded servers; return what was stopped."""
-        stopped: list[str] = []
-        running = [svc for svc in self.services.values() if svc.stop_signal() is not None]
-        grace = self.settings.grace_period_s + 5.0
-        for svc in self.services.values():
-            svc.stop(timeout_s=grace)  # also clears stale pid files
-        stopped.extend(svc.name for svc in running)
+        """Stop the services, then the embedded servers; return what was stopped.
+
+        Each service gets one SIGTERM, then ``grace_period_s + 5`` seconds to exit before
+        SIGKILL. Holds ``state_dir/kiln.lock`` like :meth:`up`.
+        """
+        if not self.state_dir.is_dir():
+            return []
+        with state_lock(self.state_dir):
+            return self._down()
+
+    def _down(self) -> list[str]:
+        signalled = {name: svc.stop_signal() for name, svc in self.services.items()}
+        deadline = time.monotonic() + self.settings.grace_period_s + 5.0
+        for name, svc in self.services.items():  # also clears stale pid files
+            svc.wait_stopped(signalled[name], max(deadline - time.monotonic(), 0.0))
+        stopped = [name for name, pid in signalled.items() if pid is not None]
         if self.nats.is_running():
             self.nats.stop()
             stopped.append("nats")
@@ -156,78 +185,165 @@ class Supervisor:
 
     # ------------------------------------------------------------------ status
     def status(self) -> list[ComponentStatus]:
-        """The backing servers' and services' pids, addresses and health."""
+        """What this state directory's ``kiln up`` started, and whether each answers.
+
+        Reads ``endpoints.json`` and the pid files, not the current environment: a server is
+        probed at the URL ``up`` recorded (a real PostgreSQL / NATS connection), a service at
+        the address ``up`` gave it, and only when its process (from its pid file) runs; a
+        component this state directory did not start is never reported healthy.
+        """
         recorded = self.recorded()
-        rows = [
-            self._server_status(
-                "postgres", self.postgres.pid, self.settings.database_url, recorded,
-                self.postgres.url,
-            ),
-            self._server_status(
-                "nats", self.nats.pid, self.settings.nats_url, recorded, self.nats.url
-            ),
-        ]  # fmt: skip
 
-        async def check_all() -> list[bool]:
-            return list(await asyncio.gather(*(_healthy(s.addr) for s in self.services.values())))
+        async def check_all() -> list[ComponentStatus]:
+            rows = [self._postgres_status(recorded), self._nats_status(recorded)]
+            rows += [self._service_status(svc) for svc in self.services.values()]
+            return list(await asyncio.gather(*rows))
 
-        health = asyncio.run(check_all())
-        for svc, healthy in zip(self.services.values(), health, strict=True):
-            pid = svc.pid
-            rows.append(
-                ComponentStatus(svc.name, pid, svc.addr, healthy, "" if pid else "not running")
-            )
-        return rows
+        return asyncio.run(check_all())
+
+    async def _postgres_status(self, recorded: Endpoints | None) -> ComponentStatus:
+        if recorded is not None and not recorded.embedded.get("postgres", True):
+            return await _external("postgres", recorded.database_url, _postgres_problem)
+        pid = self.postgres.pid
+        if pid is None:
+            return _not_running("postgres", self.postgres.url, 5432)
+        if recorded is None:
+            self.postgres.adopt_running_port()
+        url = recorded.database_url if recorded is not None else self.postgres.url
+        problem = await _postgres_problem(url)
+        return ComponentStatus(
+            "postgres", pid, redact_url(url), problem is None, _note("embedded", problem)
+        )
+
+    async def _nats_status(self, recorded: Endpoints | None) -> ComponentStatus:
+        if recorded is not None and not recorded.embedded.get("nats", True):
+            return await _external("nats", recorded.nats_url, nats_problem)
+        pid = self.nats.pid
+        if pid is None:
+            return _not_running("nats", self.nats.url, 4222)
+        if recorded is None:
+            self.nats.adopt_running_port()
+        url = recorded.nats_url if recorded is not None else self.nats.url
+        problem = await nats_problem(url)
+        return ComponentStatus("nats", pid, url, problem is None, _note("embedded", problem))
+
+    async def _service_status(self, svc: ServiceProcess) -> ComponentStatus:
+        pid = svc.pid
+        if pid is None:
+            if await asyncio.to_thread(_answers, svc.addr):
+                note = f"not running (something else answers at {svc.addr})"
+            else:
+                note = "not running"
+            return ComponentStatus(svc.name, None, svc.addr, False, note)
+        healthy = await _healthy(svc.addr)
+        return ComponentStatus(svc.name, pid, svc.addr, healthy, "" if healthy else "not SERVING")
 
     # ----------------------------------------------------------------- helpers
-    def _service(self, name: str) -> ServiceProcess:
-        addr = self.settings.service_addr(cast(ServiceName, name))
-        recorded = self.recorded()
+    def _service(self, name: str, recorded: Endpoints | None) -> ServiceProcess:
+        """The service's process; its address is the one ``up`` recorded unless
+        ``KILN_<NAME>_ADDR`` is set and the service does not run (then the new one)."""
+        svc = ServiceProcess(
+            name,
+            self.settings.service_addr(cast(ServiceName, name)),
+            self.state_dir / "run",
+            self.state_dir / "logs",
+        )
         explicit = f"{name.replace('-', '_')}_addr" in self.settings.model_fields_set
-        if recorded and name in recorded.services and not explicit:
-            addr = recorded.services[name]
-        return ServiceProcess(name, addr, self.state_dir / "run", self.state_dir / "logs")
+        if recorded and name in recorded.services and (not explicit or svc.is_running()):
+            svc.addr = recorded.services[name]
+        return svc
 
-    def _server_status(
-        self,
-        name: str,
-        pid: int | None,
-        configured: str | None,
-        recorded: Endpoints | None,
-        embedded_url: str,
-    ) -> ComponentStatus:
-        recorded_url = None
-        if recorded is not None:
-            recorded_url = recorded.database_url if name == "postgres" else recorded.nats_url
-        if not configured and recorded is not None and not recorded.embedded.get(name, True):
-            configured = recorded_url  # `up` ran against an external server
-        if configured:
-            return ComponentStatus(
-                name, None, redact_url(configured), _reachable(configured), "external"
-            )
-        if pid is None:
-            return ComponentStatus(name, None, redact_url(embedded_url), False, "not running")
-        url = recorded_url or embedded_url
-        return ComponentStatus(name, pid, redact_url(url), _reachable(url), "embedded")
+
+@contextlib.contextmanager
+def _quiet_alembic() -> Iterator[None]:
+    """Alembic's loggers at WARNING for the block (it logs "setup plugin ..." at INFO)."""
+    logger = logging.getLogger("alembic")
+    before = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+def _note(kind: str, problem: str | None) -> str:
+    return kind if problem is None else f"{kind}: {problem}"
+
+
+async def _external(name: str, url: str, probe: object) -> ComponentStatus:
+    problem = await probe(url)  # type: ignore[operator]
+    return ComponentStatus(name, None, redact_url(url), problem is None, _note("external", problem))
+
+
+def _not_running(name: str, url: str, default_port: int) -> ComponentStatus:
+    """An embedded server that does not run; says so when something else holds its port."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or default_port
+    note = "not running"
+    if port_open(host, port):
+        note = f"not running (something else answers at {host}:{port})"
+    return ComponentStatus(name, None, redact_url(url), False, note)
+
+
+def _taken_message(svc: ServiceProcess) -> str:
+    return (
+        f"{svc.name}: {svc.addr} is already in use by another program; set "
+        f"{addr_env_var(svc.name)} to a free address (or stop that program) and run "
+        "`kiln up` again"
+    )
+
+
+def _answers(addr: str) -> bool:
+    """True when something accepts TCP connections at the gRPC address ``addr``."""
+    try:
+        host, port = split_host_port(addr)
+    except ValueError:
+        return False
+    if host in ("0.0.0.0", "::", "*"):
+        host = "127.0.0.1"
+    return port_open(host, port)
 
 
 def redact_url(url: str) -> str:
     """``url`` without a password."""
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        return parts._replace(netloc=netloc).geturl()
+    try:
+        parts = urlsplit(url)
+        if parts.password:
+            netloc = f"{parts.username}:***@{parts.hostname}" + (
+                f":{parts.port}" if parts.port else ""
+            )
+            return parts._replace(netloc=netloc).geturl()
+    except ValueError:
+        pass
     return url
 
 
-def _reachable(url: str) -> bool:
-    """True when the host and port of ``url`` accept TCP connections."""
-    parts = urlsplit(url)
-    default = 4222 if parts.scheme.startswith("nats") else 5432
+async def _postgres_problem(url: str) -> str | None:
+    """None when PostgreSQL at the SQLAlchemy ``url`` accepts a connection and answers a
+    query; else why not, in a few words."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
     try:
-        return port_open(parts.hostname or "127.0.0.1", parts.port or default)
-    except ValueError:
-        return False
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return f"invalid URL: {redact_url(url)!r}"
+    if not parsed.drivername.startswith("postgresql"):
+        return f"not a PostgreSQL URL: {redact_url(url)!r}"
+    conninfo = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+
+    def probe() -> str | None:
+        import psycopg
+
+        try:
+            with psycopg.connect(conninfo, connect_timeout=3) as conn:
+                conn.execute("SELECT 1")
+            return None
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            return f"cannot connect: {first}"
+
+    return await asyncio.to_thread(probe)
 
 
 async def _healthy(addr: str) -> bool:

@@ -8,6 +8,7 @@ unknown fields, so a typo is an error instead of silently stored data.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -57,7 +58,7 @@ class EventSchema(BaseModel):
     ``kiln.events.types``.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     event_type: ClassVar[str]
     schema_version: ClassVar[int] = 1
@@ -130,15 +131,7 @@ def validate_event(
         raise SchemaError(
             f"event type {event_type!r} belongs in '{schema.category}-*' streams, not {stream_id!r}"
         )
-    if isinstance(data, (bytes, str)):
-        try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise SchemaError(f"{event_type} payload is not valid JSON: {exc}") from None
-    else:
-        obj = data
-    if not isinstance(obj, dict):
-        raise SchemaError(f"{event_type} payload must be a JSON object, got {type(obj).__name__}")
+    obj = parse_json_object(event_type, data)
     try:
         model = schema.model_validate(obj)
     except ValidationError as exc:
@@ -147,6 +140,63 @@ def validate_event(
         )
         raise SchemaError(f"{event_type} v{version} payload is invalid: {problems}") from None
     return version, model.model_dump(mode="json")
+
+
+MAX_DEPTH = 32
+"""Deepest nesting of objects and arrays a payload may have."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json_object(event_type: str, data: bytes | str | dict[str, Any]) -> dict[str, Any]:
+    """Parse and check a payload is storable JSON: an object, strict JSON (no NaN/Infinity),
+    at most ``MAX_DEPTH`` levels deep, no NUL characters or lone surrogates in strings or keys
+    (PostgreSQL's jsonb cannot store them), finite numbers only.
+
+    Raises SchemaError naming the problem.
+    """
+    if isinstance(data, (bytes, str)):
+        try:
+            obj = json.loads(data, parse_constant=_reject_constant)
+        except RecursionError:
+            raise SchemaError(f"{event_type} payload is nested too deeply") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SchemaError(f"{event_type} payload is not valid JSON: {exc}") from None
+    else:
+        obj = data
+    if not isinstance(obj, dict):
+        raise SchemaError(f"{event_type} payload must be a JSON object, got {type(obj).__name__}")
+    stack: list[tuple[Any, int, str]] = [(obj, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > MAX_DEPTH:
+            raise SchemaError(f"{event_type} payload is nested more than {MAX_DEPTH} levels deep")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise SchemaError(
+                        f"{event_type} payload key {key!r} at {path or '<root>'} is not a string"
+                    )
+                _check_text(event_type, key, f"key {path}.{key}")
+                stack.append((item, depth + 1, f"{path}.{key}"))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, f"{path}[{i}]") for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(event_type, value, path or "<root>")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise SchemaError(f"{event_type} payload has a non-finite number at {path}")
+    return obj
+
+
+def _check_text(event_type: str, text: str, where: str) -> None:
+    if "\x00" in text:
+        raise SchemaError(f"{event_type} payload has a NUL character at {where} (not storable)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SchemaError(f"{event_type} payload has an unpaired surrogate at {where}") from None
 
 
 def parse_payload(schema: type[S], data: bytes | dict[str, Any]) -> S:

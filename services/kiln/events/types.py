@@ -4,8 +4,9 @@ Streams:
     ``compilation-<id>``: one compilation's life (submitted, planned, baseline, best, ended).
     ``experiment-<id>``: one experiment (requested, completed).
 
-Times inside payloads are not needed: every event carries ``recorded_at`` from the ledger.
-Units: milliseconds for latencies, tokens/s for throughput, bytes for memory.
+Payloads do not repeat what the envelope carries: the compilation or experiment id is the
+stream id's, the team is the appending call's (``metadata.team``), and the time is the ledger's
+``recorded_at``. Units: milliseconds for latencies, tokens/s for throughput, bytes for memory.
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ ExperimentStatus = Literal["ok", "incorrect", "crashed", "timed_out", "rejected"
 EndStatus = Literal["succeeded", "cancelled", "failed"]
 
 
-class Budget(EventSchema):
-    """Compilation limits: wall-clock seconds (>0) and experiment count (0 = unlimited)."""
+MAX_WALL_SECONDS = 30 * 24 * 3600.0
+MAX_EXPERIMENTS = 1_000_000
 
-    wall_seconds: float = Field(gt=0)
-    max_experiments: int = Field(0, ge=0)
+
+class Budget(EventSchema):
+    """Compilation limits: wall-clock seconds (0 < s <= 30 days) and experiment count
+    (0 = unlimited, at most 1,000,000)."""
+
+    wall_seconds: float = Field(gt=0, le=MAX_WALL_SECONDS)
+    max_experiments: int = Field(0, ge=0, le=MAX_EXPERIMENTS)
 
 
 class CompilationSubmitted(EventSchema):
@@ -34,8 +40,6 @@ class CompilationSubmitted(EventSchema):
     event_type = "CompilationSubmitted"
     category = "compilation"
 
-    compilation_id: str = Field(min_length=1, max_length=128)
-    team: str = Field(min_length=1)
     workload_key: str = Field(min_length=1)
     model_name: str = Field(min_length=1)
     hardware: str = Field(min_length=1)
@@ -105,7 +109,6 @@ class ExperimentRequested(EventSchema):
     event_type = "ExperimentRequested"
     category = "experiment"
 
-    experiment_id: str
     compilation_id: str
     candidate_id: str
     candidate: dict[str, Any] = Field(description="The kiln.v1.Candidate message as JSON.")
@@ -119,7 +122,6 @@ class ExperimentCompleted(EventSchema):
     event_type = "ExperimentCompleted"
     category = "experiment"
 
-    experiment_id: str
     compilation_id: str
     candidate_id: str
     status: ExperimentStatus
@@ -129,7 +131,7 @@ class ExperimentCompleted(EventSchema):
     p10_ms: float = Field(0.0, ge=0)
     p90_ms: float = Field(0.0, ge=0)
     tokens_per_s: float = Field(0.0, ge=0)
-    memory_bytes: int = Field(0, ge=0)
+    memory_bytes: int = Field(0, ge=0, le=2**62)
     engine_id: str = ""
     tier: Tier
     error: str = ""

@@ -50,9 +50,7 @@ class LedgerApp:
         async with self.engine.connect() as conn:
             if await conn.scalar(text("SELECT to_regclass('public.events')")) is None:
                 raise RuntimeError("the ledger database is not migrated: run `kiln migrate` first")
-        self.store = store = EventStore(
-            self.engine, max_event_bytes=self.settings.max_event_bytes
-        )
+        self.store = store = EventStore(self.engine, max_event_bytes=self.settings.max_event_bytes)
         projector = Projector(self.engine)
         self._spawn(self.notifier.run(libpq_dsn(self.database_url), self._stop))
         self._spawn(projector.run(self._stop, self.notifier, self.settings.poll_interval_s * 5))

@@ -6,11 +6,11 @@ subclasses (``NotFound``, ``Aborted``, ``InvalidArgument``, ``Unavailable`` ...)
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
 from kiln.common.client import team_channel
 from kiln.common.errors import InvalidArgument, from_rpc_error
@@ -132,7 +132,7 @@ class LedgerClient:
                 resp = await self._stub.Query(request, timeout=self._timeout)
             except grpc.RpcError as err:
                 raise from_rpc_error(err) from None
-            rows.extend(MessageToDict(r) for r in resp.rows)
+            rows.extend(json.loads(r) for r in resp.rows_json)
             token = resp.next_page_token
             if limit or not token:
                 return rows

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import uuid
 from datetime import datetime
 from typing import Any
 
-from google.protobuf.struct_pb2 import Struct
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kiln.common.errors import InvalidArgument
@@ -45,12 +43,20 @@ def expected_to_proto(expected: ExpectedVersion) -> ledger_pb2.ExpectedVersion:
     return msg
 
 
-def event_from_proto(msg: ledger_pb2.EventData, default_causation: str | None) -> NewEvent:
-    """An EventData as a NewEvent; an empty event id gets a fresh UUID (not retry-safe)."""
+def event_from_proto(
+    msg: ledger_pb2.EventData, default_causation: str | None, index: int = 0
+) -> NewEvent:
+    """An EventData as a NewEvent. Raises InvalidArgument for a missing event id (clients
+    choose ids so that a retried append is recognised)."""
+    if not msg.event_id:
+        raise InvalidArgument(
+            f"event {index}: event_id is required (a UUID the client chooses, so retries are "
+            "idempotent)"
+        )
     return NewEvent(
         type=msg.type,
         data=bytes(msg.data),
-        event_id=msg.event_id or str(uuid.uuid4()),
+        event_id=msg.event_id,
         schema_version=msg.schema_version,
         correlation_id=msg.correlation_id or None,
         causation_id=msg.causation_id or default_causation,
@@ -105,8 +111,10 @@ def recorded_to_proto(event: StoredEvent) -> ledger_pb2.RecordedEvent:
     )
 
 
-def row_to_struct(row: dict[str, Any]) -> Struct:
-    """A projection row as a Struct (times as ISO 8601 text, None as null)."""
-    s = Struct()
-    s.update({k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()})
-    return s
+def row_to_json(row: dict[str, Any]) -> str:
+    """A projection row as one JSON object (times as ISO 8601 text, None as null, columns in
+    table order)."""
+    return json.dumps(
+        {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()},
+        ensure_ascii=False,
+    )

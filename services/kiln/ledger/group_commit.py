@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 from prometheus_client import Histogram
 from sqlalchemy import func, select, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kiln.common.errors import Aborted, AlreadyExists, InvalidArgument, KilnError
@@ -106,27 +107,41 @@ class GroupCommitter:
             while len(group) < self.max_group and not self._queue.empty():
                 group.append(self._queue.get_nowait())
             try:
-                async with self.engine.begin() as conn:
-                    outcomes = await self._commit(conn, group)
+                await self._commit_group(group)
             except asyncio.CancelledError:
                 for pending in group:
                     if not pending.future.done():
                         pending.future.set_exception(RuntimeError("the ledger is shutting down"))
                 raise
-            except Exception as exc:  # the transaction rolled back: nothing of the group stored
-                log.warning("group commit failed", appends=len(group), error=str(exc))
-                for pending in group:
-                    if not pending.future.done():
-                        pending.future.set_exception(exc)
+
+    async def _commit_group(self, group: list[PendingAppend]) -> None:
+        """Commit ``group`` in one transaction; if that fails (nothing of it was stored), commit
+        each append alone so one bad append cannot fail the others."""
+        try:
+            async with self.engine.begin() as conn:
+                outcomes = await self._commit(conn, group)
+        except Exception as exc:
+            if len(group) == 1:
+                log.warning("append failed", stream_id=group[0].stream_id, error=str(exc))
+                if not group[0].future.done():
+                    group[0].future.set_exception(_as_kiln_error(exc, group[0].stream_id))
+                return
+            log.warning(
+                "group commit failed; committing its appends one by one",
+                appends=len(group),
+                error=str(exc),
+            )
+            for pending in group:
+                await self._commit_group([pending])
+            return
+        GROUP_SIZE.observe(len(group))
+        for pending, outcome in zip(group, outcomes, strict=True):
+            if pending.future.done():
                 continue
-            GROUP_SIZE.observe(len(group))
-            for pending, outcome in zip(group, outcomes, strict=True):
-                if pending.future.done():
-                    continue
-                if isinstance(outcome, KilnError):
-                    pending.future.set_exception(outcome)
-                else:
-                    pending.future.set_result(outcome)
+            if isinstance(outcome, KilnError):
+                pending.future.set_exception(outcome)
+            else:
+                pending.future.set_result(outcome)
 
     async def _commit(
         self, conn: AsyncConnection, group: list[PendingAppend]
@@ -215,6 +230,15 @@ class GroupCommitter:
                 ]
                 outcomes.append(AppendResult(found, versions[pending.stream_id], True))
         return outcomes
+
+
+def _as_kiln_error(exc: Exception, stream_id: str) -> Exception:
+    """A database error of one append as the caller's error: a constraint violation means a
+    writer outside this ledger's lock won the version or id (Aborted); anything else is
+    returned unchanged (the runtime reports it as INTERNAL)."""
+    if isinstance(exc, IntegrityError):
+        return Aborted(f"concurrent append to {stream_id!r} lost: {exc.orig}")
+    return exc
 
 
 def _prior(pending: PendingAppend, stored: dict[str, _Stored]) -> list[_Stored] | None:

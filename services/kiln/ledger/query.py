@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, Float, Integer, Table, select
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, Integer, Table, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kiln.common.errors import InvalidArgument
@@ -32,18 +34,40 @@ def _cast(table: Table, column: str, value: str) -> Any:
             return int(value)
         if isinstance(col.type, Float):
             return float(value)
+        if isinstance(col.type, DateTime):
+            parsed = datetime.fromisoformat(value)
+            if parsed.tzinfo is None:
+                raise ValueError(value)
+            return parsed
     except ValueError:
-        raise InvalidArgument(
-            f"filter {column}={value!r}: not a valid {col.type.python_type.__name__}"
-        ) from None
+        kind = (
+            "ISO 8601 time with a UTC offset"
+            if isinstance(col.type, DateTime)
+            else col.type.python_type.__name__
+        )
+        raise InvalidArgument(f"filter {column}={value!r}: not a valid {kind}") from None
     return value
 
 
-def _decode_token(token: str) -> str:
+def _query_id(projection: str, filters: dict[str, str]) -> str:
+    """Identifies a query, so a page token is only accepted for the query that made it."""
+    text = json.dumps([projection, sorted(filters.items())])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _encode_token(after: Any, query_id: str) -> str:
+    return base64.urlsafe_b64encode(json.dumps({"after": after, "q": query_id}).encode()).decode()
+
+
+def _decode_token(token: str, query_id: str) -> str:
     try:
-        return str(json.loads(base64.urlsafe_b64decode(token.encode()))["after"])
+        obj = json.loads(base64.urlsafe_b64decode(token.encode()))
+        after, token_query = str(obj["after"]), obj["q"]
     except (ValueError, KeyError, TypeError):
         raise InvalidArgument(f"malformed page_token {token!r}") from None
+    if token_query != query_id:
+        raise InvalidArgument("page_token belongs to another query (projection or filter differ)")
+    return after
 
 
 async def query(
@@ -84,8 +108,9 @@ async def query(
                 f"{projection} has no column {column!r}; columns: {', '.join(table.c.keys())}"
             )
         stmt = stmt.where(table.c[column] == _cast(table, column, value))
+    query_id = _query_id(projection, filters)
     if page_token:
-        stmt = stmt.where(table.c[key] > _decode_token(page_token))
+        stmt = stmt.where(table.c[key] > _decode_token(page_token, query_id))
     stmt = stmt.order_by(table.c[key]).limit(limit + 1)
     async with engine.connect() as conn:
         checkpoint = await read_checkpoint(conn)
@@ -93,7 +118,5 @@ async def query(
     next_token = ""
     if len(rows) > limit:
         rows = rows[:limit]
-        next_token = base64.urlsafe_b64encode(
-            json.dumps({"after": rows[-1][key]}).encode()
-        ).decode()
+        next_token = _encode_token(rows[-1][key], query_id)
     return rows, next_token, checkpoint

@@ -13,15 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kiln.ledger.projections import all_projections
-from kiln.ledger.projections.base import Projection, Rows
+from kiln.ledger.projections.base import FOLD_ERRORS, Projection, Rows
 from kiln.ledger.projections.checkpoint import lock_projector, read_checkpoint
 from kiln.ledger.projections.rows import load_rows
 from kiln.ledger.store import _row_to_event
-from kiln.ledger.tables import events
+from kiln.ledger.tables import events, projection_failures
 
 MAX_DIFFERENCES = 5
 
@@ -40,12 +40,16 @@ class ProjectionDiff:
 
 @dataclass
 class ReplayReport:
-    """What a replay found: the checkpoint it rebuilt to, events folded, per-projection diffs."""
+    """What a replay found: the checkpoint it rebuilt to, events folded, per-projection diffs,
+    the head position (a checkpoint below it means the projector is behind) and how many events
+    the projector quarantined."""
 
     checkpoint_position: int
     events_replayed: int
     projections: list[ProjectionDiff]
     duration_s: float
+    head_position: int = 0
+    quarantined_events: int = 0
 
     @property
     def equal(self) -> bool:
@@ -82,7 +86,10 @@ async def _rebuild(
             count += 1
             for proj in projections:
                 if event.type in proj.handles:
-                    proj.apply(rebuilt[proj.name], event)
+                    try:
+                        proj.apply(rebuilt[proj.name], event)
+                    except FOLD_ERRORS:
+                        pass  # the live projector quarantined it too
     return rebuilt, count
 
 
@@ -115,6 +122,10 @@ async def replay(
             )
             await conn.begin()
         checkpoint = await read_checkpoint(conn)
+        head = int(await conn.scalar(select(func.coalesce(func.max(events.c.position), 0))) or 0)
+        quarantined = int(
+            await conn.scalar(select(func.count()).select_from(projection_failures)) or 0
+        )
         rebuilt, count = await _rebuild(conn, projections, checkpoint)
         diffs = []
         for proj in projections:
@@ -127,4 +138,4 @@ async def replay(
                 diff.applied = True
             diffs.append(diff)
         await conn.commit()
-    return ReplayReport(checkpoint, count, diffs, time.perf_counter() - started)
+    return ReplayReport(checkpoint, count, diffs, time.perf_counter() - started, head, quarantined)

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import structlog
 from prometheus_client import Counter, Histogram
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from kiln.common.errors import InvalidArgument
+from kiln.common.errors import InvalidArgument, Unavailable
 from kiln.common.identity import current_call
 from kiln.common.settings import KilnSettings
+from kiln.events import registered_types
 from kiln.ledger import convert
 from kiln.ledger.notifier import CommitNotifier
 from kiln.ledger.query import query
@@ -39,6 +40,15 @@ def _projection_name(value: int) -> str:
     return name
 
 
+def _check_types(types: Sequence[str]) -> None:
+    known = registered_types()
+    unknown = sorted(set(types) - set(known))
+    if unknown:
+        raise InvalidArgument(
+            f"unknown event type(s) {', '.join(unknown)}; known: {', '.join(known)}"
+        )
+
+
 class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     """kiln.v1.Ledger over an :class:`EventStore`; errors are ``KilnError`` (mapped by the
     runtime to gRPC status codes)."""
@@ -61,7 +71,9 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         self, request: ledger_pb2.AppendRequest, context: grpc.aio.ServicerContext
     ) -> ledger_pb2.AppendResponse:
         call = current_call()
-        new_events = [convert.event_from_proto(e, call.causation_id) for e in request.events]
+        new_events = [
+            convert.event_from_proto(e, call.causation_id, i) for i, e in enumerate(request.events)
+        ]
         expected = convert.expected_from_proto(
             request.expected_version, request.HasField("expected_version")
         )
@@ -108,6 +120,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     async def ReadAll(
         self, request: ledger_pb2.ReadAllRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ledger_pb2.RecordedEvent]:
+        _check_types(request.types)
         after = request.after_position
         remaining = request.max_count or None
         page = self.settings.read_page_size
@@ -126,8 +139,12 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
                         return
                 if len(batch) == size:
                     continue
-            if not request.follow or self.closing.is_set():
+            if not request.follow:
                 return
+            if self.closing.is_set():
+                raise Unavailable(
+                    f"the ledger is shutting down; resume with after_position={after}"
+                )
             await self.notifier.wait(self.settings.poll_interval_s)
 
     async def Query(
@@ -141,7 +158,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
             page_token=request.page_token,
         )
         return ledger_pb2.QueryResponse(
-            rows=[convert.row_to_struct(r) for r in rows],
+            rows_json=[convert.row_to_json(r) for r in rows],
             next_page_token=token,
             checkpoint_position=checkpoint,
         )
@@ -159,6 +176,8 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         )
         response = ledger_pb2.ReplayResponse(
             checkpoint_position=report.checkpoint_position,
+            head_position=report.head_position,
+            quarantined_events=report.quarantined_events,
             events_replayed=report.events_replayed,
             equal=report.equal,
             duration_s=report.duration_s,

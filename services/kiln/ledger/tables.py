@@ -6,6 +6,7 @@ events        append-only; ``position`` is the global order, assigned under an a
               UNIQUE(event_id) makes re-appends idempotent. UPDATE/DELETE are refused by trigger.
 outbox        positions committed but not yet acknowledged by JetStream.
 projection_checkpoints   last position applied per projection, written in the projection's txn.
+projection_failures      events the projector could not fold (quarantined, skipped, reported).
 proj_*        the projections (see kiln.ledger.projections).
 """
 
@@ -52,6 +53,16 @@ outbox = Table(
     Column("position", BigInteger, primary_key=True),
 )
 
+projection_failures = Table(
+    "projection_failures",
+    metadata,
+    Column("position", BigInteger, primary_key=True),
+    Column("event_id", UUID(as_uuid=False), nullable=False),
+    Column("type", Text, nullable=False),
+    Column("error", Text, nullable=False),
+    Column("failed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
 projection_checkpoints = Table(
     "projection_checkpoints",
     metadata,
@@ -73,9 +84,9 @@ def compilations_table(name: str = "proj_compilations", md: MetaData = metadata)
         Column("hardware", Text, nullable=False),
         Column("status", Text, nullable=False),
         Column("budget_wall_seconds", Float, nullable=False),
-        Column("budget_max_experiments", Integer, nullable=False),
-        Column("experiments_done", Integer, nullable=False),
-        Column("failures", Integer, nullable=False),
+        Column("budget_max_experiments", BigInteger, nullable=False),
+        Column("experiments_done", BigInteger, nullable=False),
+        Column("failures", BigInteger, nullable=False),
         Column("baseline_tokens_per_s", Float),
         Column("best_candidate_id", Text),
         Column("best_tokens_per_s", Float),

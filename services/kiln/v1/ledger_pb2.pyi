@@ -7,7 +7,6 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import empty_pb2 as _empty_pb2
 from google.protobuf import message as _message
-from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -96,7 +95,7 @@ class EventData(_message.Message):
     CORRELATION_ID_FIELD_NUMBER: _builtins.int
     CAUSATION_ID_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
-    """Unique id (UUID text). Re-appending the same id is idempotent."""
+    """Unique id (UUID text), chosen by the client so a retry is idempotent. Required."""
     type: _builtins.str
     """Registered event type, e.g. "CompilationSubmitted"."""
     schema_version: _builtins.int
@@ -378,7 +377,7 @@ class QueryRequest(_message.Message):
     limit: _builtins.int
     """0 means the server's page size."""
     page_token: _builtins.str
-    """Opaque token from a previous response."""
+    """Opaque token from a previous response to the same projection and filter."""
     @_builtins.property
     def filter(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Column equality filters, e.g. {"team": "search", "status": "running"}."""
@@ -403,24 +402,26 @@ Global___QueryRequest: _TypeAlias = QueryRequest  # noqa: Y015
 class QueryResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    ROWS_FIELD_NUMBER: _builtins.int
+    ROWS_JSON_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     CHECKPOINT_POSITION_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     checkpoint_position: _builtins.int
     """Global position the projection reflects."""
     @_builtins.property
-    def rows(self) -> _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]: ...
+    def rows_json(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """One JSON object per row: integers stay integers, times are ISO 8601 text."""
+
     def __init__(
         self,
         *,
-        rows: _abc.Iterable[_struct_pb2.Struct] | None = ...,
+        rows_json: _abc.Iterable[_builtins.str] | None = ...,
         next_page_token: _builtins.str = ...,
         checkpoint_position: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_position", b"checkpoint_position", "next_page_token", b"next_page_token", "rows", b"rows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_position", b"checkpoint_position", "next_page_token", b"next_page_token", "rows_json", b"rows_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -499,11 +500,17 @@ class ReplayResponse(_message.Message):
     EQUAL_FIELD_NUMBER: _builtins.int
     DURATION_S_FIELD_NUMBER: _builtins.int
     REPLAYED_AT_FIELD_NUMBER: _builtins.int
+    HEAD_POSITION_FIELD_NUMBER: _builtins.int
+    QUARANTINED_EVENTS_FIELD_NUMBER: _builtins.int
     checkpoint_position: _builtins.int
     """The live projections' checkpoint the rebuild was taken at."""
     events_replayed: _builtins.int
     equal: _builtins.bool
     duration_s: _builtins.float
+    head_position: _builtins.int
+    """The newest committed position; above checkpoint_position while the projector catches up."""
+    quarantined_events: _builtins.int
+    """Events the projector could not fold and skipped (see projection_failures)."""
     @_builtins.property
     def projections(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProjectionReplay]: ...
     @_builtins.property
@@ -517,10 +524,12 @@ class ReplayResponse(_message.Message):
         equal: _builtins.bool = ...,
         duration_s: _builtins.float = ...,
         replayed_at: _timestamp_pb2.Timestamp | None = ...,
+        head_position: _builtins.int = ...,
+        quarantined_events: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["replayed_at", b"replayed_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_position", b"checkpoint_position", "duration_s", b"duration_s", "equal", b"equal", "events_replayed", b"events_replayed", "projections", b"projections", "replayed_at", b"replayed_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_position", b"checkpoint_position", "duration_s", b"duration_s", "equal", b"equal", "events_replayed", b"events_replayed", "head_position", b"head_position", "projections", b"projections", "quarantined_events", b"quarantined_events", "replayed_at", b"replayed_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,6 +14,10 @@ from sqlalchemy import Table
 
 from kiln.ledger.model import StoredEvent
 
+FOLD_ERRORS: tuple[type[Exception], ...] = (KeyError, TypeError, ValueError, ArithmeticError)
+"""What a fold raises on an event it cannot make sense of (e.g. an older schema): the live
+projector quarantines such an event and replay skips it, so both stay comparable."""
+
 Row = dict[str, Any]
 Rows = dict[str, Row]
 

@@ -40,7 +40,7 @@ class CompilationsProjection(Projection):
         if event.type == "CompilationSubmitted":
             rows[key] = {
                 "compilation_id": key,
-                "team": d["team"],
+                "team": event.metadata.get("team") or "",
                 "workload_key": d["workload_key"],
                 "model_name": d["model_name"],
                 "hardware": d["hardware"],

@@ -14,7 +14,9 @@ class ExperimentsProjection(Projection):
     handles = frozenset({"ExperimentRequested", "ExperimentCompleted"})
 
     def key_of(self, event: StoredEvent) -> str | None:
-        return str(event.data["experiment_id"]) if event.type in self.handles else None
+        if event.type not in self.handles:
+            return None
+        return event.stream_id.partition("-")[2]
 
     def apply(self, rows: Rows, event: StoredEvent) -> None:
         key = self.key_of(event)

@@ -1,0 +1,219 @@
+"""The hardware catalogue: one entry per target the cost model can plan for.
+
+Every number carries its source in ``Hardware.sources`` (field name -> citation). Vendor figures
+are the datasheets' *dense* tensor-core rates (NVIDIA quotes sparse rates first; dense is half).
+Capacities are the datasheets' "GB" read as 10^9 bytes, which is conservative: the devices report
+a little more (an H200 shows 143,771 MiB in ``nvidia-smi``, about 150.7e9 bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.common.errors import NotFound
+
+GB = 10**9
+TB = 10**12
+TFLOPS = 10**12
+
+_NVLINK4 = (
+    "NVLink 4 (Hopper SXM): 900 GB/s total bidirectional per GPU, i.e. 450 GB/s per direction "
+    "(NVIDIA H100/H200 datasheets)"
+)
+_NCCL_LATENCY = (
+    "assumption: ~5 us per small collective inside one NVLink/NVSwitch node, the order of "
+    "NCCL's low-latency (LL) protocol at a few KiB (nccl-tests all_reduce_perf, 8 GPUs); the "
+    "microbenchmark tier will measure it"
+)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device type and the node it comes in.
+
+    Attributes:
+        name: catalogue key ("cpu", "h100", "h200", "b200").
+        description: what the entry describes.
+        memory_bytes: device memory capacity, bytes.
+        memory_bandwidth_bytes_per_s: peak device memory bandwidth, bytes/s.
+        dense_bf16_flops: dense BF16 tensor rate, FLOP/s.
+        dense_fp8_flops: dense FP8 tensor rate, FLOP/s (0 when the device has none).
+        interconnect_bandwidth_bytes_per_s: device-to-device bandwidth per device and per
+            direction, bytes/s (0 when there is no interconnect).
+        interconnect: the link's name, e.g. "NVLink 4".
+        max_devices_per_node: devices in one node (one NVLink domain), the default device count.
+        achievable_bandwidth_fraction: measured or assumed fraction of the peak memory bandwidth
+            a streaming read reaches; the roofline divides bytes by peak × this fraction.
+        collective_latency_s: fixed cost of one small collective (all-reduce, all-to-all, or a
+            point-to-point send) over the interconnect, seconds.
+        sources: field name -> where the number comes from.
+    """
+
+    name: str
+    description: str
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+    dense_bf16_flops: float
+    dense_fp8_flops: float
+    interconnect_bandwidth_bytes_per_s: float
+    interconnect: str
+    max_devices_per_node: int
+    achievable_bandwidth_fraction: float = 1.0
+    collective_latency_s: float = 0.0
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def achievable_bandwidth_bytes_per_s(self) -> float:
+        """Peak memory bandwidth × ``achievable_bandwidth_fraction``, bytes/s."""
+        return self.memory_bandwidth_bytes_per_s * self.achievable_bandwidth_fraction
+
+    def flops_for(self, weight_dtype: str) -> float:
+        """Dense tensor rate used for matmuls with weights in ``weight_dtype``, FLOP/s.
+
+        FP8 weights use the FP8 rate (W8A8, how DeepSeek-V3's FP8 checkpoint is served) when the
+        device has one, else BF16 (weights dequantised); float32 uses half the BF16 rate (the
+        TF32 tensor-core rate is half the BF16 one on Hopper and Blackwell datasheets); the rest
+        use BF16.
+        """
+        if weight_dtype.startswith("float8") and self.dense_fp8_flops > 0:
+            return self.dense_fp8_flops
+        if weight_dtype == "float32":
+            return self.dense_bf16_flops / 2
+        return self.dense_bf16_flops
+
+    def source_summary(self) -> str:
+        """One line naming the entry and the source of each figure (``hardware_source``)."""
+        parts = "; ".join(f"{k}: {v}" for k, v in self.sources.items())
+        return f"{self.name} ({self.description}) — {parts}"
+
+
+_H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column)"
+_H200_SHEET = "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column)"
+_B200_SHEET = "NVIDIA DGX B200 / HGX B200 datasheets (8-GPU totals divided by 8)"
+
+CATALOGUE: dict[str, Hardware] = {
+    "cpu": Hardware(
+        name="cpu",
+        description="a generic small server CPU target: a 2-vCPU VM, as kiln's CI machine",
+        memory_bytes=16 * GB,
+        memory_bandwidth_bytes_per_s=20 * GB,
+        dense_bf16_flops=100e9,
+        dense_fp8_flops=0.0,
+        interconnect_bandwidth_bytes_per_s=0.0,
+        interconnect="none",
+        max_devices_per_node=1,
+        achievable_bandwidth_fraction=1.0,
+        collective_latency_s=0.0,
+        sources={
+            "memory_bytes": "assumption: 16 GB of RAM usable by one engine on a small VM",
+            "memory_bandwidth_bytes_per_s": (
+                "assumption: ~20 GB/s sustained (STREAM-like) for 2 vCPUs on DDR4/DDR5 servers; "
+                "already an achievable figure, so the fraction is 1.0"
+            ),
+            "dense_bf16_flops": (
+                "assumption: ~100 GFLOP/s BF16 for 2 cores (AVX-512 at ~3 GHz peaks near "
+                "190 GFLOP/s; half of it is what matmul libraries sustain)"
+            ),
+            "dense_fp8_flops": "none: CPUs have no FP8 matmul units",
+            "interconnect": "single device, no interconnect",
+            "note": "all cpu numbers are assumptions until the microbenchmark tier measures them",
+        },
+    ),
+    "h100": Hardware(
+        name="h100",
+        description="NVIDIA H100 SXM5 80 GB in an 8-GPU HGX node",
+        memory_bytes=80 * GB,
+        memory_bandwidth_bytes_per_s=3.35 * TB,
+        dense_bf16_flops=989 * TFLOPS,
+        dense_fp8_flops=1979 * TFLOPS,
+        interconnect_bandwidth_bytes_per_s=450 * GB,
+        interconnect="NVLink 4",
+        max_devices_per_node=8,
+        achievable_bandwidth_fraction=0.89,
+        collective_latency_s=5e-6,
+        sources={
+            "memory_bytes": f"{_H100_SHEET}: 80 GB HBM3",
+            "memory_bandwidth_bytes_per_s": f"{_H100_SHEET}: 3.35 TB/s",
+            "dense_bf16_flops": f"{_H100_SHEET}: 1,979 TFLOPS BF16 with sparsity, 989 dense",
+            "dense_fp8_flops": f"{_H100_SHEET}: 3,958 TFLOPS FP8 with sparsity, 1,979 dense",
+            "interconnect_bandwidth_bytes_per_s": _NVLINK4,
+            "max_devices_per_node": "HGX H100: 8 GPUs per NVSwitch node",
+            "achievable_bandwidth_fraction": (
+                "assumption: the H200's measured 4.26/4.8 (same Hopper memory system)"
+            ),
+            "collective_latency_s": _NCCL_LATENCY,
+        },
+    ),
+    "h200": Hardware(
+        name="h200",
+        description="NVIDIA H200 SXM 141 GB in an 8-GPU HGX node",
+        memory_bytes=141 * GB,
+        memory_bandwidth_bytes_per_s=4.8 * TB,
+        dense_bf16_flops=989 * TFLOPS,
+        dense_fp8_flops=1979 * TFLOPS,
+        interconnect_bandwidth_bytes_per_s=450 * GB,
+        interconnect="NVLink 4",
+        max_devices_per_node=8,
+        achievable_bandwidth_fraction=4.26 / 4.8,
+        collective_latency_s=5e-6,
+        sources={
+            "memory_bytes": f"{_H200_SHEET}: 141 GB HBM3e",
+            "memory_bandwidth_bytes_per_s": f"{_H200_SHEET}: 4.8 TB/s",
+            "dense_bf16_flops": f"{_H200_SHEET}: 1,979 TFLOPS BF16 with sparsity, 989 dense",
+            "dense_fp8_flops": f"{_H200_SHEET}: 3,958 TFLOPS FP8 with sparsity, 1,979 dense",
+            "interconnect_bandwidth_bytes_per_s": _NVLINK4,
+            "max_devices_per_node": "HGX H200: 8 GPUs per NVSwitch node",
+            "achievable_bandwidth_fraction": (
+                "measured: ~4.26 TB/s device-to-device copy on kiln's lent H200 (kiln issue 3), "
+                "4.26 / 4.8 = 0.8875"
+            ),
+            "collective_latency_s": _NCCL_LATENCY,
+        },
+    ),
+    "b200": Hardware(
+        name="b200",
+        description="NVIDIA B200 in an 8-GPU HGX/DGX B200 node",
+        memory_bytes=180 * GB,
+        memory_bandwidth_bytes_per_s=8 * TB,
+        dense_bf16_flops=2250 * TFLOPS,
+        dense_fp8_flops=4500 * TFLOPS,
+        interconnect_bandwidth_bytes_per_s=900 * GB,
+        interconnect="NVLink 5",
+        max_devices_per_node=8,
+        achievable_bandwidth_fraction=0.89,
+        collective_latency_s=5e-6,
+        sources={
+            "memory_bytes": f"{_B200_SHEET}: 1,440 GB HBM3e per 8 GPUs = 180 GB each",
+            "memory_bandwidth_bytes_per_s": f"{_B200_SHEET}: 64 TB/s per 8 GPUs = 8 TB/s each",
+            "dense_bf16_flops": (
+                f"{_B200_SHEET}: 36 PFLOPS FP16/BF16 with sparsity per 8 GPUs = 2.25 PFLOPS dense"
+            ),
+            "dense_fp8_flops": (
+                f"{_B200_SHEET}: 72 PFLOPS FP8 with sparsity per 8 GPUs = 4.5 PFLOPS dense"
+            ),
+            "interconnect_bandwidth_bytes_per_s": (
+                "NVLink 5: 1.8 TB/s total bidirectional per GPU (14.4 TB/s per 8), i.e. 900 GB/s "
+                "per direction (HGX B200 datasheet)"
+            ),
+            "max_devices_per_node": "HGX/DGX B200: 8 GPUs per NVSwitch node",
+            "achievable_bandwidth_fraction": (
+                "assumption: the H200's measured 4.26/4.8 ≈ 0.89 until a B200 is measured"
+            ),
+            "collective_latency_s": _NCCL_LATENCY,
+        },
+    ),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    """The catalogue entry called ``name`` (case-insensitive).
+
+    Raises:
+        NotFound: no such entry; the message lists the known names.
+    """
+    hw = CATALOGUE.get(name.strip().lower())
+    if hw is None:
+        raise NotFound(
+            f"unknown hardware {name!r}: the catalogue has {', '.join(sorted(CATALOGUE))}"
+        )
+    return hw

@@ -1,0 +1,200 @@
+"""Enumerate parallelism plans, prune the infeasible ones with a reason, rank the rest.
+
+Plans: ``tp``, ``pp``, ``dp`` are powers of two with ``tp × pp × dp ≤ num_devices``; for MoE
+models ``ep`` is a power of two ≤ ``tp × dp`` (the EP group is built from one pipeline stage's
+TP and DP ranks, see ``kiln.cost_model.sharding``), for dense models ``ep = 1``; ``dcp`` is a
+power of two dividing the KV replication factor ``tp / min(tp, kv heads)`` (other values would
+only be pruned, so they are not listed; :func:`static_reasons` still rejects them in Explain).
+
+Pruning (every reason that applies is reported, joined by "; "):
+
+- ``devices``: the plan needs more devices than the target has;
+- ``heads``: ``num_attention_heads % tp``; ``kv heads``: ``num_key_value_heads % tp`` when
+  ``tp`` ≤ KV heads, ``tp % num_key_value_heads`` when larger (KV heads are then replicated);
+- ``ffn``: dense ``intermediate_size % tp``, expert ``moe_intermediate_size % (tp / ep)``;
+- ``experts``: ``ep > 1`` on a dense model, ``num_experts % ep``, ``ep > tp × dp``;
+- ``layers``: ``num_hidden_layers % pp`` (this tier splits layers evenly);
+- ``dcp``: ``dcp`` must divide ``tp / min(tp, kv heads)``;
+- ``topology``: TP, EP and DCP groups stay inside one node's NVLink domain
+  (``max_devices_per_node``); PP and DP may span nodes;
+- ``memory``: weights + KV + workspace > ``MEMORY_FRACTION`` × device memory (the rest is left
+  to the CUDA context, allocator fragmentation and graphs, as vLLM's default
+  ``gpu_memory_utilization = 0.9``).
+
+Objective: a latency-bound operating point (batch ≤ ``LATENCY_BOUND_BATCH``) ranks by TPOT,
+ties to fewer devices (extra DP replicas do not lower TPOT); a throughput-bound one ranks by
+output tokens/s per occupied device, ties to more total tokens/s, then lower TPOT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.cost_model.hardware import Hardware
+from kiln.cost_model.roofline import Estimate, OperatingPoint, estimate
+from kiln.cost_model.sharding import Parallelism, kv_heads_for_sharding, kv_replication
+from kiln.workloads.config import ModelConfig
+
+MEMORY_FRACTION = 0.9
+LATENCY_BOUND_BATCH = 4
+ESTIMATE_TIER = "roofline"
+
+
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to ``limit`` inclusive."""
+    out, p = [], 1
+    while p <= limit:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def candidate_plans(cfg: ModelConfig, num_devices: int) -> list[Parallelism]:
+    """Every plan the planner considers for ``num_devices`` devices (see the module docstring)."""
+    plans = []
+    for tp in powers_of_two(num_devices):
+        for pp in powers_of_two(num_devices // tp):
+            for dp in powers_of_two(num_devices // (tp * pp)):
+                eps = powers_of_two(tp * dp) if cfg.is_moe else [1]
+                dcps = [d for d in powers_of_two(tp) if kv_replication(cfg, tp) % d == 0]
+                for ep in eps:
+                    for dcp in dcps:
+                        plans.append(Parallelism(tp=tp, ep=ep, dp=dp, pp=pp, dcp=dcp))
+    return plans
+
+
+def static_reasons(
+    cfg: ModelConfig, plan: Parallelism, hw: Hardware, num_devices: int
+) -> list[str]:
+    """Why ``plan`` cannot run ``cfg`` on ``num_devices`` of ``hw``, memory aside (empty when
+    it can)."""
+    r: list[str] = []
+    tp, ep = plan.tp, plan.ep
+    if min(tp, ep, plan.dp, plan.pp, plan.dcp) < 1:
+        return ["plan: every degree must be at least 1"]
+    if plan.devices > num_devices:
+        r.append(f"devices: tp×pp×dp = {plan.devices} devices, the target has {num_devices}")
+    if cfg.num_attention_heads % tp:
+        r.append(f"heads: {cfg.num_attention_heads} attention heads not divisible by tp={tp}")
+    kvh = cfg.num_key_value_heads
+    if cfg.mla is None and (kvh % tp if tp <= kvh else tp % kvh):
+        r.append(f"kv heads: {kvh} KV heads neither divisible by nor dividing tp={tp}")
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        if cfg.intermediate_size % tp:
+            r.append(f"ffn: intermediate_size {cfg.intermediate_size} not divisible by tp={tp}")
+    if cfg.moe is None:
+        if ep > 1:
+            r.append(f"experts: ep={ep} but the model has no experts")
+    else:
+        if cfg.moe.num_experts % ep:
+            r.append(f"experts: {cfg.moe.num_experts} experts not divisible by ep={ep}")
+        if ep > tp * plan.dp:
+            r.append(f"experts: ep={ep} exceeds tp×dp = {tp * plan.dp} ranks per stage")
+        if cfg.moe.intermediate_size % plan.expert_tp:
+            r.append(
+                f"ffn: moe_intermediate_size {cfg.moe.intermediate_size} not divisible by "
+                f"tp/ep = {plan.expert_tp}"
+            )
+    if cfg.num_hidden_layers % plan.pp:
+        r.append(f"layers: {cfg.num_hidden_layers} layers not divisible by pp={plan.pp}")
+    if tp % plan.dcp or kv_replication(cfg, tp) % plan.dcp:
+        r.append(
+            f"dcp: dcp={plan.dcp} must divide the KV replication tp/min(tp, kv heads) = "
+            f"{tp}/{min(tp, kv_heads_for_sharding(cfg))}"
+        )
+    node = hw.max_devices_per_node
+    if max(tp, ep) > node:
+        r.append(
+            f"topology: a TP/EP group of {max(tp, ep)} spans more than one {node}-device node "
+            f"({hw.interconnect}); this tier keeps TP, EP and DCP inside a node"
+        )
+    return r
+
+
+def memory_reason(est: Estimate, hw: Hardware) -> str | None:
+    """The memory reason when ``est`` needs more than ``MEMORY_FRACTION`` of a device, else
+    None."""
+    limit = MEMORY_FRACTION * hw.memory_bytes
+    if est.memory_bytes_per_device <= limit:
+        return None
+    g = 1e9
+    return (
+        f"memory: needs {est.memory_bytes_per_device / g:.1f} GB per device (weights "
+        f"{est.weight_bytes_per_device / g:.1f} + KV {est.kv_bytes_per_device / g:.1f} + "
+        f"workspace {est.workspace_bytes_per_device / g:.1f}) > {MEMORY_FRACTION:g} × "
+        f"{hw.memory_bytes / g:g} GB = {limit / g:.1f} GB"
+    )
+
+
+def evaluate(
+    cfg: ModelConfig,
+    hw: Hardware,
+    point: OperatingPoint,
+    plan: Parallelism,
+    num_devices: int,
+    weight_dtype: str = "bfloat16",
+    act_dtype: str = "bfloat16",
+) -> tuple[Estimate, str]:
+    """The estimate of one plan and its infeasibility reason ("" when feasible)."""
+    reasons = static_reasons(cfg, plan, hw, num_devices)
+    if reasons and reasons[0].startswith("plan:"):
+        raise ValueError(reasons[0])
+    est = estimate(cfg, hw, point, plan, weight_dtype, act_dtype)
+    mem = memory_reason(est, hw)
+    if mem:
+        reasons.append(mem)
+    return est, "; ".join(reasons)
+
+
+def is_latency_bound(point: OperatingPoint) -> bool:
+    """True when the batch is small enough (≤ ``LATENCY_BOUND_BATCH``) to rank by TPOT."""
+    return point.batch_size <= LATENCY_BOUND_BATCH
+
+
+def objective(point: OperatingPoint) -> str:
+    """The ranking objective at ``point``, in words."""
+    if is_latency_bound(point):
+        return f"latency-bound (batch ≤ {LATENCY_BOUND_BATCH}): lowest TPOT, then fewest devices"
+    return "throughput-bound: most output tokens/s per device, then most tokens/s, then TPOT"
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Feasible estimates best first, pruned ones with their reasons, and the objective."""
+
+    feasible: list[Estimate]
+    pruned: list[tuple[Estimate, str]]
+    objective: str
+
+
+def plan_workload(
+    cfg: ModelConfig,
+    hw: Hardware,
+    point: OperatingPoint,
+    num_devices: int | None = None,
+    weight_dtype: str = "bfloat16",
+    act_dtype: str = "bfloat16",
+) -> PlanResult:
+    """Cost every candidate plan of ``cfg`` on ``num_devices`` (default
+    ``hw.max_devices_per_node``) of ``hw`` at ``point``; rank the feasible ones."""
+    n = num_devices or hw.max_devices_per_node
+    feasible: list[Estimate] = []
+    pruned: list[tuple[Estimate, str]] = []
+    for plan in candidate_plans(cfg, n):
+        est, reason = evaluate(cfg, hw, point, plan, n, weight_dtype, act_dtype)
+        if reason:
+            pruned.append((est, reason))
+        else:
+            feasible.append(est)
+    if is_latency_bound(point):
+        feasible.sort(key=lambda e: (e.tpot_ms, e.plan.devices, e.plan.label()))
+    else:
+        feasible.sort(
+            key=lambda e: (
+                -e.throughput_per_device,
+                -e.throughput_tokens_per_s,
+                e.tpot_ms,
+                e.plan.label(),
+            )
+        )
+    return PlanResult(feasible, pruned, objective(point))

@@ -1,0 +1,388 @@
+"""Roofline estimates of one parallelism plan: memory per device, TPOT, TTFT and throughput.
+
+Pure functions over a :class:`~kiln.workloads.config.ModelConfig`, a
+:class:`~kiln.cost_model.hardware.Hardware` and a :class:`~kiln.cost_model.sharding.Parallelism`
+(how weights and KV split is documented in ``kiln.cost_model.sharding``). Every number that goes
+into an estimate is kept as a :class:`Term` (name, value, unit, formula/source) for ``Explain``.
+
+The model (Williams, Waterman & Patterson, "Roofline", CACM 2009, applied to LLM inference as in
+Pope et al., "Efficiently Scaling Transformer Inference", MLSys 2023):
+
+- **Decode step** (one token for each of B sequences of one DP replica):
+  ``max(bytes read / (peak bandwidth × achievable fraction), FLOPs / dense rate) + comm``.
+  Bytes read are the weights every step touches (all but the embedding table, of which only B
+  rows are read; for MoE only the distinct experts the batch routes to, see
+  ``sharding.ExpertLoad``) plus the whole KV cache of B × context tokens. FLOPs are 2 per weight
+  per token plus attention over the context. Compute and communication are not overlapped.
+- **Communication** per collective: ``bytes × 2(n−1)/n / link bandwidth + latency`` for a ring
+  all-reduce over n ranks (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms", JPDC
+  2009); TP does two all-reduces of B × hidden activations per layer (after attention and after
+  the MLP, Megatron-LM, Shoeybi et al. 2019); EP does an all-to-all dispatch and combine of
+  B × top_k × hidden per MoE layer, of which (ep−1)/ep leaves the device; DCP merges partial
+  attention outputs with one all-reduce of B × hidden per layer; PP sends B × hidden between
+  consecutive stages.
+- **Pipeline parallelism**: a token still passes every layer in order, so per-token latency is
+  the sum over stages, i.e. the time of the whole model on one TP group, plus (pp−1) sends.
+  This tier runs one micro-batch (no interleaving), so PP buys memory capacity, not speed, and
+  steady-state bubbles are not modelled.
+- **TTFT**: prefill of one ISL-token prompt, alone (no queueing, no chunking, no prefix cache):
+  2 × weights × ISL + causal attention ``L × ISL² × heads × (d_qk + d_v)`` (= 2·L·ISL²·H·d
+  for d_qk = d_v = d), over the dense rate, against reading the weights once and writing
+  ISL tokens of KV; plus the same communication with ISL tokens in place of B.
+- **Throughput** (output tokens/s) = ``dp × B / TPOT``.
+
+MLA attention is costed as DeepSeek serves it: decode in the absorbed form (scores over the
+``kv_lora_rank + qk_rope_head_dim`` latent, values over ``kv_lora_rank``), prefill in the
+expanded form (``qk_nope + qk_rope`` and ``v_head_dim`` per head). FP8 block-quantisation scales
+(one float per 128×128 block, < 0.03 % of the weights) are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.cost_model.hardware import Hardware
+from kiln.cost_model.sharding import (
+    Parallelism,
+    expert_load,
+    kv_bytes_per_device,
+    kv_shards,
+    layer_counts,
+    layer_kinds,
+    stored_weights_per_device,
+    vocab_shard,
+)
+from kiln.workloads.config import DTYPE_BYTES, ModelConfig
+
+PREFILL_CHUNK_TOKENS = 8192
+"""Largest prefill the workspace estimate provisions for at once, tokens (an assumption in line
+with the chunked-prefill budgets of vLLM and SGLang, a few thousand tokens per step)."""
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """The traffic operating point an estimate is made at.
+
+    Attributes:
+        batch_size: sequences decoded together in one DP replica, B.
+        isl: prompt tokens of the request whose TTFT is estimated.
+        osl: generated tokens per request.
+        context_len: tokens in each sequence's KV cache at the decode step, 0 = ``isl + osl/2``
+            (rounded up: the mean context over a request's decode, as
+            ``kiln.workloads.traffic.shape`` defines the operating point).
+        expert_load_skew: hottest expert's share over the uniform share (≥ 1).
+    """
+
+    batch_size: int = 1
+    isl: int = 1024
+    osl: int = 256
+    context_len: int = 0
+    expert_load_skew: float = 1.0
+
+    @property
+    def context(self) -> int:
+        """Context length used for the KV cache, tokens."""
+        return self.context_len or self.isl + (self.osl + 1) // 2
+
+
+@dataclass(frozen=True)
+class Term:
+    """One number of an estimate: its name, value, unit and the formula or source behind it."""
+
+    name: str
+    value: float
+    unit: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A plan's roofline estimate at an operating point.
+
+    Attributes:
+        plan: the parallelism plan.
+        point: the operating point.
+        hardware: catalogue name of the device.
+        weight_bytes_per_device: weights the most loaded device stores, bytes.
+        kv_bytes_per_device: KV cache for B × context tokens on one device, bytes.
+        workspace_bytes_per_device: activation and logits workspace estimate, bytes.
+        tpot_ms: time per output token (one decode step), ms.
+        ttft_ms: time to first token (prefill of one ISL prompt), ms.
+        throughput_tokens_per_s: output tokens/s of the whole plan (dp × B / TPOT).
+        terms: every intermediate number, for Explain.
+    """
+
+    plan: Parallelism
+    point: OperatingPoint
+    hardware: str
+    weight_bytes_per_device: float
+    kv_bytes_per_device: float
+    workspace_bytes_per_device: float
+    tpot_ms: float
+    ttft_ms: float
+    throughput_tokens_per_s: float
+    terms: tuple[Term, ...]
+
+    @property
+    def memory_bytes_per_device(self) -> float:
+        """Weights + KV cache + workspace on the most loaded device, bytes."""
+        return (
+            self.weight_bytes_per_device
+            + self.kv_bytes_per_device
+            + self.workspace_bytes_per_device
+        )
+
+    @property
+    def throughput_per_device(self) -> float:
+        """Output tokens/s per occupied device: B / TPOT / (tp × pp) (dp cancels exactly)."""
+        return self.point.batch_size / (self.tpot_ms / 1e3) / (self.plan.tp * self.plan.pp)
+
+    def term(self, name: str) -> Term:
+        """The term called ``name`` (KeyError if absent)."""
+        for t in self.terms:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+class _Terms:
+    """Collects terms in order; ``add`` returns the value so formulas read naturally."""
+
+    def __init__(self) -> None:
+        self.items: list[Term] = []
+
+    def add(self, name: str, value: float, unit: str, source: str) -> float:
+        self.items.append(Term(name, float(value), unit, source))
+        return value
+
+
+def collective_s(hw: Hardware, nbytes: float, ranks: int, ring: bool = True) -> float:
+    """Seconds for one collective of ``nbytes`` per device over ``ranks`` devices: ring
+    all-reduce ``nbytes × 2(n−1)/n / link + latency`` (``ring=False``: a send or all-to-all of
+    ``nbytes`` leaving the device, ``nbytes / link + latency``); 0 for one rank; infinite
+    without an interconnect."""
+    if ranks <= 1:
+        return 0.0
+    if hw.interconnect_bandwidth_bytes_per_s <= 0:
+        return float("inf")
+    factor = 2 * (ranks - 1) / ranks if ring else 1.0
+    return nbytes * factor / hw.interconnect_bandwidth_bytes_per_s + hw.collective_latency_s
+
+
+def _attention_dims(cfg: ModelConfig, decode: bool) -> tuple[int, int]:
+    """(score dim, value dim) per attention head for FLOP counting (MLA: absorbed on decode)."""
+    if cfg.mla is not None:
+        m = cfg.mla
+        if decode:
+            return m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank
+        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    return cfg.head_dim, cfg.head_dim
+
+
+def _pass(
+    t: _Terms,
+    phase: str,
+    cfg: ModelConfig,
+    hw: Hardware,
+    plan: Parallelism,
+    *,
+    tokens: int,
+    logit_tokens: int,
+    ep_tokens: float,
+    skew: float,
+    attention_flops: float,
+    kv_bytes: float,
+    wdtype: str,
+    adtype: str,
+) -> float:
+    """One forward pass over ``tokens`` tokens (``logit_tokens`` of which reach the LM head)
+    through the whole pipeline on one TP group, ``ep_tokens`` tokens meeting in each MoE
+    layer's EP group; records its terms under ``phase`` and returns its time in seconds."""
+    dense_layer, moe_layer = layer_kinds(cfg, plan)
+    n_dense, n_moe = layer_counts(cfg)
+    h, wb, ab = cfg.hidden_size, DTYPE_BYTES[wdtype], DTYPE_BYTES[adtype]
+    head = vocab_shard(cfg, plan.tp) + h
+    always = n_dense * dense_layer.always_read + n_moe * moe_layer.always_read + head
+    expert_read = expert_flops = 0.0
+    if cfg.moe is not None and n_moe:
+        load = expert_load(cfg.moe, plan, ep_tokens, skew)
+        t.add(
+            f"{phase}.experts_touched_per_rank",
+            load.distinct_experts,
+            "experts",
+            f"{load.experts_per_rank:g} experts per EP rank × (1 − (1 − p)^T), T = "
+            f"{load.tokens:g} tokens, p = min(1, min(skew, ep) × top_k / E) = {load.p_hot:.4g}",
+        )
+        expert_read = n_moe * load.distinct_experts * moe_layer.routed_expert
+        expert_flops = n_moe * 2 * moe_layer.routed_expert * load.assignments
+    weight_bytes = t.add(
+        f"{phase}.weight_bytes_read",
+        (always + expert_read) * wb,
+        "bytes",
+        f"(per-device weights of all {cfg.num_hidden_layers} layers, final norm and LM head "
+        f"(V·h/tp); routed experts only where touched) × {wb} B ({wdtype}); the embedding "
+        "table is not read, only B rows of it",
+    )
+    kv = t.add(f"{phase}.kv_bytes", kv_bytes, "bytes", "KV cache read (decode) or written")
+    bw = hw.achievable_bandwidth_bytes_per_s
+    mem_s = t.add(
+        f"{phase}.memory_time_ms",
+        (weight_bytes + kv) / bw * 1e3,
+        "ms",
+        f"bytes / ({hw.memory_bandwidth_bytes_per_s:.4g} B/s × "
+        f"{hw.achievable_bandwidth_fraction:.4g} achievable)",
+    )
+    flops = t.add(
+        f"{phase}.flops",
+        2 * (always - head) * tokens + 2 * head * logit_tokens + expert_flops + attention_flops,
+        "FLOP",
+        f"2 × per-device weights × {tokens} tokens (LM head × {logit_tokens}) + 2 × expert "
+        f"slice × token-expert assignments on the busiest rank + attention "
+        f"{attention_flops:.4g}",
+    )
+    rate = hw.flops_for(wdtype)
+    cmp_s = t.add(
+        f"{phase}.compute_time_ms", flops / rate * 1e3, "ms", f"FLOPs / {rate:.4g} FLOP/s dense"
+    )
+    act = tokens * h * ab
+    tp_s = 2 * cfg.num_hidden_layers * collective_s(hw, act, plan.tp)
+    ep_s = 0.0
+    if plan.ep > 1 and cfg.moe is not None:
+        a2a = tokens * cfg.moe.top_k * h * ab * (plan.ep - 1) / plan.ep
+        ep_s = 2 * n_moe * collective_s(hw, a2a, plan.ep, ring=False)
+    dcp_s = cfg.num_hidden_layers * collective_s(hw, act, plan.dcp)
+    pp_s = (plan.pp - 1) * collective_s(hw, act, 2, ring=False) if plan.pp > 1 else 0.0
+    link = f"over {hw.interconnect} at {hw.interconnect_bandwidth_bytes_per_s:.4g} B/s"
+    t.add(
+        f"{phase}.tp_allreduce_ms",
+        tp_s * 1e3,
+        "ms",
+        f"2 per layer × ({tokens}·h·{ab} B × 2(tp−1)/tp / link + "
+        f"{hw.collective_latency_s * 1e6:g} us) {link}",
+    )
+    t.add(
+        f"{phase}.ep_alltoall_ms",
+        ep_s * 1e3,
+        "ms",
+        f"dispatch + combine per MoE layer: {tokens}·top_k·h·{ab} B × (ep−1)/ep / link + latency",
+    )
+    t.add(f"{phase}.dcp_merge_ms", dcp_s * 1e3, "ms", "1 all-reduce of tokens·h per layer")
+    t.add(f"{phase}.pp_send_ms", pp_s * 1e3, "ms", "(pp−1) sends of tokens·h between stages")
+    return max(mem_s, cmp_s) / 1e3 + tp_s + ep_s + dcp_s + pp_s
+
+
+def workspace_bytes(
+    cfg: ModelConfig, plan: Parallelism, point: OperatingPoint, adtype: str
+) -> float:
+    """Activation and logits workspace on one device, bytes (an estimate).
+
+    ``chunk × width × act bytes + B × V/tp × 4`` with ``chunk = min(ISL, 8192)`` prefill tokens
+    and ``width`` the widest per-token activation set of a layer: residual, normed input and
+    attention output (3h), q/k/v ((H + 2·KV)·d / tp) and the FFN's gate and up outputs
+    (2·I/tp; MoE: top_k dispatched copies of h plus 2·I_e/expert_tp each); logits in float32.
+    """
+    h, ab = cfg.hidden_size, DTYPE_BYTES[adtype]
+    chunk = min(point.isl, PREFILL_CHUNK_TOKENS)
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim / plan.tp
+    ffn = 2 * cfg.intermediate_size / plan.tp
+    if cfg.moe is not None:
+        m = cfg.moe
+        ffn = max(ffn, m.top_k * (h + 2 * m.intermediate_size / plan.expert_tp))
+    logits = point.batch_size * cfg.vocab_size / plan.tp * 4
+    return chunk * (3 * h + qkv + ffn) * ab + logits
+
+
+def estimate(
+    cfg: ModelConfig,
+    hw: Hardware,
+    point: OperatingPoint,
+    plan: Parallelism,
+    weight_dtype: str = "bfloat16",
+    act_dtype: str = "bfloat16",
+) -> Estimate:
+    """The roofline estimate of ``plan`` for ``cfg`` on ``hw`` at ``point``.
+
+    ``weight_dtype`` sets weight bytes and the matmul rate (``Hardware.flops_for``);
+    ``act_dtype`` sets activation, communication and KV-cache bytes. Times in ms, memory in
+    bytes, throughput in output tokens/s; the formulas are in the module docstring.
+    """
+    t = _Terms()
+    B, ctx, isl = point.batch_size, point.context, point.isl
+    wb = DTYPE_BYTES[weight_dtype]
+    weights = t.add(
+        "memory.weights_per_device",
+        stored_weights_per_device(cfg, plan) * wb,
+        "bytes",
+        f"largest pipeline stage: layers/pp with attention and FFN split by tp, routed experts "
+        f"by max(tp, ep), embedding/LM head by tp (vocab-parallel), norms and router "
+        f"replicated; × {wb} B ({weight_dtype})",
+    )
+    kv = t.add(
+        "memory.kv_per_device",
+        kv_bytes_per_device(cfg, plan, B * ctx, act_dtype),
+        "bytes",
+        f"B × context = {B} × {ctx} tokens × {cfg.kv_bytes_per_token(act_dtype)} B/token × "
+        f"(stage layers / L) / (min(tp, kv heads) × dcp = {kv_shards(cfg, plan)})",
+    )
+    work = t.add(
+        "memory.workspace_per_device",
+        workspace_bytes(cfg, plan, point, act_dtype),
+        "bytes",
+        f"min(ISL, {PREFILL_CHUNK_TOKENS}) prefill tokens × widest activations + B × V/tp "
+        "float32 logits",
+    )
+    t.add("memory.per_device", weights + kv + work, "bytes", "weights + KV cache + workspace")
+
+    heads_per_rank = cfg.num_attention_heads / plan.tp
+    dqk, dv = _attention_dims(cfg, decode=True)
+    decode_attn = B * ctx * cfg.num_hidden_layers * heads_per_rank * 2 * (dqk + dv) / plan.dcp
+    kv_read = B * ctx * cfg.kv_bytes_per_token(act_dtype) / kv_shards(cfg, plan)
+    tpot_s = _pass(
+        t,
+        "decode",
+        cfg,
+        hw,
+        plan,
+        tokens=B,
+        logit_tokens=B,
+        ep_tokens=B * plan.replicas_per_ep_group,
+        skew=point.expert_load_skew,
+        attention_flops=decode_attn,
+        kv_bytes=kv_read,
+        wdtype=weight_dtype,
+        adtype=act_dtype,
+    )
+    tpot_ms = t.add("tpot_ms", tpot_s * 1e3, "ms", "max(memory, compute) + communication")
+    tps = t.add("throughput_tokens_per_s", plan.dp * B / tpot_s, "tokens/s", "dp × B / TPOT")
+
+    dqk, dv = _attention_dims(cfg, decode=False)
+    prefill_attn = cfg.num_hidden_layers * isl * isl * heads_per_rank * (dqk + dv)
+    kv_write = isl * cfg.kv_bytes_per_token(act_dtype) / kv_shards(cfg, plan)
+    ttft_s = _pass(
+        t,
+        "prefill",
+        cfg,
+        hw,
+        plan,
+        tokens=isl,
+        logit_tokens=1,
+        ep_tokens=isl,
+        skew=point.expert_load_skew,
+        attention_flops=prefill_attn,
+        kv_bytes=kv_write,
+        wdtype=weight_dtype,
+        adtype=act_dtype,
+    )
+    ttft_ms = t.add("ttft_ms", ttft_s * 1e3, "ms", "prefill of one ISL prompt, no queueing")
+    return Estimate(
+        plan=plan,
+        point=point,
+        hardware=hw.name,
+        weight_bytes_per_device=weights,
+        kv_bytes_per_device=kv,
+        workspace_bytes_per_device=work,
+        tpot_ms=tpot_ms,
+        ttft_ms=ttft_ms,
+        throughput_tokens_per_s=tps,
+        terms=tuple(t.items),
+    )

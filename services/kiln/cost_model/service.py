@@ -1,0 +1,200 @@
+"""The CostModel gRPC servicer: ``Plan`` and ``Explain`` over the roofline tier.
+
+Request handling:
+
+- ``workload.model.config_json`` is parsed with ``kiln.workloads.config.parse_config``; an
+  empty or non-JSON config, or an unsupported architecture, is INVALID_ARGUMENT.
+- ``workload.hardware.name`` must name a catalogue entry (NOT_FOUND otherwise, listing them);
+  ``num_devices`` 0 means the entry's ``max_devices_per_node``.
+- Weight dtype: ``workload.model.dtype`` when set; else FP8 when the config carries an FP8
+  ``quantization_config`` (DeepSeek-V3's checkpoint); else the config's ``torch_dtype``.
+  Activations and the KV cache are BF16 (float32 when the weights are float32).
+- Traffic: the operating point is ``batch_size`` (B), the p50 ISL and OSL (the mean when p50 is
+  0) and ``context_len``; each missing field takes the default of a batch-1 decode
+  (``DEFAULT_POINT``: B = 1, ISL 1024, OSL 256, context = ISL + OSL/2). The plans' ``batch_size``
+  shows the B used, and Explain's text lists every default that was applied.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import structlog
+
+from kiln.common.errors import InvalidArgument
+from kiln.cost_model.hardware import Hardware, get_hardware
+from kiln.cost_model.planner import ESTIMATE_TIER, evaluate, objective, plan_workload
+from kiln.cost_model.roofline import Estimate, OperatingPoint
+from kiln.cost_model.sharding import Parallelism
+from kiln.v1 import common_pb2, cost_model_pb2, cost_model_pb2_grpc
+from kiln.workloads.config import DTYPE_BYTES, ModelConfig, UnsupportedModelError, parse_config
+
+log = structlog.get_logger("kiln.cost_model")
+
+DEFAULT_POINT = OperatingPoint(batch_size=1, isl=1024, osl=256, context_len=0)
+
+
+def parse_model(spec: common_pb2.ModelSpec) -> ModelConfig:
+    """The ModelConfig of ``spec.config_json``.
+
+    Raises:
+        InvalidArgument: empty, not JSON, or an unsupported architecture (parse_config's
+            message).
+    """
+    name = spec.name or "model"
+    if not spec.config_json.strip():
+        raise InvalidArgument("workload.model.config_json is empty: send the config.json text")
+    try:
+        raw = json.loads(spec.config_json)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{name}: config_json is not valid JSON ({exc})") from None
+    try:
+        return parse_config(raw, name)
+    except UnsupportedModelError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def dtypes(spec: common_pb2.ModelSpec, cfg: ModelConfig) -> tuple[str, str]:
+    """(weight dtype, activation/KV dtype) for the estimate (see the module docstring).
+
+    Raises:
+        InvalidArgument: ``spec.dtype`` is not one of ``DTYPE_BYTES``.
+    """
+    if spec.dtype:
+        if spec.dtype not in DTYPE_BYTES:
+            raise InvalidArgument(
+                f"workload.model.dtype {spec.dtype!r} is not one of {', '.join(DTYPE_BYTES)}"
+            )
+        weights = spec.dtype
+    elif (cfg.raw.get("quantization_config") or {}).get("quant_method") == "fp8":
+        weights = "float8_e4m3fn"
+    else:
+        weights = cfg.torch_dtype if cfg.torch_dtype in DTYPE_BYTES else "bfloat16"
+    return weights, "float32" if weights == "float32" else "bfloat16"
+
+
+def _tokens(dist: common_pb2.Distribution) -> int:
+    return round(dist.p50 or dist.mean)
+
+
+def operating_point(workload: common_pb2.Workload) -> tuple[OperatingPoint, list[str]]:
+    """The operating point of ``workload.traffic`` and the defaults applied, in words."""
+    if not workload.HasField("traffic"):
+        return DEFAULT_POINT, ["no traffic shape: default batch-1 decode, ISL 1024, OSL 256"]
+    tr, notes = workload.traffic, []
+    batch, isl, osl = tr.batch_size, _tokens(tr.isl_tokens), _tokens(tr.osl_tokens)
+    if not batch:
+        batch = DEFAULT_POINT.batch_size
+        notes.append(f"traffic.batch_size unset: B = {batch}")
+    if not isl:
+        isl = DEFAULT_POINT.isl
+        notes.append(f"traffic.isl_tokens unset: ISL = {isl}")
+    if not osl:
+        osl = DEFAULT_POINT.osl
+        notes.append(f"traffic.osl_tokens unset: OSL = {osl}")
+    skew = max(1.0, tr.expert_load_skew)
+    return OperatingPoint(batch, isl, osl, tr.context_len, skew), notes
+
+
+def _hardware(workload: common_pb2.Workload) -> tuple[Hardware, int]:
+    if not workload.hardware.name:
+        raise InvalidArgument("workload.hardware.name is empty: name a catalogue entry")
+    hw = get_hardware(workload.hardware.name)
+    return hw, workload.hardware.num_devices or hw.max_devices_per_node
+
+
+def to_proto(est: Estimate, reason: str = "") -> common_pb2.ParallelismPlan:
+    """The wire form of an estimate (memory rounded to whole bytes)."""
+    p = est.plan
+    return common_pb2.ParallelismPlan(
+        tp=p.tp,
+        ep=p.ep,
+        dp=p.dp,
+        pp=p.pp,
+        dcp=p.dcp,
+        batch_size=est.point.batch_size,
+        ttft_ms=est.ttft_ms,
+        tpot_ms=est.tpot_ms,
+        throughput_tokens_per_s=est.throughput_tokens_per_s,
+        memory_bytes_per_device=round(est.memory_bytes_per_device),
+        estimate_tier=ESTIMATE_TIER,
+        feasible=not reason,
+        infeasible_reason=reason,
+    )
+
+
+def explain_text(est: Estimate, reason: str, notes: list[str], hw: Hardware) -> str:
+    """A readable account of an estimate: verdict, headline numbers, then every term."""
+    p, pt = est.plan, est.point
+    lines = [
+        f"{p.label()} on {p.devices} × {hw.name}, B={pt.batch_size} ISL={pt.isl} "
+        f"OSL={pt.osl} context={pt.context} (tier {ESTIMATE_TIER})",
+        f"verdict: {'infeasible: ' + reason if reason else 'feasible'}",
+        f"TPOT {est.tpot_ms:.4g} ms, TTFT {est.ttft_ms:.4g} ms, "
+        f"{est.throughput_tokens_per_s:.4g} tokens/s, "
+        f"{est.memory_bytes_per_device / 1e9:.3g} GB per device",
+        f"objective: {objective(pt)}",
+        *(f"default: {n}" for n in notes),
+        "terms:",
+        *(f"  {t.name} = {t.value:.6g} {t.unit}  [{t.source}]" for t in est.terms),
+        f"hardware: {hw.source_summary()}",
+    ]
+    return "\n".join(lines)
+
+
+class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
+    """kiln.v1.CostModel; errors are ``KilnError`` (mapped by the runtime to status codes)."""
+
+    async def Plan(
+        self, request: cost_model_pb2.PlanRequest, context: Any
+    ) -> cost_model_pb2.PlanResponse:
+        """Ranked feasible plans (``max_plans`` of them, 0 = all) and the pruned ones."""
+        wl = request.workload
+        cfg = parse_model(wl.model)
+        hw, n = _hardware(wl)
+        wdtype, adtype = dtypes(wl.model, cfg)
+        point, notes = operating_point(wl)
+        result = plan_workload(cfg, hw, point, n, wdtype, adtype)
+        feasible = result.feasible[: request.max_plans or None]
+        log.info(
+            "planned",
+            model=cfg.name,
+            hardware=hw.name,
+            devices=n,
+            feasible=len(result.feasible),
+            pruned=len(result.pruned),
+            defaults=notes,
+        )
+        return cost_model_pb2.PlanResponse(
+            plans=[to_proto(e) for e in feasible],
+            pruned=[to_proto(e, reason) for e, reason in result.pruned],
+            hardware_source=hw.source_summary(),
+        )
+
+    async def Explain(
+        self, request: cost_model_pb2.ExplainRequest, context: Any
+    ) -> cost_model_pb2.ExplainResponse:
+        """Every term of one plan's estimate (degrees of 0 read as 1) and a readable text."""
+        wl, rp = request.workload, request.plan
+        cfg = parse_model(wl.model)
+        hw, n = _hardware(wl)
+        wdtype, adtype = dtypes(wl.model, cfg)
+        point, notes = operating_point(wl)
+        if rp.batch_size:
+            point = OperatingPoint(
+                rp.batch_size, point.isl, point.osl, point.context_len, point.expert_load_skew
+            )
+        plan = Parallelism(
+            tp=rp.tp or 1, ep=rp.ep or 1, dp=rp.dp or 1, pp=rp.pp or 1, dcp=rp.dcp or 1
+        )
+        est, reason = evaluate(cfg, hw, point, plan, n, wdtype, adtype)
+        terms = [
+            cost_model_pb2.Term(name=t.name, value=t.value, unit=t.unit, source=t.source)
+            for t in est.terms
+        ]
+        return cost_model_pb2.ExplainResponse(
+            plan=to_proto(est, reason),
+            terms=terms,
+            text=explain_text(est, reason, notes, hw),
+        )

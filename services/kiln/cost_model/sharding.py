@@ -1,0 +1,252 @@
+"""How a parallelism plan splits a model's weights, KV cache and expert traffic over devices.
+
+The conventions follow vLLM/SGLang serving (Megatron-style tensor parallelism):
+
+- **TP** (``tp``) splits attention by heads (q and o projections by ``tp``; k/v projections by
+  ``min(tp, num_key_value_heads)``: when ``tp`` exceeds the KV heads each rank keeps one KV head,
+  i.e. KV weights and cache are *replicated* ``tp / num_key_value_heads`` times), the dense FFN by
+  its intermediate dimension, and the embedding and LM head by vocabulary (vocab-parallel).
+  Norms and the MoE router are replicated. MLA (DeepSeek) keeps its low-rank down projections
+  (``q_a_proj``, ``kv_a_proj_with_mqa``) replicated and splits the up projections by heads; its
+  latent KV cache has one "head", so every TP rank holds the whole cache.
+- **EP** (``ep``) splits routed experts: a device holds ``num_experts / ep`` of them. When
+  ``ep < tp`` each expert is further split by ``tp / ep`` (TP inside the expert, SGLang's
+  ``ep_size <= tp_size``); when ``ep > tp`` the EP group spans ``ep / tp`` DP replicas (vLLM's
+  DP attention + expert parallelism). Either way routed experts are sharded over
+  ``max(tp, ep)`` devices. Shared experts are split by ``tp`` like a dense FFN.
+- **PP** (``pp``) gives each stage ``num_hidden_layers / pp`` consecutive layers; the first
+  stage also holds the embedding, the last the final norm and the LM head (a tied LM head needs
+  its own copy of the embedding there when ``pp > 1``).
+- **DP** (``dp``) replicates the whole tp × pp model; each replica serves its own batch.
+- **DCP** (``dcp``, vLLM's decode context parallelism) re-uses the TP ranks that would hold
+  replicated KV to split the cache along the sequence instead, so ``dcp`` must divide the KV
+  replication factor ``tp / min(tp, kv_heads)``; it adds no devices.
+
+A plan uses ``tp × pp × dp`` devices. Element counts are returned as floats because a plan whose
+divisibility fails is still costed (and then pruned with the reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.workloads.config import ModelConfig, MoEConfig
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """A parallelism plan: degrees of TP, EP, DP, PP and DCP (each ≥ 1)."""
+
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+    pp: int = 1
+    dcp: int = 1
+
+    @property
+    def devices(self) -> int:
+        """Devices the plan occupies: tp × pp × dp (EP and DCP re-use those ranks)."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def expert_shards(self) -> int:
+        """Devices one layer's routed experts are spread over: max(tp, ep)."""
+        return max(self.tp, self.ep)
+
+    @property
+    def expert_tp(self) -> int:
+        """TP degree inside one expert: tp / ep when ep < tp, else 1."""
+        return max(1, self.tp // self.ep)
+
+    @property
+    def replicas_per_ep_group(self) -> int:
+        """DP replicas whose tokens meet in one EP group: ep / tp when ep > tp, else 1."""
+        return max(1, self.ep // self.tp)
+
+    def label(self) -> str:
+        """Short name, e.g. ``tp8 ep8 dp1 pp1 dcp1``."""
+        return f"tp{self.tp} ep{self.ep} dp{self.dp} pp{self.pp} dcp{self.dcp}"
+
+
+@dataclass(frozen=True)
+class LayerShard:
+    """Weights of one decoder layer held by one device, elements.
+
+    ``routed_expert`` is one routed expert's slice on a device (``3·h·I_e / expert_tp``) and
+    ``routed_experts_held`` all routed experts a device stores (``experts / ep`` of them).
+    """
+
+    attention: float
+    norms: float
+    dense_ffn: float
+    router: float
+    shared_experts: float
+    routed_expert: float
+    routed_experts_held: float
+
+    @property
+    def always_read(self) -> float:
+        """Weights every decode step reads whatever the routing, elements."""
+        return self.attention + self.norms + self.dense_ffn + self.router + self.shared_experts
+
+    @property
+    def stored(self) -> float:
+        """All weights the device stores for this layer, elements."""
+        return self.always_read + self.routed_experts_held
+
+
+def attention_shard(cfg: ModelConfig, tp: int) -> float:
+    """Attention weights of one layer on one TP rank, elements (see the module docstring).
+
+    Summed at ``tp=1`` this equals ``ModelConfig.attention_params()`` (transformers'
+    ``modeling_llama`` / ``modeling_qwen3`` / ``modeling_deepseek_v3`` projections).
+    """
+    h, heads, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    if cfg.mla is not None:
+        m = cfg.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * qk / tp
+        else:
+            q = h * heads * qk / tp
+        kv_down = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        kv_up = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) / tp
+        o = heads * m.v_head_dim * h / tp
+        return q + kv_down + kv_up + o
+    kv_ranks = min(tp, cfg.num_key_value_heads)
+    q_o = 2 * h * heads * d / tp
+    kv = 2 * h * cfg.num_key_value_heads * d / kv_ranks
+    bias = 0.0
+    if cfg.attention_bias:
+        bias = heads * d / tp + 2 * cfg.num_key_value_heads * d / kv_ranks
+    norms = 2 * d if cfg.qk_norm else 0
+    return q_o + kv + bias + norms
+
+
+def layer_shard(cfg: ModelConfig, layer: int, plan: Parallelism) -> LayerShard:
+    """Weights of layer ``layer`` held by one device under ``plan``, elements."""
+    h = cfg.hidden_size
+    attn = attention_shard(cfg, plan.tp)
+    norms = 2 * h
+    if not cfg.is_moe_layer(layer):
+        dense = 3 * h * cfg.intermediate_size / plan.tp
+        return LayerShard(attn, norms, dense, 0.0, 0.0, 0.0, 0.0)
+    m = cfg.moe
+    assert m is not None
+    expert = 3 * h * m.intermediate_size
+    one = expert / plan.expert_tp
+    return LayerShard(
+        attention=attn,
+        norms=norms,
+        dense_ffn=0.0,
+        router=h * m.num_experts,
+        shared_experts=m.num_shared_experts * expert / plan.tp,
+        routed_expert=one,
+        routed_experts_held=m.num_experts / plan.ep * one,
+    )
+
+
+def vocab_shard(cfg: ModelConfig, tp: int) -> float:
+    """One vocab-parallel shard of the embedding (or of the LM head), elements: V·h / tp."""
+    return cfg.vocab_size * cfg.hidden_size / tp
+
+
+def stage_layers(cfg: ModelConfig, pp: int, stage: int) -> range:
+    """Layers of pipeline stage ``stage`` (0-based): ``L / pp`` consecutive ones (the last
+    stage takes the remainder when ``pp`` does not divide ``L``; such plans are pruned)."""
+    per = cfg.num_hidden_layers // pp
+    end = cfg.num_hidden_layers if stage == pp - 1 else (stage + 1) * per
+    return range(stage * per, end)
+
+
+def stored_weights_per_device(cfg: ModelConfig, plan: Parallelism) -> float:
+    """Weights the most loaded device stores, elements: the largest pipeline stage's layers
+    plus the embedding (first stage) and the final norm and LM head (last stage)."""
+    dense, moe = layer_kinds(cfg, plan)
+    best = 0.0
+    for stage in range(plan.pp):
+        layers = stage_layers(cfg, plan.pp, stage)
+        total = sum((moe if cfg.is_moe_layer(i) else dense).stored for i in layers)
+        first, last = stage == 0, stage == plan.pp - 1
+        if first:
+            total += vocab_shard(cfg, plan.tp)
+        if last:
+            total += cfg.hidden_size
+            if not (cfg.tie_word_embeddings and first):
+                total += vocab_shard(cfg, plan.tp)
+        best = max(best, total)
+    return best
+
+
+def layer_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(dense layers, MoE layers) of the whole model."""
+    moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    return cfg.num_hidden_layers - moe, moe
+
+
+def layer_kinds(cfg: ModelConfig, plan: Parallelism) -> tuple[LayerShard, LayerShard]:
+    """(dense layer shard, MoE layer shard) on one device; the absent kind is all zeros."""
+    dense = next((i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)), None)
+    moe = next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)), None)
+    empty = LayerShard(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    return (
+        empty if dense is None else layer_shard(cfg, dense, plan),
+        empty if moe is None else layer_shard(cfg, moe, plan),
+    )
+
+
+def kv_heads_for_sharding(cfg: ModelConfig) -> int:
+    """KV heads the cache can be split by: ``num_key_value_heads``, or 1 for MLA's shared
+    latent."""
+    return 1 if cfg.mla is not None else cfg.num_key_value_heads
+
+
+def kv_replication(cfg: ModelConfig, tp: int) -> int:
+    """How many TP ranks hold the same KV head: ``tp / min(tp, kv_heads)`` (≥ 1)."""
+    return max(1, tp // min(tp, kv_heads_for_sharding(cfg)))
+
+
+def kv_shards(cfg: ModelConfig, plan: Parallelism) -> int:
+    """Ways one layer's KV cache is split: ``min(tp, kv_heads) × dcp``."""
+    return min(plan.tp, kv_heads_for_sharding(cfg)) * plan.dcp
+
+
+def kv_bytes_per_device(
+    cfg: ModelConfig, plan: Parallelism, tokens: int, kv_dtype: str = "bfloat16"
+) -> float:
+    """KV-cache bytes one device holds for ``tokens`` cached tokens (batch × context), bytes:
+    ``tokens × kv_bytes_per_token × (layers of the largest stage / L) / kv_shards``."""
+    stage = max(len(stage_layers(cfg, plan.pp, s)) for s in range(plan.pp))
+    fraction = stage / cfg.num_hidden_layers
+    return tokens * cfg.kv_bytes_per_token(kv_dtype) * fraction / kv_shards(cfg, plan)
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """Routed-expert load on the busiest EP rank of one MoE layer.
+
+    Model: each of ``tokens`` tokens picks ``top_k`` distinct experts uniformly, so a given
+    expert is picked by a token with probability ``p = top_k / E`` and the expected distinct
+    experts among ``n`` is ``n × (1 − (1 − p)^tokens)`` (exact for ``tokens = 1``: ``top_k``;
+    to first order equal to ``E × (1 − (1 − 1/E)^(tokens·top_k))``). ``expert_load_skew`` s (the
+    hottest expert's share over the uniform share) is applied pessimistically to the whole
+    busiest rank: its experts are each picked with ``p_hot = min(1, min(s, ep) × p)`` (a rank
+    cannot take more than all the load, hence ``min(s, ep)``). Skew thus *widens* the busiest
+    rank's reads and work, which bound the step; with ``ep = 1`` it changes nothing.
+    """
+
+    tokens: float
+    experts_per_rank: float
+    p_hot: float
+    distinct_experts: float
+    assignments: float
+
+
+def expert_load(moe: MoEConfig, plan: Parallelism, tokens: float, skew: float) -> ExpertLoad:
+    """The busiest EP rank's expected distinct experts and token-expert assignments for
+    ``tokens`` tokens entering one MoE layer of an EP group (see :class:`ExpertLoad`)."""
+    n = moe.num_experts / plan.ep
+    s = min(max(skew, 1.0), float(plan.ep))
+    p_hot = min(1.0, s * moe.top_k / moe.num_experts)
+    distinct = n * (1.0 - (1.0 - p_hot) ** tokens)
+    return ExpertLoad(tokens, n, p_hot, distinct, tokens * n * p_hot)

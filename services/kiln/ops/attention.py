@@ -1,0 +1,91 @@
+"""``attention``: causal grouped-query attention over a static KV cache.
+
+Call: ``attention(q, k_cache, v_cache, positions, seq_lens) -> out``; params ``scale``.
+
+The cache holds every sequence's keys and values at their positions (this step's already
+written). Query ``t`` of sequence ``b`` sits at position ``positions[b, t]`` and sees cache slot
+``s`` when ``s <= positions[b, t]`` (causal) and ``s < seq_lens[b]`` (valid). This covers prefill
+(``T > 1``, positions ``0..T-1``), decode (``T == 1``, position = the length before the step) and
+right-padded batches of different lengths (padded queries attend to something finite; their
+outputs are garbage and unused). Grouped-query attention: query head ``h`` reads KV head
+``h // (Hq // Hkv)``, as transformers' ``repeat_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.registry import register
+
+Tensor = torch.Tensor
+
+
+def cache_mask(positions: Tensor, seq_lens: Tensor, cache_len: int) -> Tensor:
+    """Which cache slots each query sees.
+
+    Args:
+        positions: ``[B, T]`` int64. seq_lens: ``[B]`` int64. cache_len: S.
+
+    Returns:
+        ``[B, 1, T, S]`` bool, True where attention is allowed.
+    """
+    slots = torch.arange(cache_len, device=positions.device)
+    causal = slots[None, None, :] <= positions[:, :, None]
+    valid = slots[None, None, :] < seq_lens[:, None, None]
+    return (causal & valid)[:, None]
+
+
+@register("attention", "reference")
+def reference(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    positions: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float,
+) -> Tensor:
+    """Explicit ``softmax(q k^T * scale + mask) v``, all in float32.
+
+    Args:
+        q: ``[B, Hq, T, D]`` (model dtype).
+        k_cache, v_cache: ``[B, Hkv, S, D]``, Hq a multiple of Hkv.
+        positions: ``[B, T]`` int64 query positions.
+        seq_lens: ``[B]`` int64 valid cache length per sequence after this step's write.
+        scale: score multiplier (``head_dim ** -0.5`` for Llama and Qwen3).
+
+    Returns:
+        ``[B, Hq, T, D]`` in ``q.dtype``.
+    """
+    group = q.shape[1] // k_cache.shape[1]
+    k = k_cache.float().repeat_interleave(group, dim=1)
+    v = v_cache.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+    mask = cache_mask(positions, seq_lens, k_cache.shape[2])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)
+
+
+@register("attention", "sdpa")
+def sdpa(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    positions: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float,
+) -> Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` with the boolean cache mask and
+    ``enable_gqa`` (torch >= 2.5); PyTorch picks the backend. Same contract as
+    :func:`reference`; accumulation as the backend does it (float32 on CPU and GPU)."""
+    mask = cache_mask(positions, seq_lens, k_cache.shape[2])
+    return F.scaled_dot_product_attention(
+        q,
+        k_cache,
+        v_cache,
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k_cache.shape[1],
+    )

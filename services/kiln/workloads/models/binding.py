@@ -1,0 +1,137 @@
+"""Which implementation runs each op: the part of a model that hot reload swaps.
+
+An :class:`OpBinding` maps every op to an implementation, from a recipe like
+``{"attention": "sdpa"}`` (ops not named get ``reference``). :meth:`OpBinding.bind_model` turns
+a model's :class:`~kiln.workloads.models.slots.ModelSlots` of sites into the same slots of
+callables — each implementation with its params bound (derived layouts taken from, or computed
+once into, the weight store). Building a binding and binding a model are cheap: no weight is
+read or copied unless a derived layout is needed for the first time.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kiln.ops  # noqa: F401  (registers the built-in implementations)
+from kiln.ops import registry
+from kiln.ops.registry import REFERENCE, OpImpl
+from kiln.workloads.models.slots import ModelSlots, Site
+from kiln.workloads.weights import WeightStore
+
+BoundOp = Callable[..., Any]
+
+
+class LossyImplementationError(ValueError):
+    """A recipe chose a lossy implementation without opting in (``allow_lossy=True``)."""
+
+
+class BindError(TypeError):
+    """An implementation's keyword params do not match what its site provides."""
+
+
+def _check_params(impl: OpImpl, site: Site, params: Mapping[str, Any]) -> None:
+    sig = inspect.signature(impl.fn)
+    accepts = {
+        n for n, p in sig.parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+    required = {
+        n for n, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY and p.default is p.empty
+    }
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    unexpected = [] if has_var_kw else sorted(set(params) - accepts)
+    missing = sorted(required - set(params))
+    if unexpected or missing:
+        raise BindError(
+            f"{impl.op}={impl.name} at {site.name}: params do not match "
+            f"(missing: {missing or 'none'}; unexpected: {unexpected or 'none'})"
+        )
+
+
+class OpBinding:
+    """Op name → implementation.
+
+    Args:
+        impls: op name → :class:`~kiln.ops.registry.OpImpl`; ops missing here cannot be bound.
+    """
+
+    def __init__(self, impls: Mapping[str, OpImpl]) -> None:
+        self._impls = dict(impls)
+
+    @classmethod
+    def from_recipe(
+        cls, recipe: Mapping[str, str] | None = None, *, allow_lossy: bool = False
+    ) -> OpBinding:
+        """A binding choosing ``recipe[op]`` for the ops it names and ``reference`` for every
+        other op that has one (a candidate's ``ops`` mapping is such a recipe).
+
+        Raises:
+            kiln.ops.registry.UnknownOpError: the recipe names an unknown op.
+            kiln.ops.registry.UnknownImplementationError: ... or an unknown implementation.
+            LossyImplementationError: a lossy implementation without ``allow_lossy``.
+        """
+        recipe = dict(recipe or {})
+        impls: dict[str, OpImpl] = {}
+        for op in registry.ops():
+            if op in recipe:
+                impls[op] = registry.get(op, recipe.pop(op))
+            elif REFERENCE in registry.implementations(op):
+                impls[op] = registry.get(op, REFERENCE)
+        for op, name in recipe.items():  # what is left names ops that do not exist
+            registry.get(op, name)
+        lossy = sorted(f"{i.op}={i.name}" for i in impls.values() if i.lossy)
+        if lossy and not allow_lossy:
+            raise LossyImplementationError(
+                f"lossy implementations need allow_lossy=True: {', '.join(lossy)}"
+            )
+        return cls(impls)
+
+    @property
+    def recipe(self) -> dict[str, str]:
+        """Op → implementation name, every bound op included."""
+        return {op: impl.name for op, impl in self._impls.items()}
+
+    @property
+    def lossy(self) -> bool:
+        """True when some implementation is lossy."""
+        return any(impl.lossy for impl in self._impls.values())
+
+    def impl(self, op: str) -> OpImpl:
+        """The implementation chosen for ``op``.
+
+        Raises:
+            kiln.ops.registry.UnknownImplementationError: ``op`` has no implementation here
+                (e.g. ``moe``, which has none yet).
+        """
+        try:
+            return self._impls[op]
+        except KeyError:
+            known = ", ".join(registry.implementations(op)) or "none yet"
+            raise registry.UnknownImplementationError(
+                f"op {op!r} has no implementation bound (registered: {known})"
+            ) from None
+
+    def bind(self, site: Site, store: WeightStore) -> BoundOp:
+        """The implementation of ``site.op`` with its params bound: ``site.params``, or the
+        implementation's derived layout of them (cached in ``store`` under (transform, site)).
+
+        Raises:
+            BindError: the params do not fit the implementation's signature.
+        """
+        impl = self.impl(site.op)
+        params: Mapping[str, Any] = site.params
+        derived = impl.derived
+        if derived is not None:
+            params = store.derived(derived.name, site.name, lambda: derived.fn(site.params))
+        _check_params(impl, site, params)
+        return functools.partial(impl.fn, **params)
+
+    def bind_model(self, slots: ModelSlots[Site], store: WeightStore) -> ModelSlots[BoundOp]:
+        """Every site of a model bound (see :meth:`bind`)."""
+        return slots.map(lambda site: self.bind(site, store))
+
+    def __repr__(self) -> str:
+        swapped = {op: n for op, n in self.recipe.items() if n != REFERENCE}
+        return f"OpBinding({swapped or 'reference'})"

@@ -1,0 +1,165 @@
+"""The forward pass of a dense decoder (Llama, Qwen3), written only in op-slot calls.
+
+Per layer: ``input_norm`` (adds the residual) → ``qkv_proj`` → ``q_norm``/``k_norm`` (Qwen3) →
+``rope`` → KV-cache write → ``attention`` → ``o_proj`` → ``post_attention_norm`` (adds the
+residual) → ``ffn``; then ``final_norm`` → ``lm_head``. Which implementation runs each slot is
+the :class:`~kiln.workloads.models.binding.OpBinding`'s business; :meth:`DecoderModel.rebind`
+swaps it without touching weights or the cache. Mirrors transformers' ``LlamaModel`` /
+``Qwen3Model`` with vLLM's residual-carrying norms.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.workloads.config import ModelConfig
+from kiln.workloads.models.binding import BoundOp, OpBinding
+from kiln.workloads.models.kv_cache import StaticKVCache
+from kiln.workloads.models.slots import LayerSlots, ModelSlots, Site, dense_decoder_slots
+from kiln.workloads.weights import WeightStore
+
+Tensor = torch.Tensor
+
+
+class DecoderModel:
+    """A dense decoder over a weight store and a static KV cache.
+
+    Args:
+        config: the architecture (truncated to the layers held, for the fast tier).
+        weights: parameters by HF name (shared with other models over the same weights, e.g. the
+            reference a candidate is checked against).
+        cache: the KV cache, ``config.num_hidden_layers`` layers.
+        binding: op implementations; all ``reference`` when None.
+
+    Attributes:
+        slots: the sites (op, HF prefix, base params) of every op call.
+        ops: the same slots bound to implementations.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: WeightStore,
+        cache: StaticKVCache,
+        binding: OpBinding | None = None,
+    ) -> None:
+        self.config = config
+        self.weights = weights
+        self.cache = cache
+        self.slots: ModelSlots[Site] = dense_decoder_slots(
+            config, weights, max_positions=cache.max_len
+        )
+        self.binding = binding or OpBinding.from_recipe()
+        self.ops: ModelSlots[BoundOp] = self.binding.bind_model(self.slots, weights)
+
+    def rebind(self, binding: OpBinding) -> None:
+        """Swap op implementations (hot reload): weights and cache stay; derived layouts are
+        computed on first use and cached in the weight store."""
+        ops = binding.bind_model(self.slots, self.weights)
+        self.binding, self.ops = binding, ops
+
+    def _layer(
+        self,
+        i: int,
+        ops: LayerSlots[BoundOp],
+        h: Tensor,
+        residual: Tensor | None,
+        positions: Tensor,
+        seq_lens: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        x, residual = ops.input_norm(h, residual)
+        q, k, v = ops.qkv_proj(x)
+        if ops.q_norm is not None and ops.k_norm is not None:
+            q, _ = ops.q_norm(q)
+            k, _ = ops.k_norm(k)
+        q, k = ops.rope(q, k, positions)
+        k_cache, v_cache = self.cache.write(i, k, v, positions)
+        attn = ops.attention(q, k_cache, v_cache, positions, seq_lens)
+        x, residual = ops.post_attention_norm(ops.o_proj(attn), residual)
+        return ops.ffn(x), residual
+
+    def forward(self, tokens: Tensor, positions: Tensor, seq_lens: Tensor) -> Tensor:
+        """Final-normed hidden states of a step; writes the step's K/V into the cache (does not
+        change the cache's lengths).
+
+        Args:
+            tokens: ``[B, T]`` int64 token ids.
+            positions: ``[B, T]`` int64 positions of those tokens.
+            seq_lens: ``[B]`` int64 valid cache length per sequence after this step.
+
+        Returns:
+            ``[B, T, H]`` in the model dtype.
+        """
+        h = self.ops.embedding(tokens)
+        residual: Tensor | None = None
+        for i, layer in enumerate(self.ops.layers):
+            h, residual = self._layer(i, layer, h, residual, positions, seq_lens)
+        x, _ = self.ops.final_norm(h, residual)
+        return x
+
+    @torch.no_grad()
+    def prefill(
+        self, tokens: Tensor, seq_lens: Tensor | None = None, *, all_logits: bool = False
+    ) -> Tensor:
+        """Start new sequences from their prompts (the cache's previous contents are dropped).
+
+        Args:
+            tokens: ``[B, T]`` int64 prompts, right-padded to T.
+            seq_lens: ``[B]`` int64 prompt lengths (each in ``1..T``); all T when None.
+            all_logits: return every position's logits instead of the last valid one's.
+
+        Returns:
+            float32 logits ``[B, V]`` at position ``seq_lens - 1``, or ``[B, T, V]``.
+
+        Raises:
+            kiln.workloads.models.kv_cache.CacheCapacityError: more sequences or tokens than the
+                cache holds.
+        """
+        b, t = tokens.shape
+        if seq_lens is None:
+            seq_lens = torch.full((b,), t, dtype=torch.int64)
+        seq_lens = seq_lens.to(tokens.device)
+        positions = self.cache.start(seq_lens, t)
+        hidden = self.forward(tokens, positions, seq_lens)
+        if not all_logits:
+            hidden = hidden[torch.arange(b, device=hidden.device), seq_lens - 1]
+        return self.ops.lm_head(hidden)
+
+    @torch.no_grad()
+    def decode_step(self, tokens: Tensor) -> Tensor:
+        """Append one token to every active sequence.
+
+        Args:
+            tokens: ``[B, 1]`` int64, B the batch given to :meth:`prefill`.
+
+        Returns:
+            ``[B, V]`` float32 logits of the next token.
+
+        Raises:
+            kiln.workloads.models.kv_cache.CacheCapacityError: nothing prefilled, or a sequence
+                fills the cache.
+        """
+        positions, seq_lens = self.cache.next_positions()
+        if tokens.shape != (self.cache.batch, 1):
+            raise ValueError(
+                f"decode_step takes [{self.cache.batch}, 1] tokens, got {tokens.shape}"
+            )
+        hidden = self.forward(tokens, positions, seq_lens)
+        self.cache.advance()
+        return self.ops.lm_head(hidden[:, -1])
+
+    def sample(self, logits: Tensor) -> Tensor:
+        """Next tokens ``[B]`` int64 from ``[B, V]`` logits (the ``sampler`` slot)."""
+        return self.ops.sampler(logits)
+
+    @torch.no_grad()
+    def generate(self, tokens: Tensor, seq_lens: Tensor | None = None, steps: int = 1) -> Tensor:
+        """Greedy continuation: prefill, then ``steps - 1`` decode steps.
+
+        Returns:
+            ``[B, steps]`` int64 generated tokens.
+        """
+        out = [self.sample(self.prefill(tokens, seq_lens))]
+        for _ in range(steps - 1):
+            out.append(self.sample(self.decode_step(out[-1][:, None])))
+        return torch.stack(out, dim=1)

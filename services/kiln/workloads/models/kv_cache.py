@@ -1,0 +1,128 @@
+"""A static KV cache: fixed-size K and V buffers per layer, and each sequence's length.
+
+Buffers never change shape or address (CUDA-graph friendly, as gpt-fast's ``KVCache``); a step
+writes its keys and values at their positions and attention masks by position and length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class CacheCapacityError(ValueError):
+    """A batch or sequence longer than the cache was built for."""
+
+
+class StaticKVCache:
+    """Per-layer ``k[l]``, ``v[l]``: ``[max_batch, Hkv, max_len, D]`` in the model dtype, and
+    ``lengths``: ``[max_batch]`` int64 (valid slots per sequence), on ``device``.
+
+    The active batch is the first ``batch`` rows (set by :meth:`start`). A host-side copy of the
+    longest length lets :meth:`advance` check capacity without reading the device.
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: int,
+        max_batch: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if max_batch < 1 or max_len < 1:
+            raise ValueError("max_batch and max_len must be positive")
+        shape = (max_batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.lengths = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.batch = 0
+        self._longest = 0
+
+    def nbytes(self) -> int:
+        """Bytes of the K and V buffers."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def reset(self, *, zero: bool = False) -> None:
+        """Forget every sequence (lengths 0); ``zero=True`` also clears the buffers."""
+        self.lengths.zero_()
+        self.batch = 0
+        self._longest = 0
+        if zero:
+            for t in self.k + self.v:
+                t.zero_()
+
+    def start(self, seq_lens: Tensor, tokens: int) -> Tensor:
+        """Begin ``B = len(seq_lens)`` new sequences whose prompts fill ``tokens`` slots
+        (right-padded), replacing whatever the cache held.
+
+        Args:
+            seq_lens: ``[B]`` int64, each in ``[1, tokens]``.
+            tokens: T, the padded prompt length.
+
+        Returns:
+            positions ``[B, T]`` int64 (``0..T-1`` per row).
+
+        Raises:
+            CacheCapacityError: ``B > max_batch`` or ``T > max_len``.
+            ValueError: a length outside ``[1, T]``.
+        """
+        b = int(seq_lens.shape[0])
+        if b > self.max_batch or tokens > self.max_len:
+            raise CacheCapacityError(
+                f"batch {b} x {tokens} tokens exceeds the cache ({self.max_batch} x {self.max_len})"
+            )
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 1 or hi > tokens:
+            raise ValueError(f"sequence lengths must be within 1..{tokens}, got {lo}..{hi}")
+        self.reset()
+        self.batch = b
+        self.lengths[:b] = seq_lens.to(self.lengths.device)
+        self._longest = hi
+        positions = torch.arange(tokens, device=self.lengths.device)
+        return positions.expand(b, tokens)
+
+    def next_positions(self) -> tuple[Tensor, Tensor]:
+        """For a decode step of the active batch: positions ``[B, 1]`` (the current lengths) and
+        the lengths after the step ``[B]`` (both int64, on the cache's device).
+
+        Raises:
+            CacheCapacityError: no active batch, or some sequence already fills the cache.
+        """
+        if self.batch == 0:
+            raise CacheCapacityError("no sequences in the cache: prefill first")
+        if self._longest >= self.max_len:
+            raise CacheCapacityError(f"a sequence fills the cache ({self.max_len} slots)")
+        lengths = self.lengths[: self.batch]
+        return lengths[:, None], lengths + 1
+
+    def advance(self, steps: int = 1) -> None:
+        """Record that every active sequence grew by ``steps`` tokens."""
+        self.lengths[: self.batch] += steps
+        self._longest += steps
+
+    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Store a step's keys and values at their positions.
+
+        Args:
+            layer: layer index.
+            k, v: ``[B, Hkv, T, D]`` (B the active batch).
+            positions: ``[B, T]`` int64 slots to write.
+
+        Returns:
+            The layer's cache for the active batch, ``(k [B, Hkv, S, D], v [B, Hkv, S, D])``
+            (views of the buffers).
+        """
+        b = k.shape[0]
+        rows = torch.arange(b, device=positions.device)[:, None]
+        k_cache, v_cache = self.k[layer][:b], self.v[layer][:b]
+        # Advanced indices on dims 0 and 2 put their [B, T] shape first: values are [B, T, Hkv, D].
+        k_cache[rows, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
+        v_cache[rows, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
+        return k_cache, v_cache

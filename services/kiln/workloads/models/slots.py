@@ -1,0 +1,166 @@
+"""Op slots: where in a dense decoder each op is called, and with which base params.
+
+A :class:`Site` names one call site (its op, its HF module prefix, and the params the op's
+reference implementation takes there: weights from the store and config scalars). The
+:class:`LayerSlots` / :class:`ModelSlots` containers give every site a role in the forward
+(``input_norm``, ``qkv_proj``, ...); the same containers hold the bound callables after
+:meth:`kiln.workloads.models.binding.OpBinding.bind_model`, so the decoder reads
+``layer.qkv_proj(x)`` whichever implementation is bound. This module is the only place that
+knows HF parameter names for the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Generic, TypeVar
+
+from kiln.ops import rope
+from kiln.workloads.config import ModelConfig
+from kiln.workloads.weights import LM_HEAD, WeightStore
+
+S = TypeVar("S")
+U = TypeVar("U")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One op call site.
+
+    Attributes:
+        op: the op name (a key of :data:`kiln.ops.registry.OPS`).
+        name: the HF module prefix, e.g. ``"model.layers.3.self_attn"``; with the transform name,
+            the key of derived layouts in the weight store.
+        params: the reference implementation's keyword params at this site.
+    """
+
+    op: str
+    name: str
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class LayerSlots(Generic[S]):
+    """One decoder layer's op slots (``q_norm``/``k_norm`` None when the model has none;
+    ``ffn`` is an ``mlp`` site for dense layers, a ``moe`` site for expert layers)."""
+
+    input_norm: S
+    qkv_proj: S
+    q_norm: S | None
+    k_norm: S | None
+    rope: S
+    attention: S
+    o_proj: S
+    post_attention_norm: S
+    ffn: S
+
+    def map(self, fn: Callable[[S], U]) -> LayerSlots[U]:
+        """The same slots with ``fn`` applied to each filled one."""
+        return LayerSlots(
+            input_norm=fn(self.input_norm),
+            qkv_proj=fn(self.qkv_proj),
+            q_norm=None if self.q_norm is None else fn(self.q_norm),
+            k_norm=None if self.k_norm is None else fn(self.k_norm),
+            rope=fn(self.rope),
+            attention=fn(self.attention),
+            o_proj=fn(self.o_proj),
+            post_attention_norm=fn(self.post_attention_norm),
+            ffn=fn(self.ffn),
+        )
+
+
+@dataclass(frozen=True)
+class ModelSlots(Generic[S]):
+    """The whole model's op slots."""
+
+    embedding: S
+    layers: tuple[LayerSlots[S], ...]
+    final_norm: S
+    lm_head: S
+    sampler: S
+
+    def map(self, fn: Callable[[S], U]) -> ModelSlots[U]:
+        """The same slots with ``fn`` applied to each."""
+        return ModelSlots(
+            embedding=fn(self.embedding),
+            layers=tuple(layer.map(fn) for layer in self.layers),
+            final_norm=fn(self.final_norm),
+            lm_head=fn(self.lm_head),
+            sampler=fn(self.sampler),
+        )
+
+    def sites(self) -> list[S]:
+        """Every filled slot, in forward order."""
+        out = [self.embedding]
+        for layer in self.layers:
+            out += [getattr(layer, f.name) for f in fields(layer) if getattr(layer, f.name)]
+        return [*out, self.final_norm, self.lm_head, self.sampler]
+
+
+def _norm(store: WeightStore, name: str, eps: float) -> Site:
+    return Site("rms_norm", name, {"weight": store[name + ".weight"], "eps": eps})
+
+
+def _layer(config: ModelConfig, store: WeightStore, i: int, rope_site: Site) -> LayerSlots[Site]:
+    p = f"model.layers.{i}"
+    attn = f"{p}.self_attn"
+    qkv: dict[str, Any] = {
+        "num_heads": config.num_attention_heads,
+        "num_kv_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+    }
+    for proj in "qkv":
+        qkv[f"{proj}_weight"] = store[f"{attn}.{proj}_proj.weight"]
+        qkv[f"{proj}_bias"] = store.get(f"{attn}.{proj}_proj.bias")
+    eps = config.rms_norm_eps
+    mlp = f"{p}.mlp"
+    return LayerSlots(
+        input_norm=_norm(store, f"{p}.input_layernorm", eps),
+        qkv_proj=Site("qkv_proj", attn, qkv),
+        q_norm=_norm(store, f"{attn}.q_norm", eps) if config.qk_norm else None,
+        k_norm=_norm(store, f"{attn}.k_norm", eps) if config.qk_norm else None,
+        rope=rope_site,
+        attention=Site("attention", attn, {"scale": config.head_dim**-0.5}),
+        o_proj=Site(
+            "o_proj",
+            f"{attn}.o_proj",
+            {"weight": store[f"{attn}.o_proj.weight"], "bias": store.get(f"{attn}.o_proj.bias")},
+        ),
+        post_attention_norm=_norm(store, f"{p}.post_attention_layernorm", eps),
+        ffn=Site(
+            "mlp",
+            mlp,
+            {
+                "gate_weight": store[f"{mlp}.gate_proj.weight"],
+                "up_weight": store[f"{mlp}.up_proj.weight"],
+                "down_weight": store[f"{mlp}.down_proj.weight"],
+            },
+        ),
+    )
+
+
+def dense_decoder_slots(
+    config: ModelConfig, store: WeightStore, *, max_positions: int
+) -> ModelSlots[Site]:
+    """The sites of a dense Llama / Qwen3 decoder with ``config.num_hidden_layers`` layers.
+
+    Args:
+        config: the (possibly truncated) architecture.
+        store: its weights (HF names).
+        max_positions: the KV-cache length (the bound for table-based RoPE).
+
+    Raises:
+        kiln.workloads.weights.WeightError: a weight the forward needs is not in ``store``.
+        kiln.ops.rope.UnsupportedRopeError: a RoPE type kiln does not implement.
+    """
+    freq = rope.inv_freq(config, device=store[LM_HEAD].device)
+    rope_site = Site("rope", "model.rotary_emb", {"inv_freq": freq, "max_positions": max_positions})
+    return ModelSlots(
+        embedding=Site(
+            "embedding", "model.embed_tokens", {"weight": store["model.embed_tokens.weight"]}
+        ),
+        layers=tuple(_layer(config, store, i, rope_site) for i in range(config.num_hidden_layers)),
+        final_norm=_norm(store, "model.norm", config.rms_norm_eps),
+        lm_head=Site("lm_head", "lm_head", {"weight": store[LM_HEAD]}),
+        sampler=Site("sampler", "sampler", {}),
+    )

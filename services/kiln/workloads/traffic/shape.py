@@ -1,0 +1,216 @@
+"""The traffic shape a compilation optimizes for, read from a trace (``kiln.v1.TrafficShape``).
+
+Besides the statistics, a shape carries the *operating point* engines measure at:
+
+- ``batch_size`` = the estimated mean number of requests in flight, rounded half up and clamped
+  to ``[1, max_batch]``. In continuous batching every request in flight is in the decode batch
+  on almost every step (prefill is short next to OSL x TPOT), so mean concurrency is the typical
+  decode batch. It is an estimate (see :mod:`kiln.workloads.traffic.concurrency`).
+- ``context_len`` = p50 ISL + p50 OSL / 2 (tokens, rounded half up, at least 1). During decode a
+  request's context grows from ISL to ISL + OSL, so its mean context over its decode steps is
+  ISL + OSL / 2; medians rather than means keep the long tails (Mooncake p99 ISL ~85k) from
+  setting the point for every request. Clamp it to the model's context window where it matters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+from kiln.workloads.traffic.concurrency import ServiceModel, estimate_concurrency
+from kiln.workloads.traffic.prefix import MOONCAKE_BLOCK_TOKENS, prefix_hit_rate
+from kiln.workloads.traffic.records import Request, Trace
+from kiln.workloads.traffic.stats import Distribution, coefficient_of_variation
+
+if TYPE_CHECKING:
+    from kiln.v1 import common_pb2
+
+DEFAULT_MAX_BATCH = 256
+
+NOTE_CONCURRENCY = (
+    "mean_concurrency is estimated: traces have no completion times, so durations come from an "
+    "unloaded service model (isl / {prefill:g} tok/s + osl x {tpot:g} s)"
+)
+NOTE_NO_HASHES = "prefix_hit_rate is 0.0: the trace has no prefix-block hash ids"
+NOTE_SKEW = "expert_load_skew {skew:g} was given, not derived: request traces carry no MoE routing"
+NOTE_NO_SPAN = "arrival_rate_rps and interarrival_cv are 0.0: all arrivals at one instant"
+
+
+def _round_half_up(x: float) -> int:
+    return math.floor(x + 0.5)
+
+
+def operating_batch_size(mean_concurrency: float, max_batch: int = DEFAULT_MAX_BATCH) -> int:
+    """Decode batch size: ``mean_concurrency`` (requests) rounded half up, clamped to
+    ``[1, max_batch]``."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return max(1, min(max_batch, _round_half_up(mean_concurrency)))
+
+
+def operating_context_len(isl_p50: float, osl_p50: float) -> int:
+    """Context length (tokens): ``isl_p50 + osl_p50 / 2`` rounded half up, at least 1 — the mean
+    context of a median request over its decode steps."""
+    return max(1, _round_half_up(isl_p50 + osl_p50 / 2))
+
+
+@dataclass(frozen=True)
+class TrafficShape:
+    """What the forward pass will serve. Token counts are tokens, rates requests/s.
+
+    Attributes:
+        source: file name of the trace, or ``"synthetic"``.
+        isl_tokens: prompt length distribution (tokens).
+        osl_tokens: output length distribution (tokens).
+        arrival_rate_rps: (requests - 1) / (last arrival - first arrival), requests/s.
+        interarrival_cv: std / mean of the gaps between consecutive arrivals (1.0 = Poisson,
+            > 1 bursty; population std).
+        mean_concurrency: time-averaged requests in flight (an estimate; see
+            :mod:`kiln.workloads.traffic.concurrency`).
+        prefix_hit_rate: token-weighted fraction of prompt tokens in a cached leading prefix,
+            0..1 (see :mod:`kiln.workloads.traffic.prefix`).
+        expert_load_skew: most-loaded expert's share over the uniform share (>= 1). Request
+            traces carry no routing data, so this is not derived; it is whatever the caller
+            passes (default 1.0, perfectly balanced).
+        batch_size: operating point, decode batch (see the module docs).
+        context_len: operating point, context length in tokens (see the module docs).
+        notes: caveats about how fields were obtained; not sent on the wire, not compared.
+    """
+
+    source: str
+    isl_tokens: Distribution
+    osl_tokens: Distribution
+    arrival_rate_rps: float
+    interarrival_cv: float
+    mean_concurrency: float
+    prefix_hit_rate: float
+    expert_load_skew: float = 1.0
+    batch_size: int = 1
+    context_len: int = 1
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @classmethod
+    def from_requests(
+        cls,
+        requests: Sequence[Request],
+        source: str = "synthetic",
+        *,
+        service: ServiceModel | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        expert_load_skew: float = 1.0,
+        block_size: int = MOONCAKE_BLOCK_TOKENS,
+    ) -> TrafficShape:
+        """The shape of ``requests`` (taken in arrival order; ties keep the given order).
+
+        Args:
+            requests: at least one request.
+            source: trace file name, or ``"synthetic"``.
+            service: the service-time model behind ``mean_concurrency`` (default
+                :class:`ServiceModel`).
+            max_batch: upper clamp of ``batch_size`` (requests).
+            expert_load_skew: passed through (not derivable from these traces).
+            block_size: tokens per ``hash_ids`` block (Mooncake: 512).
+
+        Raises:
+            ValueError: no requests, or ``max_batch < 1``.
+        """
+        if not requests:
+            raise ValueError("a traffic shape needs at least one request")
+        model = service or ServiceModel()
+        ordered = sorted(requests, key=lambda r: r.arrival_s)
+        notes = [NOTE_CONCURRENCY.format(prefill=model.prefill_tokens_per_s, tpot=model.tpot_s)]
+
+        times = [r.arrival_s for r in ordered]
+        span = times[-1] - times[0]
+        gaps = [b - a for a, b in pairwise(times)]
+        rate = (len(times) - 1) / span if span > 0 else 0.0
+        if len(times) > 1 and span <= 0:
+            notes.append(NOTE_NO_SPAN)
+
+        if any(r.hash_ids for r in ordered):
+            hit = prefix_hit_rate(ordered, block_size)
+        else:
+            hit = 0.0
+            notes.append(NOTE_NO_HASHES)
+        notes.append(NOTE_SKEW.format(skew=expert_load_skew))
+
+        isl = Distribution.of([r.isl for r in ordered])
+        osl = Distribution.of([r.osl for r in ordered])
+        concurrency = estimate_concurrency(ordered, model).mean
+        return cls(
+            source=source,
+            isl_tokens=isl,
+            osl_tokens=osl,
+            arrival_rate_rps=rate,
+            interarrival_cv=coefficient_of_variation(gaps),
+            mean_concurrency=concurrency,
+            prefix_hit_rate=hit,
+            expert_load_skew=expert_load_skew,
+            batch_size=operating_batch_size(concurrency, max_batch),
+            context_len=operating_context_len(isl.p50, osl.p50),
+            notes=tuple(notes),
+        )
+
+    @classmethod
+    def from_trace(
+        cls,
+        trace: Trace,
+        *,
+        service: ServiceModel | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        expert_load_skew: float = 1.0,
+        block_size: int = MOONCAKE_BLOCK_TOKENS,
+    ) -> TrafficShape:
+        """The shape of a trace read by :func:`~kiln.workloads.traffic.readers.read_trace`,
+        named after its file; the other arguments as :meth:`from_requests`."""
+        return cls.from_requests(
+            trace.requests,
+            trace.path.name,
+            service=service,
+            max_batch=max_batch,
+            expert_load_skew=expert_load_skew,
+            block_size=block_size,
+        )
+
+    def to_proto(self) -> common_pb2.TrafficShape:
+        """The wire message (``notes`` are not sent)."""
+        from kiln.v1 import common_pb2
+
+        def dist(d: Distribution) -> common_pb2.Distribution:
+            return common_pb2.Distribution(p50=d.p50, p90=d.p90, p99=d.p99, mean=d.mean, max=d.max)
+
+        return common_pb2.TrafficShape(
+            source=self.source,
+            isl_tokens=dist(self.isl_tokens),
+            osl_tokens=dist(self.osl_tokens),
+            arrival_rate_rps=self.arrival_rate_rps,
+            interarrival_cv=self.interarrival_cv,
+            mean_concurrency=self.mean_concurrency,
+            prefix_hit_rate=self.prefix_hit_rate,
+            expert_load_skew=self.expert_load_skew,
+            batch_size=self.batch_size,
+            context_len=self.context_len,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.TrafficShape) -> TrafficShape:
+        """The shape a wire message carries (with no notes)."""
+
+        def dist(d: common_pb2.Distribution) -> Distribution:
+            return Distribution(p50=d.p50, p90=d.p90, p99=d.p99, mean=d.mean, max=d.max)
+
+        return cls(
+            source=msg.source,
+            isl_tokens=dist(msg.isl_tokens),
+            osl_tokens=dist(msg.osl_tokens),
+            arrival_rate_rps=msg.arrival_rate_rps,
+            interarrival_cv=msg.interarrival_cv,
+            mean_concurrency=msg.mean_concurrency,
+            prefix_hit_rate=msg.prefix_hit_rate,
+            expert_load_skew=msg.expert_load_skew,
+            batch_size=msg.batch_size,
+            context_len=msg.context_len,
+        )

@@ -1,0 +1,154 @@
+"""The cost model service over real gRPC (in-process server; no database or NATS needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from kiln.common.client import team_channel
+from kiln.common.server import serve
+from kiln.common.settings import KilnSettings
+from kiln.cost_model.app import create_app
+from kiln.v1 import common_pb2, cost_model_pb2, cost_model_pb2_grpc
+
+MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not MODELS.is_dir(), reason="../shared/data/models is absent"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest_asyncio.fixture(scope="module")
+async def stub(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[cost_model_pb2_grpc.CostModelStub]:
+    settings = KilnSettings(
+        metrics_port=0, grace_period_s=1.0, state_dir=tmp_path_factory.mktemp("cost")
+    )
+    addr, started = f"127.0.0.1:{_free_port()}", asyncio.Event()
+    task = asyncio.create_task(
+        serve(create_app(settings), settings, listen=addr, started=started, handle_signals=False)
+    )
+    await asyncio.wait_for(started.wait(), 20)
+    async with team_channel(addr, "search") as ch:
+        yield cost_model_pb2_grpc.CostModelStub(ch)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def _workload(
+    model: str, hardware: str = "h200", devices: int = 0, batch: int = 1, dtype: str = ""
+) -> common_pb2.Workload:
+    return common_pb2.Workload(
+        model=common_pb2.ModelSpec(
+            name=model, config_json=(MODELS / f"{model}.json").read_text(), dtype=dtype
+        ),
+        traffic=common_pb2.TrafficShape(
+            isl_tokens=common_pb2.Distribution(p50=1024),
+            osl_tokens=common_pb2.Distribution(p50=2),
+            batch_size=batch,
+            context_len=1,
+        ),
+        hardware=common_pb2.HardwareTarget(name=hardware, num_devices=devices),
+    )
+
+
+async def test_plan_ranks_llama_1b_on_one_h200(stub: cost_model_pb2_grpc.CostModelStub) -> None:
+    reply = await stub.Plan(
+        cost_model_pb2.PlanRequest(workload=_workload("llama-3.2-1b", devices=1)), timeout=10
+    )
+    (plan,) = reply.plans
+    assert (plan.tp, plan.ep, plan.dp, plan.pp, plan.dcp, plan.batch_size) == (1, 1, 1, 1, 1, 1)
+    assert plan.feasible and plan.estimate_tier == "roofline"
+    # 2,471,628,800 B of weights + 32,768 B of KV at 4.26 TB/s.
+    assert plan.tpot_ms == pytest.approx(0.5802, abs=1e-4)
+    assert plan.throughput_tokens_per_s == pytest.approx(1723.5, abs=0.5)
+    assert plan.memory_bytes_per_device > 2_471_628_800
+    assert "4.26" in reply.hardware_source and "H200" in reply.hardware_source
+
+
+async def test_plan_prunes_with_reasons_and_honours_max_plans(
+    stub: cost_model_pb2_grpc.CostModelStub,
+) -> None:
+    alone = await stub.Plan(
+        cost_model_pb2.PlanRequest(workload=_workload("deepseek-v3", devices=1)), timeout=10
+    )
+    assert list(alone.plans) == []
+    assert alone.pruned[0].infeasible_reason.startswith("memory:")
+    assert not alone.pruned[0].feasible
+
+    node = await stub.Plan(
+        cost_model_pb2.PlanRequest(workload=_workload("deepseek-v3", batch=64), max_plans=3),
+        timeout=10,
+    )
+    assert len(node.plans) == 3 and all(p.feasible for p in node.plans)
+    assert node.plans[0].ep == 8
+
+
+async def test_explain_shows_every_term(stub: cost_model_pb2_grpc.CostModelStub) -> None:
+    plan = common_pb2.ParallelismPlan(tp=8)
+    reply = await stub.Explain(
+        cost_model_pb2.ExplainRequest(workload=_workload("llama-3.1-8b"), plan=plan), timeout=10
+    )
+    terms = {t.name: t for t in reply.terms}
+    assert terms["memory.weights_per_device"].value == 2_008_031_232
+    assert terms["decode.tp_allreduce_ms"].unit == "ms"
+    assert "2(tp−1)/tp" in terms["decode.tp_allreduce_ms"].source
+    assert reply.plan.tp == 8 and reply.plan.feasible
+    assert reply.plan.tpot_ms == pytest.approx(terms["tpot_ms"].value)
+    assert "verdict: feasible" in reply.text and "decode.memory_time_ms" in reply.text
+
+    bad = await stub.Explain(
+        cost_model_pb2.ExplainRequest(
+            workload=_workload("llama-3.2-3b", devices=16), plan=common_pb2.ParallelismPlan(tp=16)
+        ),
+        timeout=10,
+    )
+    assert not bad.plan.feasible and "heads: 24" in bad.plan.infeasible_reason
+
+
+async def test_defaults_without_traffic(stub: cost_model_pb2_grpc.CostModelStub) -> None:
+    wl = _workload("llama-3.2-1b", devices=1)
+    wl.ClearField("traffic")
+    reply = await stub.Explain(cost_model_pb2.ExplainRequest(workload=wl), timeout=10)
+    assert reply.plan.batch_size == 1
+    assert "default: no traffic shape" in reply.text
+
+
+async def test_unsupported_model_is_invalid_argument(
+    stub: cost_model_pb2_grpc.CostModelStub,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Plan(cost_model_pb2.PlanRequest(workload=_workload("gpt-oss-20b")), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unsupported architecture 'gpt_oss'" in (err.value.details() or "")
+
+    empty = common_pb2.Workload(hardware=common_pb2.HardwareTarget(name="h200"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Plan(cost_model_pb2.PlanRequest(workload=empty), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "config_json is empty" in (err.value.details() or "")
+
+
+async def test_unknown_hardware_is_not_found(stub: cost_model_pb2_grpc.CostModelStub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Plan(
+            cost_model_pb2.PlanRequest(workload=_workload("llama-3.2-1b", hardware="tpu-v9")),
+            timeout=10,
+        )
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "b200, cpu, h100, h200" in (err.value.details() or "")

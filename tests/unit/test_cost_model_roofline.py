@@ -1,0 +1,243 @@
+"""The cost model's roofline tier against hand-computed numbers.
+
+Expected values are written out from published parameter counts and datasheet figures, not
+recomputed with the code under test: e.g. Llama-3.2-1B has 1,235,814,400 parameters, so a
+batch-1 BF16 decode step on an H200 reads 2,471,628,800 bytes of weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.common.errors import NotFound
+from kiln.cost_model.hardware import CATALOGUE, get_hardware
+from kiln.cost_model.planner import plan_workload, static_reasons
+from kiln.cost_model.roofline import OperatingPoint, estimate
+from kiln.cost_model.sharding import Parallelism, expert_load, stored_weights_per_device
+from kiln.workloads.config import SUPPORTED_MODEL_TYPES, load_config
+
+MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
+needs_models = pytest.mark.skipif(not MODELS.is_dir(), reason="../shared/data/models is absent")
+
+H200 = get_hardware("h200")
+H200_LINK = 450e9  # NVLink 4, bytes/s per direction
+H200_ACHIEVED = 4.26e12  # measured copy bandwidth, bytes/s
+H200_BF16 = 989e12  # dense FLOP/s
+H200_LIMIT = 0.9 * 141e9  # usable bytes per device
+
+
+def model(name: str):  # type: ignore[no-untyped-def]
+    return load_config(MODELS / f"{name}.json")
+
+
+# --------------------------------------------------------------------------- catalogue
+def test_catalogue_has_the_four_targets_with_sources() -> None:
+    assert {"cpu", "h100", "h200", "b200"} <= set(CATALOGUE)
+    for hw in CATALOGUE.values():
+        for key in ("memory_bytes", "memory_bandwidth_bytes_per_s", "dense_bf16_flops"):
+            assert hw.sources.get(key), f"{hw.name}.{key} has no source"
+    assert "assumption" in CATALOGUE["cpu"].sources["memory_bandwidth_bytes_per_s"]
+    assert (H200.memory_bytes, H200.memory_bandwidth_bytes_per_s) == (141e9, 4.8e12)
+    assert (H200.dense_bf16_flops, H200.dense_fp8_flops) == (989e12, 1979e12)
+    assert H200.interconnect_bandwidth_bytes_per_s == H200_LINK
+    assert H200.achievable_bandwidth_bytes_per_s == pytest.approx(H200_ACHIEVED)
+    assert get_hardware("B200").dense_fp8_flops == 4.5e15
+    assert get_hardware("h100").memory_bandwidth_bytes_per_s == 3.35e12
+
+
+def test_unknown_hardware_lists_the_catalogue() -> None:
+    with pytest.raises(NotFound, match=r"'tpu-v9'.*b200, cpu, h100, h200"):
+        get_hardware("tpu-v9")
+
+
+# --------------------------------------------------------------------------- dense decode
+@needs_models
+def test_llama_1b_batch1_decode_is_memory_bound_at_the_measured_bandwidth() -> None:
+    cfg = model("llama-3.2-1b")
+    est = estimate(cfg, H200, OperatingPoint(batch_size=1, isl=1024, context_len=1), Parallelism())
+    # Tied embedding = LM head: every one of the 1,235,814,400 weights is read each step.
+    assert est.weight_bytes_per_device == 2_471_628_800
+    assert est.term("decode.weight_bytes_read").value == 2_471_628_800
+    # One token of KV: 16 layers × 2 × 8 KV heads × 64 × 2 B = 32,768 B.
+    assert est.kv_bytes_per_device == 32_768
+    tpot_ms = (2_471_628_800 + 32_768) / H200_ACHIEVED * 1e3
+    assert est.tpot_ms == pytest.approx(tpot_ms, rel=1e-9)
+    assert est.tpot_ms == pytest.approx(0.5802, abs=1e-4)
+    assert est.throughput_tokens_per_s == pytest.approx(1723.5, abs=0.5)  # the issue's ≈1,720
+    assert est.term("decode.compute_time_ms").value < est.tpot_ms / 100
+
+
+@needs_models
+def test_llama_1b_prefill_is_compute_bound() -> None:
+    cfg = model("llama-3.2-1b")
+    est = estimate(cfg, H200, OperatingPoint(batch_size=1, isl=1024, osl=1), Parallelism())
+    head = 128_256 * 2048 + 2048  # LM head and final norm: only the last token reaches them
+    flops = (
+        2 * (1_235_814_400 - head) * 1024
+        + 2 * head
+        + 16 * 1024 * 1024 * 32 * (64 + 64)  # causal attention, L·ISL²·H·(d_qk + d_v)
+    )
+    assert est.term("prefill.flops").value == pytest.approx(flops, rel=1e-12)
+    assert est.ttft_ms == pytest.approx(flops / H200_BF16 * 1e3, rel=1e-9)
+    assert est.ttft_ms == pytest.approx(2.0852, abs=1e-3)
+
+
+@needs_models
+def test_llama_8b_tp8_shards_weights_by_eight_and_pays_all_reduces() -> None:
+    cfg = model("llama-3.1-8b")
+    point = OperatingPoint(batch_size=1, isl=128, context_len=1)
+    one = estimate(cfg, H200, point, Parallelism())
+    eight = estimate(cfg, H200, point, Parallelism(tp=8))
+    assert one.weight_bytes_per_device == 8_030_261_248 * 2
+    # Norms (2·4096 per layer × 32 + 4096 final = 266,240) are replicated, the rest / 8.
+    assert eight.weight_bytes_per_device == ((8_030_261_248 - 266_240) / 8 + 266_240) * 2
+    assert eight.weight_bytes_per_device == 2_008_031_232
+    # 2 all-reduces per layer × 32 layers of 1 × 4096 × 2 B, ring factor 2·7/8, + 5 us each.
+    allreduce_ms = 64 * (8192 * 2 * 7 / 8 / H200_LINK + 5e-6) * 1e3
+    assert eight.term("decode.tp_allreduce_ms").value == pytest.approx(allreduce_ms)
+    assert eight.term("decode.tp_allreduce_ms").value == pytest.approx(0.32204, abs=1e-5)
+    assert one.term("decode.tp_allreduce_ms").value == 0
+    assert eight.tpot_ms < one.tpot_ms / 4
+
+
+@needs_models
+def test_pipeline_parallelism_buys_memory_not_speed() -> None:
+    cfg = model("llama-3.1-8b")
+    point = OperatingPoint(batch_size=1, isl=128, context_len=1)
+    pp1 = estimate(cfg, H200, point, Parallelism())
+    pp2 = estimate(cfg, H200, point, Parallelism(pp=2))
+    # Each layer: (8,030,261,248 − 2 × 525,336,576 − 4,096) / 32 = 218,112,000 weights; the
+    # last stage holds 16 of them plus the LM head (525,336,576) and the final norm (4,096).
+    assert pp2.weight_bytes_per_device == (16 * 218_112_000 + 525_336_576 + 4_096) * 2
+    # One send of 1 × 4096 × 2 B between the stages.
+    assert pp2.tpot_ms - pp1.tpot_ms == pytest.approx((8192 / H200_LINK + 5e-6) * 1e3)
+
+
+@needs_models
+def test_cpu_target_is_one_small_device() -> None:
+    cfg = model("llama-3.2-1b")
+    cpu = get_hardware("cpu")
+    result = plan_workload(cfg, cpu, OperatingPoint(batch_size=1, isl=64, context_len=1))
+    assert [e.plan for e in result.feasible] == [Parallelism()]
+    assert result.feasible[0].tpot_ms == pytest.approx((2_471_628_800 + 32_768) / 20e9 * 1e3)
+
+
+@needs_models
+@pytest.mark.parametrize("file", sorted(p.name for p in MODELS.glob("*.json")))
+def test_shards_at_tp1_add_up_to_the_parameter_count(file: str) -> None:
+    import json
+
+    if json.loads((MODELS / file).read_text()).get("model_type") not in SUPPORTED_MODEL_TYPES:
+        pytest.skip("unsupported architecture")
+    cfg = load_config(MODELS / file)
+    assert stored_weights_per_device(cfg, Parallelism()) == pytest.approx(cfg.param_count())
+
+
+# --------------------------------------------------------------------------- MoE
+def test_expected_distinct_experts_by_hand() -> None:
+    from kiln.workloads.config import MoEConfig
+
+    moe = MoEConfig(num_experts=128, top_k=8, intermediate_size=768)
+    # 128 × (1 − (1 − 8/128)^16) = 128 × (1 − 0.35607) = 82.42
+    assert expert_load(moe, Parallelism(), 16, 1.0).distinct_experts == pytest.approx(82.42, 1e-3)
+    # One token touches exactly top_k experts.
+    assert expert_load(moe, Parallelism(), 1, 1.0).distinct_experts == pytest.approx(8)
+    # ep=8, skew 2: busiest rank's 16 experts each picked with p = 2 × 8/128 = 0.125;
+    # 16 × (1 − 0.875^16) = 16 × (1 − 0.11806) = 14.11; assignments 16 tokens × 16 × 0.125 = 32.
+    load = expert_load(moe, Parallelism(ep=8), 16, 2.0)
+    assert load.distinct_experts == pytest.approx(14.11, rel=1e-3)
+    assert load.assignments == pytest.approx(32)
+    # A rank cannot take more than all the load: skew is capped at ep.
+    assert expert_load(moe, Parallelism(ep=8), 16, 100.0).p_hot == pytest.approx(0.5)
+    # Skew widens the busiest rank's reads.
+    assert load.distinct_experts > expert_load(moe, Parallelism(ep=8), 16, 1.0).distinct_experts
+
+
+@needs_models
+def test_mixtral_batch1_reads_two_of_eight_experts() -> None:
+    cfg = model("mixtral-8x7b-v0.1")
+    est = estimate(cfg, H200, OperatingPoint(batch_size=1, isl=64, context_len=1), Parallelism())
+    expert = 3 * 4096 * 14336  # 176,160,768 weights per expert
+    # All weights but the embedding (32,000 × 4,096) and the 6 unused experts of each layer.
+    active = 46_702_792_704 - 32_000 * 4096 - 6 * 32 * expert
+    assert active == 12_748_853_248
+    assert est.term("decode.weight_bytes_read").value == pytest.approx(active * 2, rel=1e-12)
+
+
+@needs_models
+def test_mixtral_ep8_allowed_ep16_pruned() -> None:
+    cfg = model("mixtral-8x7b-v0.1")
+    assert static_reasons(cfg, Parallelism(tp=8, ep=8), H200, 8) == []
+    assert static_reasons(cfg, Parallelism(tp=1, ep=8, dp=8), H200, 8) == []
+    result = plan_workload(cfg, H200, OperatingPoint(batch_size=32, isl=512), num_devices=16)
+    ep16 = [reason for e, reason in result.pruned if e.plan.ep == 16]
+    assert ep16 and all("experts: 8 experts not divisible by ep=16" in r for r in ep16)
+    assert not any(e.plan.ep == 16 for e in result.feasible)
+    assert any(e.plan.ep == 8 for e in result.feasible)
+
+
+@needs_models
+def test_deepseek_v3_needs_a_node_and_fits_eight_h200_with_ep() -> None:
+    cfg = model("deepseek-v3")
+    point = OperatingPoint(batch_size=64, isl=2048, osl=256)
+    fp8 = "float8_e4m3fn"
+    assert stored_weights_per_device(cfg, Parallelism()) == 671_026_404_352  # 1 B each
+    alone = plan_workload(cfg, H200, point, num_devices=1, weight_dtype=fp8)
+    assert alone.feasible == []
+    ((_, reason),) = alone.pruned
+    assert reason.startswith("memory: needs 6")  # ~682 GB > 126.9 GB
+
+    node = plan_workload(cfg, H200, point, num_devices=8, weight_dtype=fp8)
+    by_plan = {e.plan: reason for e, reason in node.pruned}
+    assert "memory" in by_plan[Parallelism(tp=1, ep=1, dp=8)]  # every GPU holds 671 GB
+    ep8 = next(e for e in node.feasible if e.plan == Parallelism(tp=1, ep=8, dp=8))
+    assert ep8.memory_bytes_per_device < H200_LIMIT
+    assert node.feasible[0].plan.ep == 8
+
+    bf16 = plan_workload(cfg, H200, point, num_devices=8, weight_dtype="bfloat16")
+    assert bf16.feasible == []  # 1.34 TB of BF16 weights > 8 × 126.9 GB
+    assert all("memory:" in reason for _, reason in bf16.pruned)
+
+
+# --------------------------------------------------------------------------- heads
+@needs_models
+def test_head_divisibility_is_pruned() -> None:
+    cfg = model("llama-3.2-3b")  # 24 heads, 8 KV heads
+    result = plan_workload(cfg, H200, OperatingPoint(batch_size=8, isl=512), num_devices=16)
+    tp16 = [reason for e, reason in result.pruned if e.plan.tp == 16]
+    assert tp16 and all("heads: 24 attention heads not divisible by tp=16" in r for r in tp16)
+    assert any(e.plan.tp == 8 for e in result.feasible)
+    qwen = model("qwen3-0.6b")  # 16 heads
+    assert any(r.startswith("heads:") for r in static_reasons(qwen, Parallelism(tp=32), H200, 32))
+
+
+@needs_models
+def test_tp_beyond_kv_heads_replicates_kv_and_dcp_shards_it() -> None:
+    cfg = model("qwen3-30b-a3b")  # 4 KV heads; 48 layers × 2 × 4 × 128 × 2 B = 98,304 B/token
+    point = OperatingPoint(batch_size=8, isl=2048, context_len=4096)
+    kv4 = estimate(cfg, H200, point, Parallelism(tp=4)).kv_bytes_per_device
+    kv8 = estimate(cfg, H200, point, Parallelism(tp=8)).kv_bytes_per_device
+    assert kv4 == kv8 == 8 * 4096 * 98_304 / 4 == 805_306_368
+    dcp2 = estimate(cfg, H200, point, Parallelism(tp=8, dcp=2)).kv_bytes_per_device
+    assert dcp2 == 402_653_184
+    assert static_reasons(cfg, Parallelism(tp=8), H200, 8) == []
+    assert static_reasons(cfg, Parallelism(tp=8, dcp=2), H200, 8) == []
+    assert any(r.startswith("dcp:") for r in static_reasons(cfg, Parallelism(tp=8, dcp=4), H200, 8))
+
+
+# --------------------------------------------------------------------------- ranking
+@needs_models
+def test_latency_bound_ranks_by_tpot_throughput_bound_by_tokens_per_device() -> None:
+    cfg = model("llama-3.1-8b")
+    latency = plan_workload(cfg, H200, OperatingPoint(batch_size=1, isl=512))
+    assert latency.feasible[0].plan == Parallelism(tp=8)
+    tpots = [e.tpot_ms for e in latency.feasible]
+    assert tpots == sorted(tpots)
+
+    busy = plan_workload(cfg, H200, OperatingPoint(batch_size=256, isl=1024, osl=256))
+    assert "throughput-bound" in busy.objective
+    per_device = [e.throughput_per_device for e in busy.feasible]
+    assert per_device == sorted(per_device, reverse=True)
+    assert busy.feasible[0].plan == Parallelism(tp=1, dp=8)  # ties go to more total tokens/s

@@ -1,0 +1,79 @@
+"""``attention`` alternatives vs the reference, and the reference's mask semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.ops import attention
+from kiln.ops.registry import get, implementations
+from tests.unit.op_testing import DTYPES, assert_close, randn
+
+ALTERNATIVES = [i for i in implementations("attention") if i != "reference"]
+CACHE_LEN = 19
+HEAD_DIM = 24
+KV_HEADS = 2
+
+
+def _case(batch: int, tokens: int, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q, k_cache, v_cache, positions (from a random start per sequence), seq_lens (random
+    valid lengths: right padding within the step)."""
+    q = randn(batch, KV_HEADS * group, tokens, HEAD_DIM, dtype=dtype)
+    k = randn(batch, KV_HEADS, CACHE_LEN, HEAD_DIM, dtype=dtype)
+    v = randn(batch, KV_HEADS, CACHE_LEN, HEAD_DIM, dtype=dtype)
+    start = torch.randint(0, CACHE_LEN - tokens + 1, (batch,))
+    positions = start[:, None] + torch.arange(tokens)
+    seq_lens = start + torch.randint(1, tokens + 1, (batch,))
+    return q, k, v, positions, seq_lens
+
+
+@pytest.mark.parametrize("impl", ALTERNATIVES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("group", [1, 4])
+def test_alternative_matches_reference(
+    impl: str, dtype: torch.dtype, batch: int, tokens: int, group: int
+) -> None:
+    torch.manual_seed(batch * 100 + tokens * 10 + group)
+    q, k, v, positions, seq_lens = _case(batch, tokens, group, dtype)
+    scale = HEAD_DIM**-0.5
+    expected = get("attention", "reference")(q, k, v, positions, seq_lens, scale=scale)
+    actual = get("attention", impl)(q, k, v, positions, seq_lens, scale=scale)
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_reference_is_causal_attention_over_each_sequence(group: int) -> None:
+    """Valid queries of a padded batch equal plain causal attention over that sequence alone."""
+    torch.manual_seed(group)
+    batch, tokens = 3, 7
+    q, k, v, _, _ = _case(batch, tokens, group, torch.float32)
+    positions = torch.arange(tokens).expand(batch, tokens)
+    seq_lens = torch.tensor([7, 3, 1])
+    out = attention.reference(q, k, v, positions, seq_lens, scale=HEAD_DIM**-0.5)
+    for b, n in enumerate(seq_lens.tolist()):
+        kb = k[b : b + 1, :, :n].repeat_interleave(group, dim=1)
+        vb = v[b : b + 1, :, :n].repeat_interleave(group, dim=1)
+        want = F.scaled_dot_product_attention(q[b : b + 1, :, :n], kb, vb, is_causal=True)
+        torch.testing.assert_close(out[b : b + 1, :, :n], want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_sees_exactly_the_valid_slots() -> None:
+    """T=1 at position p: slots 0..p count, later slots (stale data) do not."""
+    torch.manual_seed(1)
+    q, k, v, _, _ = _case(2, 1, 2, torch.float32)
+    positions = torch.tensor([[4], [10]])
+    seq_lens = positions[:, 0] + 1
+    out = attention.reference(q, k, v, positions, seq_lens, scale=1.0)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, 5:], v2[0, :, 5:] = 1e4, -1e4
+    k2[1, :, 11:], v2[1, :, 11:] = 1e4, -1e4
+    torch.testing.assert_close(attention.reference(q, k2, v2, positions, seq_lens, scale=1.0), out)
+
+
+def test_cache_mask_shape_and_values() -> None:
+    mask = attention.cache_mask(torch.tensor([[0, 1, 2]]), torch.tensor([2]), 4)
+    assert mask.shape == (1, 1, 3, 4) and mask.dtype == torch.bool
+    assert mask[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
