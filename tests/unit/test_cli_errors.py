@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,102 @@ def test_describe_names_the_grpc_code() -> None:
 
     assert describe(FakeRpcError()) == "ABORTED: stale version"
     assert from_rpc_error(FakeRpcError()).message == "stale version"
+
+
+def _assert_usage_error(result: subprocess.CompletedProcess[str], option: str) -> None:
+    """A bad flag value: typer's usage box naming the option, exit 2, no traceback."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"'{option}'" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (("ledger", "tail", "--no-follow", "--after", "-5"), "--after"),
+        (("ledger", "tail", "--no-follow", "--max-count", "-1"), "--max-count"),
+        (("ledger", "query", "compilations", "--limit", "-1"), "--limit"),
+        (("ledger", "events", "compilation-x", "--from-version", "-1"), "--from-version"),
+        (("health", "127.0.0.1:1", "--timeout", "-1"), "--timeout"),
+    ],
+)
+def test_out_of_range_numbers_name_the_flag(
+    tmp_path: Path, args: tuple[str, ...], option: str
+) -> None:
+    _assert_usage_error(_kiln(*args, state_dir=tmp_path), option)
+
+
+def test_repeated_filter_key_is_one_line(tmp_path: Path) -> None:
+    result = _kiln(
+        "ledger", "query", "compilations", "--filter", "status=a", "--filter", "status=b",
+        state_dir=tmp_path,
+    )  # fmt: skip
+    _assert_one_line_error(result, "--filter status given twice")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--team", "", "ledger", "tail", "--no-follow"),
+        ("ledger", "tail", "--no-follow", "--team", ""),
+        ("ledger", "query", "compilations", "--team", ""),
+    ],
+)
+def test_empty_team_flag_is_rejected_like_empty_env(tmp_path: Path, args: tuple[str, ...]) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    from_env = _kiln(
+        "ledger", "tail", "--no-follow", "--ledger-addr", addr, state_dir=tmp_path, KILN_TEAM=""
+    )
+    expected = _assert_one_line_error(from_env, "UNAUTHENTICATED")
+    assert _assert_one_line_error(_kiln(*args, state_dir=tmp_path, KILN_LEDGER_ADDR=addr)) == (
+        expected
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needles"),
+    [
+        (
+            ("serve", "ledger", "--listen", "127.0.0.1:99999"),
+            {},
+            ("listen_addr", "--listen", "99999", "out of range"),
+        ),
+        (
+            ("serve", "ledger", "--metrics-port", "70000"),
+            {},
+            ("metrics_port", "--metrics-port", "70000", "out of range"),
+        ),
+        (("status",), {"KILN_EMBEDDED_NATS_PORT": "0"}, ("KILN_EMBEDDED_NATS_PORT", "0..65535")),
+        (("status",), {"KILN_AGENT_RUNNER_ADDR": "localhost"}, ("KILN_AGENT_RUNNER_ADDR",)),
+    ],
+)
+def test_bad_ports_and_addresses_are_one_line(
+    tmp_path: Path, args: tuple[str, ...], env: dict[str, str], needles: tuple[str, ...]
+) -> None:
+    result = _kiln(*args, state_dir=tmp_path, KILN_LOG_FORMAT="console", **env)
+    line = _assert_one_line_error(result, "invalid settings", *needles)
+    assert "unexpected" not in line and "OverflowError" not in line
+
+
+def test_serve_failure_is_one_json_line_in_a_json_log(tmp_path: Path) -> None:
+    """``kiln serve`` writing to a log (not a terminal) with JSON logs reports its failure as
+    one JSON line too, so the service log parses line by line."""
+    result = _kiln("serve", "ledger", "--listen", "127.0.0.1:99999", state_dir=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    record = json.loads(lines[0])
+    assert record["level"] == "error" and record["service"] == "ledger"
+    assert "listen_addr" in record["error"] and "99999" in record["error"]
+
+
+def test_second_up_while_the_state_dir_is_locked_is_one_line(tmp_path: Path) -> None:
+    from kiln.embedded.lock import state_lock
+
+    with state_lock(tmp_path):
+        result = _kiln("up", state_dir=tmp_path)
+        _assert_one_line_error(
+            result, f"another kiln up/down is running for {tmp_path.resolve()} (pid {os.getpid()})"
+        )
+        _assert_one_line_error(_kiln("down", state_dir=tmp_path), "another kiln up/down")
+    assert not (tmp_path / "postgres").exists()  # nothing was started

@@ -95,7 +95,10 @@ def hf_model(raw: dict[str, Any], weights: WeightStore) -> Any:
 def hf_run(model: Any, prompt: torch.Tensor, steps: torch.Tensor) -> list[torch.Tensor]:
     """Logits of one sequence (no padding): every prompt position, then each decode step
     (tokens ``steps``), with transformers' own cache."""
-    cache = transformers.DynamicCache(config=model.config)
+    try:
+        cache = transformers.DynamicCache(config=model.config)
+    except TypeError:  # transformers < 4.56
+        cache = transformers.DynamicCache()
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         out = [model(prompt[None], use_cache=True, **{key: cache}).logits[0]]

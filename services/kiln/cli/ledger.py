@@ -20,7 +20,7 @@ from kiln.cli.render import (
     print_events,
     print_json_lines,
     replay_table,
-    rows_tables,
+    rows_table,
 )
 from kiln.common.errors import KilnError, Unavailable
 
@@ -57,8 +57,8 @@ async def open_ledger(
     global options); an unreachable ledger becomes one readable error."""
     from kiln.ledger.client import LedgerClient
 
-    overrides = {"ledger_addr": addr, "team": team}
-    settings = settings_for(ctx, **{k: v for k, v in overrides.items() if v})
+    # None = not given; "" is given (an empty --team fails like KILN_TEAM= does)
+    settings = settings_for(ctx, ledger_addr=addr, team=team)
     addr = ledger_addr(settings)
     client = LedgerClient(addr, settings.team)
     try:
@@ -91,7 +91,9 @@ def run_with_ledger(
 def events(
     ctx: typer.Context,
     stream: Annotated[str, typer.Argument(help="Stream id, e.g. compilation-42.")],
-    from_version: Annotated[int, typer.Option(help="First stream version to show.")] = 1,
+    from_version: Annotated[
+        int, typer.Option(min=1, help="First stream version to show (versions start at 1).")
+    ] = 1,
     as_json: JsonOpt = False,
     ledger_addr: AddrOpt = None,
     team: TeamOpt = None,
@@ -109,7 +111,7 @@ def events(
 @app.command()
 def tail(
     ctx: typer.Context,
-    after: Annotated[int, typer.Option(help="Show events after this global position.")] = 0,
+    after: Annotated[int, typer.Option(min=0, help="Show events after this global position.")] = 0,
     follow: Annotated[
         bool, typer.Option("--follow/--no-follow", help="Keep printing new events.")
     ] = True,
@@ -117,7 +119,9 @@ def tail(
         list[str] | None, typer.Option("--type", help="Only this event type (repeatable).")
     ] = None,
     stream_prefix: Annotated[str, typer.Option(help="Only streams starting with this.")] = "",
-    max_count: Annotated[int, typer.Option(help="Stop after this many events (0 = all).")] = 0,
+    max_count: Annotated[
+        int, typer.Option(min=0, help="Stop after this many events (0 = all).")
+    ] = 0,
     as_json: JsonOpt = False,
     ledger_addr: AddrOpt = None,
     team: TeamOpt = None,
@@ -154,9 +158,15 @@ def _parse_filters(pairs: list[str]) -> dict[str, str]:
     parsed: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise CliError(f"--filter wants KEY=VALUE, got {pair!r}")
-        parsed[key.strip()] = value
+        if key in parsed:
+            raise CliError(
+                f"--filter {key} given twice ({key}={parsed[key]!r}, {key}={value!r}): "
+                "filters are ANDed equalities, give each column once"
+            )
+        parsed[key] = value
     return parsed
 
 
@@ -168,21 +178,41 @@ def query(
         list[str] | None,
         typer.Option("--filter", help="Column equality, KEY=VALUE (repeatable)."),
     ] = None,
-    limit: Annotated[int, typer.Option(help="At most this many rows (0 = server default).")] = 0,
-    as_json: JsonOpt = False,
+    limit: Annotated[
+        int, typer.Option(min=0, help="At most this many rows (0 = all of them).")
+    ] = 0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON object per line, with every column.")
+    ] = False,
     ledger_addr: AddrOpt = None,
     team: TeamOpt = None,
 ) -> None:
-    """Show rows of a projection (compilations, experiments, best-candidates)."""
+    """Show rows of a projection (compilations, experiments, best-candidates).
+
+    People get one table, a row per result and the projection's main columns; --json gives
+    every column.
+    """
     wanted = _parse_filters(filters or [])
     rows = run_with_ledger(
         ctx, lambda c: c.query(projection.value, wanted, limit=limit), ledger_addr, team
     )
     if as_json:
         print_json_lines(rows)
-    else:
-        for table in rows_tables(rows, title=f"{projection.value}: {len(rows)} rows"):
-            console.print(table)
+        return
+    title = f"{projection.value}: {len(rows)} rows"
+    if wanted:
+        title += " where " + ", ".join(f"{k}={v}" for k, v in wanted.items())
+    if not rows:
+        console.print(title, markup=False)
+        return
+    table, hidden = rows_table(rows, projection.value, title=title)
+    console.print(table)
+    if hidden:
+        console.print(
+            f"(not shown: {', '.join(hidden)}; --json shows every column)",
+            style="dim",
+            markup=False,
+        )
 
 
 @app.command()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from datetime import UTC
 from typing import Any
@@ -124,39 +125,91 @@ def print_json_lines(items: Iterable[dict[str, Any]]) -> None:
         print(compact_json(item), flush=True)
 
 
-WIDE_ROWS = 6
-"""Rows with more columns than this are shown one record at a time (key | value)."""
+MAIN_COLUMNS: dict[str, tuple[str, ...]] = {
+    "compilations": (
+        "compilation_id",
+        "team",
+        "model_name",
+        "hardware",
+        "status",
+        "experiments_done",
+        "failures",
+        "best_tokens_per_s",
+        "speedup",
+        "updated_at",
+    ),
+    "experiments": (
+        "experiment_id",
+        "compilation_id",
+        "candidate_id",
+        "agent",
+        "tier",
+        "status",
+        "correct",
+        "median_ms",
+        "tokens_per_s",
+        "completed_at",
+    ),
+    "best-candidates": (
+        "workload_key",
+        "candidate_id",
+        "compilation_id",
+        "tokens_per_s",
+        "speedup",
+        "tier",
+        "found_at",
+    ),
+}
+"""The columns ``kiln ledger query`` shows people, per projection (``--json`` shows all)."""
+
+MAX_COLUMNS = 10
+"""Columns shown for a projection without a :data:`MAIN_COLUMNS` entry."""
 
 
-def rows_tables(rows: Sequence[dict[str, Any]], title: str | None = None) -> list[Table]:
-    """Projection rows as tables: one table (columns in order of first appearance) when rows
-    are narrow, else one key/value table per row."""
+def rows_table(
+    rows: Sequence[dict[str, Any]], projection: str, title: str | None = None
+) -> tuple[Table, list[str]]:
+    """Projection rows as one table, a row per result.
+
+    The columns are the projection's main ones (:data:`MAIN_COLUMNS`, those present), else
+    the first :data:`MAX_COLUMNS` in order of appearance. Returns the table and the names of
+    the columns left out.
+    """
     columns: list[str] = []
     for row in rows:
         columns.extend(k for k in row if k not in columns)
-    if len(columns) <= WIDE_ROWS:
-        table = Table(*columns, title=title, title_justify="left")
-        for row in rows:
-            table.add_row(*(_cell(row.get(c)) for c in columns))
-        return [table]
-    tables = []
-    for i, row in enumerate(rows, 1):
-        table = Table(title=f"{title} [{i}/{len(rows)}]" if title else None, title_justify="left")
-        table.add_column("column", no_wrap=True, style="bold")
-        table.add_column("value", overflow="fold")
-        for key in sorted(row):
-            table.add_row(key, _cell(row[key]))
-        tables.append(table)
-    return tables or [Table(title=title, title_justify="left")]
+    main = [c for c in MAIN_COLUMNS.get(projection, ()) if c in columns]
+    shown = main or columns[:MAX_COLUMNS]
+    hidden = [c for c in columns if c not in shown]
+    table = Table(title=title, title_justify="left")
+    for i, name in enumerate(shown):
+        numeric = all(r.get(name) is None or type(r.get(name)) in (int, float) for r in rows)
+        # the first column (the row's id) never wraps; the others give way on narrow terminals
+        table.add_column(name, no_wrap=i == 0, justify="right" if numeric else "left")
+    for row in rows:
+        table.add_row(*(_cell(row.get(c)) for c in shown))
+    return table, hidden
+
+
+_TIMESTAMP_RE = re.compile(r"^(\d{4}-\d\d-\d\d)T(\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]00:?00)?$")
 
 
 def _cell(value: Any) -> str:
     if value is None:
         return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, dict | list):
         return _cut(compact_json(value), 60)
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
+    if isinstance(value, float):
+        if value.is_integer():
+            return str(int(value))
+        return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
+    if isinstance(value, str):
+        match = _TIMESTAMP_RE.match(value)
+        if match:  # a UTC timestamp, to the second
+            return f"{match.group(1)} {match.group(2)}"
+        return _cut(value, 60)
     return str(value)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from enum import StrEnum
 from typing import Annotated, Literal
@@ -40,7 +41,19 @@ def listen_hint(service: str, listen_given: bool) -> str:
     if listen_given:
         return "(set --listen or KILN_LISTEN_ADDR to another address)"
     var = f"KILN_{service.replace('-', '_').upper()}_ADDR"
-    return f"(set {var} to another address, or pass --listen)"
+    return f"(set {var} to another address)"
+
+
+_GRPC_BIND_NOISE = re.compile(r"\s*\[Failed to bind to address [^\]]*GRPC_VERBOSITY[^\]]*\]")
+"""gRPC's generic bind error, which the runtime appends; the C-core's own log line before it
+says why."""
+
+
+def bind_error(message: str, service: str, listen_given: bool) -> str:
+    """The runtime's "cannot listen" message with the right setting named, without gRPC's
+    generic suffix."""
+    message = message.replace(_LISTEN_HINT, listen_hint(service, listen_given))
+    return _GRPC_BIND_NOISE.sub("", message)
 
 
 def serve(
@@ -77,9 +90,7 @@ def serve(
         try:
             run(app_factory(name.value), settings)
         except ServiceStartError as exc:
-            message = str(exc).replace(
-                _LISTEN_HINT, listen_hint(name.value, settings.listen_addr is not None)
-            )
+            message = bind_error(str(exc), name.value, settings.listen_addr is not None)
             raise CliError(message) from None
     except (typer.Exit, typer.Abort, KeyboardInterrupt):
         raise

@@ -139,7 +139,7 @@ class EmbeddedNats:
         until JetStream answers; return :attr:`url`. Raises RuntimeError with the log tail when
         it does not come up."""
         if self.is_running():
-            self._adopt_running_port()
+            self.adopt_running_port()
             self._wait_ready(None)
             return self.url
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -177,7 +177,8 @@ class EmbeddedNats:
         self.pid_file.unlink(missing_ok=True)
 
     # ----------------------------------------------------------------- helpers
-    def _adopt_running_port(self) -> None:
+    def adopt_running_port(self) -> None:
+        """Set :attr:`port` to the port the running server of this data directory uses."""
         pid = self.pid
         if pid is None:
             return

@@ -81,7 +81,7 @@ class EmbeddedPostgres:
         Raises RuntimeError with the tail of the server log when the server does not start.
         """
         if self.is_running():
-            self._adopt_running_port()
+            self.adopt_running_port()
             self._ensure_database()
             return self.url
         user = self._prepare()
@@ -178,7 +178,8 @@ class EmbeddedPostgres:
             return f"{exe} exited {proc.returncode}: {text[-2000:]}"
         return None
 
-    def _adopt_running_port(self) -> None:
+    def adopt_running_port(self) -> None:
+        """Set :attr:`port` to the port the running server of this data directory uses."""
         try:
             lines = (self.data_dir / "postmaster.pid").read_text().splitlines()
             self.port = int(lines[3])

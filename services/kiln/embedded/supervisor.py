@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -270,8 +270,10 @@ def _note(kind: str, problem: str | None) -> str:
     return kind if problem is None else f"{kind}: {problem}"
 
 
-async def _external(name: str, url: str, probe: object) -> ComponentStatus:
-    problem = await probe(url)  # type: ignore[operator]
+async def _external(
+    name: str, url: str, probe: Callable[[str], Awaitable[str | None]]
+) -> ComponentStatus:
+    problem = await probe(url)
     return ComponentStatus(name, None, redact_url(url), problem is None, _note("external", problem))
 
 

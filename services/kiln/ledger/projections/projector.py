@@ -155,10 +155,17 @@ class Projector:
         return max(head - checkpoint, 0)
 
     async def run(
-        self, stop: asyncio.Event, notifier: CommitNotifier, poll_interval_s: float = 1.0
+        self,
+        stop: asyncio.Event,
+        notifier: CommitNotifier,
+        poll_interval_s: float = 1.0,
+        coalesce_s: float = 0.05,
     ) -> None:
-        """Catch up at every commit notification, or every ``poll_interval_s`` seconds; errors
-        are logged and retried after a pause (the batch rolled back, nothing is lost)."""
+        """Catch up after commit notifications, or every ``poll_interval_s`` seconds; errors
+        are logged and retried after a pause (the batch rolled back, nothing is lost).
+
+        After a wake-up it waits ``coalesce_s`` so a burst of commits is folded in a few large
+        batches rather than one transaction per commit (projections lag by about that much)."""
         while not stop.is_set():
             try:
                 await self.report_lag()
@@ -168,3 +175,4 @@ class Projector:
                 await asyncio.sleep(1.0)
                 continue
             await notifier.wait(poll_interval_s)
+            await asyncio.sleep(coalesce_s)

@@ -93,7 +93,8 @@ class ModelSlots(Generic[S]):
         """Every filled slot, in forward order."""
         out = [self.embedding]
         for layer in self.layers:
-            out += [getattr(layer, f.name) for f in fields(layer) if getattr(layer, f.name)]
+            slots = [getattr(layer, f.name) for f in fields(layer)]
+            out += [slot for slot in slots if slot is not None]
         return [*out, self.final_norm, self.lm_head, self.sampler]
 
 
