@@ -171,7 +171,7 @@ def test_empty_team_flag_is_rejected_like_empty_env(tmp_path: Path, args: tuple[
             {},
             ("metrics_port", "--metrics-port", "70000", "out of range"),
         ),
-        (("status",), {"KILN_EMBEDDED_NATS_PORT": "0"}, ("KILN_EMBEDDED_NATS_PORT", "0..65535")),
+        (("status",), {"KILN_EMBEDDED_NATS_PORT": "0"}, ("KILN_EMBEDDED_NATS_PORT", "1..65535")),
         (("status",), {"KILN_AGENT_RUNNER_ADDR": "localhost"}, ("KILN_AGENT_RUNNER_ADDR",)),
     ],
 )

@@ -76,7 +76,9 @@ def serve(
     from kiln.common.logging import configure_logging, parse_level
     from kiln.common.server import ServiceStartError, run
 
-    fmt: Literal["json", "console"] = "json"
+    fmt: Literal["json", "console"] = "json"  # KILN_LOG_FORMAT's, even when settings fail
+    if os.environ.get("KILN_LOG_FORMAT", "").strip().lower() == "console":
+        fmt = "console"
     configured = False
     try:
         settings = settings_for(ctx, listen_addr=listen, metrics_port=metrics_port)

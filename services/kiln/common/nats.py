@@ -150,6 +150,19 @@ def board_stream_name(prefix: str) -> str:
     return _check_prefix(prefix).upper() + "_BOARD"
 
 
+def work_stream_name(prefix: str) -> str:
+    """The JetStream work-queue stream of experiments to run, e.g. ``KILN_WORK``."""
+    return _check_prefix(prefix).upper() + "_WORK"
+
+
+def work_subject(prefix: str, tier: str) -> str:
+    """Subject an experiment of ``tier`` ("fast" or "full") is queued on:
+    ``{prefix}.work.experiments.{tier}``. Engines of a tier consume its subject."""
+    if tier not in ("fast", "full"):
+        raise InvalidArgument(f"invalid tier {tier!r}: expected 'fast' or 'full'")
+    return f"{_check_prefix(prefix)}.work.experiments.{tier}"
+
+
 def events_subject(prefix: str, stream_id: str, event_type: str) -> str:
     """Subject of one event: ``{prefix}.events.{category}.{stream_id}.{event_type}``.
 
@@ -246,7 +259,27 @@ def board_stream_config(
     )
 
 
+WORK_DUPLICATE_WINDOW_S: Final = 600.0
+"""How long the work queue remembers ``Nats-Msg-Id`` (= experiment id), seconds."""
+
+
+def work_stream_config(prefix: str) -> StreamConfig:
+    """Config of the work queue: work-queue retention (a message is gone once an engine acks
+    it), file storage, ``Nats-Msg-Id`` = experiment id so a re-queued experiment is not doubled."""
+    return StreamConfig(
+        name=work_stream_name(prefix),
+        description="kiln experiments waiting for an engine",
+        subjects=[f"{_check_prefix(prefix)}.work.>"],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=WORK_DUPLICATE_WINDOW_S,
+        num_replicas=1,
+    )
+
+
 _STREAM_NAME_IN_USE = 10058  # JSStreamNameExistErr: same name, different config
+_SUBJECTS_OVERLAP = 10065  # JSStreamSubjectOverlapErr
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
@@ -254,7 +287,14 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         await js.add_stream(config)
         return
     except BadRequestError as exc:
-        if exc.err_code != _STREAM_NAME_IN_USE:
+        # A concurrent creator may win between our check and create; older servers then report
+        # overlapping subjects (10065) rather than the name in use (10058).
+        if exc.err_code == _SUBJECTS_OVERLAP:
+            try:
+                await js.stream_info(config.name)
+            except nats.js.errors.NotFoundError:
+                raise exc from None
+        elif exc.err_code != _STREAM_NAME_IN_USE:
             raise
     # The stream exists with another config: bring it to ours (idempotent, safe to race).
     await js.update_stream(config)
@@ -268,7 +308,8 @@ async def ensure_streams(
     events_duplicate_window_s: float = EVENTS_DUPLICATE_WINDOW_S,
     board_duplicate_window_s: float = BOARD_DUPLICATE_WINDOW_S,
 ) -> None:
-    """Create or update the events and board streams; idempotent and safe to run concurrently.
+    """Create or update the events, board and work-queue streams; idempotent and safe to run
+    concurrently.
 
     Creating a stream that exists with an identical config succeeds on the server; one with a
     different config is updated to this one.
@@ -281,11 +322,12 @@ async def ensure_streams(
     board = board_stream_config(prefix, duplicate_window_s=board_duplicate_window_s)
     await _ensure_stream(js, events)
     await _ensure_stream(js, board)
+    await _ensure_stream(js, work_stream_config(prefix))
 
 
 async def delete_streams(js: JetStreamContext, prefix: str) -> None:
-    """Delete the events and board streams of ``prefix`` if present (tests, ``kiln down``)."""
-    for name in (events_stream_name(prefix), board_stream_name(prefix)):
+    """Delete the streams of ``prefix`` if present (tests)."""
+    for name in (events_stream_name(prefix), board_stream_name(prefix), work_stream_name(prefix)):
         try:
             await js.delete_stream(name)
         except nats.js.errors.NotFoundError:
