@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -137,6 +138,12 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
     again = kiln(kiln_env, "up")  # a no-op that reports what runs
     assert "already running" in again.stdout and "started" not in again.stdout
 
+    # status reports what `up` recorded, whatever the current shell says
+    confused = dict(kiln_env, KILN_NATS_URL="garbage")
+    confused["KILN_DATABASE_URL"] = "postgresql+psycopg://x@127.0.0.1:1/nowhere"
+    status = kiln(confused, "status")
+    assert "external" not in status.stdout and status.stdout.count("embedded") == 2
+
     stream = f"compilation-{uuid.uuid4().hex[:12]}"
     event_id = _append_event(kiln_env["KILN_LEDGER_ADDR"], stream)
     assert _stream_event_ids(kiln_env, stream) == [event_id]
@@ -147,6 +154,7 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
     for name, pid in pids.items():
         assert not process_alive(pid), f"{name} (pid {pid}) still runs after kiln down"
     assert kiln(kiln_env, "status", check=False).returncode == 3
+    _assert_json_service_logs(state_dir)
 
     kiln(kiln_env, "up")
     assert _stream_event_ids(kiln_env, stream) == [event_id]
@@ -155,6 +163,67 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
     replay = kiln(kiln_env, "ledger", "replay")
     assert "compilations" in replay.stdout
     kiln(kiln_env, "down")
+
+
+_GRPC_CORE_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d")
+"""A line the gRPC C-core writes to stderr itself (glog style), which kiln cannot reroute."""
+
+
+def _assert_json_service_logs(state_dir: Path) -> None:
+    """Every line of each service log is JSON (except the gRPC C-core's own); no noise from
+    Alembic, and one signal per shutdown."""
+    for name in SERVICES:
+        lines = (state_dir / "logs" / f"{name}.log").read_text().splitlines()
+        records = []
+        for line in lines:
+            if _GRPC_CORE_LINE.match(line):
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                pytest.fail(f"{name}.log: not a JSON line: {line!r}")
+        events = [r.get("event", "") for r in records]
+        assert "starting service" in events, name
+        assert not any("setup plugin" in e for e in events), name
+        assert "shutdown already in progress" not in events, name
+
+
+@pytest.mark.embedded
+def test_up_with_a_service_port_taken_names_its_variable(kiln_env: dict[str, str]) -> None:
+    host, port = kiln_env["KILN_AGENT_RUNNER_ADDR"].rsplit(":", 1)
+    with socket.socket() as sock:
+        sock.bind((host, int(port)))
+        sock.listen()
+        result = kiln(kiln_env, "up", check=False)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) <= 3, result.stderr
+    assert lines[0].startswith("error: agent-runner: ")
+    assert "KILN_AGENT_RUNNER_ADDR" in result.stderr and "KILN_LISTEN_ADDR" not in result.stderr
+
+
+@pytest.mark.embedded
+def test_concurrent_ups_take_turns(kiln_env: dict[str, str]) -> None:
+    """Two `kiln up` at once on one state dir: the second waits briefly for the first, then
+    either finds everything running or says in one line who holds the state dir."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "kiln", "up"],
+            env=kiln_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [(proc.wait(timeout=180), *proc.communicate()) for proc in procs]
+    assert any(rc == 0 for rc, _out, _err in results), results
+    for rc, _out, err in results:
+        if rc != 0:
+            assert rc == 1
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and "another kiln up/down is running for" in lines[0], err
+    kiln(kiln_env, "status")
 
 
 @pytest.mark.embedded

@@ -80,3 +80,12 @@ def test_rows_table_without_known_columns_keeps_the_first_ones() -> None:
     assert [c.header for c in table.columns] == [f"col{i}" for i in range(10)]
     assert hidden == ["col10", "col11", "col12", "col13"]
     assert set(MAIN_COLUMNS) == {"compilations", "experiments", "best-candidates"}
+
+
+def test_narrow_terminal_leaves_out_trailing_columns_not_rows() -> None:
+    rows = [_compilation(1), _compilation(2)]
+    wide, _ = rows_table(rows, "compilations", width=250)
+    narrow, hidden = rows_table(rows, "compilations", width=70)
+    assert 1 < len(narrow.columns) < len(wide.columns)
+    assert narrow.columns[0].header == "compilation_id"
+    assert "updated_at" in hidden and narrow.row_count == 2

@@ -1,5 +1,6 @@
 """How the CLI reports failures: one red ``error: ...`` line on stderr and a non-zero exit, never
-a traceback (set ``KILN_DEBUG=1`` to get the traceback of an unexpected error)."""
+a traceback (set ``KILN_DEBUG=1`` to get the traceback of an unexpected error). Usage errors
+(unknown flag, a value out of its range) are typer's: its usage box naming the option, exit 2."""
 
 from __future__ import annotations
 

@@ -205,7 +205,7 @@ def query(
     if not rows:
         console.print(title, markup=False)
         return
-    table, hidden = rows_table(rows, projection.value, title=title)
+    table, hidden = rows_table(rows, projection.value, title=title, width=console.width)
     console.print(table)
     if hidden:
         console.print(

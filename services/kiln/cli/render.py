@@ -128,66 +128,75 @@ def print_json_lines(items: Iterable[dict[str, Any]]) -> None:
 MAIN_COLUMNS: dict[str, tuple[str, ...]] = {
     "compilations": (
         "compilation_id",
-        "team",
+        "status",
         "model_name",
         "hardware",
-        "status",
         "experiments_done",
-        "failures",
         "best_tokens_per_s",
         "speedup",
+        "team",
+        "failures",
         "updated_at",
     ),
     "experiments": (
         "experiment_id",
+        "status",
+        "tier",
+        "tokens_per_s",
+        "median_ms",
+        "correct",
         "compilation_id",
         "candidate_id",
         "agent",
-        "tier",
-        "status",
-        "correct",
-        "median_ms",
-        "tokens_per_s",
         "completed_at",
     ),
     "best-candidates": (
         "workload_key",
         "candidate_id",
-        "compilation_id",
         "tokens_per_s",
         "speedup",
         "tier",
+        "compilation_id",
         "found_at",
     ),
 }
-"""The columns ``kiln ledger query`` shows people, per projection (``--json`` shows all)."""
+"""The columns ``kiln ledger query`` shows people, per projection, most important first (on a
+narrow terminal the last ones are left out); ``--json`` shows every column."""
 
 MAX_COLUMNS = 10
 """Columns shown for a projection without a :data:`MAIN_COLUMNS` entry."""
 
 
 def rows_table(
-    rows: Sequence[dict[str, Any]], projection: str, title: str | None = None
+    rows: Sequence[dict[str, Any]],
+    projection: str,
+    title: str | None = None,
+    width: int | None = None,
 ) -> tuple[Table, list[str]]:
     """Projection rows as one table, a row per result.
 
     The columns are the projection's main ones (:data:`MAIN_COLUMNS`, those present), else
-    the first :data:`MAX_COLUMNS` in order of appearance. Returns the table and the names of
-    the columns left out.
+    the first :data:`MAX_COLUMNS` in order of appearance; with ``width`` (the terminal's),
+    trailing columns are left out until every cell fits unwrapped (at least one column
+    stays). Returns the table and the names of the columns left out.
     """
     columns: list[str] = []
     for row in rows:
         columns.extend(k for k in row if k not in columns)
     main = [c for c in MAIN_COLUMNS.get(projection, ()) if c in columns]
     shown = main or columns[:MAX_COLUMNS]
+    cells = {c: [_cell(row.get(c)) for row in rows] for c in shown}
+    if width is not None:
+        need = {c: max([len(c), *(len(v) for v in cells[c])]) + 3 for c in shown}
+        while len(shown) > 1 and sum(need[c] for c in shown) + 1 > width:
+            shown = shown[:-1]
     hidden = [c for c in columns if c not in shown]
     table = Table(title=title, title_justify="left")
-    for i, name in enumerate(shown):
+    for name in shown:
         numeric = all(r.get(name) is None or type(r.get(name)) in (int, float) for r in rows)
-        # the first column (the row's id) never wraps; the others give way on narrow terminals
-        table.add_column(name, no_wrap=i == 0, justify="right" if numeric else "left")
-    for row in rows:
-        table.add_row(*(_cell(row.get(c)) for c in shown))
+        table.add_column(name, no_wrap=True, justify="right" if numeric else "left")
+    for i in range(len(rows)):
+        table.add_row(*(cells[c][i] for c in shown))
     return table, hidden
 
 

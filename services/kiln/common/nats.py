@@ -291,7 +291,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         # overlapping subjects (10065) rather than the name in use (10058).
         if exc.err_code == _SUBJECTS_OVERLAP:
             try:
-                await js.stream_info(config.name)
+                await js.stream_info(str(config.name))
             except nats.js.errors.NotFoundError:
                 raise exc from None
         elif exc.err_code != _STREAM_NAME_IN_USE:

@@ -3,13 +3,16 @@
 ``up`` starts the embedded PostgreSQL (unless ``KILN_DATABASE_URL`` is set) and NATS (unless
 ``KILN_NATS_URL`` is set) under ``state_dir``, records the endpoints, migrates the ledger's
 database and starts the four services as detached processes, then waits until each is healthy.
-``down`` stops the services (SIGTERM, then SIGKILL) and then the embedded servers, cleanly, so
-their data survives. Layout of ``state_dir``::
+``down`` stops the services (one SIGTERM, SIGKILL only after the grace period) and then the
+embedded servers, cleanly, so their data survives. ``up`` and ``down`` hold the state
+directory's lock; ``status`` reports what ``endpoints.json`` and the pid files say was started.
+Layout of ``state_dir``::
 
+    kiln.lock               held by a running up / down (holds its pid)
     endpoints.json          URLs, which servers are embedded, service addresses
     postgres/               PGDATA of the embedded PostgreSQL (log: postgres/server.log)
     nats/                   JetStream store, pid and log of the embedded NATS
-    logs/<service>.log      each service's stdout and stderr
+    logs/<service>.log      each service's stdout and stderr (JSON lines)
     run/<service>.pid       each service's pid
 """
 
@@ -137,6 +140,7 @@ class Supervisor:
             else:
                 to_start.append(svc)
         taken = [_taken_message(svc) for svc in to_start if _answers(svc.addr)]
+        taken += self._metrics_conflicts(to_start)
         if taken:
             raise RuntimeError("\n".join(taken))
         for svc in to_start:
@@ -155,6 +159,28 @@ class Supervisor:
                 svc.stop(timeout_s=5.0)
             raise RuntimeError("\n".join(str(exc) for exc in failures))
         return notes
+
+    def _metrics_conflicts(self, to_start: list[ServiceProcess]) -> list[str]:
+        """Why the services' metrics endpoints cannot start, if they cannot: one
+        ``KILN_METRICS_PORT`` for all four, or a default port (9401..9404) already taken."""
+        from kiln.common.metrics import metrics_host
+
+        fixed = self.settings.metrics_port
+        if fixed:
+            return [
+                f"KILN_METRICS_PORT={fixed} would give all four services the same metrics "
+                "port: unset it (they use 9401..9404) or set it to 0 (off)"
+            ]
+        problems = []
+        for svc in to_start:
+            port = self.settings.service_metrics_port(cast(ServiceName, svc.name))
+            if port and _answers(f"{metrics_host(svc.addr)}:{port}"):
+                problems.append(
+                    f"{svc.name}: metrics port {port} is already in use by another program "
+                    "(another `kiln up`?); set KILN_METRICS_PORT=0 to turn the services' "
+                    "metrics off, or stop that program"
+                )
+        return problems
 
     # -------------------------------------------------------------------- down
     def down(self) -> list[str]:
@@ -196,7 +222,11 @@ class Supervisor:
 
         async def check_all() -> list[ComponentStatus]:
             rows = [self._postgres_status(recorded), self._nats_status(recorded)]
-            rows += [self._service_status(svc) for svc in self.services.values()]
+            recorded_addrs = recorded.services if recorded is not None else {}
+            rows += [
+                self._service_status(svc, recorded_addrs.get(name, svc.addr))
+                for name, svc in self.services.items()
+            ]
             return list(await asyncio.gather(*rows))
 
         return asyncio.run(check_all())
@@ -227,16 +257,16 @@ class Supervisor:
         problem = await nats_problem(url)
         return ComponentStatus("nats", pid, url, problem is None, _note("embedded", problem))
 
-    async def _service_status(self, svc: ServiceProcess) -> ComponentStatus:
+    async def _service_status(self, svc: ServiceProcess, addr: str) -> ComponentStatus:
         pid = svc.pid
         if pid is None:
-            if await asyncio.to_thread(_answers, svc.addr):
-                note = f"not running (something else answers at {svc.addr})"
+            if await asyncio.to_thread(_answers, addr):
+                note = f"not running (something else answers at {addr})"
             else:
                 note = "not running"
-            return ComponentStatus(svc.name, None, svc.addr, False, note)
-        healthy = await _healthy(svc.addr)
-        return ComponentStatus(svc.name, pid, svc.addr, healthy, "" if healthy else "not SERVING")
+            return ComponentStatus(svc.name, None, addr, False, note)
+        healthy = await _healthy(addr)
+        return ComponentStatus(svc.name, pid, addr, healthy, "" if healthy else "not SERVING")
 
     # ----------------------------------------------------------------- helpers
     def _service(self, name: str, recorded: Endpoints | None) -> ServiceProcess:

@@ -1,0 +1,27 @@
+"""Search agents: strategies that propose candidates and coordinate only through the board."""
+
+from kiln.agent_runner.agents.base import Agent, Lab, Outcome, Proposal
+from kiln.agent_runner.agents.coordinate import CoordinateAgent
+from kiln.agent_runner.agents.random_search import RandomSearchAgent
+from kiln.agent_runner.agents.registry import (
+    AGENT_KINDS,
+    DEFAULT_AGENTS,
+    build_agents,
+    validate_agents,
+)
+from kiln.agent_runner.agents.view import BoardView, Seen
+
+__all__ = [
+    "AGENT_KINDS",
+    "DEFAULT_AGENTS",
+    "Agent",
+    "BoardView",
+    "CoordinateAgent",
+    "Lab",
+    "Outcome",
+    "Proposal",
+    "RandomSearchAgent",
+    "Seen",
+    "build_agents",
+    "validate_agents",
+]

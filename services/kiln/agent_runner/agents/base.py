@@ -1,0 +1,141 @@
+"""The agent loop every strategy shares, and what an agent may use of its compilation.
+
+One step: propose a candidate (the strategy) -> ``board.claim`` it (skip it if another agent
+holds it) -> post the idea -> have it measured (the runner requests the experiment and waits for
+the ledger's answer) -> post the result on the board. An agent stops when its strategy has
+nothing left to propose or the compilation has no experiment slot left; the runner cancels it
+when the wall-clock budget is spent or the compilation is cancelled.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+from kiln.agent_runner.agents.view import BoardView, Seen, result_body
+from kiln.agent_runner.experiment import Completed
+from kiln.agent_runner.space import CandidateSpace
+from kiln.board import Board
+from kiln.common.logging import get_logger
+from kiln.workloads.candidate import Candidate
+
+log = get_logger("kiln.agent_runner.agent")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A measured candidate: the experiment, its completion and the speedup over the baseline
+    (tokens/s ÷ baseline tokens/s; None unless the candidate was measured correct)."""
+
+    experiment_id: str
+    candidate: Candidate
+    completed: Completed
+    speedup: float | None
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A candidate an agent wants measured and why (posted with the idea)."""
+
+    candidate: Candidate
+    why: str
+
+
+class Lab(Protocol):
+    """What an agent may use of its compilation (the runner implements it)."""
+
+    @property
+    def compilation_id(self) -> str:
+        """The compilation."""
+
+    @property
+    def space(self) -> CandidateSpace:
+        """The candidate space."""
+
+    @property
+    def board(self) -> Board:
+        """The message board."""
+
+    def reserve(self) -> bool:
+        """Take an experiment slot; False when the experiment budget is spent."""
+
+    def release(self) -> None:
+        """Give back a slot that was not used."""
+
+    async def measure(self, candidate: Candidate, agent: str) -> Outcome | None:
+        """Request an experiment for a reserved slot and wait for its result; None (slot
+        released) when the candidate was already requested in this compilation."""
+
+
+class Agent(ABC):
+    """A search strategy with the shared loop.
+
+    Args:
+        name: the agent's name on the board (``[A-Za-z0-9_.-]``), unique in the compilation.
+        seed: its random seed.
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, name: str, seed: int) -> None:
+        self.name = name
+        self.seed = seed
+        self.tried: set[str] = set()
+        self.measured = 0
+
+    @abstractmethod
+    def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
+        """The next candidate to try (not claimed per ``view``, not tried by this agent), or
+        None when the strategy has nothing left."""
+
+    async def run(self, lab: Lab) -> int:
+        """Propose, claim, measure and report until done; returns the experiments measured.
+
+        Raises:
+            nats.errors.Error, KilnError: the board or the ledger failed.
+        """
+        view = BoardView(lab.board, lab.compilation_id)
+        await view.start()
+        try:
+            while True:
+                proposal = self.propose(view, lab.space)
+                if proposal is None:
+                    log.info("agent done: nothing left to propose", agent=self.name)
+                    break
+                if not await self._step(lab, view, proposal):
+                    log.info("agent done: experiment budget spent", agent=self.name)
+                    break
+        finally:
+            await view.close()
+        return self.measured
+
+    async def _step(self, lab: Lab, view: BoardView, proposal: Proposal) -> bool:
+        """One candidate; False when no experiment slot is left."""
+        candidate, cid = proposal.candidate, lab.compilation_id
+        self.tried.add(candidate.id)
+        if not lab.reserve():
+            return False
+        body = {"candidate": candidate.canonical()}
+        if not await lab.board.claim(cid, candidate.id, self.name, body):
+            lab.release()
+            view.claimed.add(candidate.id)
+            return True
+        view.claimed.add(candidate.id)
+        await lab.board.post_idea(
+            cid, candidate.id, self.name, {**body, "why": proposal.why, "text": candidate.describe()}
+        )
+        outcome = await lab.measure(candidate, self.name)
+        if outcome is None:
+            return True
+        self.measured += 1
+        result = outcome.completed.result
+        view.record(Seen(candidate, result.tokens_per_s, outcome.completed.ok, self.name))
+        await lab.board.post_result(
+            cid,
+            candidate.id,
+            self.name,
+            result_body(candidate, outcome.completed.summary(), outcome.speedup),
+            msg_id=f"result:{outcome.experiment_id}",
+        )
+        return True

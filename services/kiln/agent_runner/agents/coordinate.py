@@ -1,0 +1,36 @@
+"""Greedy coordinate descent: from the best candidate so far, change one dimension at a time.
+
+The agent walks the measured candidates from fastest to slowest (its board view: every agent's
+correct results and the baseline) and proposes the first one-dimension neighbour that nobody has
+claimed. So it climbs from whatever is best right now, including what other agents found, and
+falls back to the next-best point when a point's neighbourhood is used up.
+"""
+
+from __future__ import annotations
+
+from kiln.agent_runner.agents.base import Agent, Proposal
+from kiln.agent_runner.agents.view import BoardView, Seen
+from kiln.agent_runner.space import CandidateSpace
+from kiln.workloads.candidate import REFERENCE_CANDIDATE
+
+
+class CoordinateAgent(Agent):
+    """Best-first one-dimension moves (see the module docs)."""
+
+    kind = "coordinate"
+
+    def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
+        """The first unclaimed neighbour of the fastest measured candidate that has one."""
+        bases = view.ranked()
+        if not any(s.candidate.is_reference for s in bases):
+            bases.append(Seen(REFERENCE_CANDIDATE, 0.0, True, "baseline"))
+        for base in bases:
+            for dim, value, candidate in space.neighbours(base.candidate):
+                if candidate.id in view.claimed or candidate.id in self.tried:
+                    continue
+                why = (
+                    f"from {base.candidate.describe()} ({base.tokens_per_s:.4g} tokens/s): "
+                    f"{dim} -> {value or 'off'}"
+                )
+                return Proposal(candidate, why)
+        return None

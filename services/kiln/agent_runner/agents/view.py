@@ -1,0 +1,118 @@
+"""What one agent knows about its compilation, learnt only from the message board.
+
+Agents never share memory: each keeps its own :class:`BoardView`, filled from the board's
+history when it starts and kept current by following the board (claims and results of every
+agent, the runner's baseline result included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.board import Board, BoardPost
+from kiln.common.logging import get_logger
+from kiln.workloads.candidate import Candidate
+
+log = get_logger("kiln.agent_runner.view")
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A result posted on the board: the candidate, tokens/s, whether it was measured correct
+    (status ok and correct), and who posted it."""
+
+    candidate: Candidate
+    tokens_per_s: float
+    ok: bool
+    agent: str
+
+
+def result_body(candidate: Candidate, summary: dict[str, Any], speedup: float | None) -> dict:
+    """The body of a result post: the candidate's recipe, the measurement summary (status,
+    correct, tokens_per_s, median_ms, ...) and the speedup over the baseline (None if unknown)."""
+    return {"candidate": candidate.canonical(), **summary, "speedup": speedup}
+
+
+def seen_from_post(post: BoardPost) -> Seen | None:
+    """A result post as :class:`Seen`; None when its body is not a result body."""
+    body = post.body
+    try:
+        candidate = Candidate.from_canonical(body["candidate"])
+        ok = body.get("status") == "ok" and bool(body.get("correct"))
+        return Seen(candidate, float(body.get("tokens_per_s") or 0.0), ok, post.agent)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class BoardView:
+    """Claims and results of one compilation as the board shows them.
+
+    Attributes:
+        claimed: ids of candidates some agent claimed.
+        results: candidate id -> the result seen for it.
+    """
+
+    def __init__(self, board: Board, compilation_id: str) -> None:
+        self._board = board
+        self._cid = compilation_id
+        self.claimed: set[str] = set()
+        self.results: dict[str, Seen] = {}
+        self._last_seq = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def take(self, post: BoardPost) -> None:
+        """Fold one post (ideas are ignored)."""
+        self._last_seq = max(self._last_seq, post.seq)
+        if post.kind == "claim":
+            self.claimed.add(post.candidate_id)
+        elif post.kind == "result":
+            seen = seen_from_post(post)
+            if seen is not None and seen.candidate.id == post.candidate_id:
+                self.results[post.candidate_id] = seen
+                self.claimed.add(post.candidate_id)
+
+    def record(self, seen: Seen) -> None:
+        """The agent's own result, known before the board echoes it."""
+        self.results[seen.candidate.id] = seen
+        self.claimed.add(seen.candidate.id)
+
+    def ranked(self) -> list[Seen]:
+        """Correct results, fastest first (ties by candidate id, so the order is stable)."""
+        good = [s for s in self.results.values() if s.ok]
+        return sorted(good, key=lambda s: (-s.tokens_per_s, s.candidate.id))
+
+    async def start(self) -> None:
+        """Read the board's history, then follow it in the background.
+
+        Raises:
+            nats.errors.Error: the board cannot be read.
+        """
+        for post in await self._board.history(self._cid, kinds=["claim", "result"]):
+            self.take(post)
+        self._task = asyncio.create_task(self._follow(), name=f"kiln-view-{self._cid}")
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                follow = self._board.follow(
+                    self._cid, kinds=["claim", "result"], since_seq=self._last_seq
+                )
+                async with contextlib.aclosing(follow) as posts:
+                    async for post in posts:
+                        self.take(post)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("board follow stopped; resuming", error=str(exc))
+                await asyncio.sleep(1.0)
+
+    async def close(self) -> None:
+        """Stop following."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

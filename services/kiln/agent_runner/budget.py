@@ -1,0 +1,92 @@
+"""Compilation budgets: checking a submitted ``kiln.v1.Budget`` and spending one.
+
+A compilation stops when either limit is reached:
+
+- wall time: ``wall_seconds`` since the ledger recorded its ``CompilationSubmitted`` (so a
+  restarted runner keeps the original deadline);
+- experiments: ``max_experiments`` *completed* experiments, the baseline included (0 = no
+  limit). Slots are reserved before an experiment is requested, so completed + in flight never
+  exceeds the limit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+
+from kiln.common.errors import InvalidArgument
+from kiln.events.types import MAX_EXPERIMENTS, MAX_WALL_SECONDS
+from kiln.v1 import common_pb2
+
+
+def validate_budget(budget: common_pb2.Budget | None) -> common_pb2.Budget:
+    """Return ``budget`` when it is usable.
+
+    Raises:
+        InvalidArgument: no budget; ``wall_seconds`` not a finite number in (0, 30 days];
+            ``max_experiments`` above 1,000,000.
+    """
+    if budget is None:
+        raise InvalidArgument("budget is missing: set budget.wall_seconds > 0")
+    wall = budget.wall_seconds
+    if not math.isfinite(wall) or wall <= 0:
+        raise InvalidArgument(f"budget.wall_seconds must be a number > 0, got {wall}")
+    if wall > MAX_WALL_SECONDS:
+        raise InvalidArgument(
+            f"budget.wall_seconds {wall:g} is over the limit of {MAX_WALL_SECONDS:g} s (30 days)"
+        )
+    if budget.max_experiments > MAX_EXPERIMENTS:
+        raise InvalidArgument(
+            f"budget.max_experiments {budget.max_experiments} is over the limit of "
+            f"{MAX_EXPERIMENTS}"
+        )
+    return budget
+
+
+@dataclass
+class ExperimentBudget:
+    """Experiment slots of one compilation.
+
+    Attributes:
+        limit: most experiments to complete (0 = no limit).
+        completed: experiments completed so far (any status).
+        in_flight: experiments reserved or requested and not completed yet.
+    """
+
+    limit: int
+    completed: int = 0
+    in_flight: int = 0
+
+    def reserve(self) -> bool:
+        """Take a slot for one more experiment; False when the limit is reached."""
+        if self.limit and self.completed + self.in_flight >= self.limit:
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self) -> None:
+        """Give back a reserved slot that was not used (e.g. the claim was lost)."""
+        self.in_flight = max(0, self.in_flight - 1)
+
+    def complete(self) -> None:
+        """A reserved experiment completed."""
+        self.in_flight = max(0, self.in_flight - 1)
+        self.completed += 1
+
+    @property
+    def spent(self) -> bool:
+        """True when the completed experiments reached the limit."""
+        return bool(self.limit) and self.completed >= self.limit
+
+
+@dataclass(frozen=True)
+class WallClock:
+    """The wall-clock budget, anchored at the ledger's ``recorded_at`` of the submission."""
+
+    started_at: datetime
+    wall_seconds: float
+
+    def remaining_s(self, now: datetime) -> float:
+        """Seconds left at ``now`` (negative when spent)."""
+        return self.wall_seconds - (now - self.started_at).total_seconds()

@@ -1,0 +1,197 @@
+"""The events the agent runner appends, built with their stream ids and event ids.
+
+Events the runner may have to append again after a crash (everything but the submission and
+cancel requests) get a *deterministic* event id (UUIDv5 of the compilation or experiment id and
+the event's role), so re-appending one that was already committed is an idempotent no-op in the
+ledger instead of a duplicate. Every event carries the compilation id as its correlation id.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+from kiln.common.errors import InvalidArgument
+from kiln.events.types import (
+    BaselineMeasured,
+    BestCandidateImproved,
+    Budget,
+    CompilationCancelRequested,
+    CompilationEnded,
+    CompilationPlanned,
+    CompilationSubmitted,
+    EndStatus,
+    ExperimentCompleted,
+    ExperimentRequested,
+    Tier,
+)
+from kiln.ledger.model import NewEvent
+from kiln.workloads.candidate import Candidate
+
+_NAMESPACE = uuid.UUID("6b1f4a52-3c1e-4a8e-9c57-1a2b8e0d7f11")
+_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,127}$")
+
+COMPILATION_PREFIX = "compilation-"
+EXPERIMENT_PREFIX = "experiment-"
+
+
+def check_compilation_id(value: str) -> str:
+    """``value`` if it can name a compilation (a ledger stream id and a NATS subject token).
+
+    Raises:
+        InvalidArgument: not 1-128 characters of ``[A-Za-z0-9_-]`` starting with a letter,
+            digit or ``_``.
+    """
+    if not _ID_RE.match(value):
+        raise InvalidArgument(
+            f"invalid compilation_id {value[:140]!r}: expected 1-128 characters of "
+            "[A-Za-z0-9_-], not starting with '-'"
+        )
+    return value
+
+
+def new_compilation_id() -> str:
+    """A fresh compilation id (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+def new_experiment_id() -> str:
+    """A fresh experiment id (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+def compilation_stream(compilation_id: str) -> str:
+    """``compilation-<id>``."""
+    return COMPILATION_PREFIX + compilation_id
+
+
+def experiment_stream(experiment_id: str) -> str:
+    """``experiment-<id>``."""
+    return EXPERIMENT_PREFIX + experiment_id
+
+
+def stream_suffix(stream_id: str, prefix: str) -> str | None:
+    """The id after ``prefix`` in ``stream_id``, or None when it has another prefix."""
+    return stream_id[len(prefix) :] if stream_id.startswith(prefix) else None
+
+
+def _event_id(*parts: str) -> str:
+    return str(uuid.uuid5(_NAMESPACE, ":".join(parts)))
+
+
+def _event(schema: Any, event_id: str, correlation: str) -> NewEvent:
+    return NewEvent(
+        type=schema.event_type,
+        data=schema.model_dump(mode="json"),
+        event_id=event_id,
+        correlation_id=correlation,
+    )
+
+
+def submitted(
+    compilation_id: str,
+    *,
+    workload_key: str,
+    model_name: str,
+    hardware: str,
+    workload: dict[str, Any],
+    wall_seconds: float,
+    max_experiments: int,
+    agents: list[str],
+) -> NewEvent:
+    """``CompilationSubmitted`` (a random event id: a second submission is a conflict)."""
+    payload = CompilationSubmitted(
+        workload_key=workload_key,
+        model_name=model_name,
+        hardware=hardware,
+        workload=workload,
+        budget=Budget(wall_seconds=wall_seconds, max_experiments=max_experiments),
+        agents=agents,
+    )
+    return _event(payload, str(uuid.uuid4()), compilation_id)
+
+
+def planned(compilation_id: str, plan: dict[str, Any]) -> NewEvent:
+    """``CompilationPlanned``."""
+    return _event(CompilationPlanned(plan=plan), _event_id(compilation_id, "planned"), compilation_id)
+
+
+def baseline_measured(
+    compilation_id: str, experiment_id: str, candidate_id: str, tokens_per_s: float, median_ms: float
+) -> NewEvent:
+    """``BaselineMeasured``."""
+    payload = BaselineMeasured(
+        experiment_id=experiment_id,
+        candidate_id=candidate_id,
+        tokens_per_s=tokens_per_s,
+        median_ms=median_ms,
+    )
+    return _event(payload, _event_id(compilation_id, "baseline"), compilation_id)
+
+
+def best_improved(
+    compilation_id: str,
+    *,
+    workload_key: str,
+    experiment_id: str,
+    candidate_id: str,
+    tokens_per_s: float,
+    median_ms: float,
+    speedup: float,
+    tier: Tier,
+) -> NewEvent:
+    """``BestCandidateImproved`` (one per experiment at most)."""
+    payload = BestCandidateImproved(
+        workload_key=workload_key,
+        experiment_id=experiment_id,
+        candidate_id=candidate_id,
+        tokens_per_s=tokens_per_s,
+        median_ms=median_ms,
+        speedup=speedup,
+        tier=tier,
+    )
+    return _event(payload, _event_id(compilation_id, "best", experiment_id), compilation_id)
+
+
+def cancel_requested(compilation_id: str, reason: str) -> NewEvent:
+    """``CompilationCancelRequested``."""
+    payload = CompilationCancelRequested(reason=reason)
+    return _event(payload, str(uuid.uuid4()), compilation_id)
+
+
+def ended(compilation_id: str, status: EndStatus, reason: str) -> NewEvent:
+    """``CompilationEnded`` (one per compilation)."""
+    payload = CompilationEnded(status=status, reason=reason)
+    return _event(payload, _event_id(compilation_id, "ended"), compilation_id)
+
+
+def experiment_requested(
+    compilation_id: str, experiment_id: str, candidate: Candidate, tier: Tier, agent: str
+) -> NewEvent:
+    """``ExperimentRequested`` (appended with expected version: no stream)."""
+    payload = ExperimentRequested(
+        compilation_id=compilation_id,
+        candidate_id=candidate.id,
+        candidate=candidate.canonical(),
+        tier=tier,
+        agent=agent,
+    )
+    return _event(payload, _event_id(experiment_id, "requested"), compilation_id)
+
+
+def experiment_unanswered(
+    compilation_id: str, experiment_id: str, candidate_id: str, tier: Tier, error: str
+) -> NewEvent:
+    """The runner's own ``ExperimentCompleted`` (status ``timed_out``) for an experiment no
+    engine answered in time; appended with expected version 1, so an engine's result wins."""
+    payload = ExperimentCompleted(
+        compilation_id=compilation_id,
+        candidate_id=candidate_id,
+        status="timed_out",
+        correct=False,
+        tier=tier,
+        engine_id="",
+        error=error,
+    )
+    return _event(payload, _event_id(experiment_id, "unanswered"), compilation_id)

@@ -1,0 +1,388 @@
+"""A persistent engine: a model built once, then many candidates hot-reloaded into it.
+
+Built once (:class:`Engine`):
+
+- the weights (a :class:`~kiln.workloads.weights.WeightStore`, read or drawn once);
+- the *reference* model over them (reference ops, bound at build time, so nothing a candidate
+  registers can change it), with a small KV cache for the correctness check;
+- the *measured* model over the same weights, with a KV cache of ``batch_size`` sequences x
+  ``cache_len`` slots, filled to ``context_len`` tokens (the traffic shape's operating point);
+- a reference model over the measured model's cache, for the check at the traffic shape.
+
+Per candidate (:meth:`Engine.run`), phases timed in ms:
+
+1. ``load``: execute its code modules in fresh namespaces (they register implementations);
+2. ``bind``: ``OpBinding.from_recipe(candidate.ops)`` and ``model.rebind`` (derived layouts come
+   from the weight store's cache: no weight is read again), then its transforms;
+3. ``compile``: ``warmup`` untimed decode steps at the traffic shape (graph compilation lands
+   here);
+4. ``check``: fresh random prompts, prefill + ``check_steps`` decode steps, candidate then
+   reference, outputs poisoned between calls; then one decode step at the traffic shape;
+5. ``measure``: ``repeats`` timed decode steps at (batch_size, context_len): median, p10, p90,
+   stdev; tokens/s = batch_size / median_s.
+
+An exception in any phase makes the experiment CRASHED (with the exception and the tail of its
+traceback); an unknown op, implementation or transform makes it REJECTED. Either way the engine
+is put back afterwards: transforms undone, the op registry restored, the measured model re-bound
+to the reference ops, derived layouts a code module introduced dropped, and (after code
+modules) the weights verified unchanged and the cache refilled. When that cannot be guaranteed
+the measurement asks for a restart (``restart_engine``).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kiln.engine_pool.check import (
+    LOSSY_RTOL,
+    RTOL,
+    CheckInputs,
+    CheckResult,
+    EngineFault,
+    OutputGuard,
+    compare,
+    run_steps,
+)
+from kiln.engine_pool.measurement import Measurement, MemoryUsage
+from kiln.engine_pool.reload import RegistrySnapshot, forget_sources, load_code_modules
+from kiln.engine_pool.request import RunRequest
+from kiln.engine_pool.spec import EngineSpec
+from kiln.engine_pool.timing import summarize, timer_for
+from kiln.engine_pool.transforms import AppliedTransforms, RejectedCandidate, apply_transforms
+from kiln.ops.registry import OpLookupError
+from kiln.workloads.candidate import Candidate
+from kiln.workloads.models import DecoderModel, OpBinding, build_model
+from kiln.workloads.models.binding import BindError, LossyImplementationError
+
+Tensor = torch.Tensor
+TRACEBACK_CHARS = 1500
+
+
+@contextmanager
+def _timed(phases: dict[str, float], name: str, sync: Callable[[], None]) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        sync()
+        phases[name] = (time.perf_counter() - start) * 1e3
+
+
+def _crash_text(phase: str, exc: BaseException) -> str:
+    tail = "".join(traceback.format_exception(exc))[-TRACEBACK_CHARS:]
+    return f"{phase}: {type(exc).__name__}: {exc}\n{tail}"
+
+
+class Engine:
+    """The model state of one engine process (see the module docstring).
+
+    Args:
+        spec: what to build.
+        engine_id: reported with every measurement.
+
+    Attributes:
+        build_s: seconds the build took (weights, caches, warm-up), in this process.
+        build_phases_s: the build split into ``weights``, ``models``, ``cache``, ``warm``.
+
+    Raises:
+        kiln.workloads.models.UnbuildableModelError, kiln.workloads.weights.WeightError,
+        ValueError: the spec cannot be built (see :func:`kiln.workloads.models.build_model`).
+    """
+
+    def __init__(self, spec: EngineSpec, engine_id: str = "") -> None:
+        start = time.perf_counter()
+        self.spec = spec
+        self.engine_id = engine_id
+        self.device = torch.device(spec.device)
+        self.dtype: torch.dtype = getattr(torch, spec.dtype)
+        self.timer = timer_for(self.device)
+        self.build_phases_s: dict[str, float] = {}
+        config = spec.model_config()
+        common: dict[str, Any] = {
+            "layers": spec.layers,
+            "dtype": self.dtype,
+            "device": self.device,
+            "max_batch": spec.batch_size,
+        }
+        t = time.perf_counter()
+        self.reference = build_model(
+            config,
+            seed=spec.seed,
+            weights_dir=spec.weights_dir,
+            max_seq_len=spec.prompt_len + spec.check_steps,
+            **common,
+        )
+        self.weights = self.reference.weights
+        self.build_phases_s["weights"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.model = build_model(
+            config, weights=self.weights, max_seq_len=spec.cache_len, **common
+        )
+        self.shape_reference = DecoderModel(self.model.config, self.weights, self.model.cache)
+        self.vocab = self.model.config.vocab_size
+        self.build_phases_s["models"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self._context = torch.full((spec.batch_size,), spec.context_len, dtype=torch.int64)
+        self._context = self._context.to(self.device)
+        self._fill_cache()
+        self.build_phases_s["cache"] = time.perf_counter() - t
+        self._base = {name: (tensor, tensor.data_ptr()) for name, tensor in self.weights.items()}
+        self._checksum = self._weights_checksum()
+        self._protected = {t.untyped_storage().data_ptr() for _, t in self.weights.items()}
+        for cache in (self.model.cache, self.reference.cache):
+            self._protected |= {t.untyped_storage().data_ptr() for t in cache.k + cache.v}
+        self._registry = RegistrySnapshot.take()
+        self._threads = torch.get_num_threads()
+        t = time.perf_counter()
+        self._warm()
+        self.build_phases_s["warm"] = time.perf_counter() - t
+        self.build_s = time.perf_counter() - start
+
+    # ------------------------------------------------------------------ state
+    def _fill_cache(self) -> None:
+        """Random K/V (seeded, unit normal) in every slot, sequences at ``context_len``."""
+        g = torch.Generator(device=self.device).manual_seed(self.spec.seed + 1)
+        cache = self.model.cache
+        with torch.no_grad():
+            for t in cache.k + cache.v:
+                t.normal_(generator=g)
+        self._at_context()
+
+    def _at_context(self) -> None:
+        """Every sequence of the measured model at ``context_len`` tokens (buffers untouched)."""
+        self.model.cache.start(self._context, self.spec.context_len)
+
+    def _weights_checksum(self) -> Tensor:
+        with torch.no_grad():
+            return torch.stack(
+                [t.sum(dtype=torch.float64) for _, t in sorted(self.weights.items())]
+            ).cpu()
+
+    def weights_intact(self) -> bool:
+        """True when every base weight is the same tensor at the same address, with the same
+        contents (float64 sums) as at build time."""
+        for name, (tensor, ptr) in self._base.items():
+            if self.weights.get(name) is not tensor or tensor.data_ptr() != ptr:
+                return False
+        return bool(torch.equal(self._weights_checksum(), self._checksum))
+
+    def _warm(self) -> None:
+        """One reference decode step at the traffic shape and one check prefill, so first-call
+        costs (allocator, kernel selection) belong to the build, not the first experiment."""
+        tokens = torch.zeros((self.spec.batch_size, 1), dtype=torch.int64, device=self.device)
+        self.shape_reference.decode_step(tokens)
+        prompt = torch.zeros(
+            (self.spec.batch_size, self.spec.prompt_len), dtype=torch.int64, device=self.device
+        )
+        self.reference.prefill(prompt)
+        self._at_context()
+        self.timer.sync()
+
+    def memory(self) -> MemoryUsage:
+        """Bytes held: base weights, both KV caches, derived layouts plus one decode step's
+        activations (estimate: fp32 logits, hidden/MLP intermediates, fp32 attention scores)."""
+        cfg, spec = self.model.config, self.spec
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_seq = (
+            cfg.vocab_size * 4
+            + (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * elem
+            + 2 * cfg.num_attention_heads * spec.cache_len * 4
+        )
+        return MemoryUsage(
+            weights_bytes=self.weights.nbytes(),
+            kv_cache_bytes=self.model.cache.nbytes() + self.reference.cache.nbytes(),
+            workspace_bytes=self.weights.derived_nbytes() + spec.batch_size * per_seq,
+        )
+
+    def info(self) -> dict[str, Any]:
+        """What the worker reports once built."""
+        return {
+            "build_s": self.build_s,
+            "build_phases_s": self.build_phases_s,
+            "memory": self.memory().__dict__,
+            "threads": self._threads,
+        }
+
+    # ------------------------------------------------------------------ one experiment
+    def run(self, request: RunRequest) -> Measurement:
+        """Hot-reload the candidate, check it, time it, and put the engine back.
+
+        Never raises for a candidate's fault: it is a CRASHED / REJECTED / INCORRECT
+        measurement. Raises only what the worker should die of (KeyboardInterrupt).
+        """
+        base: dict[str, Any] = {"engine_id": self.engine_id, "tier": self.spec.tier}
+        try:
+            candidate = Candidate.from_canonical(request.candidate)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            return Measurement.failed("rejected", f"malformed candidate: {exc!r}", **base)
+        base["candidate_id"] = candidate.id
+        phases: dict[str, float] = {}
+        notes = [*self.spec.notes, f"check seed {request.seed}"]
+        applied = AppliedTransforms()
+        derived_before = {name for name, _ in self.weights.derived_keys()}
+        try:
+            result = self._attempt(candidate, request, phases, notes, applied, base)
+        finally:
+            problem = self._restore(candidate, applied, derived_before)
+        if problem:
+            result.restart_engine = True
+            result.notes.append(f"engine restarts after this experiment: {problem}")
+        return result
+
+    def _attempt(
+        self,
+        candidate: Candidate,
+        request: RunRequest,
+        phases: dict[str, float],
+        notes: list[str],
+        applied: AppliedTransforms,
+        base: dict[str, Any],
+    ) -> Measurement:
+        sync = self.timer.sync
+        spec = self.spec
+        g = torch.Generator().manual_seed(request.seed + 1)
+        steps = torch.randint(
+            self.vocab, (request.warmup + request.repeats, spec.batch_size, 1), generator=g
+        ).to(self.device)
+        phase = "load"
+        try:
+            with _timed(phases, "load", sync):
+                load_code_modules(candidate.code_modules)
+            phase = "bind"
+            with _timed(phases, "bind", sync):
+                try:
+                    binding = OpBinding.from_recipe(dict(candidate.ops), allow_lossy=candidate.lossy)
+                    self.model.rebind(binding)
+                except (OpLookupError, LossyImplementationError, BindError) as exc:
+                    raise RejectedCandidate(str(exc)) from exc
+                more = apply_transforms(self.model, candidate.transforms)
+                applied.undo += more.undo
+                applied.compiled = more.compiled
+                notes += more.notes
+            if candidate.lossy:
+                notes.append(f"lossy: checked to {LOSSY_RTOL:g} x max |reference|")
+            phase = "compile"
+            with _timed(phases, "compile", sync):
+                for i in range(request.warmup):
+                    self._at_context()
+                    self.model.decode_step(steps[i])
+            phase = "check"
+            with _timed(phases, "check", sync):
+                verdict = self._check(request.seed, LOSSY_RTOL if candidate.lossy else RTOL[self.dtype])
+            if not verdict.correct:
+                return Measurement(
+                    status="incorrect",
+                    max_abs_error=verdict.max_abs_error,
+                    error=f"incorrect: {verdict.reason}",
+                    memory=self.memory(),
+                    phases_ms=phases,
+                    notes=notes,
+                    **base,
+                )
+            phase = "measure"
+            samples: list[float] = []
+            with _timed(phases, "measure", sync):
+                for i in range(request.warmup, request.warmup + request.repeats):
+                    self._at_context()
+                    step = functools.partial(self.model.decode_step, steps[i])
+                    samples.append(self.timer.time_ms(step))
+        except RejectedCandidate as exc:
+            return Measurement.failed("rejected", f"{phase}: {exc}", phases_ms=phases, **base)
+        except EngineFault as exc:
+            return Measurement.failed(
+                "crashed", f"{phase}: {exc}", phases_ms=phases, restart_engine=True, **base
+            )
+        except (Exception, SystemExit) as exc:
+            return Measurement.failed(
+                "crashed", _crash_text(phase, exc), phases_ms=phases, notes=notes, **base
+            )
+        timing = summarize(samples, request.warmup)
+        return Measurement(
+            status="ok",
+            correct=True,
+            max_abs_error=verdict.max_abs_error,
+            timing=timing,
+            tokens_per_s=spec.batch_size / (timing.median_ms / 1e3) if timing.median_ms else 0.0,
+            memory=self.memory(),
+            phases_ms=phases,
+            notes=notes,
+            **base,
+        )
+
+    def _check(self, seed: int, rtol: float) -> CheckResult:
+        """Prefill + decode steps on fresh inputs, then one step at the traffic shape."""
+        spec = self.spec
+        inputs = CheckInputs.draw(
+            seed,
+            batch=spec.batch_size,
+            prompt_len=spec.prompt_len,
+            steps=spec.check_steps,
+            vocab=self.vocab,
+            device=self.device,
+        )
+
+        def calls(model: DecoderModel) -> list[Callable[[], object]]:
+            out: list[Callable[[], object]] = [
+                functools.partial(model.prefill, inputs.tokens, inputs.seq_lens)
+            ]
+            out += [functools.partial(model.decode_step, step) for step in inputs.decode]
+            return out
+
+        guard = OutputGuard(self._protected)
+        ref_guard = OutputGuard(self._protected)
+        got = run_steps(calls(self.model), guard)
+        want = run_steps(calls(self.reference), ref_guard)
+        verdict = compare(got, want, rtol)
+        if not verdict.correct:
+            return verdict
+        # One step at the operating point: the candidate cannot behave only on short contexts.
+        token = inputs.decode[-1] if spec.check_steps else inputs.tokens[:, :1]
+        self._at_context()
+        got = run_steps([functools.partial(self.model.decode_step, token)], guard)
+        self._at_context()
+        want = run_steps([functools.partial(self.shape_reference.decode_step, token)], ref_guard)
+        guard.poison()
+        ref_guard.poison()
+        at_shape = compare(got, want, rtol)
+        if not at_shape.correct:
+            where = f"batch {spec.batch_size}, context {spec.context_len}"
+            return CheckResult(
+                False, at_shape.max_abs_error, at_shape.tolerance, f"at {where}: {at_shape.reason}"
+            )
+        worst = max(verdict.max_abs_error, at_shape.max_abs_error)
+        return CheckResult(True, worst, verdict.tolerance)
+
+    def _restore(
+        self, candidate: Candidate, applied: AppliedTransforms, derived_before: set[str]
+    ) -> str:
+        """Put the engine back after a candidate; returns why it needs a restart, or ""."""
+        problem = ""
+        try:
+            applied.revert()
+            torch.set_num_threads(self._threads)
+            if candidate.code_modules:
+                forget_sources(candidate.code_modules)
+            if not self._registry.restore():
+                problem = "a code module registered a reference implementation"
+            if candidate.code_modules:
+                for name in {n for n, _ in self.weights.derived_keys()} - derived_before:
+                    self.weights.drop_derived(name)
+            self.model.rebind(OpBinding.from_recipe())
+            if candidate.code_modules:
+                if not self.weights_intact():
+                    problem = "the candidate modified the engine's weights"
+                self._fill_cache()
+            self._at_context()
+            if candidate.code_modules or applied.compiled:
+                gc.collect()
+        except Exception as exc:
+            problem = f"restoring the engine failed: {type(exc).__name__}: {exc}"
+        return problem

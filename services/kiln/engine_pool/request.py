@@ -1,0 +1,49 @@
+"""What the service asks of an engine process, and the messages on the pipe between them.
+
+Parent → worker: ``{"type": "run", "request": RunRequest.to_dict()}`` or ``{"type": "stop"}``.
+Worker → parent: ``{"type": "ready", ...}`` once built (:data:`READY`), ``{"type": "failed",
+"error": str, "invalid": bool}`` when the build failed (:data:`FAILED`; ``invalid`` when the
+workload itself is at fault, e.g. missing weights), and ``{"type": "result", "result":
+Measurement.to_dict()}`` per run (:data:`RESULT`). Messages are plain dicts (pickled by
+``multiprocessing.Connection``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
+
+RUN: Final = "run"
+STOP: Final = "stop"
+READY: Final = "ready"
+FAILED: Final = "failed"
+RESULT: Final = "result"
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One experiment for a built engine.
+
+    Attributes:
+        experiment_id: for logs and notes.
+        candidate: ``Candidate.canonical()`` (ops, transforms, code modules, lossy).
+        warmup: untimed decode steps at the traffic shape before timing.
+        repeats: timed decode steps.
+        seed: seed of this experiment's fresh random check inputs (a new one per request).
+    """
+
+    experiment_id: str
+    candidate: dict[str, Any]
+    warmup: int = 3
+    repeats: int = 20
+    seed: int = field(default_factory=lambda: secrets.randbits(62))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for the pipe."""
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> RunRequest:
+        """Inverse of :meth:`to_dict`."""
+        return RunRequest(**data)

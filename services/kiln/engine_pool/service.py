@@ -1,0 +1,169 @@
+"""The EnginePool gRPC servicer: RunExperiment and ListEngines over the engine pool.
+
+``RunExperiment`` measures one candidate through the same pool the work queue uses, and returns
+the ``kiln.v1.Measurement``; it writes nothing to the ledger. A failing candidate is a
+measurement with a non-OK status; bad input is INVALID_ARGUMENT:
+
+- no ``experiment``, no ``experiment.workload`` or an empty ``workload.model.config_json``;
+- an architecture kiln cannot parse or build, an unknown dtype, missing weights;
+- ``deadline_s`` outside ``0..3600`` (0 = ``KILN_ENGINE_DEFAULT_DEADLINE_S``).
+
+``experiment.tier`` unspecified means fast. The clamps and defaults applied to the traffic
+shape (``Measurement`` has no field for them) come back as trailing metadata
+``kiln-engine-notes``: a JSON list of strings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.timestamp_pb2 import Timestamp
+from pydantic import ValidationError
+
+from kiln.common.errors import InvalidArgument
+from kiln.common.identity import current_call
+from kiln.common.work import ExperimentWork
+from kiln.engine_pool.measurement import Measurement, MemoryUsage
+from kiln.engine_pool.pool import EnginePool
+from kiln.engine_pool.process import EngineSnapshot
+from kiln.engine_pool.settings import EngineSettings
+from kiln.v1 import common_pb2, engine_pool_pb2, engine_pool_pb2_grpc
+from kiln.workloads.candidate import Candidate
+
+NOTES_METADATA_KEY = "kiln-engine-notes"
+
+_STATUS = {
+    "ok": common_pb2.EXPERIMENT_STATUS_OK,
+    "incorrect": common_pb2.EXPERIMENT_STATUS_INCORRECT,
+    "crashed": common_pb2.EXPERIMENT_STATUS_CRASHED,
+    "timed_out": common_pb2.EXPERIMENT_STATUS_TIMED_OUT,
+    "rejected": common_pb2.EXPERIMENT_STATUS_REJECTED,
+}
+_TIER = {"fast": common_pb2.TIER_FAST, "full": common_pb2.TIER_FULL}
+_STATE = {
+    "starting": engine_pool_pb2.ENGINE_STATE_STARTING,
+    "ready": engine_pool_pb2.ENGINE_STATE_READY,
+    "busy": engine_pool_pb2.ENGINE_STATE_BUSY,
+    "restarting": engine_pool_pb2.ENGINE_STATE_RESTARTING,
+    "dead": engine_pool_pb2.ENGINE_STATE_DEAD,
+}
+
+
+def memory_to_proto(memory: MemoryUsage) -> common_pb2.MemoryUsage:
+    """Bytes as ``kiln.v1.MemoryUsage``."""
+    return common_pb2.MemoryUsage(
+        weights_bytes=memory.weights_bytes,
+        kv_cache_bytes=memory.kv_cache_bytes,
+        workspace_bytes=memory.workspace_bytes,
+    )
+
+
+def measurement_to_proto(m: Measurement) -> common_pb2.Measurement:
+    """A measurement as ``kiln.v1.Measurement`` (``max_abs_error`` may be ``inf``)."""
+    msg = common_pb2.Measurement(
+        status=_STATUS[m.status],
+        correct=m.correct,
+        max_abs_error=m.max_abs_error,
+        tokens_per_s=m.tokens_per_s,
+        memory=memory_to_proto(m.memory),
+        error=m.error,
+        engine_id=m.engine_id,
+        tier=_TIER.get(m.tier, common_pb2.TIER_UNSPECIFIED),
+    )
+    if m.timing is not None:
+        t = m.timing
+        msg.timing.CopyFrom(
+            common_pb2.Timing(
+                median_ms=t.median_ms,
+                p10_ms=t.p10_ms,
+                p90_ms=t.p90_ms,
+                stdev_ms=t.stdev_ms,
+                samples_ms=t.samples_ms,
+                warmup_runs=t.warmup_runs,
+            )
+        )
+    return msg
+
+
+def engine_to_proto(e: EngineSnapshot, host: str) -> engine_pool_pb2.EngineInfo:
+    """An engine snapshot as ``kiln.v1.EngineInfo``."""
+    info = engine_pool_pb2.EngineInfo(
+        engine_id=e.engine_id,
+        host=host,
+        device=e.device,
+        model_name=e.model_name,
+        tier=_TIER.get(e.tier, common_pb2.TIER_UNSPECIFIED),
+        state=_STATE[e.state],
+        memory=memory_to_proto(e.memory),
+        experiments_run=e.experiments_run,
+        cold_start_s=e.cold_start_s,
+    )
+    if e.started_at is not None:
+        ts = Timestamp()
+        ts.FromDatetime(e.started_at)
+        info.started_at.CopyFrom(ts)
+    return info
+
+
+def work_from_request(
+    request: engine_pool_pb2.RunExperimentRequest, team: str, default_deadline_s: float
+) -> ExperimentWork:
+    """The :class:`ExperimentWork` a RunExperiment request stands for.
+
+    Raises:
+        InvalidArgument: no experiment / workload / config, or a bad deadline.
+    """
+    if not request.HasField("experiment"):
+        raise InvalidArgument("experiment is missing: send the candidate and its workload")
+    exp = request.experiment
+    if not exp.HasField("workload") or not exp.workload.model.config_json.strip():
+        raise InvalidArgument(
+            "experiment.workload.model.config_json is empty: send the config.json text"
+        )
+    deadline = request.deadline_s or default_deadline_s
+    if not (math.isfinite(deadline) and 0 < deadline <= 3600):
+        raise InvalidArgument(f"deadline_s {request.deadline_s!r} is outside (0, 3600] seconds")
+    candidate = Candidate.from_proto(exp.candidate)
+    workload: dict[str, Any] = MessageToDict(exp.workload, preserving_proto_field_name=True)
+    try:
+        return ExperimentWork(
+            experiment_id=exp.experiment_id or f"adhoc-{uuid.uuid4().hex[:16]}",
+            compilation_id=exp.compilation_id or "adhoc",
+            team=team,
+            tier="full" if exp.tier == common_pb2.TIER_FULL else "fast",
+            candidate=candidate.canonical(),
+            workload=workload,
+            deadline_s=deadline,
+        )
+    except ValidationError as exc:
+        raise InvalidArgument(f"invalid experiment: {exc.errors()[0]['msg']}") from None
+
+
+class EnginePoolServicer(engine_pool_pb2_grpc.EnginePoolServicer):
+    """``kiln.v1.EnginePool`` over an :class:`EnginePool`."""
+
+    def __init__(self, pool: EnginePool, settings: EngineSettings) -> None:
+        self.pool = pool
+        self.settings = settings
+
+    async def RunExperiment(
+        self, request: engine_pool_pb2.RunExperimentRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.Measurement:
+        """Measure one candidate (see the module docstring)."""
+        work = work_from_request(request, current_call().team, self.settings.default_deadline_s)
+        measurement = await self.pool.measure(work)
+        context.set_trailing_metadata(((NOTES_METADATA_KEY, json.dumps(measurement.notes)),))
+        return measurement_to_proto(measurement)
+
+    async def ListEngines(
+        self, request: engine_pool_pb2.ListEnginesRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pool_pb2.ListEnginesResponse:
+        """Every engine held (or one model's)."""
+        return engine_pool_pb2.ListEnginesResponse(
+            engines=[engine_to_proto(e, self.pool.host) for e in self.pool.engines(request.model_name)]
+        )

@@ -1,0 +1,78 @@
+"""The engine pool's own settings, from environment variables with prefix ``KILN_ENGINE_``.
+
+They sit beside :class:`kiln.common.settings.KilnSettings` (addresses, NATS, ledger) and hold
+what only engines care about: the device, the caps on the traffic shape an engine is built for,
+how experiments are timed, and how the work queue is consumed. Defaults suit a CPU host.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kiln.engine_pool.spec import EngineLimits
+
+
+class EngineSettings(BaseSettings):
+    """Engine pool settings; each field maps to ``KILN_ENGINE_<FIELD>`` in upper case."""
+
+    model_config = SettingsConfigDict(env_prefix="KILN_ENGINE_", extra="ignore")
+
+    # --- what engines are built for ------------------------------------------------------
+    device: str = Field("cpu", description='Device engines run on: "cpu", "cuda:0", ...')
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Engine dtype: auto = the workload's model.dtype when set, else float32 on "
+        "CPU (bfloat16 on CUDA); anything else forces that dtype for every engine.",
+    )
+    max_batch: int = Field(8, ge=1, description="Cap on the traffic shape's batch (sequences).")
+    max_context: int = Field(512, ge=2, description="Cap on the shape's context length, tokens.")
+    fast_layers: int = Field(2, ge=1, description="Layers of a fast-tier engine.")
+    prompt_len: int = Field(16, ge=1, description="Prompt tokens of the correctness check.")
+    check_steps: int = Field(2, ge=0, description="Decode steps checked after the prefill.")
+    max_engines: int | None = Field(
+        None, ge=1, description="Engines held at once (LRU eviction); unset = 1 per device."
+    )
+
+    # --- how experiments are timed --------------------------------------------------------
+    warmup: int = Field(3, ge=0, description="Untimed decode steps before timing.")
+    repeats: int = Field(20, ge=1, description="Timed decode steps per experiment.")
+    ready_timeout_s: float = Field(600.0, gt=0, description="Longest engine build, seconds.")
+    default_deadline_s: float = Field(
+        300.0, gt=0, le=3600, description="Deadline of a RunExperiment call that sets none, s."
+    )
+
+    # --- the work queue -------------------------------------------------------------------
+    consume: bool = Field(True, description="Consume the NATS work queue (False: gRPC only).")
+    ack_wait_s: float = Field(
+        30.0, gt=1, description="JetStream ack wait, seconds; in_progress() heartbeats every "
+        "third of it keep a running experiment's message from being redelivered."
+    )
+    max_deliver: int = Field(3, ge=1, description="Deliveries of one work item at most.")
+    nak_delay_s: float = Field(5.0, ge=0, description="Redelivery delay after a nak, seconds.")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if v != "cpu" and not v.startswith("cuda"):
+            raise ValueError('device must be "cpu" or "cuda[:N]"')
+        return v
+
+    def limits(self) -> EngineLimits:
+        """The part of the settings that shapes an :class:`~kiln.engine_pool.spec.EngineSpec`."""
+        return EngineLimits(
+            device=self.device,
+            dtype=None if self.dtype == "auto" else self.dtype,
+            max_batch=self.max_batch,
+            max_context=self.max_context,
+            fast_layers=self.fast_layers,
+            prompt_len=self.prompt_len,
+            check_steps=self.check_steps,
+        )
+
+    def engines_per_device(self) -> int:
+        """How many engines the pool holds at once (``max_engines``, default 1)."""
+        return self.max_engines or 1
+

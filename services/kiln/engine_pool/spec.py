@@ -1,0 +1,239 @@
+"""What one engine is built for: model, tier, dtype, device and the traffic shape's operating point.
+
+An :class:`EngineSpec` is derived from a workload (the ``kiln.v1.Workload`` message as JSON, as
+:class:`kiln.common.work.ExperimentWork` carries it) and a tier. Equal specs share one engine:
+:attr:`EngineSpec.key` is the hash of everything that shapes the build. The operating point
+(decode batch, context length) comes from the traffic shape, clamped to the host's caps
+(:class:`EngineLimits`); every clamp or default applied is recorded in :attr:`EngineSpec.notes`
+and reported with each measurement.
+
+Imports no torch at module level (the service process parses specs; only
+:func:`check_buildable` pulls torch in, lazily); the worker rebuilds a spec with
+:meth:`EngineSpec.from_dict`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from kiln.workloads.config import ModelConfig, UnsupportedModelError, parse_config
+
+Tier = Literal["fast", "full"]
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+"""Dtypes an engine can hold weights, activations and KV cache in."""
+
+DEFAULT_BATCH = 1
+DEFAULT_ISL = 1024
+DEFAULT_OSL = 256
+
+
+class SpecError(ValueError):
+    """A workload an engine cannot be built for: no or invalid config, an architecture kiln
+    cannot build, an unknown dtype. The message says which field and why."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Host caps and defaults applied when a spec is derived (see
+    :meth:`kiln.engine_pool.settings.EngineSettings.limits`).
+
+    Attributes:
+        device: ``"cpu"`` or ``"cuda[:N]"``.
+        dtype: force this dtype for every engine; None = the workload's, else the device default.
+        max_batch: largest decode batch (sequences).
+        max_context: largest context length (tokens).
+        fast_layers: layers of a fast-tier engine (clamped to the model's).
+        prompt_len: prompt tokens of the correctness check (clamped to the context).
+        check_steps: decode steps compared after the prefill.
+    """
+
+    device: str = "cpu"
+    dtype: str | None = None
+    max_batch: int = 8
+    max_context: int = 512
+    fast_layers: int = 2
+    prompt_len: int = 16
+    check_steps: int = 2
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine is built for.
+
+    Attributes:
+        model_name: human name (``workload.model.name``).
+        config: the parsed ``config.json`` (a JSON object).
+        tier: "fast" (first ``layers`` layers plus embedding and LM head) or "full".
+        layers: decoder layers held (``total_layers`` on the full tier).
+        total_layers: the model's ``num_hidden_layers``.
+        dtype: one of :data:`ENGINE_DTYPES`.
+        device: ``"cpu"`` or ``"cuda[:N]"``.
+        seed: seed of random weights (ignored with ``weights_dir``).
+        weights_dir: local ``*.safetensors`` directory, or None for seeded random weights.
+        batch_size: decode batch the engine measures at (sequences).
+        context_len: context the engine measures at (tokens already in the KV cache).
+        prompt_len: prompt tokens of the correctness check.
+        check_steps: decode steps compared after the check's prefill.
+        notes: clamps and defaults applied, in words (not part of the key).
+    """
+
+    model_name: str
+    config: dict[str, Any]
+    tier: Tier
+    layers: int
+    total_layers: int
+    dtype: str
+    device: str
+    seed: int
+    weights_dir: str | None
+    batch_size: int
+    context_len: int
+    prompt_len: int
+    check_steps: int
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def key(self) -> str:
+        """Hash of the build-relevant fields (24 hex digits): same key, same engine."""
+        body = {k: v for k, v in asdict(self).items() if k != "notes"}
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    @property
+    def cache_len(self) -> int:
+        """KV-cache slots per sequence of the measured model: the context plus the step being
+        timed, and at least the check's prompt plus its decode steps."""
+        return max(self.context_len + 1, self.prompt_len + self.check_steps)
+
+    def model_config(self) -> ModelConfig:
+        """The architecture (all layers; the engine truncates to ``layers``)."""
+        return parse_config(self.config, self.model_name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-compatible form (what the worker process receives)."""
+        out = asdict(self)
+        out["notes"] = list(self.notes)
+        return out
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> EngineSpec:
+        """Inverse of :meth:`to_dict`."""
+        values = dict(data)
+        values["notes"] = tuple(values.get("notes", ()))
+        return EngineSpec(**values)
+
+    @staticmethod
+    def from_workload(workload: Mapping[str, Any], tier: str, limits: EngineLimits) -> EngineSpec:
+        """The spec for ``workload`` (``kiln.v1.Workload`` as JSON) on ``tier``.
+
+        Args:
+            workload: ``MessageToDict(workload, preserving_proto_field_name=True)``; uint64
+                fields may be strings, as MessageToDict writes them.
+            tier: "fast" or "full".
+            limits: the host's caps and defaults.
+
+        Raises:
+            SpecError: empty or invalid ``model.config_json``, an architecture kiln cannot parse
+                or build, an unknown dtype or tier, a bad seed.
+        """
+        if tier not in ("fast", "full"):
+            raise SpecError(f"invalid tier {tier!r}: expected 'fast' or 'full'")
+        model = dict(workload.get("model") or {})
+        name = str(model.get("name") or "model")
+        config = _parse(model, name)
+        check_buildable(config)
+        notes: list[str] = []
+
+        dtype = limits.dtype or str(model.get("dtype") or "")
+        if not dtype:
+            dtype = "float32" if limits.device == "cpu" else "bfloat16"
+            notes.append(f"workload.model.dtype unset: {dtype} on {limits.device}")
+        if dtype not in ENGINE_DTYPES:
+            raise SpecError(f"workload.model.dtype {dtype!r} is not one of {ENGINE_DTYPES}")
+        try:
+            seed = int(model.get("seed") or 0)
+        except (TypeError, ValueError):
+            raise SpecError(f"workload.model.seed {model.get('seed')!r} is not an integer") from None
+
+        total = config.num_hidden_layers
+        layers = total if tier == "full" else min(limits.fast_layers, total)
+        batch, context = _operating_point(dict(workload.get("traffic") or {}), notes)
+        if batch > limits.max_batch:
+            notes.append(
+                f"batch clamped from {batch} to {limits.max_batch} (KILN_ENGINE_MAX_BATCH)"
+            )
+            batch = limits.max_batch
+        max_context = min(limits.max_context, config.max_position_embeddings - 1)
+        if context > max_context:
+            notes.append(
+                f"context clamped from {context} to {max_context} tokens "
+                "(KILN_ENGINE_MAX_CONTEXT or the model's window)"
+            )
+            context = max_context
+        hardware = str((workload.get("hardware") or {}).get("name") or "")
+        if hardware and hardware != limits.device.split(":")[0]:
+            notes.append(f"workload targets {hardware!r}; measured on {limits.device}")
+        return EngineSpec(
+            model_name=name,
+            config=dict(config.raw),
+            tier="full" if tier == "full" else "fast",
+            layers=layers,
+            total_layers=total,
+            dtype=dtype,
+            device=limits.device,
+            seed=seed,
+            weights_dir=str(model.get("weights_dir") or "") or None,
+            batch_size=batch,
+            context_len=context,
+            prompt_len=max(1, min(limits.prompt_len, context)),
+            check_steps=limits.check_steps,
+            notes=tuple(notes),
+        )
+
+
+def _parse(model: Mapping[str, Any], name: str) -> ModelConfig:
+    text = str(model.get("config_json") or "")
+    if not text.strip():
+        raise SpecError("workload.model.config_json is empty: send the config.json text")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{name}: config_json is not valid JSON ({exc})") from None
+    try:
+        return parse_config(raw, name)
+    except UnsupportedModelError as exc:
+        raise SpecError(str(exc)) from exc
+
+
+def check_buildable(config: ModelConfig) -> None:
+    """Raise :class:`SpecError` unless kiln can build ``config`` (imports torch on first use).
+
+    Raises:
+        SpecError: the message of ``kiln.workloads.models.build.UnbuildableModelError``.
+    """
+    from kiln.workloads.models.build import UnbuildableModelError
+    from kiln.workloads.models.build import check_buildable as check
+
+    try:
+        check(config)
+    except UnbuildableModelError as exc:
+        raise SpecError(str(exc)) from exc
+
+
+def _operating_point(traffic: Mapping[str, Any], notes: list[str]) -> tuple[int, int]:
+    """(batch, context) of the traffic shape JSON; defaults (noted) for missing fields."""
+    batch = int(traffic.get("batch_size") or 0)
+    if batch < 1:
+        batch = DEFAULT_BATCH
+        notes.append(f"traffic.batch_size unset: batch {batch}")
+    context = int(traffic.get("context_len") or 0)
+    if context < 1:
+        isl = float((traffic.get("isl_tokens") or {}).get("p50") or 0) or DEFAULT_ISL
+        osl = float((traffic.get("osl_tokens") or {}).get("p50") or 0) or DEFAULT_OSL
+        context = max(1, int(isl + osl / 2 + 0.5))
+        notes.append(f"traffic.context_len unset: p50 ISL + p50 OSL / 2 = {context} tokens")
+    return batch, context

@@ -1,0 +1,134 @@
+"""Whole-forward transforms a candidate may ask for, applied to the engine's model and undone
+after the experiment.
+
+Known transforms (parameter values are strings, as candidates carry them):
+
+- ``threads``: ``n`` — ``torch.set_num_threads(n)`` for the experiment (1..the host's cores).
+- ``torch_compile``: ``mode`` (``default``, ``reduce-overhead``, ``max-autotune``,
+  ``max-autotune-no-cudagraphs``), ``fullgraph`` (``true``/``false``) — the decode step's forward
+  (``T == 1``) runs through ``torch.compile``; prefill stays eager. Compilation happens on the
+  first decode call, i.e. in the engine's warm-up (the ``compile`` phase).
+
+Anything else (``cuda_graph`` included, until CUDA engines exist) is rejected: the candidate is
+REJECTED with the reason, not run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.workloads.candidate import Transform
+from kiln.workloads.models import DecoderModel
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+KNOWN_TRANSFORMS = ("threads", "torch_compile")
+
+
+class RejectedCandidate(ValueError):
+    """The candidate cannot run here: an unknown transform or parameter, an unknown op or
+    implementation, a lossy implementation without opting in. The message says which."""
+
+
+@dataclass
+class AppliedTransforms:
+    """Transforms in effect on a model, and how to undo them (:meth:`revert`)."""
+
+    notes: list[str] = field(default_factory=list)
+    undo: list[Callable[[], None]] = field(default_factory=list)
+    compiled: bool = False
+
+    def revert(self) -> None:
+        """Undo every transform, last applied first."""
+        while self.undo:
+            self.undo.pop()()
+
+
+def _params(t: Transform, allowed: Sequence[str]) -> dict[str, str]:
+    params = dict(t.params)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise RejectedCandidate(
+            f"transform {t.name!r}: unknown parameter(s) {unknown} (known: {list(allowed)})"
+        )
+    return params
+
+
+def _threads(t: Transform, applied: AppliedTransforms) -> None:
+    params = _params(t, ("n", "num_threads"))
+    text = params.get("n", params.get("num_threads", ""))
+    cores = os.cpu_count() or 1
+    try:
+        n = int(text)
+    except ValueError:
+        raise RejectedCandidate(f"transform 'threads': n={text!r} is not an integer") from None
+    if not 1 <= n <= cores:
+        raise RejectedCandidate(f"transform 'threads': n={n} is outside 1..{cores} (host cores)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    applied.undo.append(lambda: torch.set_num_threads(before))
+    applied.notes.append(f"threads: {n} (was {before})")
+
+
+def _bool(t: Transform, key: str, text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise RejectedCandidate(f"transform {t.name!r}: {key}={text!r} is not true/false")
+    return text.lower() in ("true", "1")
+
+
+def _torch_compile(t: Transform, model: DecoderModel, applied: AppliedTransforms) -> None:
+    params = _params(t, ("mode", "fullgraph"))
+    mode = params.get("mode", "default")
+    if mode not in COMPILE_MODES:
+        raise RejectedCandidate(f"transform 'torch_compile': mode {mode!r} not in {COMPILE_MODES}")
+    fullgraph = _bool(t, "fullgraph", params.get("fullgraph", "false"))
+    eager = model.forward
+    compiled = torch.compile(eager, mode=None if mode == "default" else mode, fullgraph=fullgraph)
+
+    def forward(tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] == 1:
+            return compiled(tokens, positions, seq_lens)
+        return eager(tokens, positions, seq_lens)
+
+    setattr(model, "forward", forward)  # shadows the method on this instance only
+
+    def undo() -> None:
+        model.__dict__.pop("forward", None)
+        torch._dynamo.reset()
+
+    applied.undo.append(undo)
+    applied.compiled = True
+    applied.notes.append(f"torch_compile: mode={mode}, fullgraph={fullgraph} (decode step)")
+
+
+def apply_transforms(model: DecoderModel, transforms: Sequence[Transform]) -> AppliedTransforms:
+    """Apply ``transforms`` to ``model`` (already bound to the candidate's ops).
+
+    On failure, the transforms applied so far are reverted before the error propagates.
+
+    Raises:
+        RejectedCandidate: an unknown transform or a bad parameter.
+    """
+    applied = AppliedTransforms()
+    try:
+        for t in transforms:
+            if t.name == "threads":
+                _threads(t, applied)
+            elif t.name == "torch_compile":
+                _torch_compile(t, model, applied)
+            elif t.name == "cuda_graph":
+                raise RejectedCandidate(
+                    "transform 'cuda_graph' is not available on this engine yet "
+                    f"(known: {', '.join(KNOWN_TRANSFORMS)})"
+                )
+            else:
+                raise RejectedCandidate(
+                    f"unknown transform {t.name!r} (known: {', '.join(KNOWN_TRANSFORMS)})"
+                )
+    except BaseException:
+        applied.revert()
+        raise
+    return applied

@@ -1,0 +1,90 @@
+"""The engine process: build an :class:`~kiln.engine_pool.engine.Engine` once, then serve runs
+from a pipe until told to stop or the parent goes away.
+
+Started by :class:`kiln.engine_pool.process.EngineProcess` with the ``spawn`` start method, so
+the process begins from a fresh interpreter: it imports torch, ``kiln.workloads`` and
+``kiln.ops`` (through :mod:`kiln.engine_pool.engine`) and never gRPC, NATS or SQLAlchemy.
+The pipe protocol is in :mod:`kiln.engine_pool.request`.
+
+The process exits when:
+
+- it receives ``{"type": "stop"}``, or the parent's end of the pipe closes (EOF);
+- a measurement asks for a restart (``restart_engine``): it replies, then exits;
+- on Linux, its parent dies (``PR_SET_PDEATHSIG`` = SIGKILL), even mid-experiment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kiln.engine_pool.request import FAILED, READY, RESULT, RUN, STOP, RunRequest
+from kiln.engine_pool.spec import EngineSpec
+
+_PR_SET_PDEATHSIG = 1
+_INVALID_BUILD_ERRORS = ("UnbuildableModelError", "UnsupportedModelError", "WeightError")
+"""Build failures caused by the workload itself (reported as ``invalid``)."""
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def worker_main(conn: Connection, spec: dict[str, Any], engine_id: str) -> None:
+    """Entry point of the engine process.
+
+    Args:
+        conn: this process's end of the pipe.
+        spec: ``EngineSpec.to_dict()``.
+        engine_id: reported with every measurement.
+    """
+    # Inductor compiles in this process (no worker pool in a daemonic process).
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C; it stops us
+    try:
+        from kiln.engine_pool.engine import Engine
+
+        engine = Engine(EngineSpec.from_dict(spec), engine_id)
+    except Exception as exc:
+        conn.send(
+            {
+                "type": FAILED,
+                "error": f"{type(exc).__name__}: {exc}",
+                "invalid": type(exc).__name__ in _INVALID_BUILD_ERRORS,
+            }
+        )
+        return
+    conn.send({"type": READY, **engine.info()})
+    serve(conn, engine)
+
+
+def serve(conn: Connection, engine: Any) -> None:
+    """Answer run requests until stop, EOF, or a measurement that asks for a restart."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        kind = msg.get("type") if isinstance(msg, dict) else None
+        if kind == STOP:
+            return
+        if kind != RUN:
+            continue
+        measurement = engine.run(RunRequest.from_dict(msg["request"]))
+        try:
+            conn.send({"type": RESULT, "result": measurement.to_dict()})
+        except (BrokenPipeError, OSError):
+            return
+        if measurement.restart_engine:
+            return
