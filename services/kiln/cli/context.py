@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from kiln.common.settings import KilnSettings, load_settings
+from kiln.common.settings import KilnSettings, ServiceName, load_settings
 from kiln.embedded.endpoints import Endpoints
 
 
@@ -35,11 +35,17 @@ def settings_for(ctx: typer.Context, **overrides: Any) -> KilnSettings:
     return load_settings(**given)
 
 
-def ledger_addr(settings: KilnSettings) -> str:
-    """The ledger address to dial: ``--ledger-addr`` / ``KILN_LEDGER_ADDR`` when given, else
-    the one the last ``kiln up`` recorded, else the default."""
-    if "ledger_addr" not in settings.model_fields_set:
+def service_addr(settings: KilnSettings, service: ServiceName) -> str:
+    """The address to dial for ``service``: its ``KILN_*_ADDR`` (or flag) when given, else the
+    one the last ``kiln up`` recorded, else the default."""
+    field = service.replace("-", "_") + "_addr"
+    if field not in settings.model_fields_set:
         recorded = Endpoints.read(settings.endpoints_file)
-        if recorded is not None and recorded.services.get("ledger"):
-            return recorded.services["ledger"]
-    return settings.ledger_addr
+        if recorded is not None and recorded.services.get(service):
+            return recorded.services[service]
+    return settings.service_addr(service)
+
+
+def ledger_addr(settings: KilnSettings) -> str:
+    """The ledger address to dial (see :func:`service_addr`)."""
+    return service_addr(settings, "ledger")

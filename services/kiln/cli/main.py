@@ -1,5 +1,6 @@
-"""The ``kiln`` command: ``kiln up`` / ``down`` / ``status``, ``kiln serve``, ``kiln migrate``
-and ``kiln ledger ...``. Every user error is one red line on stderr and a non-zero exit."""
+"""The ``kiln`` command: ``kiln compile``, ``kiln compilations``, ``kiln up`` / ``down`` /
+``status``, ``kiln serve``, ``kiln migrate`` and ``kiln ledger ...``. Every user error is one
+red line on stderr and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import health, ledger, migrate, serve, up
+from kiln.cli import compilations, health, ledger, migrate, serve, up
+from kiln.cli.compile import compile as compile_command
 from kiln.cli.context import CliState
 from kiln.cli.errors import KilnGroup
 
@@ -45,6 +47,8 @@ app.command()(up.status)
 app.command()(serve.serve)
 app.command()(migrate.migrate)
 app.command()(health.health)
+app.command("compile")(compile_command)
+app.add_typer(compilations.app, name="compilations")
 app.add_typer(ledger.app, name="ledger")
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""``kiln compilations list|show``: compilations through the Compiler API."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+import grpc
+import typer
+from rich.table import Table
+
+from kiln.cli.compile_view import STATUS_NAMES, summary_table
+from kiln.cli.context import service_addr, settings_for
+from kiln.cli.render import console
+from kiln.common.errors import from_rpc_error
+from kiln.v1 import compiler_pb2, compiler_pb2_grpc
+
+app = typer.Typer(help="List and show compilations.", no_args_is_help=True)
+
+_STATUS_BY_NAME = {name: value for value, name in STATUS_NAMES.items()}
+
+
+async def _call(ctx: typer.Context, method: str, request: object) -> object:
+    from kiln.common.client import team_channel
+
+    settings = settings_for(ctx)
+    async with team_channel(service_addr(settings, "agent-runner"), settings.team) as channel:
+        stub = compiler_pb2_grpc.CompilerStub(channel)
+        try:
+            return await getattr(stub, method)(request, timeout=30)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+
+@app.command("list")
+def list_(
+    ctx: typer.Context,
+    team: Annotated[str, typer.Option(help="Whose (default: your team).")] = "",
+    status: Annotated[str, typer.Option(help="pending, running, succeeded, ...")] = "",
+    limit: Annotated[int, typer.Option(min=0, help="At most this many (0 = server default).")] = 0,
+) -> None:
+    """Compilations of a team, newest last."""
+    if status and status not in _STATUS_BY_NAME:
+        raise typer.BadParameter(f"one of {', '.join(_STATUS_BY_NAME)}", param_hint="--status")
+    request = compiler_pb2.ListRequest(
+        team=team, status=_STATUS_BY_NAME.get(status, 0), limit=limit
+    )
+    response = asyncio.run(_call(ctx, "List", request))
+    assert isinstance(response, compiler_pb2.ListResponse)
+    table = Table("id", "team", "model", "hardware", "status", "experiments", "speedup")
+    for c in response.compilations:
+        table.add_row(
+            c.compilation_id,
+            c.team,
+            c.workload.model.name,
+            c.workload.hardware.name,
+            STATUS_NAMES.get(c.status, "?"),
+            str(c.experiments_done),
+            f"{c.best.speedup:.2f}x" if c.HasField("best") else "",
+        )
+    console.print(table if response.compilations else "no compilations")
+
+
+@app.command()
+def show(
+    ctx: typer.Context,
+    compilation_id: Annotated[str, typer.Argument(help="The compilation's id.")],
+) -> None:
+    """One compilation: status, baseline, best, speedup, experiments, plan."""
+    response = asyncio.run(
+        _call(ctx, "Get", compiler_pb2.GetRequest(compilation_id=compilation_id))
+    )
+    assert isinstance(response, compiler_pb2.Compilation)
+    console.print(summary_table(response))

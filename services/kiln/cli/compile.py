@@ -1,0 +1,200 @@
+"""``kiln compile``: submit a compilation over gRPC and watch it to the end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import grpc
+import typer
+from google.protobuf.json_format import MessageToDict
+from rich.live import Live
+
+from kiln.cli.budget import parse_duration_s
+from kiln.cli.compile_view import ENDED, CompileView, summary_table
+from kiln.cli.context import service_addr, settings_for
+from kiln.cli.errors import CliError, err_console
+from kiln.cli.render import console
+from kiln.common.errors import Unavailable, from_rpc_error
+from kiln.common.settings import KilnSettings
+from kiln.v1 import common_pb2, compiler_pb2, compiler_pb2_grpc
+
+EXIT_BY_STATUS = {
+    compiler_pb2.COMPILATION_STATUS_SUCCEEDED: 0,
+    compiler_pb2.COMPILATION_STATUS_FAILED: 1,
+    compiler_pb2.COMPILATION_STATUS_CANCELLED: 3,
+}
+
+
+def build_request(
+    model: Path,
+    traffic: Path,
+    hardware: str,
+    devices: int,
+    budget_s: float,
+    max_experiments: int,
+    compilation_id: str,
+    agents: list[str],
+) -> compiler_pb2.SubmitRequest:
+    """The SubmitRequest for these files, read and checked here so that a missing file or a
+    malformed trace is reported before anything is sent.
+
+    Raises:
+        CliError: a missing or unreadable file, an unsupported architecture, a malformed trace.
+    """
+    from kiln.workloads.config import UnsupportedModelError, load_config
+    from kiln.workloads.traffic import TraceError, TrafficShape, read_trace
+
+    try:
+        config_text = model.read_text()
+        config = load_config(model)
+    except FileNotFoundError:
+        raise CliError(f"model config {model} does not exist") from None
+    except (OSError, UnsupportedModelError) as exc:
+        raise CliError(f"model config {model}: {exc}") from None
+    try:
+        shape = TrafficShape.from_trace(read_trace(traffic))
+    except FileNotFoundError:
+        raise CliError(f"traffic trace {traffic} does not exist") from None
+    except (OSError, TraceError) as exc:
+        raise CliError(str(exc)) from None
+    return compiler_pb2.SubmitRequest(
+        compilation_id=compilation_id,
+        workload=common_pb2.Workload(
+            model=common_pb2.ModelSpec(name=config.name, config_json=config_text),
+            traffic=shape.to_proto(),
+            hardware=common_pb2.HardwareTarget(name=hardware, num_devices=devices),
+        ),
+        budget=common_pb2.Budget(wall_seconds=budget_s, max_experiments=max_experiments),
+        agents=agents,
+    )
+
+
+async def submit_and_watch(
+    settings: KilnSettings, request: compiler_pb2.SubmitRequest, detach: bool, as_json: bool
+) -> compiler_pb2.Compilation:
+    """Submit, then (unless ``detach``) follow Watch until the compilation ends; returns the
+    last snapshot. gRPC failures arrive as KilnError subclasses."""
+    from kiln.common.client import team_channel
+
+    addr = service_addr(settings, "agent-runner")
+    async with team_channel(addr, settings.team) as channel:
+        stub = compiler_pb2_grpc.CompilerStub(channel)
+        try:
+            compilation = await stub.Submit(request, timeout=60)
+        except grpc.RpcError as err:
+            raise _rpc_error(err, addr) from None
+        if detach:
+            return compilation
+        view = CompileView(compilation.compilation_id, request.budget.wall_seconds)
+        view.snapshot = compilation
+        watch = stub.Watch(compiler_pb2.WatchRequest(compilation_id=compilation.compilation_id))
+        try:
+            with _live(view, enabled=not as_json) as refresh:
+                async for event in watch:
+                    view.update(event)
+                    if as_json:
+                        print(json.dumps(_event_json(event)), flush=True)
+                    refresh()
+                    if view.ended:
+                        break
+        except grpc.RpcError as err:
+            raise _rpc_error(err, addr) from None
+        finally:
+            watch.cancel()
+        assert view.snapshot is not None
+        return view.snapshot
+
+
+@contextlib.contextmanager
+def _live(view: CompileView, enabled: bool) -> Iterator[object]:
+    if not enabled:
+        yield lambda: None
+        return
+    with Live(view.render(), console=err_console, refresh_per_second=4, transient=True) as live:
+        yield lambda: live.update(view.render())
+
+
+def _event_json(event: compiler_pb2.CompilationEvent) -> dict[str, object]:
+    return MessageToDict(event, preserving_proto_field_name=True)
+
+
+def _rpc_error(err: grpc.RpcError, addr: str) -> Exception:
+    exc = from_rpc_error(err)
+    if isinstance(exc, Unavailable):
+        return CliError(f"agent runner at {addr} is not reachable; start kiln with `kiln up`")
+    return exc
+
+
+def compile(
+    ctx: typer.Context,
+    model: Annotated[Path, typer.Option(help="A Hugging Face config.json.")],
+    traffic: Annotated[Path, typer.Option(help="A trace: Azure CSV or Mooncake JSONL.")],
+    hardware: Annotated[str, typer.Option(help="Target: cpu, h100, h200, b200.")] = "cpu",
+    devices: Annotated[int, typer.Option(min=0, help="Devices (0 = the target's default).")] = 0,
+    budget: Annotated[str, typer.Option(help="Wall-clock budget: 300, 90s, 5m, 1h30m.")] = "5m",
+    max_experiments: Annotated[
+        int, typer.Option(min=0, help="Stop after this many experiments (0 = no limit).")
+    ] = 0,
+    compilation_id: Annotated[
+        str, typer.Option("--id", help="Choose the compilation id (default: assigned).")
+    ] = "",
+    agent: Annotated[
+        list[str] | None, typer.Option("--agent", help="Agents to run (default: all).")
+    ] = None,
+    detach: Annotated[bool, typer.Option(help="Submit and return without watching.")] = False,
+    one_shot: Annotated[
+        bool,
+        typer.Option(
+            "--one-shot",
+            help="Bring kiln up (embedded default) first and down afterwards, unless it was "
+            "already running.",
+        ),
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Watch events as JSON lines.")] = False,
+) -> None:
+    """Compile a model for a traffic shape on a hardware target: agents propose forward-pass
+    variants, engines measure them, the fastest correct one wins. Exit 0 when it succeeded, 1
+    when it failed, 3 when it was cancelled."""
+    try:
+        budget_s = parse_duration_s(budget)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    request = build_request(
+        model, traffic, hardware, devices, budget_s, max_experiments, compilation_id, agent or []
+    )
+    settings = settings_for(ctx)
+    with _one_shot(settings, enabled=one_shot):
+        final = asyncio.run(submit_and_watch(settings, request, detach, as_json))
+    if detach:
+        console.print(f"submitted {final.compilation_id}; watch with `kiln compilations show`")
+        return
+    if not as_json:
+        console.print(summary_table(final))
+    if final.status in ENDED:
+        raise typer.Exit(EXIT_BY_STATUS.get(final.status, 1))
+
+
+@contextlib.contextmanager
+def _one_shot(settings: KilnSettings, enabled: bool) -> Iterator[None]:
+    """``kiln up`` before and ``kiln down`` after, when asked and when kiln was not running."""
+    if not enabled:
+        yield
+        return
+    from kiln.embedded.supervisor import Supervisor
+
+    supervisor = Supervisor(settings)
+    was_running = all(row.healthy for row in supervisor.status())
+    if not was_running:
+        with err_console.status("starting kiln (embedded NATS, PostgreSQL and four services)..."):
+            supervisor.up(start_services=True)
+    try:
+        yield
+    finally:
+        if not was_running:
+            with err_console.status("stopping kiln..."):
+                supervisor.down()

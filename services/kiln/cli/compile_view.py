@@ -1,0 +1,156 @@
+"""What ``kiln compile`` shows: live progress while it runs, a summary table at the end."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kiln.v1 import compiler_pb2
+
+STATUS_NAMES = {
+    compiler_pb2.COMPILATION_STATUS_PENDING: "pending",
+    compiler_pb2.COMPILATION_STATUS_RUNNING: "running",
+    compiler_pb2.COMPILATION_STATUS_SUCCEEDED: "succeeded",
+    compiler_pb2.COMPILATION_STATUS_CANCELLED: "cancelled",
+    compiler_pb2.COMPILATION_STATUS_FAILED: "failed",
+}
+ENDED = {
+    compiler_pb2.COMPILATION_STATUS_SUCCEEDED,
+    compiler_pb2.COMPILATION_STATUS_CANCELLED,
+    compiler_pb2.COMPILATION_STATUS_FAILED,
+}
+
+
+def describe_candidate(candidate: Any) -> str:
+    """A candidate (proto message or canonical dict) as short text, e.g. ``attention=sdpa``."""
+    from kiln.workloads.candidate import Candidate
+
+    if candidate is None:
+        return ""
+    try:
+        if isinstance(candidate, dict):
+            return Candidate.from_canonical(candidate).describe()
+        return Candidate.from_proto(candidate).describe()
+    except (KeyError, TypeError, ValueError):
+        return "?"
+
+
+def _tps(value: float) -> str:
+    return f"{value:,.1f} tok/s" if value else "-"
+
+
+@dataclass
+class CompileView:
+    """State of one watched compilation, updated event by event."""
+
+    compilation_id: str
+    budget_s: float
+    started: float = field(default_factory=time.monotonic)
+    snapshot: compiler_pb2.Compilation | None = None
+    agents: dict[str, str] = field(default_factory=dict)
+    recent: list[str] = field(default_factory=list)
+
+    def update(self, event: compiler_pb2.CompilationEvent) -> None:
+        """Fold one Watch event into the view."""
+        if event.HasField("snapshot"):
+            self.snapshot = event.snapshot
+        detail = MessageToDict(event.detail) if event.HasField("detail") else {}
+        line = self._line(event.type, detail)
+        if line:
+            self.recent = [*self.recent[-5:], line]
+
+    def _line(self, kind: str, d: dict[str, Any]) -> str:
+        agent = str(d.get("agent", ""))
+        if kind == "ExperimentRequested":
+            what = describe_candidate(d.get("candidate"))
+            if agent:
+                self.agents[agent] = f"measuring {what}"
+            return f"{agent or 'agent'} → {what}"
+        if kind == "ExperimentCompleted":
+            status = d.get("status", "?")
+            tps = float(d.get("tokens_per_s", 0.0) or 0.0)
+            return f"result {status} {_tps(tps) if status == 'ok' else d.get('error', '')[:60]}"
+        if kind == "BaselineMeasured":
+            return f"baseline {_tps(float(d.get('tokens_per_s', 0.0)))}"
+        if kind == "BestCandidateImproved":
+            return (
+                f"new best {_tps(float(d.get('tokens_per_s', 0.0)))} "
+                f"({float(d.get('speedup', 0.0)):.2f}x)"
+            )
+        if kind == "CompilationPlanned":
+            return "plan chosen"
+        if kind == "CompilationEnded":
+            return f"ended: {d.get('status', '?')} {d.get('reason', '')}".strip()
+        return kind
+
+    @property
+    def ended(self) -> bool:
+        """True once the compilation reached a final status."""
+        return self.snapshot is not None and self.snapshot.status in ENDED
+
+    def render(self) -> RenderableType:
+        """The live progress block."""
+        snap = self.snapshot
+        elapsed = time.monotonic() - self.started
+        head = Text(
+            f"compilation {self.compilation_id}  ·  {elapsed:,.0f}s of {self.budget_s:,.0f}s",
+            style="bold",
+        )
+        parts: list[RenderableType] = [head]
+        if snap is not None:
+            best = snap.best.measurement.tokens_per_s if snap.HasField("best") else 0.0
+            speedup = snap.best.speedup if snap.HasField("best") else 0.0
+            parts.append(
+                Text(
+                    f"{STATUS_NAMES.get(snap.status, '?')}  ·  experiments {snap.experiments_done}"
+                    f" (failures {snap.failures})  ·  baseline {_tps(snap.baseline.tokens_per_s)}"
+                    f"  ·  best {_tps(best)}" + (f" ({speedup:.2f}x)" if speedup else "")
+                )
+            )
+            if snap.HasField("best"):
+                parts.append(
+                    Text(f"best: {describe_candidate(snap.best.candidate)}", style="green")
+                )
+        if self.agents:
+            table = Table("agent", "now", box=None, show_header=False, pad_edge=False)
+            for name, doing in sorted(self.agents.items()):
+                table.add_row(Text(name, style="cyan"), doing)
+            parts.append(table)
+        parts.extend(Text(line, style="dim") for line in self.recent)
+        return Group(*parts)
+
+
+def summary_table(snap: compiler_pb2.Compilation) -> Table:
+    """The end-of-compilation table: baseline, best, speedup, experiments, failures, plan."""
+    table = Table(
+        title=f"compilation {snap.compilation_id}", title_justify="left", show_header=False
+    )
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row(
+        "status", STATUS_NAMES.get(snap.status, "?") + (f" ({snap.reason})" if snap.reason else "")
+    )
+    table.add_row("baseline", _tps(snap.baseline.tokens_per_s))
+    if snap.HasField("best"):
+        m = snap.best.measurement
+        table.add_row("best", f"{_tps(m.tokens_per_s)}  (median {m.timing.median_ms:.2f} ms/step)")
+        table.add_row("speedup", f"{snap.best.speedup:.2f}x")
+        table.add_row("best candidate", describe_candidate(snap.best.candidate))
+    else:
+        table.add_row("best", "no correct candidate beat the baseline")
+    table.add_row("experiments", str(snap.experiments_done))
+    table.add_row("failures", str(snap.failures))
+    if snap.HasField("plan"):
+        p = snap.plan
+        table.add_row(
+            "plan",
+            f"tp={p.tp} ep={p.ep} dp={p.dp} pp={p.pp} dcp={p.dcp}  batch {p.batch_size}  "
+            f"predicted TPOT {p.tpot_ms:.2f} ms, TTFT {p.ttft_ms:.1f} ms ({p.estimate_tier})",
+        )
+    return table

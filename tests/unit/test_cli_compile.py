@@ -1,0 +1,61 @@
+"""``kiln compile`` input handling (no services needed): budgets and one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kiln.cli.budget import parse_duration_s
+from kiln.cli.main import app
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+LLAMA = DATA / "models" / "llama-3.2-1b.json"
+CONV = DATA / "traces" / "azure_llm_2023_conv.csv"
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("300", 300), ("2.5", 2.5), ("90s", 90), ("5m", 300), ("1h30m", 5400)]
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration_s(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "0", "-5", "5x", "m5", "1h 30m", "nan", "inf", "5m3"])
+def test_bad_durations(text: str) -> None:
+    with pytest.raises(ValueError, match="budget"):
+        parse_duration_s(text)
+
+
+@pytest.mark.skipif(not LLAMA.is_file(), reason="../shared/data is not here")
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nope/config.json", "--traffic", str(CONV)], "does not exist"),
+        (["--model", str(LLAMA), "--traffic", "/nope.csv"], "does not exist"),
+        (
+            ["--model", str(DATA / "models" / "gpt-oss-20b.json"), "--traffic", str(CONV)],
+            "unsupported architecture 'gpt_oss'",
+        ),
+        (["--model", str(LLAMA), "--traffic", str(CONV), "--budget", "-1m"], "budget"),
+        (["--model", str(LLAMA), "--traffic", str(LLAMA)], "malformed rows"),
+    ],
+)
+def test_bad_input_is_one_line_and_nothing_is_sent(
+    args: list[str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing listens here: if the command got as far as submitting, the error would differ.
+    monkeypatch.setenv("KILN_AGENT_RUNNER_ADDR", "127.0.0.1:1")
+    result = CliRunner().invoke(app, ["compile", *args])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.output
+
+
+@pytest.mark.skipif(not LLAMA.is_file(), reason="../shared/data is not here")
+def test_unreachable_agent_runner_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KILN_AGENT_RUNNER_ADDR", "127.0.0.1:1")
+    result = CliRunner().invoke(app, ["compile", "--model", str(LLAMA), "--traffic", str(CONV)])
+    assert result.exit_code == 1
+    assert "agent runner at 127.0.0.1:1 is not reachable" in result.output
