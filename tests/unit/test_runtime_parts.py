@@ -1,5 +1,5 @@
 """The runtime's parts on their own: team identity, logging, health waiting, the app registry
-and the placeholder services."""
+and every service answering a bad request."""
 
 from __future__ import annotations
 
@@ -124,8 +124,12 @@ def test_app_factory_rejects_unknown_names() -> None:
     assert callable(app_factory("ledger"))  # imported lazily, only when called
 
 
-async def _placeholder(name: str, tmp_path: Path) -> tuple[asyncio.Task[None], str]:
-    settings = KilnSettings(metrics_port=0, grace_period_s=1.0, state_dir=tmp_path)
+async def _start_service(
+    name: str, tmp_path: Path, base: KilnSettings | None = None
+) -> tuple[asyncio.Task[None], str]:
+    settings = (base or KilnSettings()).model_copy(
+        update={"metrics_port": 0, "grace_period_s": 1.0, "state_dir": tmp_path}
+    )
     app = app_factory(name)(settings)
     addr, started = f"127.0.0.1:{free_port()}", asyncio.Event()
     task = asyncio.create_task(
@@ -138,8 +142,8 @@ async def _placeholder(name: str, tmp_path: Path) -> tuple[asyncio.Task[None], s
             readiness_interval_s=0.05,
         )
     )
-    await asyncio.wait_for(started.wait(), 5)
-    await wait_healthy(addr, 5, service=app.grpc_service_names[0])
+    await asyncio.wait_for(started.wait(), 30)
+    await wait_healthy(addr, 10, service=app.grpc_service_names[0])
     return task, addr
 
 
@@ -165,47 +169,24 @@ def _submit(ch: grpc.aio.Channel) -> Any:
 @pytest.mark.parametrize(
     ("name", "call", "message"),
     [
-        ("engine-pool", _run_experiment, "EnginePool.RunExperiment is not implemented yet: "),
-        ("agent-runner", _submit, "Compiler.Submit is not implemented yet: "),
+        ("engine-pool", _run_experiment, "experiment is missing"),
+        ("cost-model", _plan, "config_json is empty"),
+        ("agent-runner", _submit, "workload is missing"),
     ],
 )
-async def test_placeholder_services_answer_unimplemented(
-    name: str, call: Callable[[grpc.aio.Channel], Any], message: str, tmp_path: Path
+async def test_every_service_answers_an_empty_request_with_invalid_argument(
+    name: str,
+    call: Callable[[grpc.aio.Channel], Any],
+    message: str,
+    tmp_path: Path,
+    settings: KilnSettings,
 ) -> None:
-    task, addr = await _placeholder(name, tmp_path)
+    task, addr = await _start_service(name, tmp_path, settings)
     try:
         async with team_channel(addr, "search") as ch:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call(ch)
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert (err.value.details() or "").startswith(message)
-    finally:
-        await _stop(task)
-
-
-async def test_cost_model_is_no_longer_a_placeholder(tmp_path: Path) -> None:
-    task, addr = await _placeholder("cost-model", tmp_path)
-    try:
-        async with team_channel(addr, "search") as ch:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await _plan(ch)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "config_json is empty" in (err.value.details() or "")
-    finally:
-        await _stop(task)
-
-
-async def test_placeholder_compiler_watch_is_unimplemented(tmp_path: Path) -> None:
-    task, addr = await _placeholder("agent-runner", tmp_path)
-    try:
-        async with team_channel(addr, "search") as ch:
-            call = compiler_pb2_grpc.CompilerStub(ch).Watch(compiler_pb2.WatchRequest(), timeout=5)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                _ = [event async for event in call]
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert err.value.details() == (
-            "Compiler.Watch is not implemented yet: "
-            "the agent runner (Compiler API) arrives with issue 3"
-        )
+        assert message in (err.value.details() or "")
     finally:
         await _stop(task)

@@ -1,12 +1,211 @@
-"""The agent runner service process, host of the Compiler API (a placeholder until built)."""
+"""The agent runner service process, host of the Compiler API.
 
-from kiln.common.placeholder import placeholder_factory
-from kiln.v1 import compiler_pb2, compiler_pb2_grpc
+On start it connects to NATS (creating the board and work-queue streams if needed), registers
+the ``kiln.v1.Compiler`` servicer, and resumes the open compilations it finds in the ledger in
+the background. One runner task per running compilation; one shared ledger follower for
+experiment results and cancel requests. On shutdown Watch streams end (UNAVAILABLE), runners
+stop without ending their compilations, and the next process resumes them.
 
-create_app = placeholder_factory(
-    "agent-runner",
-    compiler_pb2.DESCRIPTOR.services_by_name["Compiler"],
-    compiler_pb2_grpc.CompilerServicer,
-    compiler_pb2_grpc.add_CompilerServicer_to_server,
-    "the agent runner (Compiler API) arrives with issue 3",
-)
+Run a single agent runner per ledger: a second one would resume, and run, the compilations the
+first is running (their deterministic event ids make the ledger refuse the second copy's
+conflicting events, so one copy then fails; it does not corrupt the record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+
+import grpc
+from nats.aio.client import Client
+
+from kiln.agent_runner.compilation import CompilationRunner, RunnerDeps
+from kiln.agent_runner.config import RunnerConfig
+from kiln.agent_runner.dispatcher import ExperimentDispatcher
+from kiln.agent_runner.ledger_access import LedgerPool
+from kiln.agent_runner.resume import load_open_states, open_compilation_ids
+from kiln.agent_runner.service import CompilerServicer
+from kiln.agent_runner.space import CandidateSpace, space_for
+from kiln.agent_runner.state import CompilationState
+from kiln.agent_runner.tasks import cancel_and_wait
+from kiln.board import Board
+from kiln.common.client import team_channel
+from kiln.common.logging import get_logger
+from kiln.common.nats import connect, ensure_streams
+from kiln.common.settings import KilnSettings
+from kiln.v1 import compiler_pb2_grpc, cost_model_pb2_grpc
+
+log = get_logger("kiln.agent_runner")
+
+
+class AgentRunnerApp:
+    """``ServiceApp`` of the agent runner (see ``kiln.common.server``).
+
+    Args:
+        settings: ledger, cost model and NATS addresses, subject prefix, own team name.
+        config: tunables (defaults for production).
+    """
+
+    name = "agent-runner"
+    grpc_service_names = ("kiln.v1.Compiler",)
+
+    def __init__(self, settings: KilnSettings, config: RunnerConfig | None = None) -> None:
+        self.settings = settings
+        self.config = config or RunnerConfig()
+        self.closing = asyncio.Event()
+        """Set when shutdown begins: Watch streams end."""
+        self.resumed = asyncio.Event()
+        """Set once the open compilations found at start are running again."""
+        self.ledger = LedgerPool(settings.ledger_addr, settings.team)
+        self._nc: Client | None = None
+        self._deps: RunnerDeps | None = None
+        self._dispatcher: ExperimentDispatcher | None = None
+        self._runners: dict[str, CompilationRunner] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._reserved: set[str] = set()
+        self._cost_channels: dict[str, grpc.aio.Channel] = {}
+        self._spaces: dict[str, CandidateSpace] = {}
+        self._background: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, server: grpc.aio.Server) -> None:
+        """Connect to NATS, register the servicer, start resuming open compilations.
+
+        Raises:
+            Unavailable: NATS cannot be reached.
+            RuntimeError: no NATS URL is configured.
+        """
+        prefix = self.settings.subject_prefix
+        self._nc = await connect(self.settings.require_nats_url(), name="kiln-agent-runner")
+        js = self._nc.jetstream()
+        await ensure_streams(js, prefix)
+        self._dispatcher = ExperimentDispatcher(
+            self.ledger, js, prefix, self.config, self._on_cancel
+        )
+        self._deps = RunnerDeps(
+            ledger=self.ledger,
+            dispatcher=self._dispatcher,
+            board=Board(js, prefix),
+            cost_model=self._cost_model,
+            cost_model_addr=self.settings.cost_model_addr,
+            space=self._space,
+            config=self.config,
+        )
+        compiler_pb2_grpc.add_CompilerServicer_to_server(CompilerServicer(self), server)
+        self._background.append(asyncio.create_task(self._resume(), name="kiln-ar-resume"))
+        self._background.append(asyncio.create_task(self._warm_up(), name="kiln-ar-warm-up"))
+
+    async def is_ready(self) -> bool:
+        """True while NATS is connected."""
+        return self._nc is not None and self._nc.is_connected
+
+    async def draining(self) -> None:
+        """End Watch streams so the server drains promptly."""
+        self.closing.set()
+
+    async def stop(self) -> None:
+        """Stop the runners (their compilations stay open for the next process), the follower
+        and the connections."""
+        self.closing.set()
+        tasks = [*self._background, *self._tasks.values()]
+        await asyncio.gather(*(cancel_and_wait(t) for t in tasks))
+        if self._dispatcher is not None:
+            await self._dispatcher.close_all()
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+        for ch in self._cost_channels.values():
+            await ch.close(None)
+        await self.ledger.close()
+
+    # ------------------------------------------------------------------ runners
+    def reserve_id(self, compilation_id: str) -> bool:
+        """Hold a compilation id while it is being submitted; False when it is held or runs."""
+        if compilation_id in self._reserved or compilation_id in self._runners:
+            return False
+        self._reserved.add(compilation_id)
+        return True
+
+    def release_id(self, compilation_id: str) -> None:
+        """Let go of a held id (its runner, if started, keeps it taken)."""
+        self._reserved.discard(compilation_id)
+
+    def runner(self, compilation_id: str) -> CompilationRunner | None:
+        """The runner of a compilation running in this process, else None."""
+        return self._runners.get(compilation_id)
+
+    def start_runner(self, state: CompilationState, *, resumed: bool = False) -> CompilationRunner:
+        """Run a compilation in the background."""
+        assert self._deps is not None, "start() first"
+        cid = state.compilation_id
+        runner = CompilationRunner(state, self._deps, resumed=resumed)
+        self._runners[cid] = runner
+        # A fresh context: the runner outlives the RPC that started it (and its log context).
+        task = asyncio.create_task(
+            runner.run(), name=f"kiln-compilation-{cid}", context=contextvars.Context()
+        )
+        self._tasks[cid] = task
+
+        def done(_: asyncio.Task[None]) -> None:
+            self._tasks.pop(cid, None)
+            if self._runners.get(cid) is runner:
+                del self._runners[cid]
+
+        task.add_done_callback(done)
+        return runner
+
+    def _on_cancel(self, compilation_id: str, reason: str) -> None:
+        runner = self._runners.get(compilation_id)
+        if runner is not None:
+            runner.request_cancel(reason)
+
+    async def _resume(self) -> None:
+        """Resume every open compilation (retrying while the ledger is unreachable)."""
+        while True:
+            try:
+                ids = await open_compilation_ids(self.ledger)
+                ids = [i for i in ids if i not in self._runners and i not in self._reserved]
+                states = await load_open_states(self.ledger, ids)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("cannot resume yet; retrying", error=str(exc))
+                await asyncio.sleep(self.config.resume_retry_s)
+        for state in states:
+            if self.reserve_id(state.compilation_id):
+                self.release_id(state.compilation_id)
+                log.info(
+                    "resuming compilation",
+                    compilation=state.compilation_id,
+                    experiments=len(state.experiments),
+                )
+                self.start_runner(state, resumed=True)
+        self.resumed.set()
+
+    async def _warm_up(self) -> None:
+        """Build the CPU space in a thread (its first use imports torch, seconds of work)."""
+        try:
+            await asyncio.to_thread(self._space, "cpu")
+        except Exception as exc:
+            log.error("cannot build the candidate space", error=repr(exc))
+
+    # ------------------------------------------------------------------ shared helpers
+    def _cost_model(self, team: str) -> cost_model_pb2_grpc.CostModelStub:
+        ch = self._cost_channels.get(team)
+        if ch is None:
+            ch = self._cost_channels[team] = team_channel(self.settings.cost_model_addr, team)
+        return cost_model_pb2_grpc.CostModelStub(ch)
+
+    def _space(self, hardware: str) -> CandidateSpace:
+        key = hardware.strip().lower()
+        space = self._spaces.get(key)
+        if space is None:
+            space = self._spaces[key] = space_for(key)
+        return space
+
+
+def create_app(settings: KilnSettings) -> AgentRunnerApp:
+    """The agent runner's ``ServiceApp`` (``kiln serve agent-runner``)."""
+    return AgentRunnerApp(settings)

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import grpc
-from google.protobuf.json_format import MessageToDict
+import structlog
 
 from kiln.agent_runner import records
 from kiln.agent_runner.agents import Outcome, build_agents
@@ -35,33 +34,24 @@ from kiln.agent_runner.agents.view import result_body
 from kiln.agent_runner.budget import ExperimentBudget
 from kiln.agent_runner.config import RunnerConfig
 from kiln.agent_runner.dispatcher import ExperimentDispatcher
+from kiln.agent_runner.errors import Failure
 from kiln.agent_runner.experiment import Completed, Requested
-from kiln.agent_runner.ledger_access import LedgerPool, retry_unavailable
+from kiln.agent_runner.judge import BASELINE_AGENT, judgement, speedup
+from kiln.agent_runner.ledger_access import LedgerPool
+from kiln.agent_runner.planning import choose_plan
+from kiln.agent_runner.resume import orphan_claims
 from kiln.agent_runner.space import CandidateSpace
 from kiln.agent_runner.state import CompilationState, ExperimentRecord
+from kiln.agent_runner.stream import CompilationStream
+from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.agent_runner.workload import workload_to_json
 from kiln.board import Board
-from kiln.common.errors import Aborted, KilnError
 from kiln.common.logging import get_logger
 from kiln.events.types import EndStatus
 from kiln.ledger.model import NewEvent
-from kiln.v1 import cost_model_pb2, cost_model_pb2_grpc
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 
 log = get_logger("kiln.agent_runner.compilation")
-
-BASELINE_AGENT = "baseline"
-"""The agent name of the reference-forward experiment."""
-
-_RETRYABLE_PLAN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-class Failure(Exception):
-    """The compilation cannot go on; ``reason`` is recorded in ``CompilationEnded``."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -72,7 +62,7 @@ class RunnerDeps:
         ledger: ledger clients per team.
         dispatcher: requests experiments and resolves results.
         board: the message board.
-        cost_model: a CostModel stub calling as the given team.
+        cost_model: a ``kiln.v1.CostModel`` stub (grpc.aio) calling as the given team.
         cost_model_addr: its address (for messages).
         space: the candidate space of a hardware target.
         config: tunables.
@@ -81,7 +71,7 @@ class RunnerDeps:
     ledger: LedgerPool
     dispatcher: ExperimentDispatcher
     board: Board
-    cost_model: Callable[[str], cost_model_pb2_grpc.CostModelStub]
+    cost_model: Callable[[str], Any]
     cost_model_addr: str
     space: Callable[[str], CandidateSpace]
     config: RunnerConfig
@@ -103,7 +93,7 @@ class CompilationRunner:
         self._space: CandidateSpace | None = None
         self._budget = ExperimentBudget(limit=state.max_experiments)
         self._stop = asyncio.Event()
-        self._stream_lock = asyncio.Lock()
+        self._stream = CompilationStream(state, deps.ledger.client(state.team), self._stop.set)
         self._judge_lock = asyncio.Lock()
         self._requested: set[str] = set()
         self._in_flight: dict[str, Requested] = {}
@@ -171,10 +161,9 @@ class CompilationRunner:
         self._requested.add(candidate.id)
         try:
             req = await self._shielded(self._request(candidate, agent))
-        except BaseException:
-            if not any(r.candidate.id == candidate.id for r in self._in_flight.values()):
-                self.release()
-            raise
+        except Exception:
+            self.release()  # nothing was requested (a cancelled caller keeps its slot: the
+            raise  # request goes on and is settled when the compilation ends)
         completed = await self._deps.dispatcher.wait(req)
         return await self._shielded(self._complete(req, completed))
 
@@ -189,10 +178,14 @@ class CompilationRunner:
 
     async def run(self) -> None:
         """Run to the end (or until cancelled by shutdown, leaving the compilation open)."""
+        structlog.contextvars.bind_contextvars(
+            compilation_id=self.compilation_id, team=self.state.team
+        )
         try:
             await self._run()
         except asyncio.CancelledError:
             log.info("runner stopped; the compilation stays open", compilation=self.compilation_id)
+            await asyncio.shield(self._abandon())
             raise
         except Exception as exc:
             log.exception("runner failed", compilation=self.compilation_id)
@@ -200,6 +193,10 @@ class CompilationRunner:
                 await self._end("failed", f"internal error in the agent runner: {exc!r}")
         finally:
             self.finished.set()
+
+    async def _abandon(self) -> None:
+        """Stop the requests and judgements under way (shutdown: a restart redoes them)."""
+        await asyncio.gather(*(cancel_and_wait(t) for t in list(self._tasks)))
 
     async def _run(self) -> None:
         st = self.state
@@ -218,17 +215,16 @@ class CompilationRunner:
         search = asyncio.create_task(self._search(), name=f"kiln-search-{st.compilation_id}")
         stopper = asyncio.create_task(self._stop.wait())
         try:
-            await asyncio.wait(
+            done, _ = await asyncio.wait(
                 {search, stopper}, timeout=max(0.0, remaining), return_when=asyncio.FIRST_COMPLETED
             )
         finally:
-            stopper.cancel()
-            if not search.done():
-                search.cancel()
-            await asyncio.gather(search, stopper, return_exceptions=True)
+            self._stop.set()  # agents that miss the cancellation stop at their next step
+            await cancel_and_wait(stopper)
+            await cancel_and_wait(search)
         if st.cancel_reason is not None:
             return "cancelled", st.cancel_reason
-        if search.done() and not search.cancelled():
+        if search in done:
             exc = search.exception()
             if isinstance(exc, Failure):
                 return "failed", exc.reason
@@ -298,32 +294,13 @@ class CompilationRunner:
 
     async def _plan(self) -> None:
         st, cfg = self.state, self._deps.config
-        stub = self._deps.cost_model(st.team)
-        request = cost_model_pb2.PlanRequest(workload=st.workload, max_plans=1)
-        last = ""
-        for attempt in range(max(1, cfg.plan_attempts)):
-            try:
-                reply = await stub.Plan(request, timeout=cfg.plan_timeout_s)
-                break
-            except grpc.aio.AioRpcError as err:
-                if err.code() not in _RETRYABLE_PLAN_CODES:
-                    raise Failure(
-                        f"the cost model refused the workload: {err.code().name}: {err.details()}"
-                    ) from None
-                last = f"{err.code().name}: {err.details()}"
-                await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
-        else:
-            raise Failure(
-                f"the cost model at {self._deps.cost_model_addr} is unreachable after "
-                f"{cfg.plan_attempts} attempts ({last})"
-            )
-        if not reply.plans:
-            reasons = sorted({p.infeasible_reason for p in reply.pruned if p.infeasible_reason})
-            raise Failure(
-                f"no feasible parallelism plan for {st.workload.hardware.name}: "
-                + ("; ".join(reasons[:3]) or "the cost model returned none")
-            )
-        plan = MessageToDict(reply.plans[0], preserving_proto_field_name=True)
+        plan = await choose_plan(
+            self._deps.cost_model(st.team),
+            st.workload,
+            addr=self._deps.cost_model_addr,
+            timeout_s=cfg.plan_timeout_s,
+            attempts=cfg.plan_attempts,
+        )
         await self._append(records.planned(st.compilation_id, plan))
 
     async def _baseline(self) -> None:
@@ -348,9 +325,7 @@ class CompilationRunner:
             )
             await self.measure(ref, BASELINE_AGENT)
         if st.baseline is None:
-            rec = next(
-                r for r in st.experiments.values() if r.requested.agent == BASELINE_AGENT
-            )
+            rec = next(r for r in st.experiments.values() if r.requested.agent == BASELINE_AGENT)
             result = rec.completed.result if rec.completed else None
             detail = f"{result.status}: {result.error or 'no error given'}" if result else "?"
             raise Failure(f"the baseline (reference forward pass) did not measure: {detail}")
@@ -384,19 +359,14 @@ class CompilationRunner:
         await self._post_result(outcome, req.agent)
 
     async def _orphan_claims(self) -> list[Coroutine[Any, Any, Any]]:
-        """Candidates claimed before a restart but never requested: measure them for their
-        claimant (the claim body carries the recipe), so no claimed candidate is lost."""
-        out: list[Coroutine[Any, Any, Any]] = []
-        for post in await self.board.history(self.compilation_id, kinds=["claim"]):
-            if post.agent == BASELINE_AGENT or post.candidate_id in self._requested:
-                continue
-            try:
-                candidate = Candidate.from_canonical(post.body["candidate"])
-            except (KeyError, TypeError, ValueError):
-                continue
-            if candidate.id == post.candidate_id:
-                out.append(self._measure_orphan(candidate, post.agent))
-        return out
+        """Measure candidates claimed before a restart but never requested, for their
+        claimants, so no claimed candidate is lost."""
+        posts = await self.board.history(self.compilation_id, kinds=["claim"])
+        return [
+            self._measure_orphan(candidate, agent)
+            for candidate, agent in orphan_claims(posts, self._requested)
+            if agent != BASELINE_AGENT
+        ]
 
     async def _measure_orphan(self, candidate: Candidate, agent: str) -> None:
         if not self.reserve():
@@ -424,16 +394,20 @@ class CompilationRunner:
         return await asyncio.shield(task)
 
     async def _request(self, candidate: Candidate, agent: str) -> Requested:
-        st = self.state
-        req = await self._deps.dispatcher.request(
-            team=st.team,
-            compilation_id=st.compilation_id,
-            candidate=candidate,
-            agent=agent,
-            workload=self._workload_json,
+        """Record the experiment, track it, queue its work. Work that cannot be queued closes
+        the experiment at once (``timed_out`` with the NATS error), so it is never left open."""
+        st, dispatcher = self.state, self._deps.dispatcher
+        req = await dispatcher.record(
+            team=st.team, compilation_id=st.compilation_id, candidate=candidate, agent=agent
         )
         self._in_flight[req.experiment_id] = req
         st.experiments[req.experiment_id] = ExperimentRecord(req)
+        try:
+            await dispatcher.publish(req, self._workload_json)
+        except Exception as exc:
+            log.error("cannot queue the work", experiment=req.experiment_id, error=repr(exc))
+            with contextlib.suppress(Exception):  # else the end of the compilation closes it
+                await dispatcher.close(req, f"the work could not be queued on NATS: {exc!r}")
         return req
 
     async def _complete(self, req: Requested, completed: Completed) -> Outcome:
@@ -447,75 +421,12 @@ class CompilationRunner:
         return await self._judge(req, completed)
 
     async def _judge(self, req: Requested, completed: Completed) -> Outcome:
-        """Record the baseline, or a new best (one judgement at a time)."""
-        st = self.state
+        """Record the baseline or a new best if it calls for one (one judgement at a time)."""
         async with self._judge_lock:
-            result = completed.result
-            if req.agent == BASELINE_AGENT and req.candidate.is_reference:
-                if st.baseline is None and completed.ok and result.tokens_per_s > 0:
-                    await self._append(
-                        records.baseline_measured(
-                            st.compilation_id,
-                            req.experiment_id,
-                            req.candidate.id,
-                            result.tokens_per_s,
-                            result.median_ms,
-                        )
-                    )
-            elif completed.ok and st.baseline is not None:
-                best = st.best.tokens_per_s if st.best else st.baseline.tokens_per_s
-                if result.tokens_per_s > best:
-                    # Judged on the fast tier for now; confirming winners on full engines
-                    # before they count comes with a later issue.
-                    await self._append(
-                        records.best_improved(
-                            st.compilation_id,
-                            workload_key=st.workload_key,
-                            experiment_id=req.experiment_id,
-                            candidate_id=req.candidate.id,
-                            tokens_per_s=result.tokens_per_s,
-                            median_ms=result.median_ms,
-                            speedup=result.tokens_per_s / st.baseline.tokens_per_s,
-                            tier=result.tier,
-                        )
-                    )
-        speedup = None
-        if completed.ok and st.baseline is not None and st.baseline.tokens_per_s > 0:
-            speedup = result.tokens_per_s / st.baseline.tokens_per_s
-        return Outcome(req.experiment_id, req.candidate, completed, speedup)
+            event = judgement(self.state, req, completed)
+            if event is not None:
+                await self._append(event)
+        return Outcome(req.experiment_id, req.candidate, completed, speedup(self.state, completed))
 
-    # ------------------------------------------------------------------ the stream
     async def _append(self, event: NewEvent) -> None:
-        """Append to the compilation stream at its expected version; on a conflict re-read
-        (noticing cancel requests) and retry.
-
-        Raises:
-            KilnError: the ledger refused, is unavailable, or conflicts persist.
-        """
-        st = self.state
-        stream = records.compilation_stream(st.compilation_id)
-        client = self._deps.ledger.client(st.team)
-        async with self._stream_lock:
-            for _ in range(20):
-                try:
-                    result = await retry_unavailable(
-                        lambda: client.append(stream, [event], st.version)
-                    )
-                except Aborted:
-                    await self._sync(stream)
-                    continue
-                if result.already_stored:
-                    await self._sync(stream)
-                else:
-                    assert isinstance(event.data, dict)
-                    st.apply_data(event.type, event.data, result.stream_version)
-                return
-        raise KilnError(f"cannot append {event.type} to {stream}: conflicts keep coming")
-
-    async def _sync(self, stream: str) -> None:
-        st = self.state
-        client = self._deps.ledger.client(st.team)
-        for recorded in await client.read_stream(stream, from_version=st.version + 1):
-            st.apply(recorded)
-        if st.cancel_reason is not None and not st.ended:
-            self._stop.set()
+        await self._stream.append(event)

@@ -1,7 +1,7 @@
 """Tunables of the agent runner that ``KilnSettings`` does not carry (defaults suit a real pool).
 
-Tests pass a :class:`RunnerConfig` with short times to :class:`kiln.agent_runner.app.AgentRunnerApp`;
-``kiln serve agent-runner`` uses the defaults.
+Tests pass a :class:`RunnerConfig` with short times to
+:class:`kiln.agent_runner.app.AgentRunnerApp`; ``kiln serve agent-runner`` uses the defaults.
 """
 
 from __future__ import annotations

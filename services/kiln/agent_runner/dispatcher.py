@@ -1,7 +1,8 @@
 """Requesting experiments and learning their results (the flow of ``kiln.common.work``).
 
-Requesting an experiment: append ``ExperimentRequested`` to ``experiment-<new id>`` (expected
-version: no stream), then publish an :class:`~kiln.common.work.ExperimentWork` on
+Requesting an experiment (:meth:`ExperimentDispatcher.record`, then
+:meth:`ExperimentDispatcher.publish`): append ``ExperimentRequested`` to ``experiment-<new id>``
+(expected version: no stream), then publish an :class:`~kiln.common.work.ExperimentWork` on
 ``work_subject(prefix, tier)`` with ``Nats-Msg-Id`` = the experiment id.
 
 Learning results: one shared follower of the ledger (``ReadAll`` with follow, types
@@ -27,6 +28,7 @@ from kiln.agent_runner import records
 from kiln.agent_runner.config import RunnerConfig
 from kiln.agent_runner.experiment import Completed, Requested, event_data
 from kiln.agent_runner.ledger_access import LedgerPool, retry_unavailable
+from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.common import nats as kn
 from kiln.common.errors import Aborted, AlreadyExists, KilnError
 from kiln.common.logging import get_logger
@@ -74,24 +76,17 @@ class ExperimentDispatcher:
         """The last position the follower read (0 before it started)."""
 
     # ---------------------------------------------------------------- requesting
-    async def request(
-        self,
-        *,
-        team: str,
-        compilation_id: str,
-        candidate: Candidate,
-        agent: str,
-        workload: dict[str, Any],
+    async def record(
+        self, *, team: str, compilation_id: str, candidate: Candidate, agent: str
     ) -> Requested:
-        """Record and queue a new experiment.
+        """Record a new experiment (``ExperimentRequested``) and start waiting for its result;
+        :meth:`publish` then queues its work.
 
         Returns:
             The request (its ledger position included); await :meth:`wait` for the result.
 
         Raises:
-            KilnError: the ledger refused or is unavailable (after retries).
-            nats.errors.Error: the work could not be published (the experiment is recorded;
-                :meth:`publish` may be called again).
+            KilnError: the ledger refused or stayed unavailable.
         """
         eid = records.new_experiment_id()
         tier = self._config.tier
@@ -102,12 +97,15 @@ class ExperimentDispatcher:
         )
         req = Requested(eid, compilation_id, team, candidate, agent, tier, result.positions[0])
         self._register(req)
-        await self.publish(req, workload)
         return req
 
     async def publish(self, req: Requested, workload: dict[str, Any]) -> None:
         """Publish (again) the work item of a recorded experiment; JetStream drops a repeat
-        within its duplicate window (``Nats-Msg-Id`` = experiment id)."""
+        within its duplicate window (``Nats-Msg-Id`` = experiment id).
+
+        Raises:
+            nats.errors.Error, nats.js.errors.APIError: NATS did not take it.
+        """
         work = ExperimentWork(
             experiment_id=req.experiment_id,
             compilation_id=req.compilation_id,
@@ -127,14 +125,20 @@ class ExperimentDispatcher:
         self._work_seq[req.experiment_id] = ack.seq
 
     async def adopt(self, req: Requested, workload: dict[str, Any]) -> None:
-        """Wait for an experiment requested before a restart: register it, re-publish its
-        work (harmless if queued) and check whether its result is already recorded."""
+        """Wait for an experiment requested before a restart: register it; if its result is
+        not recorded yet, re-publish its work (same ``Nats-Msg-Id``: harmless if still queued;
+        an engine that finds it completed drops it).
+
+        Raises:
+            KilnError: the ledger failed. nats.errors.Error: NATS did not take the work.
+        """
         self._register(req)
-        await self.publish(req, workload)
         events = await self._ledger.system.read_stream(records.experiment_stream(req.experiment_id))
         for event in events:
             if event.type == "ExperimentCompleted":
                 self._resolve(Completed.from_event(event))
+                return
+        await self.publish(req, workload)
 
     # ---------------------------------------------------------------- waiting
     async def wait(self, req: Requested, timeout_s: float | None = None) -> Completed:
@@ -243,7 +247,5 @@ class ExperimentDispatcher:
     async def close_all(self) -> None:
         """Stop the follower (pending futures stay unresolved)."""
         if self._follower is not None:
-            self._follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._follower
+            await cancel_and_wait(self._follower)
             self._follower = None

@@ -114,11 +114,17 @@ def submitted(
 
 def planned(compilation_id: str, plan: dict[str, Any]) -> NewEvent:
     """``CompilationPlanned``."""
-    return _event(CompilationPlanned(plan=plan), _event_id(compilation_id, "planned"), compilation_id)
+    return _event(
+        CompilationPlanned(plan=plan), _event_id(compilation_id, "planned"), compilation_id
+    )
 
 
 def baseline_measured(
-    compilation_id: str, experiment_id: str, candidate_id: str, tokens_per_s: float, median_ms: float
+    compilation_id: str,
+    experiment_id: str,
+    candidate_id: str,
+    tokens_per_s: float,
+    median_ms: float,
 ) -> NewEvent:
     """``BaselineMeasured``."""
     payload = BaselineMeasured(
@@ -190,6 +196,12 @@ def experiment_unanswered(
         candidate_id=candidate_id,
         status="timed_out",
         correct=False,
+        max_abs_error=0.0,
+        median_ms=0.0,
+        p10_ms=0.0,
+        p90_ms=0.0,
+        tokens_per_s=0.0,
+        memory_bytes=0,
         tier=tier,
         engine_id="",
         error=error,

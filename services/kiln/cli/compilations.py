@@ -42,9 +42,9 @@ def list_(
     """Compilations of a team, newest last."""
     if status and status not in _STATUS_BY_NAME:
         raise typer.BadParameter(f"one of {', '.join(_STATUS_BY_NAME)}", param_hint="--status")
-    request = compiler_pb2.ListRequest(
-        team=team, status=_STATUS_BY_NAME.get(status, 0), limit=limit
-    )
+    request = compiler_pb2.ListRequest(team=team, limit=limit)
+    if status:
+        request.status = _STATUS_BY_NAME[status]
     response = asyncio.run(_call(ctx, "List", request))
     assert isinstance(response, compiler_pb2.ListResponse)
     table = Table("id", "team", "model", "hardware", "status", "experiments", "speedup")

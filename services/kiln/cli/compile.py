@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -111,7 +111,7 @@ async def submit_and_watch(
 
 
 @contextlib.contextmanager
-def _live(view: CompileView, enabled: bool) -> Iterator[object]:
+def _live(view: CompileView, enabled: bool) -> Iterator[Callable[[], None]]:
     if not enabled:
         yield lambda: None
         return

@@ -4,7 +4,8 @@ Built once (:class:`Engine`):
 
 - the weights (a :class:`~kiln.workloads.weights.WeightStore`, read or drawn once);
 - the *reference* model over them (reference ops, bound at build time, so nothing a candidate
-  registers can change it), with a small KV cache for the correctness check;
+  registers can change it), with a small KV cache (``check_batch`` x prompt + steps) for the
+  correctness check;
 - the *measured* model over the same weights, with a KV cache of ``batch_size`` sequences x
   ``cache_len`` slots, filled to ``context_len`` tokens (the traffic shape's operating point);
 - a reference model over the measured model's cache, for the check at the traffic shape.
@@ -16,17 +17,20 @@ Per candidate (:meth:`Engine.run`), phases timed in ms:
    from the weight store's cache: no weight is read again), then its transforms;
 3. ``compile``: ``warmup`` untimed decode steps at the traffic shape (graph compilation lands
    here);
-4. ``check``: fresh random prompts, prefill + ``check_steps`` decode steps, candidate then
-   reference, outputs poisoned between calls; then one decode step at the traffic shape;
-5. ``measure``: ``repeats`` timed decode steps at (batch_size, context_len): median, p10, p90,
-   stdev; tokens/s = batch_size / median_s.
+4. ``check``: fresh random prompts (``check_batch`` of them), prefill + ``check_steps``
+   decode steps, candidate then reference, outputs poisoned between calls; then one decode step
+   at the traffic shape (full batch and context);
+5. ``measure``: timed decode steps at (batch_size, context_len) — ``min_repeats`` to
+   ``repeats`` of them within ``measure_budget_s`` — median, p10, p90, stdev;
+   tokens/s = batch_size / median_s.
 
 An exception in any phase makes the experiment CRASHED (with the exception and the tail of its
 traceback); an unknown op, implementation or transform makes it REJECTED. Either way the engine
 is put back afterwards: transforms undone, the op registry restored, the measured model re-bound
 to the reference ops, derived layouts a code module introduced dropped, and (after code
-modules) the weights verified unchanged and the cache refilled. When that cannot be guaranteed
-the measurement asks for a restart (``restart_engine``).
+modules) the weights verified unchanged (identity, address, sampled contents) and the cache
+refilled. When that cannot be guaranteed the measurement asks for a restart
+(``restart_engine``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from kiln.workloads.models.binding import BindError, LossyImplementationError
 
 Tensor = torch.Tensor
 TRACEBACK_CHARS = 1500
+SAMPLES_PER_TENSOR = 1 << 16
 
 
 @contextmanager
@@ -106,17 +111,13 @@ class Engine:
         self.timer = timer_for(self.device)
         self.build_phases_s: dict[str, float] = {}
         config = spec.model_config()
-        common: dict[str, Any] = {
-            "layers": spec.layers,
-            "dtype": self.dtype,
-            "device": self.device,
-            "max_batch": spec.batch_size,
-        }
+        common: dict[str, Any] = {"layers": spec.layers, "dtype": self.dtype, "device": self.device}
         t = time.perf_counter()
         self.reference = build_model(
             config,
             seed=spec.seed,
             weights_dir=spec.weights_dir,
+            max_batch=spec.check_batch,
             max_seq_len=spec.prompt_len + spec.check_steps,
             **common,
         )
@@ -124,7 +125,11 @@ class Engine:
         self.build_phases_s["weights"] = time.perf_counter() - t
         t = time.perf_counter()
         self.model = build_model(
-            config, weights=self.weights, max_seq_len=spec.cache_len, **common
+            config,
+            weights=self.weights,
+            max_batch=spec.batch_size,
+            max_seq_len=spec.cache_len,
+            **common,
         )
         self.shape_reference = DecoderModel(self.model.config, self.weights, self.model.cache)
         self.vocab = self.model.config.vocab_size
@@ -135,7 +140,7 @@ class Engine:
         self._fill_cache()
         self.build_phases_s["cache"] = time.perf_counter() - t
         self._base = {name: (tensor, tensor.data_ptr()) for name, tensor in self.weights.items()}
-        self._checksum = self._weights_checksum()
+        self._sample = self._weights_sample()
         self._protected = {t.untyped_storage().data_ptr() for _, t in self.weights.items()}
         for cache in (self.model.cache, self.reference.cache):
             self._protected |= {t.untyped_storage().data_ptr() for t in cache.k + cache.v}
@@ -160,19 +165,26 @@ class Engine:
         """Every sequence of the measured model at ``context_len`` tokens (buffers untouched)."""
         self.model.cache.start(self._context, self.spec.context_len)
 
-    def _weights_checksum(self) -> Tensor:
+    def _weights_sample(self) -> dict[str, Tensor]:
+        """A copy of every base weight's elements at a fixed stride (about
+        :data:`SAMPLES_PER_TENSOR` each): milliseconds to take and compare, any dtype, exact.
+        Whole-tensor writes (``mul_``, ``fill_``, ``copy_``...) always show; a write to a few
+        elements may fall between samples."""
+        out: dict[str, Tensor] = {}
         with torch.no_grad():
-            return torch.stack(
-                [t.sum(dtype=torch.float64) for _, t in sorted(self.weights.items())]
-            ).cpu()
+            for name, t in self.weights.items():
+                flat = t.detach().reshape(-1)
+                out[name] = flat[:: max(1, flat.numel() // SAMPLES_PER_TENSOR)].clone()
+        return out
 
     def weights_intact(self) -> bool:
         """True when every base weight is the same tensor at the same address, with the same
-        contents (float64 sums) as at build time."""
+        sampled contents as at build time (see :meth:`_weights_sample`)."""
         for name, (tensor, ptr) in self._base.items():
             if self.weights.get(name) is not tensor or tensor.data_ptr() != ptr:
                 return False
-        return bool(torch.equal(self._weights_checksum(), self._checksum))
+        now = self._weights_sample()
+        return all(torch.equal(now[name], sample) for name, sample in self._sample.items())
 
     def _warm(self) -> None:
         """One reference decode step at the traffic shape and one check prefill, so first-call
@@ -180,7 +192,7 @@ class Engine:
         tokens = torch.zeros((self.spec.batch_size, 1), dtype=torch.int64, device=self.device)
         self.shape_reference.decode_step(tokens)
         prompt = torch.zeros(
-            (self.spec.batch_size, self.spec.prompt_len), dtype=torch.int64, device=self.device
+            (self.spec.check_batch, self.spec.prompt_len), dtype=torch.int64, device=self.device
         )
         self.reference.prefill(prompt)
         self._at_context()
@@ -225,7 +237,13 @@ class Engine:
             return Measurement.failed("rejected", f"malformed candidate: {exc!r}", **base)
         base["candidate_id"] = candidate.id
         phases: dict[str, float] = {}
-        notes = [*self.spec.notes, f"check seed {request.seed}"]
+        spec = self.spec
+        notes = [
+            *spec.notes,
+            f"operating point: batch {spec.batch_size}, context {spec.context_len} tokens, "
+            f"{spec.layers}/{spec.total_layers} layers, {spec.dtype} on {spec.device}",
+            f"check seed {request.seed}",
+        ]
         applied = AppliedTransforms()
         derived_before = {name for name, _ in self.weights.derived_keys()}
         try:
@@ -259,7 +277,9 @@ class Engine:
             phase = "bind"
             with _timed(phases, "bind", sync):
                 try:
-                    binding = OpBinding.from_recipe(dict(candidate.ops), allow_lossy=candidate.lossy)
+                    binding = OpBinding.from_recipe(
+                        dict(candidate.ops), allow_lossy=candidate.lossy
+                    )
                     self.model.rebind(binding)
                 except (OpLookupError, LossyImplementationError, BindError) as exc:
                     raise RejectedCandidate(str(exc)) from exc
@@ -276,7 +296,9 @@ class Engine:
                     self.model.decode_step(steps[i])
             phase = "check"
             with _timed(phases, "check", sync):
-                verdict = self._check(request.seed, LOSSY_RTOL if candidate.lossy else RTOL[self.dtype])
+                verdict = self._check(
+                    request.seed, LOSSY_RTOL if candidate.lossy else RTOL[self.dtype]
+                )
             if not verdict.correct:
                 return Measurement(
                     status="incorrect",
@@ -288,12 +310,8 @@ class Engine:
                     **base,
                 )
             phase = "measure"
-            samples: list[float] = []
             with _timed(phases, "measure", sync):
-                for i in range(request.warmup, request.warmup + request.repeats):
-                    self._at_context()
-                    step = functools.partial(self.model.decode_step, steps[i])
-                    samples.append(self.timer.time_ms(step))
+                samples = self._time(request, steps[request.warmup :])
         except RejectedCandidate as exc:
             return Measurement.failed("rejected", f"{phase}: {exc}", phases_ms=phases, **base)
         except EngineFault as exc:
@@ -317,12 +335,25 @@ class Engine:
             **base,
         )
 
+    def _time(self, request: RunRequest, steps: Tensor) -> list[float]:
+        """Timed decode steps at the operating point, ms each: at least ``min_repeats``, at most
+        ``repeats``, stopping early once ``measure_budget_s`` of timed steps have run."""
+        samples: list[float] = []
+        budget_ms = request.measure_budget_s * 1e3
+        for i in range(request.repeats):
+            self._at_context()
+            samples.append(self.timer.time_ms(functools.partial(self.model.decode_step, steps[i])))
+            enough = len(samples) >= request.min_repeats
+            if enough and budget_ms > 0 and sum(samples) >= budget_ms:
+                break
+        return samples
+
     def _check(self, seed: int, rtol: float) -> CheckResult:
         """Prefill + decode steps on fresh inputs, then one step at the traffic shape."""
         spec = self.spec
         inputs = CheckInputs.draw(
             seed,
-            batch=spec.batch_size,
+            batch=spec.check_batch,
             prompt_len=spec.prompt_len,
             steps=spec.check_steps,
             vocab=self.vocab,
@@ -343,8 +374,10 @@ class Engine:
         verdict = compare(got, want, rtol)
         if not verdict.correct:
             return verdict
-        # One step at the operating point: the candidate cannot behave only on short contexts.
-        token = inputs.decode[-1] if spec.check_steps else inputs.tokens[:, :1]
+        # One step at the operating point (full batch, full context): the candidate cannot
+        # behave only on short contexts or small batches.
+        g = torch.Generator().manual_seed(seed + 2)
+        token = torch.randint(self.vocab, (spec.batch_size, 1), generator=g).to(self.device)
         self._at_context()
         got = run_steps([functools.partial(self.model.decode_step, token)], guard)
         self._at_context()

@@ -91,6 +91,8 @@ class EnginePool:
             candidate=candidate.canonical(),
             warmup=self.settings.warmup,
             repeats=self.settings.repeats,
+            min_repeats=min(self.settings.min_repeats, self.settings.repeats),
+            measure_budget_s=self.settings.measure_budget_s,
         )
         task = asyncio.create_task(self._run(spec, request, work.deadline_s, candidate.id))
         self._running.add(task)

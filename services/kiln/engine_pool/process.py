@@ -271,7 +271,9 @@ class EngineProcess:
             except (EOFError, OSError):
                 return _EOF
 
-    async def run(self, request: RunRequest, deadline_s: float, candidate_id: str = "") -> Measurement:
+    async def run(
+        self, request: RunRequest, deadline_s: float, candidate_id: str = ""
+    ) -> Measurement:
         """Run one experiment; the caller holds :attr:`lock`.
 
         Args:

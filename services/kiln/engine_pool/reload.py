@@ -65,7 +65,11 @@ class RegistrySnapshot:
     def take() -> RegistrySnapshot:
         """The registry as it is now."""
         return RegistrySnapshot(
-            {(op, n): registry.get(op, n) for op in registry.ops() for n in registry.implementations(op)}
+            {
+                (op, n): registry.get(op, n)
+                for op in registry.ops()
+                for n in registry.implementations(op)
+            }
         )
 
     def changed(self) -> bool:

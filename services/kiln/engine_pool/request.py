@@ -29,14 +29,19 @@ class RunRequest:
         experiment_id: for logs and notes.
         candidate: ``Candidate.canonical()`` (ops, transforms, code modules, lossy).
         warmup: untimed decode steps at the traffic shape before timing.
-        repeats: timed decode steps.
+        repeats: timed decode steps at most.
+        min_repeats: timed decode steps at least.
+        measure_budget_s: stop timing once ``min_repeats`` steps ran and their total time
+            reached this many seconds (0: always ``repeats`` steps).
         seed: seed of this experiment's fresh random check inputs (a new one per request).
     """
 
     experiment_id: str
     candidate: dict[str, Any]
-    warmup: int = 3
+    warmup: int = 2
     repeats: int = 20
+    min_repeats: int = 5
+    measure_budget_s: float = 0.0
     seed: int = field(default_factory=lambda: secrets.randbits(62))
 
     def to_dict(self) -> dict[str, Any]:

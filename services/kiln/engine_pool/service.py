@@ -165,5 +165,7 @@ class EnginePoolServicer(engine_pool_pb2_grpc.EnginePoolServicer):
     ) -> engine_pool_pb2.ListEnginesResponse:
         """Every engine held (or one model's)."""
         return engine_pool_pb2.ListEnginesResponse(
-            engines=[engine_to_proto(e, self.pool.host) for e in self.pool.engines(request.model_name)]
+            engines=[
+                engine_to_proto(e, self.pool.host) for e in self.pool.engines(request.model_name)
+            ]
         )

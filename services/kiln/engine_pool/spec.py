@@ -49,6 +49,8 @@ class EngineLimits:
         fast_layers: layers of a fast-tier engine (clamped to the model's).
         prompt_len: prompt tokens of the correctness check (clamped to the context).
         check_steps: decode steps compared after the prefill.
+        check_batch: prompts of the correctness check (clamped to the batch); the check at the
+            traffic shape always uses the full batch.
     """
 
     device: str = "cpu"
@@ -58,6 +60,7 @@ class EngineLimits:
     fast_layers: int = 2
     prompt_len: int = 16
     check_steps: int = 2
+    check_batch: int = 2
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class EngineSpec:
         context_len: context the engine measures at (tokens already in the KV cache).
         prompt_len: prompt tokens of the correctness check.
         check_steps: decode steps compared after the check's prefill.
+        check_batch: prompts (sequences) of the correctness check.
         notes: clamps and defaults applied, in words (not part of the key).
     """
 
@@ -94,6 +98,7 @@ class EngineSpec:
     context_len: int
     prompt_len: int
     check_steps: int
+    check_batch: int
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -157,7 +162,9 @@ class EngineSpec:
         try:
             seed = int(model.get("seed") or 0)
         except (TypeError, ValueError):
-            raise SpecError(f"workload.model.seed {model.get('seed')!r} is not an integer") from None
+            raise SpecError(
+                f"workload.model.seed {model.get('seed')!r} is not an integer"
+            ) from None
 
         total = config.num_hidden_layers
         layers = total if tier == "full" else min(limits.fast_layers, total)
@@ -191,6 +198,7 @@ class EngineSpec:
             context_len=context,
             prompt_len=max(1, min(limits.prompt_len, context)),
             check_steps=limits.check_steps,
+            check_batch=max(1, min(limits.check_batch, batch)),
             notes=tuple(notes),
         )
 

@@ -88,12 +88,14 @@ def _torch_compile(t: Transform, model: DecoderModel, applied: AppliedTransforms
     eager = model.forward
     compiled = torch.compile(eager, mode=None if mode == "default" else mode, fullgraph=fullgraph)
 
-    def forward(tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
         if tokens.shape[1] == 1:
             return compiled(tokens, positions, seq_lens)
         return eager(tokens, positions, seq_lens)
 
-    setattr(model, "forward", forward)  # shadows the method on this instance only
+    model.__dict__["forward"] = forward  # shadows the method on this instance only
 
     def undo() -> None:
         model.__dict__.pop("forward", None)

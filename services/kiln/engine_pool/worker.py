@@ -29,6 +29,8 @@ from kiln.engine_pool.spec import EngineSpec
 _PR_SET_PDEATHSIG = 1
 _INVALID_BUILD_ERRORS = ("UnbuildableModelError", "UnsupportedModelError", "WeightError")
 """Build failures caused by the workload itself (reported as ``invalid``)."""
+SERVICE_MODULES = ("grpc", "nats", "sqlalchemy", "psycopg")
+"""Modules an engine process must not import; the ready message lists any that are loaded."""
 
 
 def _die_with_parent() -> None:
@@ -65,7 +67,8 @@ def worker_main(conn: Connection, spec: dict[str, Any], engine_id: str) -> None:
             }
         )
         return
-    conn.send({"type": READY, **engine.info()})
+    loaded = sorted(m for m in SERVICE_MODULES if m in sys.modules)
+    conn.send({"type": READY, **engine.info(), "service_modules": loaded})
     serve(conn, engine)
 
 

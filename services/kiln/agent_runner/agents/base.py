@@ -2,13 +2,16 @@
 
 One step: propose a candidate (the strategy) -> ``board.claim`` it (skip it if another agent
 holds it) -> post the idea -> have it measured (the runner requests the experiment and waits for
-the ledger's answer) -> post the result on the board. An agent stops when its strategy has
-nothing left to propose or the compilation has no experiment slot left; the runner cancels it
-when the wall-clock budget is spent or the compilation is cancelled.
+the ledger's answer) -> post the result on the board. An agent stops when the compilation has no
+experiment slot left, or when its strategy has nothing left to propose and no other agent's
+result is pending on the board (a pending one may open new moves, so it waits for it, at most
+``idle_timeout_s``); the runner cancels it when the wall-clock budget is spent or the
+compilation is cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -77,6 +80,8 @@ class Agent(ABC):
     """
 
     kind: ClassVar[str]
+    idle_timeout_s: ClassVar[float] = 600.0
+    """With nothing to propose, how long to wait for another agent's result (seconds)."""
 
     def __init__(self, name: str, seed: int) -> None:
         self.name = name
@@ -101,13 +106,16 @@ class Agent(ABC):
             while True:
                 proposal = self.propose(view, lab.space)
                 if proposal is None:
+                    # Results still to come from other agents may open new moves.
+                    if view.in_flight and await view.wait_for_result(self.idle_timeout_s):
+                        continue
                     log.info("agent done: nothing left to propose", agent=self.name)
                     break
                 if not await self._step(lab, view, proposal):
                     log.info("agent done: experiment budget spent", agent=self.name)
                     break
         finally:
-            await view.close()
+            await asyncio.shield(view.close())  # completes even if the agent is cancelled again
         return self.measured
 
     async def _step(self, lab: Lab, view: BoardView, proposal: Proposal) -> bool:
@@ -123,7 +131,10 @@ class Agent(ABC):
             return True
         view.claimed.add(candidate.id)
         await lab.board.post_idea(
-            cid, candidate.id, self.name, {**body, "why": proposal.why, "text": candidate.describe()}
+            cid,
+            candidate.id,
+            self.name,
+            {**body, "why": proposal.why, "text": candidate.describe()},
         )
         outcome = await lab.measure(candidate, self.name)
         if outcome is None:

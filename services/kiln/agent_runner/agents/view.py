@@ -12,6 +12,9 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+import nats.errors
+
+from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.board import Board, BoardPost
 from kiln.common.logging import get_logger
 from kiln.workloads.candidate import Candidate
@@ -62,6 +65,7 @@ class BoardView:
         self.results: dict[str, Seen] = {}
         self._last_seq = 0
         self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
 
     def take(self, post: BoardPost) -> None:
         """Fold one post (ideas are ignored)."""
@@ -73,6 +77,21 @@ class BoardView:
             if seen is not None and seen.candidate.id == post.candidate_id:
                 self.results[post.candidate_id] = seen
                 self.claimed.add(post.candidate_id)
+                self._changed.set()
+
+    @property
+    def in_flight(self) -> set[str]:
+        """Candidates claimed by some agent whose result is not on the board yet."""
+        return self.claimed - self.results.keys()
+
+    async def wait_for_result(self, timeout_s: float) -> bool:
+        """Wait until a new result is posted; False after ``timeout_s`` seconds without one."""
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def record(self, seen: Seen) -> None:
         """The agent's own result, known before the board echoes it."""
@@ -105,6 +124,8 @@ class BoardView:
                         self.take(post)
             except asyncio.CancelledError:
                 raise
+            except nats.errors.ConnectionClosedError:
+                return  # the process is shutting down
             except Exception as exc:
                 log.warning("board follow stopped; resuming", error=str(exc))
                 await asyncio.sleep(1.0)
@@ -112,7 +133,5 @@ class BoardView:
     async def close(self) -> None:
         """Stop following."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None

@@ -1,0 +1,59 @@
+"""Reading one compilation back from the ledger (Get, Cancel, Watch)."""
+
+from __future__ import annotations
+
+from kiln.agent_runner import records
+from kiln.agent_runner.compilation import CompilationRunner
+from kiln.agent_runner.ledger_access import LedgerPool
+from kiln.agent_runner.snapshot import Snapshot
+from kiln.common.errors import NotFound
+from kiln.v1 import compiler_pb2, ledger_pb2
+
+
+async def compilation_events(
+    ledger: LedgerPool, compilation_id: str
+) -> list[ledger_pb2.RecordedEvent]:
+    """The events of ``compilation-<id>``.
+
+    Raises:
+        InvalidArgument: a malformed compilation id.
+        NotFound: no such compilation.
+    """
+    records.check_compilation_id(compilation_id)
+    try:
+        return await ledger.system.read_stream(records.compilation_stream(compilation_id))
+    except NotFound:
+        raise NotFound(f"no compilation {compilation_id!r}") from None
+
+
+async def compilation_snapshot(
+    ledger: LedgerPool, compilation_id: str, runner: CompilationRunner | None = None
+) -> compiler_pb2.Compilation:
+    """The compilation now: its stream folded; the best candidate's recipe and measurement
+    from its experiment's stream; the counters from the live runner when it runs in this
+    process, else from the compilations projection (which may lag by a moment).
+
+    Raises:
+        InvalidArgument, NotFound: as :func:`compilation_events`.
+    """
+    snap = Snapshot(compilation_id)
+    for event in await compilation_events(ledger, compilation_id):
+        snap.apply(event)
+    wanted = {snap.message.best.experiment_id} if snap.message.HasField("best") else set()
+    if snap.message.HasField("baseline"):
+        wanted.add(snap.baseline_experiment_id)
+    for eid in sorted(e for e in wanted if e):
+        try:
+            for event in await ledger.system.read_stream(records.experiment_stream(eid)):
+                snap.learn(event)
+        except NotFound:
+            continue
+    m = snap.message
+    if runner is not None and not runner.finished.is_set():
+        m.experiments_done, m.failures = runner.experiments_done, runner.failures
+    else:
+        rows = await ledger.system.query("compilations", {"compilation_id": compilation_id})
+        if rows:
+            m.experiments_done = int(rows[0].get("experiments_done") or 0)
+            m.failures = int(rows[0].get("failures") or 0)
+    return m

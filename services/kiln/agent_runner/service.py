@@ -1,0 +1,154 @@
+"""The ``kiln.v1.Compiler`` servicer: Submit, Watch, Get, List, Cancel.
+
+Every append is made as the caller's team (``current_call()``), so the ledger records who
+asked. Bad input is refused before anything is appended:
+
+- INVALID_ARGUMENT: no workload or model config; a config that is not JSON or names an
+  unsupported architecture; a bad dtype; a missing or malformed traffic shape; an empty
+  hardware name; a budget that is missing, not a number > 0, or over 30 days; an unknown agent;
+  a malformed compilation id;
+- NOT_FOUND: unknown hardware; a weights directory that does not exist; an unknown compilation
+  (Get, Watch, Cancel);
+- ALREADY_EXISTS: a compilation id used before;
+- FAILED_PRECONDITION: cancelling a compilation that has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from kiln.agent_runner import records
+from kiln.agent_runner.agents import validate_agents
+from kiln.agent_runner.budget import validate_budget
+from kiln.agent_runner.ledger_access import retry_unavailable
+from kiln.agent_runner.lookup import compilation_events, compilation_snapshot
+from kiln.agent_runner.snapshot import NAME_BY_STATUS, Snapshot, from_row
+from kiln.agent_runner.state import CompilationState
+from kiln.agent_runner.watch import watch
+from kiln.agent_runner.workload import validate_workload
+from kiln.common.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument
+from kiln.common.identity import current_call
+from kiln.v1 import compiler_pb2, compiler_pb2_grpc
+
+if TYPE_CHECKING:
+    from kiln.agent_runner.app import AgentRunnerApp
+
+DEFAULT_LIST_LIMIT = 100
+MAX_CANCEL_CONFLICTS = 10
+MAX_LIST_LIMIT = 1000
+
+
+class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
+    """kiln.v1.Compiler over an :class:`~kiln.agent_runner.app.AgentRunnerApp`; errors are
+    ``KilnError`` (the runtime maps them to status codes)."""
+
+    def __init__(self, app: AgentRunnerApp) -> None:
+        self._app = app
+
+    async def Submit(
+        self, request: compiler_pb2.SubmitRequest, context: Any
+    ) -> compiler_pb2.Compilation:
+        """Record a compilation and start running it; returns it as submitted (PENDING)."""
+        team = current_call().team
+        valid = validate_workload(request.workload if request.HasField("workload") else None)
+        budget = validate_budget(request.budget if request.HasField("budget") else None)
+        agents = validate_agents(list(request.agents))
+        cid = request.compilation_id or records.new_compilation_id()
+        records.check_compilation_id(cid)
+        app, stream = self._app, records.compilation_stream(cid)
+        if not app.reserve_id(cid):
+            raise AlreadyExists(f"compilation {cid!r} exists already")
+        try:
+            event = records.submitted(
+                cid,
+                workload_key=valid.key,
+                model_name=valid.model_name,
+                hardware=valid.hardware,
+                workload=valid.to_json(),
+                wall_seconds=budget.wall_seconds,
+                max_experiments=budget.max_experiments,
+                agents=agents,
+            )
+            client = app.ledger.client(team)
+            try:
+                await retry_unavailable(lambda: client.append(stream, [event], "no_stream"))
+            except Aborted:
+                raise AlreadyExists(
+                    f"compilation {cid!r} exists already: choose another compilation_id, or "
+                    "leave it empty for a new one"
+                ) from None
+            events = await retry_unavailable(lambda: client.read_stream(stream))
+            app.start_runner(CompilationState.from_events(events))
+        finally:
+            app.release_id(cid)
+        snap = Snapshot(cid)
+        snap.apply(events[0])
+        return snap.message
+
+    async def Get(self, request: compiler_pb2.GetRequest, context: Any) -> compiler_pb2.Compilation:
+        """The compilation now (see :func:`kiln.agent_runner.lookup.compilation_snapshot`)."""
+        cid = request.compilation_id
+        return await compilation_snapshot(self._app.ledger, cid, self._app.runner(cid))
+
+    async def List(
+        self, request: compiler_pb2.ListRequest, context: Any
+    ) -> compiler_pb2.ListResponse:
+        """Summaries of a team's compilations (default: the caller's), optionally of one
+        status, ordered by id, ``limit`` per page (default 100, at most 1000)."""
+        team = request.team or current_call().team
+        filters = {"team": team}
+        if request.status:
+            name = NAME_BY_STATUS.get(request.status)
+            if name is None:
+                raise InvalidArgument(f"unknown status {request.status}")
+            filters["status"] = name
+        limit = min(request.limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
+        page = await self._app.ledger.query_page(
+            "compilations", filters, limit=limit, page_token=request.page_token
+        )
+        return compiler_pb2.ListResponse(
+            compilations=[from_row(r) for r in page.rows], next_page_token=page.next_page_token
+        )
+
+    async def Cancel(
+        self, request: compiler_pb2.CancelRequest, context: Any
+    ) -> compiler_pb2.Compilation:
+        """Ask a compilation to stop (``CompilationCancelRequested`` as the caller's team).
+        When it runs here, wait up to ``cancel_wait_s`` for it to end CANCELLED."""
+        team, cid = current_call().team, request.compilation_id
+        app = self._app
+        reason = request.reason or f"cancelled by team {team}"
+        event = records.cancel_requested(cid, reason)
+        client, stream = app.ledger.client(team), records.compilation_stream(cid)
+        for _ in range(MAX_CANCEL_CONFLICTS):
+            state = CompilationState.from_events(await compilation_events(app.ledger, cid))
+            if state.ended:
+                raise FailedPrecondition(
+                    f"compilation {cid!r} has ended already ({state.end_status})"
+                )
+            try:  # at the version read, so a compilation that ends meanwhile is not cancelled
+                await retry_unavailable(partial(client.append, stream, [event], state.version))
+                break
+            except Aborted:
+                continue
+        else:
+            raise Aborted(f"compilation {cid!r} keeps changing; try Cancel again")
+        runner = app.runner(cid)
+        if runner is not None:
+            runner.request_cancel(reason)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(runner.finished.wait(), app.config.cancel_wait_s)
+        return await compilation_snapshot(app.ledger, cid, app.runner(cid))
+
+    async def Watch(
+        self, request: compiler_pb2.WatchRequest, context: Any
+    ) -> AsyncIterator[compiler_pb2.CompilationEvent]:
+        """History, then live events, until the compilation ends."""
+        async for event in watch(
+            self._app.ledger, request.compilation_id, request.after_position, self._app.closing
+        ):
+            yield event

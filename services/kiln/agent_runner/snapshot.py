@@ -1,0 +1,280 @@
+"""Folding ledger events into a ``kiln.v1.Compilation`` (what Get, Watch and Submit return).
+
+:class:`Snapshot` folds the compilation's own stream and the ``ExperimentRequested`` /
+``ExperimentCompleted`` events of its experiments, in global order, the way the ledger's
+compilations projection does (status pending -> running -> succeeded | cancelled | failed;
+counters count completed experiments, failures those whose status is not ok), plus the plan,
+baseline and best candidate as messages. :func:`from_row` turns a compilations projection row
+into a summary ``Compilation`` (List).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from google.protobuf.json_format import ParseDict
+from google.protobuf.struct_pb2 import Struct
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from kiln.agent_runner.experiment import event_data, experiment_id_of
+from kiln.agent_runner.records import compilation_stream
+from kiln.agent_runner.workload import workload_from_json
+from kiln.v1 import common_pb2, compiler_pb2, ledger_pb2
+
+STATUS_BY_NAME = {
+    "pending": compiler_pb2.COMPILATION_STATUS_PENDING,
+    "running": compiler_pb2.COMPILATION_STATUS_RUNNING,
+    "succeeded": compiler_pb2.COMPILATION_STATUS_SUCCEEDED,
+    "cancelled": compiler_pb2.COMPILATION_STATUS_CANCELLED,
+    "failed": compiler_pb2.COMPILATION_STATUS_FAILED,
+}
+"""Status names as the ledger writes them -> the wire enum."""
+
+NAME_BY_STATUS = {v: k for k, v in STATUS_BY_NAME.items()}
+
+TIER_BY_NAME = {"fast": common_pb2.TIER_FAST, "full": common_pb2.TIER_FULL}
+
+COMPILATION_TYPES = (
+    "CompilationSubmitted",
+    "CompilationPlanned",
+    "BaselineMeasured",
+    "BestCandidateImproved",
+    "CompilationCancelRequested",
+    "CompilationEnded",
+)
+EXPERIMENT_TYPES = ("ExperimentRequested", "ExperimentCompleted")
+WATCHED_TYPES = COMPILATION_TYPES + EXPERIMENT_TYPES
+"""Every event type that is part of a compilation's story."""
+
+
+def measurement_from(d: dict[str, Any]) -> common_pb2.Measurement:
+    """An ``ExperimentCompleted`` payload as a Measurement (timings in ms, tokens/s). The
+    event's total ``memory_bytes`` has no breakdown, so ``memory`` stays unset."""
+    return common_pb2.Measurement(
+        status=common_pb2.ExperimentStatus.Value(
+            "EXPERIMENT_STATUS_" + str(d.get("status", "unspecified")).upper()
+        ),
+        correct=bool(d.get("correct")),
+        max_abs_error=float(d.get("max_abs_error", 0.0)),
+        timing=common_pb2.Timing(
+            median_ms=float(d.get("median_ms", 0.0)),
+            p10_ms=float(d.get("p10_ms", 0.0)),
+            p90_ms=float(d.get("p90_ms", 0.0)),
+        ),
+        tokens_per_s=float(d.get("tokens_per_s", 0.0)),
+        error=str(d.get("error", "")),
+        engine_id=str(d.get("engine_id", "")),
+        tier=TIER_BY_NAME.get(str(d.get("tier")), common_pb2.TIER_UNSPECIFIED),
+    )
+
+
+def candidate_from(candidate_id: str, d: dict[str, Any]) -> common_pb2.Candidate:
+    """A candidate's canonical JSON (``Candidate.canonical()``) as a message."""
+    return common_pb2.Candidate(
+        candidate_id=candidate_id,
+        ops=dict(d.get("ops", {})),
+        transforms=[
+            common_pb2.Transform(name=t["name"], params=dict(t.get("params", {})))
+            for t in d.get("transforms", [])
+        ],
+        code_modules=[
+            common_pb2.CodeModule(name=m["name"], source=m["source"])
+            for m in d.get("code_modules", [])
+        ],
+        lossy=bool(d.get("lossy", False)),
+    )
+
+
+def detail_of(event: ledger_pb2.RecordedEvent) -> Struct:
+    """An event's payload as a Struct (numbers become doubles)."""
+    detail = Struct()
+    detail.update(event_data(event))
+    return detail
+
+
+def _timestamp(dt: datetime) -> Timestamp:
+    ts = Timestamp()
+    ts.FromDatetime(dt)
+    return ts
+
+
+class Snapshot:
+    """A compilation folded from its events.
+
+    Args:
+        compilation_id: the compilation.
+
+    Attributes:
+        message: the Compilation so far.
+    """
+
+    def __init__(self, compilation_id: str) -> None:
+        self.compilation_id = compilation_id
+        self.stream_id = compilation_stream(compilation_id)
+        self.message = compiler_pb2.Compilation(compilation_id=compilation_id)
+        self._candidates: dict[str, common_pb2.Candidate] = {}
+        self._measurements: dict[str, common_pb2.Measurement] = {}
+        self._baseline_id = ""
+
+    def belongs(self, event: ledger_pb2.RecordedEvent) -> bool:
+        """True when ``event`` is part of this compilation's story."""
+        if event.stream_id == self.stream_id:
+            return True
+        if event.type in EXPERIMENT_TYPES and experiment_id_of(event) is not None:
+            return event_data(event).get("compilation_id") == self.compilation_id
+        return False
+
+    @property
+    def baseline_experiment_id(self) -> str:
+        """The baseline's experiment id ("" before BaselineMeasured)."""
+        return self._baseline_id
+
+    @property
+    def ended(self) -> bool:
+        """True once CompilationEnded is folded."""
+        return self.message.status in (
+            compiler_pb2.COMPILATION_STATUS_SUCCEEDED,
+            compiler_pb2.COMPILATION_STATUS_CANCELLED,
+            compiler_pb2.COMPILATION_STATUS_FAILED,
+        )
+
+    def apply(self, event: ledger_pb2.RecordedEvent) -> None:
+        """Fold one event (of this compilation, in global order)."""
+        m, d, t = self.message, event_data(event), event.type
+        if t == "CompilationSubmitted":
+            m.team = event.metadata.team
+            m.workload.CopyFrom(workload_from_json(d["workload"]))
+            m.workload.workload_key = d["workload_key"]
+            m.budget.wall_seconds = float(d["budget"]["wall_seconds"])
+            m.budget.max_experiments = int(d["budget"].get("max_experiments", 0))
+            m.status = compiler_pb2.COMPILATION_STATUS_PENDING
+            m.created_at.CopyFrom(event.recorded_at)
+        elif t == "CompilationPlanned":
+            ParseDict(d["plan"], m.plan, ignore_unknown_fields=True)
+            self._running()
+        elif t == "BaselineMeasured":
+            self._running()
+            self._set_baseline(d)
+        elif t == "BestCandidateImproved":
+            self._set_best(d, event)
+        elif t == "CompilationCancelRequested":
+            m.reason = d.get("reason", "")
+        elif t == "CompilationEnded":
+            m.status = STATUS_BY_NAME[d["status"]]
+            m.reason = d.get("reason", "") or m.reason
+        elif t == "ExperimentRequested":
+            self.learn(event)
+        elif t == "ExperimentCompleted":
+            m.experiments_done += 1
+            if d.get("status") != "ok":
+                m.failures += 1
+            self.learn(event)
+        m.updated_at.CopyFrom(event.recorded_at)
+
+    def learn(self, event: ledger_pb2.RecordedEvent) -> None:
+        """Take an experiment's candidate or measurement without counting it (Get reads the
+        best experiment's stream this way), and refresh the baseline and best with it."""
+        eid = experiment_id_of(event)
+        if eid is None:
+            return
+        d = event_data(event)
+        if event.type == "ExperimentRequested":
+            self._candidates[eid] = candidate_from(d["candidate_id"], d.get("candidate", {}))
+        elif event.type == "ExperimentCompleted":
+            self._measurements[eid] = measurement_from(d)
+        m = self.message
+        if m.HasField("best") and m.best.experiment_id == eid:
+            self._refresh_best(eid)
+        if m.HasField("baseline") and eid in self._measurements and self._baseline_id == eid:
+            m.baseline.CopyFrom(self._measurements[eid])
+
+    # ------------------------------------------------------------------ helpers
+    def _running(self) -> None:
+        if self.message.status == compiler_pb2.COMPILATION_STATUS_PENDING:
+            self.message.status = compiler_pb2.COMPILATION_STATUS_RUNNING
+
+    def _set_baseline(self, d: dict[str, Any]) -> None:
+        eid = d["experiment_id"]
+        self._baseline_id = eid
+        known = self._measurements.get(eid)
+        if known is not None:
+            self.message.baseline.CopyFrom(known)
+            return
+        self.message.baseline.CopyFrom(
+            common_pb2.Measurement(
+                status=common_pb2.EXPERIMENT_STATUS_OK,
+                correct=True,
+                tokens_per_s=float(d["tokens_per_s"]),
+                timing=common_pb2.Timing(median_ms=float(d["median_ms"])),
+            )
+        )
+
+    def _set_best(self, d: dict[str, Any], event: ledger_pb2.RecordedEvent) -> None:
+        best = self.message.best
+        best.Clear()
+        best.experiment_id = d["experiment_id"]
+        best.speedup = float(d["speedup"])
+        best.found_at.CopyFrom(event.recorded_at)
+        best.candidate.candidate_id = d["candidate_id"]
+        best.measurement.CopyFrom(
+            common_pb2.Measurement(
+                status=common_pb2.EXPERIMENT_STATUS_OK,
+                correct=True,
+                tokens_per_s=float(d["tokens_per_s"]),
+                timing=common_pb2.Timing(median_ms=float(d["median_ms"])),
+                tier=TIER_BY_NAME.get(str(d.get("tier")), common_pb2.TIER_UNSPECIFIED),
+            )
+        )
+        self._refresh_best(d["experiment_id"])
+
+    def _refresh_best(self, eid: str) -> None:
+        best = self.message.best
+        if eid in self._candidates:
+            best.candidate.CopyFrom(self._candidates[eid])
+        if eid in self._measurements:
+            best.measurement.CopyFrom(self._measurements[eid])
+
+    def event(self, event: ledger_pb2.RecordedEvent) -> compiler_pb2.CompilationEvent:
+        """The wire event for ``event`` (already folded), with a copy of the snapshot."""
+        snapshot = compiler_pb2.Compilation()
+        snapshot.CopyFrom(self.message)
+        return compiler_pb2.CompilationEvent(
+            position=event.position,
+            compilation_id=self.compilation_id,
+            type=event.type,
+            recorded_at=event.recorded_at,
+            detail=detail_of(event),
+            snapshot=snapshot,
+        )
+
+
+def from_row(row: dict[str, Any]) -> compiler_pb2.Compilation:
+    """A compilations-projection row as a summary Compilation: ids, team, workload key, model
+    and hardware names, budget, status, counters, baseline and best tokens/s, speedup, reason
+    and times (no plan, no recipes)."""
+    m = compiler_pb2.Compilation(
+        compilation_id=row["compilation_id"],
+        team=row.get("team") or "",
+        status=STATUS_BY_NAME.get(
+            row.get("status", ""), compiler_pb2.COMPILATION_STATUS_UNSPECIFIED
+        ),
+        experiments_done=int(row.get("experiments_done") or 0),
+        failures=int(row.get("failures") or 0),
+        reason=row.get("reason") or "",
+    )
+    m.workload.workload_key = row.get("workload_key") or ""
+    m.workload.model.name = row.get("model_name") or ""
+    m.workload.hardware.name = row.get("hardware") or ""
+    m.budget.wall_seconds = float(row.get("budget_wall_seconds") or 0.0)
+    m.budget.max_experiments = int(row.get("budget_max_experiments") or 0)
+    if row.get("baseline_tokens_per_s") is not None:
+        m.baseline.tokens_per_s = float(row["baseline_tokens_per_s"])
+    if row.get("best_candidate_id"):
+        m.best.candidate.candidate_id = row["best_candidate_id"]
+        m.best.measurement.tokens_per_s = float(row.get("best_tokens_per_s") or 0.0)
+        m.best.speedup = float(row.get("speedup") or 0.0)
+    for field in ("created_at", "updated_at"):
+        if row.get(field):
+            getattr(m, field).CopyFrom(_timestamp(datetime.fromisoformat(row[field])))
+    return m

@@ -1,0 +1,72 @@
+"""Writing a compilation's own stream (``compilation-<id>``) under optimistic concurrency.
+
+The runner is the stream's only writer apart from cancel requests. It appends at the version it
+last folded; ``Aborted`` means someone else appended (a cancel request): it re-reads the new
+events, folds them, and retries. Event ids are deterministic (:mod:`kiln.agent_runner.records`),
+so re-appending an event whose first append committed unseen is an idempotent no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from kiln.agent_runner import records
+from kiln.agent_runner.ledger_access import retry_unavailable
+from kiln.agent_runner.state import CompilationState
+from kiln.common.errors import Aborted, KilnError
+from kiln.ledger.client import LedgerClient
+from kiln.ledger.model import NewEvent
+
+MAX_CONFLICTS = 20
+
+
+class CompilationStream:
+    """Appends to one compilation's stream and keeps ``state`` folded.
+
+    Args:
+        state: the compilation's state (its ``version`` is the expected version).
+        client: the ledger client of the compilation's team.
+        on_cancel: called when a re-read finds a cancel request.
+    """
+
+    def __init__(
+        self, state: CompilationState, client: LedgerClient, on_cancel: Callable[[], None]
+    ) -> None:
+        self.state = state
+        self._client = client
+        self._on_cancel = on_cancel
+        self._stream = records.compilation_stream(state.compilation_id)
+        self._lock = asyncio.Lock()
+
+    async def append(self, event: NewEvent) -> None:
+        """Append ``event`` (payload a dict) and fold it.
+
+        Raises:
+            KilnError: the ledger refused it, stayed unavailable, or conflicts kept coming.
+        """
+        st = self.state
+        async with self._lock:
+            for _ in range(MAX_CONFLICTS):
+                try:
+                    result = await retry_unavailable(
+                        lambda: self._client.append(self._stream, [event], st.version)
+                    )
+                except Aborted:
+                    await self.sync()
+                    continue
+                if result.already_stored:
+                    await self.sync()
+                else:
+                    assert isinstance(event.data, dict)
+                    st.apply_data(event.type, event.data, result.stream_version)
+                return
+        raise KilnError(f"cannot append {event.type} to {self._stream}: conflicts keep coming")
+
+    async def sync(self) -> None:
+        """Fold the stream's events after the state's version."""
+        st = self.state
+        for recorded in await self._client.read_stream(self._stream, from_version=st.version + 1):
+            st.apply(recorded)
+        if st.cancel_reason is not None and not st.ended:
+            self._on_cancel()

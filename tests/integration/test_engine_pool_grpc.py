@@ -1,0 +1,146 @@
+"""The engine pool service over real gRPC: RunExperiment on a real engine process, ListEngines,
+and INVALID_ARGUMENT for workloads no engine can be built for."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from google.protobuf.json_format import ParseDict
+
+from kiln.common.client import team_channel
+from kiln.common.server import serve
+from kiln.common.settings import KilnSettings
+from kiln.engine_pool.app import EnginePoolApp
+from kiln.engine_pool.service import NOTES_METADATA_KEY
+from kiln.v1 import common_pb2, engine_pool_pb2, engine_pool_pb2_grpc
+from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
+
+from ..unit.engine_testing import TINY_LLAMA, ZEROS_ATTENTION, engine_settings, tiny_workload
+from ..unit.runtime_app import free_port
+
+pytestmark = pytest.mark.integration
+
+MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
+
+
+@pytest_asyncio.fixture(scope="module")
+async def stub(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[engine_pool_pb2_grpc.EnginePoolStub]:
+    settings = KilnSettings(
+        metrics_port=0, grace_period_s=1.0, state_dir=tmp_path_factory.mktemp("engine-pool")
+    )
+    app = EnginePoolApp(settings, engine_settings(max_batch=4))
+    addr, started = f"127.0.0.1:{free_port()}", asyncio.Event()
+    task = asyncio.create_task(
+        serve(app, settings, listen=addr, started=started, handle_signals=False)
+    )
+    await asyncio.wait_for(started.wait(), 10)
+    async with team_channel(addr, "search") as ch:
+        yield engine_pool_pb2_grpc.EnginePoolStub(ch)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def _request(
+    candidate: Candidate = REFERENCE_CANDIDATE,
+    workload: dict[str, object] | None = None,
+    **kw: object,
+) -> engine_pool_pb2.RunExperimentRequest:
+    experiment = common_pb2.Experiment(
+        experiment_id="exp-grpc",
+        candidate=candidate.to_proto(),
+        tier=common_pb2.TIER_FAST,
+        agent="test",
+        workload=ParseDict(workload or tiny_workload(batch=12), common_pb2.Workload()),
+    )
+    return engine_pool_pb2.RunExperimentRequest(experiment=experiment, **kw)  # type: ignore[arg-type]
+
+
+async def test_run_experiment_measures_on_an_engine(
+    stub: engine_pool_pb2_grpc.EnginePoolStub,
+) -> None:
+    call = stub.RunExperiment(_request(Candidate.make({"attention": "sdpa"})), timeout=120)
+    m = await call
+    assert m.status == common_pb2.EXPERIMENT_STATUS_OK, m.error
+    assert m.correct and m.tier == common_pb2.TIER_FAST and m.engine_id
+    assert len(m.timing.samples_ms) == 3 and m.timing.median_ms > 0
+    assert m.tokens_per_s == pytest.approx(4 / (m.timing.median_ms / 1e3))  # batch clamped to 4
+    assert m.memory.weights_bytes > 0 and m.memory.kv_cache_bytes > 0
+    trailing = dict(await call.trailing_metadata())  # type: ignore[arg-type]
+    notes = json.loads(trailing[NOTES_METADATA_KEY])
+    assert any("batch clamped from 12 to 4" in n for n in notes)
+
+
+async def test_a_failing_candidate_is_a_measurement_not_an_error(
+    stub: engine_pool_pb2_grpc.EnginePoolStub,
+) -> None:
+    zeros = Candidate.make({"attention": "zeros"}, code_modules=[ZEROS_ATTENTION])
+    m = await stub.RunExperiment(_request(zeros), timeout=120)
+    assert m.status == common_pb2.EXPERIMENT_STATUS_INCORRECT and not m.correct
+    assert m.max_abs_error > 0 and "incorrect" in m.error
+
+
+async def test_list_engines(stub: engine_pool_pb2_grpc.EnginePoolStub) -> None:
+    await stub.RunExperiment(_request(), timeout=120)
+    (engine,) = (await stub.ListEngines(engine_pool_pb2.ListEnginesRequest())).engines
+    assert engine.state == engine_pool_pb2.ENGINE_STATE_READY
+    assert engine.model_name == "tiny-llama" and engine.tier == common_pb2.TIER_FAST
+    assert engine.device == "cpu" and engine.host
+    assert engine.experiments_run >= 1 and engine.cold_start_s > 0
+    assert engine.memory.weights_bytes > 0 and engine.started_at.seconds > 0
+    other = await stub.ListEngines(engine_pool_pb2.ListEnginesRequest(model_name="other"))
+    assert list(other.engines) == []
+
+
+def _without_config() -> dict[str, object]:
+    workload = tiny_workload()
+    workload["model"] = {"name": "nothing"}
+    return workload
+
+
+def _config(raw: dict[str, object]) -> dict[str, object]:
+    workload = tiny_workload()
+    workload["model"]["config_json"] = json.dumps(raw)
+    return workload
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (engine_pool_pb2.RunExperimentRequest(), "experiment is missing"),
+        (_request(workload=_without_config()), "config_json is empty"),
+        (_request(workload=_config({"model_type": "gpt2"})), "unsupported architecture 'gpt2'"),
+        (_request(workload=_config({**TINY_LLAMA, "hidden_act": "gelu"})), "activation 'gelu'"),
+        (_request(deadline_s=4000.0), "deadline_s 4000.0 is outside"),
+    ],
+)
+async def test_bad_requests_are_invalid_argument(
+    stub: engine_pool_pb2_grpc.EnginePoolStub,
+    request_: engine_pool_pb2.RunExperimentRequest,
+    message: str,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.RunExperiment(request_, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in (err.value.details() or "")
+
+
+@pytest.mark.skipif(not MODELS.is_dir(), reason="../shared/data/models is not here")
+async def test_moe_models_are_invalid_argument(stub: engine_pool_pb2_grpc.EnginePoolStub) -> None:
+    workload = tiny_workload()
+    workload["model"] = {
+        "name": "mixtral",
+        "config_json": (MODELS / "mixtral-8x7b-v0.1.json").read_text(),
+    }
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.RunExperiment(_request(workload=workload), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "MoE" in (err.value.details() or "")

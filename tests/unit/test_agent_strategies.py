@@ -1,0 +1,239 @@
+"""The agents' strategies and their board view, without NATS (posts are folded by hand)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import pytest
+
+from kiln.agent_runner.agents import (
+    CoordinateAgent,
+    Lab,
+    Outcome,
+    RandomSearchAgent,
+    build_agents,
+    validate_agents,
+)
+from kiln.agent_runner.agents.view import BoardView, result_body
+from kiln.agent_runner.budget import ExperimentBudget
+from kiln.agent_runner.experiment import Completed
+from kiln.agent_runner.space import space_for
+from kiln.board import Board, BoardPost
+from kiln.common.errors import InvalidArgument
+from kiln.events.types import ExperimentCompleted
+from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
+
+SPACE = space_for("cpu", cpus=2)
+
+
+def _view(*posts: BoardPost) -> BoardView:
+    view = BoardView(cast(Board, None), "c1")  # folded by hand: no NATS
+    for post in posts:
+        view.take(post)
+    return view
+
+
+def _result(c: Candidate, tps: float, status: str = "ok", agent: str = "x", seq: int = 1) -> Any:
+    body = result_body(c, {"status": status, "correct": status == "ok", "tokens_per_s": tps}, None)
+    return BoardPost(
+        kind="result", compilation_id="c1", candidate_id=c.id, agent=agent, body=body, seq=seq
+    )
+
+
+def _claim(c: Candidate, agent: str = "x", seq: int = 1) -> BoardPost:
+    return BoardPost(kind="claim", compilation_id="c1", candidate_id=c.id, agent=agent, seq=seq)
+
+
+def test_view_folds_claims_and_results_and_ranks_correct_ones() -> None:
+    fast, wrong = Candidate.make({"attention": "sdpa"}), Candidate.make({"mlp": "fused_gate_up"})
+    view = _view(
+        _result(REFERENCE_CANDIDATE, 100.0, agent="baseline", seq=1),
+        _claim(fast, seq=2),
+        _result(fast, 130.0, seq=3),
+        _result(wrong, 999.0, status="incorrect", seq=4),
+    )
+    assert view.claimed == {REFERENCE_CANDIDATE.id, fast.id, wrong.id}
+    assert [s.candidate for s in view.ranked()] == [fast, REFERENCE_CANDIDATE]
+
+
+def test_coordinate_climbs_from_the_best_and_skips_claims() -> None:
+    fast = Candidate.make({"attention": "sdpa"})
+    view = _view(_result(REFERENCE_CANDIDATE, 100.0), _result(fast, 130.0))
+    agent = CoordinateAgent("coordinate", seed=1)
+    proposal = agent.propose(view, SPACE)
+    assert proposal is not None
+    point, base = SPACE.assignment(proposal.candidate), SPACE.assignment(fast)
+    assert sum(point[k] != base[k] for k in point) == 1  # one step from the best
+    assert "from attention=sdpa" in proposal.why
+    view.take(_claim(proposal.candidate))
+    assert agent.propose(view, SPACE).candidate != proposal.candidate  # type: ignore[union-attr]
+
+
+def test_coordinate_starts_from_the_reference_and_exhausts_the_space() -> None:
+    agent = CoordinateAgent("coordinate", seed=1)
+    view = _view()
+    seen = set()
+    while (p := agent.propose(view, SPACE)) is not None:
+        assert p.candidate.id not in seen and not p.candidate.is_reference
+        seen.add(p.candidate.id)
+        agent.tried.add(p.candidate.id)
+    assert seen == {n.id for _, _, n in SPACE.neighbours(REFERENCE_CANDIDATE)}
+
+
+def test_random_search_is_seeded_and_covers_the_space() -> None:
+    def walk(seed: int) -> list[str]:
+        agent, view, out = RandomSearchAgent("random", seed), _view(), []
+        while (p := agent.propose(view, SPACE)) is not None:
+            out.append(p.candidate.id)
+        return out
+
+    a = walk(7)
+    assert a == walk(7) and a != walk(8)
+    assert sorted(a) == sorted(c.id for c in SPACE)
+
+
+def test_random_search_skips_claimed() -> None:
+    agent = RandomSearchAgent("random", 3)
+    claimed = list(SPACE)[:50]
+    view = _view(*(_claim(c) for c in claimed))
+    ids = set()
+    while (p := agent.propose(view, SPACE)) is not None:
+        ids.add(p.candidate.id)
+    assert ids.isdisjoint(c.id for c in claimed) and len(ids) == SPACE.size - 1 - 50
+
+
+def test_agent_registry() -> None:
+    assert validate_agents([]) == ["coordinate", "random"]
+    agents = build_agents(["random", "coordinate", "random"], "c1")
+    assert [a.name for a in agents] == ["random-1", "coordinate", "random-2"]
+    assert agents[0].seed != agents[2].seed
+    assert build_agents(["random"], "c1")[0].seed == build_agents(["random"], "c1")[0].seed
+    with pytest.raises(InvalidArgument, match="unknown agent"):
+        validate_agents(["oracle"])
+
+
+class _MemoryBoard:
+    """The board's interface in memory (claim-once included), for the agent loop."""
+
+    def __init__(self) -> None:
+        self.posts: list[BoardPost] = []
+        self.claims: dict[str, str] = {}
+        self._new = asyncio.Event()
+
+    def _post(self, kind: str, cand: str, agent: str, body: Any) -> BoardPost:
+        post = BoardPost(
+            kind=kind,  # type: ignore[arg-type]
+            compilation_id="c1",
+            candidate_id=cand,
+            agent=agent,
+            body=dict(body or {}),
+            seq=len(self.posts) + 1,
+        )
+        self.posts.append(post)
+        self._new.set()
+        return post
+
+    async def claim(self, cid: str, cand: str, agent: str, body: Any = None) -> bool:
+        await asyncio.sleep(0)
+        if cand in self.claims:
+            return self.claims[cand] == agent
+        self.claims[cand] = agent
+        self._post("claim", cand, agent, body)
+        return True
+
+    async def post_idea(self, cid: str, cand: str, agent: str, body: Any = None) -> BoardPost:
+        return self._post("idea", cand, agent, body)
+
+    async def post_result(
+        self, cid: str, cand: str, agent: str, body: Any = None, *, msg_id: str = ""
+    ) -> BoardPost:
+        return self._post("result", cand, agent, body)
+
+    async def history(self, cid: str, kinds: Any = None) -> list[BoardPost]:
+        return [p for p in self.posts if kinds is None or p.kind in kinds]
+
+    async def follow(self, cid: str, kinds: Any = None, since_seq: int = 0) -> Any:
+        while True:
+            for post in self.posts[since_seq:]:
+                since_seq = post.seq
+                if kinds is None or post.kind in kinds:
+                    yield post
+            self._new.clear()
+            await self._new.wait()
+
+
+class _Lab:
+    """A compilation with an experiment budget whose experiments measure instantly."""
+
+    def __init__(self, board: _MemoryBoard, limit: int) -> None:
+        self.compilation_id, self.space, self.board = "c1", SPACE, board
+        self.budget = ExperimentBudget(limit=limit)
+        self.measured: list[tuple[str, str]] = []
+
+    def reserve(self) -> bool:
+        return self.budget.reserve()
+
+    def release(self) -> None:
+        self.budget.release()
+
+    async def measure(self, candidate: Candidate, agent: str) -> Outcome:
+        await asyncio.sleep(0.001)
+        self.measured.append((agent, candidate.id))
+        self.budget.complete()
+        tps = 100.0 + len(self.measured)
+        result = ExperimentCompleted(
+            compilation_id="c1",
+            candidate_id=candidate.id,
+            status="ok",
+            correct=True,
+            max_abs_error=0.0,
+            median_ms=1.0,
+            p10_ms=1.0,
+            p90_ms=1.0,
+            tokens_per_s=tps,
+            memory_bytes=0,
+            engine_id="e",
+            tier="fast",
+            error="",
+        )
+        completed = Completed(f"e{len(self.measured)}", result, 1, datetime.now(UTC))
+        return Outcome(completed.experiment_id, candidate, completed, tps / 100.0)
+
+
+async def test_two_agents_share_the_board_never_measure_twice_and_stop_at_the_budget() -> None:
+    board = _MemoryBoard()
+    board._post(
+        "result",
+        REFERENCE_CANDIDATE.id,
+        "baseline",
+        result_body(
+            REFERENCE_CANDIDATE, {"status": "ok", "correct": True, "tokens_per_s": 100.0}, 1.0
+        ),
+    )
+    lab = _Lab(board, limit=20)
+    agents = build_agents([], "c1")
+    counts = await asyncio.wait_for(asyncio.gather(*(a.run(cast(Lab, lab)) for a in agents)), 10)
+    ids = [cid for _, cid in lab.measured]
+    assert len(ids) == len(set(ids)) == 20 == sum(counts)
+    assert {agent for agent, _ in lab.measured} == {"coordinate", "random"}
+    results = [p for p in board.posts if p.kind == "result" and p.agent != "baseline"]
+    assert len(results) == 20 and all(p.body["speedup"] > 1.0 for p in results)
+
+
+async def test_agents_stop_when_the_space_is_exhausted() -> None:
+    board, small = _MemoryBoard(), space_for("cpu", cpus=2)
+    lab = _Lab(board, limit=0)
+    counts = await asyncio.wait_for(
+        asyncio.gather(*(a.run(cast(Lab, lab)) for a in build_agents([], "c1"))), 20
+    )
+    assert sum(counts) == small.size - 1 == len({c for _, c in lab.measured})
+
+
+def test_view_knows_what_is_in_flight() -> None:
+    c = Candidate.make({"attention": "sdpa"})
+    view = _view(_claim(c))
+    assert view.in_flight == {c.id}
+    view.take(_result(c, 120.0, seq=2))
+    assert view.in_flight == set()
