@@ -195,3 +195,30 @@ async def _poison_scenario(store: EventStore, engine: AsyncEngine) -> None:
     assert not comp.equal and any(
         "9223372036854775807" in d or str(2**70) in d for d in comp.differences
     )
+
+
+async def test_cancelled_experiments_are_neither_done_nor_failures(
+    store: EventStore, engine: AsyncEngine
+) -> None:
+    from .events_factory import completed, requested, submitted
+
+    cid, wk = new_id(), f"wk-{new_id()}"
+    await store.append(f"compilation-{cid}", [submitted(wk)], "no_stream", team="t")
+    for status in ("ok", "crashed", "cancelled"):
+        exp, cand = new_id(), new_id()
+        done = completed(cid, exp, cand, 100.0, ok=status == "ok")
+        data = dict(done.data) | {"status": status}  # type: ignore[arg-type]
+        await store.append(
+            f"experiment-{exp}",
+            [requested(cid, exp, cand), NewEvent("ExperimentCompleted", data)],
+            "no_stream",
+            team="t",
+        )
+    await Projector(engine).catch_up()
+    async with engine.connect() as conn:
+        row = (
+            await conn.execute(
+                select(proj_compilations).where(proj_compilations.c.compilation_id == cid)
+            )
+        ).one()
+    assert (row.experiments_done, row.failures) == (2, 1)

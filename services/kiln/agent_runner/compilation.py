@@ -47,7 +47,7 @@ from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.agent_runner.workload import workload_to_json
 from kiln.board import Board
 from kiln.common.logging import get_logger
-from kiln.events.types import EndStatus
+from kiln.events.types import EndStatus, is_failure
 from kiln.ledger.model import NewEvent
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 
@@ -110,7 +110,7 @@ class CompilationRunner:
                 self._budget.in_flight += 1
             else:
                 self._budget.completed += 1
-                self.failures += 0 if rec.completed.result.status == "ok" else 1
+                self.failures += int(is_failure(rec.completed.result.status))
 
     # ------------------------------------------------------------------ Lab
     @property
@@ -256,7 +256,7 @@ class CompilationRunner:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         dispatcher = self._deps.dispatcher
         for req in list(self._in_flight.values()):
-            completed = await dispatcher.close(req, why)
+            completed = await dispatcher.close(req, why, status="cancelled")
             await self._complete(req, completed)
 
     # ------------------------------------------------------------------ the search
@@ -414,8 +414,7 @@ class CompilationRunner:
         """Count a completed experiment (once) and judge it."""
         if self._in_flight.pop(req.experiment_id, None) is not None:
             self._budget.complete()
-            if completed.result.status != "ok":
-                self.failures += 1
+            self.failures += int(is_failure(completed.result.status))
             self.state.experiments[req.experiment_id] = ExperimentRecord(req, completed)
             self._deps.dispatcher.forget(req.experiment_id)
         return await self._judge(req, completed)

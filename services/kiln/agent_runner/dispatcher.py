@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from nats.js import JetStreamContext
 
@@ -155,9 +155,12 @@ class ExperimentDispatcher:
                 f"{self._config.experiment_deadline_s:g} s + margin; is the engine pool running?)",
             )
 
-    async def close(self, req: Requested, error: str) -> Completed:
-        """Record a pending experiment as ``timed_out`` with ``error`` unless an engine has
-        answered (then return that answer). Drops its queued work best-effort.
+    async def close(
+        self, req: Requested, error: str, status: Literal["timed_out", "cancelled"] = "timed_out"
+    ) -> Completed:
+        """Record a pending experiment as ``status`` (``timed_out``, or ``cancelled`` when its
+        compilation ended) with ``error`` unless an engine has answered (then return that
+        answer). Drops its queued work best-effort.
 
         Raises:
             KilnError: the ledger is unavailable (after retries).
@@ -166,7 +169,7 @@ class ExperimentDispatcher:
         if future is not None and future.done():
             return future.result()
         event = records.experiment_unanswered(
-            req.compilation_id, req.experiment_id, req.candidate.id, req.tier, error
+            req.compilation_id, req.experiment_id, req.candidate.id, req.tier, error, status
         )
         stream = records.experiment_stream(req.experiment_id)
         client = self._ledger.client(req.team)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from kiln.common.errors import InvalidArgument
 from kiln.events.types import (
@@ -187,14 +187,20 @@ def experiment_requested(
 
 
 def experiment_unanswered(
-    compilation_id: str, experiment_id: str, candidate_id: str, tier: Tier, error: str
+    compilation_id: str,
+    experiment_id: str,
+    candidate_id: str,
+    tier: Tier,
+    error: str,
+    status: Literal["timed_out", "cancelled"] = "timed_out",
 ) -> NewEvent:
-    """The runner's own ``ExperimentCompleted`` (status ``timed_out``) for an experiment no
-    engine answered in time; appended with expected version 1, so an engine's result wins."""
+    """The runner's own ``ExperimentCompleted`` for an experiment no engine answered:
+    ``timed_out`` past its deadline, ``cancelled`` when the compilation ended first. Appended
+    with expected version 1, so an engine's result wins."""
     payload = ExperimentCompleted(
         compilation_id=compilation_id,
         candidate_id=candidate_id,
-        status="timed_out",
+        status=status,
         correct=False,
         max_abs_error=0.0,
         median_ms=0.0,

@@ -20,6 +20,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from kiln.agent_runner.experiment import event_data, experiment_id_of
 from kiln.agent_runner.records import compilation_stream
 from kiln.agent_runner.workload import workload_from_json
+from kiln.events.types import is_counted, is_failure
 from kiln.v1 import common_pb2, compiler_pb2, ledger_pb2
 
 STATUS_BY_NAME = {
@@ -166,9 +167,8 @@ class Snapshot:
         elif t == "ExperimentRequested":
             self.learn(event)
         elif t == "ExperimentCompleted":
-            m.experiments_done += 1
-            if d.get("status") != "ok":
-                m.failures += 1
+            m.experiments_done += int(is_counted(str(d.get("status"))))
+            m.failures += int(is_failure(str(d.get("status"))))
             self.learn(event)
         m.updated_at.CopyFrom(event.recorded_at)
 

@@ -18,7 +18,21 @@ from pydantic import Field
 from kiln.events.registry import EventSchema
 
 Tier = Literal["fast", "full"]
-ExperimentStatus = Literal["ok", "incorrect", "crashed", "timed_out", "rejected"]
+ExperimentStatus = Literal["ok", "incorrect", "crashed", "timed_out", "rejected", "cancelled"]
+"""``cancelled``: the compilation ended while the experiment was queued or running; it is
+neither counted as done nor as a failure."""
+
+
+def is_counted(status: str) -> bool:
+    """Whether an experiment with ``status`` counts as done (everything but ``cancelled``)."""
+    return status != "cancelled"
+
+
+def is_failure(status: str) -> bool:
+    """Whether ``status`` is a failed experiment (incorrect, crashed, timed out, rejected)."""
+    return status not in ("ok", "cancelled")
+
+
 EndStatus = Literal["succeeded", "cancelled", "failed"]
 
 

@@ -53,6 +53,8 @@ class _ExperimentStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Expe
     EXPERIMENT_STATUS_CRASHED: _ExperimentStatus.ValueType  # 3
     EXPERIMENT_STATUS_TIMED_OUT: _ExperimentStatus.ValueType  # 4
     EXPERIMENT_STATUS_REJECTED: _ExperimentStatus.ValueType  # 5
+    EXPERIMENT_STATUS_CANCELLED: _ExperimentStatus.ValueType  # 6
+    """The compilation ended before an engine answered; neither done nor a failure."""
 
 class ExperimentStatus(_ExperimentStatus, metaclass=_ExperimentStatusEnumTypeWrapper): ...
 
@@ -62,6 +64,8 @@ EXPERIMENT_STATUS_INCORRECT: ExperimentStatus.ValueType  # 2
 EXPERIMENT_STATUS_CRASHED: ExperimentStatus.ValueType  # 3
 EXPERIMENT_STATUS_TIMED_OUT: ExperimentStatus.ValueType  # 4
 EXPERIMENT_STATUS_REJECTED: ExperimentStatus.ValueType  # 5
+EXPERIMENT_STATUS_CANCELLED: ExperimentStatus.ValueType  # 6
+"""The compilation ended before an engine answered; neither done nor a failure."""
 Global___ExperimentStatus: _TypeAlias = ExperimentStatus  # noqa: Y015
 
 @_typing.final

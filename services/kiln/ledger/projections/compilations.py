@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kiln.events.types import is_counted, is_failure
 from kiln.ledger.model import StoredEvent
 from kiln.ledger.projections.base import Projection, Rows
 
@@ -79,8 +80,7 @@ class CompilationsProjection(Projection):
             row["status"] = _STATUS_BY_END[d["status"]]
             row["reason"] = d.get("reason", "") or row["reason"]
         elif event.type == "ExperimentCompleted":
-            row["experiments_done"] += 1
-            if d["status"] != "ok":
-                row["failures"] += 1
+            row["experiments_done"] += int(is_counted(d["status"]))
+            row["failures"] += int(is_failure(d["status"]))
         row["updated_at"] = event.recorded_at
         row["last_position"] = event.position
