@@ -5,11 +5,6 @@ twice. The ledger runs as a real ``kiln serve ledger`` process; real PostgreSQL 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -20,68 +15,28 @@ import psycopg
 import pytest
 
 from kiln.common import nats as kn
-from kiln.common.client import wait_healthy
 from kiln.common.errors import KilnError
 from kiln.common.settings import KilnSettings
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.db import libpq_dsn
 from kiln.ledger.model import NewEvent
 
+from .processes import ServiceProcess, free_port, service_env
+
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LedgerProcess:
-    """``python -m kiln serve ledger`` as a child process."""
-
-    def __init__(self, settings: KilnSettings, log_path: Path) -> None:
-        self.addr = f"127.0.0.1:{_free_port()}"
-        self.env = {
-            **os.environ,
-            "KILN_DATABASE_URL": str(settings.database_url),
-            "KILN_NATS_URL": str(settings.nats_url),
-            "KILN_SUBJECT_PREFIX": settings.subject_prefix,
-            "KILN_STATE_DIR": str(settings.state_dir),
-            "KILN_METRICS_PORT": "0",
-        }
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    async def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kiln", "serve", "ledger", "--listen", self.addr],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-            await wait_healthy(self.addr, timeout_s=30)
-        except TimeoutError:
-            raise AssertionError(self.log_path.read_text()[-3000:]) from None
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 @pytest.fixture
-def ledger(settings: KilnSettings, tmp_path: Path) -> Iterator[LedgerProcess]:
-    proc = LedgerProcess(settings, tmp_path / "ledger.log")
+def ledger(settings: KilnSettings, tmp_path: Path) -> Iterator[ServiceProcess]:
+    addr = f"127.0.0.1:{free_port()}"
+    env = service_env(
+        str(settings.database_url),
+        str(settings.nats_url),
+        settings.subject_prefix,
+        settings.state_dir,
+        {"ledger": addr},
+    )
+    proc = ServiceProcess("ledger", addr, env, tmp_path / "ledger.log")
     yield proc
     proc.stop()
 
@@ -93,7 +48,7 @@ def _batch(stream: str, i: int) -> list[NewEvent]:
 
 
 async def test_sigkill_mid_burst_loses_and_duplicates_nothing(
-    ledger: LedgerProcess, settings: KilnSettings
+    ledger: ServiceProcess, settings: KilnSettings
 ) -> None:
     await ledger.start()
     acked: dict[str, int] = {}  # event id -> position the ledger acknowledged

@@ -190,3 +190,38 @@ async def test_every_service_answers_an_empty_request_with_invalid_argument(
         assert message in (err.value.details() or "")
     finally:
         await _stop(task)
+
+
+def test_run_builds_the_app_inside_the_serving_loop(tmp_path: Path) -> None:
+    """Apps create gRPC aio channels and asyncio primitives in their constructors; those bind
+    to the loop running at that moment, so ``run`` must build the app inside its own loop."""
+    from kiln.common.server import run
+
+    seen: list[asyncio.AbstractEventLoop] = []
+
+    class Halt(Exception):
+        pass
+
+    class App:
+        name = "cost-model"
+        grpc_service_names = ("kiln.v1.CostModel",)
+
+        def __init__(self) -> None:
+            seen.append(asyncio.get_running_loop())  # raises outside a running loop
+
+        async def start(self, server: Any) -> None:
+            assert asyncio.get_running_loop() is seen[0]
+            raise Halt
+
+        async def is_ready(self) -> bool:
+            return True
+
+        async def stop(self) -> None:
+            pass
+
+    settings = KilnSettings(
+        metrics_port=0, state_dir=tmp_path, listen_addr=f"127.0.0.1:{free_port()}"
+    )
+    with pytest.raises(Halt):
+        run(lambda _: App(), settings)  # type: ignore[arg-type,return-value]
+    assert len(seen) == 1

@@ -470,5 +470,13 @@ async def _shut_down(
 
 
 def run(app_factory: Callable[[KilnSettings], ServiceApp], settings: KilnSettings) -> None:
-    """Build the app with ``app_factory(settings)`` and serve it until SIGTERM/SIGINT (CLI)."""
-    asyncio.run(serve(app_factory(settings), settings))
+    """Build the app with ``app_factory(settings)`` and serve it until SIGTERM/SIGINT (CLI).
+
+    The app is built inside the event loop that serves it: gRPC aio channels, asyncio locks
+    and futures bind to the running loop when created, so an app built before ``asyncio.run``
+    would fail later with "attached to a different loop"."""
+
+    async def main() -> None:
+        await serve(app_factory(settings), settings)
+
+    asyncio.run(main())

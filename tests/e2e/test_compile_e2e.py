@@ -1,0 +1,199 @@
+"""A compilation through all four services as separate processes, over real gRPC, NATS and
+PostgreSQL, with the real engine pool measuring on the CPU: the ``kiln compile`` CLI end to end,
+and SIGKILL of the agent runner and of the engine pool mid-compilation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import pytest_asyncio
+
+from kiln.common.client import team_channel
+from kiln.common.settings import KilnSettings
+from kiln.ledger.db import create_engine, libpq_dsn
+from kiln.ledger.replay import replay
+from kiln.v1 import compiler_pb2_grpc
+
+from .processes import ServiceProcess, free_port, service_env
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+LLAMA = DATA / "models" / "llama-3.2-1b.json"
+TRACE = DATA / "traces" / "azure_llm_2023_conv.csv"
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.integration,
+    pytest.mark.skipif(not LLAMA.is_file() or not TRACE.is_file(), reason="../shared/data absent"),
+]
+
+SERVICES = ("ledger", "cost-model", "engine-pool", "agent-runner")
+
+
+def tiny_llama(tmp_path: Path) -> Path:
+    """Llama-3.2-1B's config shrunk so an engine builds and measures in well under a second
+    (same family, rope scaling and GQA ratio)."""
+    cfg = json.loads(LLAMA.read_text())
+    cfg.update(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=2048,
+    )
+    path = tmp_path / "tiny-llama.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@dataclass
+class Deployment:
+    """The four services of one test, and what they share."""
+
+    procs: dict[str, ServiceProcess]
+    env: dict[str, str]
+    database_url: str
+
+    @property
+    def compiler_addr(self) -> str:
+        return self.procs["agent-runner"].addr
+
+
+@pytest_asyncio.fixture
+async def deployment(settings: KilnSettings, tmp_path: Path) -> AsyncIterator[Deployment]:
+    addrs = {name: f"127.0.0.1:{free_port()}" for name in SERVICES}
+    prefix = f"ke{uuid.uuid4().hex[:8]}"  # its own work queue: no other consumer may share it
+    env = service_env(str(settings.database_url), str(settings.nats_url), prefix, tmp_path, addrs)
+    env.update(KILN_ENGINE_ACK_WAIT_S="5", KILN_ENGINE_MEASURE_BUDGET_S="0.2")
+    procs = {n: ServiceProcess(n, addrs[n], env, tmp_path / f"{n}.log") for n in SERVICES}
+    try:
+        for proc in procs.values():
+            await proc.start()
+        yield Deployment(procs, env, str(settings.database_url))
+    finally:
+        for proc in reversed(procs.values()):
+            proc.stop()
+
+
+def _events_of(database_url: str, compilation_id: str) -> list[dict[str, Any]]:
+    with psycopg.connect(libpq_dsn(database_url)) as conn:
+        rows = conn.execute(
+            "SELECT position, stream_id, stream_version, type, data FROM events "
+            "WHERE stream_id = %s OR data->>'compilation_id' = %s ORDER BY position",
+            (f"compilation-{compilation_id}", compilation_id),
+        ).fetchall()
+    return [
+        {"position": p, "stream_id": s, "version": v, "type": t, "data": d}
+        for p, s, v, t, d in rows
+    ]
+
+
+async def _wait_for(
+    database_url: str, compilation_id: str, kind: str, count: int, timeout_s: float
+) -> list[dict[str, Any]]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        events = _events_of(database_url, compilation_id)
+        if sum(e["type"] == kind for e in events) >= count:
+            return events
+        if loop.time() > deadline:
+            got = Counter(e["type"] for e in events)
+            raise AssertionError(f"waited {timeout_s}s for {count} {kind}; have {dict(got)}")
+        await asyncio.sleep(0.2)
+
+
+def _assert_sound(events: list[dict[str, Any]], max_experiments: int) -> None:
+    """No event lost or duplicated: one completion per request, no candidate twice, versions
+    contiguous per stream, one end, the budget respected."""
+    requested = {e["stream_id"]: e for e in events if e["type"] == "ExperimentRequested"}
+    completed = Counter(e["stream_id"] for e in events if e["type"] == "ExperimentCompleted")
+    assert set(completed) == set(requested), "a request without a completion, or vice versa"
+    assert max(completed.values()) == 1, "an experiment completed twice"
+    candidates = Counter(e["data"]["candidate_id"] for e in requested.values())
+    assert max(candidates.values()) == 1, f"a candidate was measured twice: {candidates}"
+    by_stream: dict[str, list[int]] = {}
+    for e in events:
+        by_stream.setdefault(e["stream_id"], []).append(e["version"])
+    for stream, versions in by_stream.items():
+        assert versions == list(range(1, len(versions) + 1)), f"{stream}: versions {versions}"
+    ends = [e for e in events if e["type"] == "CompilationEnded"]
+    assert len(ends) == 1 and ends[0]["data"]["status"] == "succeeded", ends
+    counted = [
+        e
+        for e in events
+        if e["type"] == "ExperimentCompleted" and e["data"]["status"] != "cancelled"
+    ]
+    assert len(counted) <= max_experiments
+
+
+def _submit_request(model: Path, budget_s: float, max_experiments: int) -> Any:
+    from kiln.cli.compile import build_request
+
+    return build_request(model, TRACE, "cpu", 0, budget_s, max_experiments, "", [])
+
+
+async def test_compilation_survives_sigkill_of_agent_runner_and_engine_pool(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    request = _submit_request(tiny_llama(tmp_path), budget_s=120, max_experiments=12)
+    async with team_channel(deployment.compiler_addr, "e2e") as ch:
+        compilation = await compiler_pb2_grpc.CompilerStub(ch).Submit(request, timeout=60)
+    cid = compilation.compilation_id
+    db = deployment.database_url
+
+    await _wait_for(db, cid, "ExperimentCompleted", 3, timeout_s=120)
+    deployment.procs["agent-runner"].kill()
+    await deployment.procs["agent-runner"].start()
+
+    before = sum(e["type"] == "ExperimentCompleted" for e in _events_of(db, cid))
+    await _wait_for(db, cid, "ExperimentRequested", before + 1, timeout_s=120)
+    deployment.procs["engine-pool"].kill()  # mid-experiment: its work must be redelivered
+    await deployment.procs["engine-pool"].start()
+
+    events = await _wait_for(db, cid, "CompilationEnded", 1, timeout_s=240)
+    _assert_sound(events, max_experiments=12)
+    assert any(e["type"] == "BaselineMeasured" for e in events)
+    engine = create_engine(db)
+    try:
+        for _ in range(50):  # the ledger's projector folds the last events shortly
+            report = await replay(engine)
+            if report.checkpoint_position >= events[-1]["position"]:
+                break
+            await asyncio.sleep(0.1)
+        assert report.equal, [p.differences for p in report.projections]
+    finally:
+        await engine.dispose()
+
+
+async def test_kiln_compile_cli_end_to_end(deployment: Deployment, tmp_path: Path) -> None:
+    model = tiny_llama(tmp_path)
+    args = [
+        sys.executable, "-m", "kiln", "compile", "--model", str(model), "--traffic", str(TRACE),
+        "--hardware", "cpu", "--budget", "90s", "--max-experiments", "8",
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *args, env=deployment.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 240)
+    text = out.decode()
+    assert proc.returncode == 0, err.decode()[-2000:] + text
+    assert "succeeded" in text and "baseline" in text and "experiments" in text
+    listed = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kiln", "compilations", "list", env=deployment.env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    listing, _ = await listed.communicate()
+    assert listed.returncode == 0 and "tiny-llama" in listing.decode()
