@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kiln.common.errors import NotFound
 from kiln.common.identity import (
     CORRELATION_METADATA_KEY,
     TEAM_METADATA_KEY,
@@ -127,17 +128,23 @@ def team_channel(addr: str, team: str, correlation_id: str | None = None) -> grp
     return channel(addr, interceptors=team_interceptors(team, correlation_id))
 
 
-async def wait_healthy(addr: str, timeout_s: float, service: str = "") -> None:
+async def wait_healthy(
+    addr: str, timeout_s: float, service: str = "", *, unknown_is_final: bool = False
+) -> None:
     """Poll grpc health ``Check`` at ``addr`` until ``service`` is SERVING.
 
     Args:
         addr: "host:port" of the server.
         timeout_s: give up after this many seconds.
         service: health service name: "" (overall), "liveness", "readiness" or a gRPC service.
+        unknown_is_final: a server that has no status for ``service`` (NOT_FOUND) fails at
+            once instead of being polled (a kiln service registers its names before it listens;
+            a server still starting may not).
 
     Raises:
         TimeoutError: not SERVING within ``timeout_s``; the message names ``addr`` and the last
             status seen (a serving status or an RPC error code).
+        NotFound: ``unknown_is_final`` and the server has no status for ``service``.
     """
     deadline = time.monotonic() + timeout_s
     last = "no answer"
@@ -158,5 +165,8 @@ async def wait_healthy(addr: str, timeout_s: float, service: str = "") -> None:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             except grpc.aio.AioRpcError as err:
-                last = f"{err.code().name}: {err.details()}"
+                if unknown_is_final and err.code() == grpc.StatusCode.NOT_FOUND:
+                    raise NotFound(f"no health status for service {service!r} at {addr}") from None
+                details = (err.details() or "").strip()
+                last = err.code().name + (f": {details}" if details else "")
             await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
