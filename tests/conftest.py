@@ -9,7 +9,9 @@ so sessions and the developer's own data never meet.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,8 +39,15 @@ def _force_embedded() -> bool:
 
 
 @pytest.fixture(scope="session")
-def embedded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("embedded")
+def embedded_dir() -> Iterator[Path]:
+    """Data of the embedded servers, outside pytest's base temp dir: as root the embedded
+    PostgreSQL runs as another user that must reach it, and any pytest session that starts
+    meanwhile resets that base dir to mode 0700."""
+    path = Path(tempfile.mkdtemp(prefix="kiln-test-embedded-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
