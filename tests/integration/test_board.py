@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
-from collections.abc import AsyncIterator
 
 import pytest
-import pytest_asyncio
 from nats.aio.client import Client
 
 from kiln.board import Board, BoardPost
@@ -16,26 +13,6 @@ from kiln.common import nats as kn
 from kiln.common.errors import InvalidArgument
 
 pytestmark = pytest.mark.integration
-
-
-@pytest_asyncio.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await kn.connect(nats_url, "test-board")
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
-@pytest_asyncio.fixture
-async def prefix(nc: Client, subject_prefix: str) -> AsyncIterator[str]:
-    """A prefix private to this test, with its streams; the streams are deleted afterwards."""
-    p = f"{subject_prefix}_{uuid.uuid4().hex[:6]}"
-    await kn.ensure_streams(nc.jetstream(), p)
-    try:
-        yield p
-    finally:
-        await kn.delete_streams(nc.jetstream(), p)
 
 
 @pytest.fixture

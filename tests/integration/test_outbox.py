@@ -52,27 +52,6 @@ async def db(outbox_db_url: str) -> AsyncIterator[AsyncEngine]:
         await eng.dispose()
 
 
-@pytest_asyncio.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await kn.connect(nats_url, "test-outbox")
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
-@pytest_asyncio.fixture
-async def prefix(nc: Client, subject_prefix: str) -> AsyncIterator[str]:
-    """A prefix private to this test, with its streams; the streams are deleted afterwards."""
-    p = f"{subject_prefix}_{uuid.uuid4().hex[:6]}"
-    js = nc.jetstream()
-    await kn.ensure_streams(js, p)
-    try:
-        yield p
-    finally:
-        await kn.delete_streams(js, p)
-
-
 # --- helpers ---------------------------------------------------------------------------------
 async def append(
     engine: AsyncEngine, n: int, category: str = "compilation"

@@ -26,8 +26,7 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC
 from typing import Any, Final
 
 import nats.errors
@@ -41,6 +40,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kiln.common import nats as kn
 from kiln.common.errors import InvalidArgument, Unavailable
+from kiln.ledger.model import StoredEvent
+from kiln.ledger.store import row_to_event
 from kiln.ledger.tables import events, outbox
 
 log = structlog.get_logger(__name__)
@@ -74,47 +75,35 @@ class PublishFailed(Unavailable):
         self.done = list(done)
 
 
-@dataclass(frozen=True)
-class OutboxEvent:
-    """One outbox row joined to its event."""
+def event_headers(event: StoredEvent) -> dict[str, str]:
+    """The message headers of ``event``: ``Nats-Msg-Id`` = event id and the ``Kiln-*`` headers
+    (metadata values that are null or empty are left out)."""
+    recorded = event.recorded_at
+    if recorded.tzinfo is None:
+        recorded = recorded.replace(tzinfo=UTC)
+    h = {
+        kn.MSG_ID: str(event.event_id),
+        kn.H_POSITION: str(event.position),
+        kn.H_STREAM_ID: event.stream_id,
+        kn.H_STREAM_VERSION: str(event.stream_version),
+        kn.H_EVENT_TYPE: event.type,
+        kn.H_SCHEMA_VERSION: str(event.schema_version),
+        kn.H_RECORDED_AT: recorded.astimezone(UTC).isoformat(),
+    }
+    for key, name in (
+        (kn.H_TEAM, "team"),
+        (kn.H_CORRELATION_ID, "correlation_id"),
+        (kn.H_CAUSATION_ID, "causation_id"),
+    ):
+        value = (event.metadata or {}).get(name)
+        if value not in (None, ""):
+            h[key] = str(value)
+    return h
 
-    position: int
-    stream_id: str
-    stream_version: int
-    event_id: str
-    type: str
-    schema_version: int
-    data: dict[str, Any]
-    metadata: dict[str, Any]
-    recorded_at: datetime
 
-    def headers(self) -> dict[str, str]:
-        """The message headers (``Nats-Msg-Id`` = event id, the ``Kiln-*`` headers)."""
-        recorded = self.recorded_at
-        if recorded.tzinfo is None:
-            recorded = recorded.replace(tzinfo=UTC)
-        h = {
-            kn.MSG_ID: str(self.event_id),
-            kn.H_POSITION: str(self.position),
-            kn.H_STREAM_ID: self.stream_id,
-            kn.H_STREAM_VERSION: str(self.stream_version),
-            kn.H_EVENT_TYPE: self.type,
-            kn.H_SCHEMA_VERSION: str(self.schema_version),
-            kn.H_RECORDED_AT: recorded.astimezone(UTC).isoformat(),
-        }
-        for key, name in (
-            (kn.H_TEAM, "team"),
-            (kn.H_CORRELATION_ID, "correlation_id"),
-            (kn.H_CAUSATION_ID, "causation_id"),
-        ):
-            value = self.metadata.get(name)
-            if value not in (None, ""):
-                h[key] = str(value)
-        return h
-
-    def body(self) -> bytes:
-        """The event data as compact UTF-8 JSON."""
-        return json.dumps(self.data, separators=(",", ":"), ensure_ascii=False).encode()
+def event_body(event: StoredEvent) -> bytes:
+    """The message body: the event data as compact UTF-8 JSON."""
+    return json.dumps(event.data, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 class OutboxPublisher:
@@ -216,42 +205,18 @@ class OutboxPublisher:
         log.info("outbox.watermark", stream=self._stream, position=mark)
         return mark
 
-    async def fetch_pending(self, limit: int = 500) -> list[OutboxEvent]:
-        """The first ``limit`` outbox rows joined to their events, in position order."""
+    async def fetch_pending(self, limit: int = 500) -> list[StoredEvent]:
+        """The events of the first ``limit`` outbox rows, in position order."""
         stmt = (
-            select(
-                outbox.c.position,
-                events.c.stream_id,
-                events.c.stream_version,
-                events.c.event_id,
-                events.c.type,
-                events.c.schema_version,
-                events.c.data,
-                events.c.metadata,
-                events.c.recorded_at,
-            )
+            select(events)
             .select_from(outbox.join(events, outbox.c.position == events.c.position))
             .order_by(outbox.c.position)
             .limit(limit)
         )
         async with self._engine.connect() as conn:
-            rows = (await conn.execute(stmt)).all()
-        return [
-            OutboxEvent(
-                position=r.position,
-                stream_id=r.stream_id,
-                stream_version=r.stream_version,
-                event_id=str(r.event_id),
-                type=r.type,
-                schema_version=r.schema_version,
-                data=r.data,
-                metadata=r.metadata or {},
-                recorded_at=r.recorded_at,
-            )
-            for r in rows
-        ]
+            return [row_to_event(r) for r in await conn.execute(stmt)]
 
-    async def publish(self, rows: list[OutboxEvent]) -> list[int]:
+    async def publish(self, rows: list[StoredEvent]) -> list[int]:
         """Publish ``rows`` in order, one PubAck at a time; no outbox rows are deleted.
 
         Rows at or below the watermark are not sent. Stops at the first failure.
@@ -281,10 +246,10 @@ class OutboxPublisher:
             try:
                 ack = await self._js.publish(
                     subject,
-                    row.body(),
+                    event_body(row),
                     timeout=self._ack_timeout_s,
                     stream=self._stream,
-                    headers=row.headers(),
+                    headers=event_headers(row),
                 )
             except _NATS_ERRORS as exc:
                 msg = f"publishing position {row.position} to {subject}: {exc!r}"

@@ -20,7 +20,7 @@ from kiln.ledger.projections import all_projections
 from kiln.ledger.projections.base import FOLD_ERRORS, Projection, Rows
 from kiln.ledger.projections.checkpoint import lock_projector, read_checkpoint
 from kiln.ledger.projections.rows import load_rows
-from kiln.ledger.store import _row_to_event
+from kiln.ledger.store import row_to_event
 from kiln.ledger.tables import events, projection_failures
 
 MAX_DIFFERENCES = 5
@@ -82,7 +82,7 @@ async def _rebuild(
     )
     async for partition in result.partitions(2000):
         for row in partition:
-            event = _row_to_event(row)
+            event = row_to_event(row)
             count += 1
             for proj in projections:
                 if event.type in proj.handles:

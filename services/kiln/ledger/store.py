@@ -30,7 +30,8 @@ from kiln.ledger.tables import events
 MAX_EVENTS_PER_APPEND = 1000
 
 
-def _row_to_event(row: Any) -> StoredEvent:
+def row_to_event(row: Any) -> StoredEvent:
+    """A row of ``events`` (any select of all its columns) as a StoredEvent."""
     m = row._mapping
     return StoredEvent(
         position=m["position"],
@@ -196,7 +197,7 @@ class EventStore:
                 .order_by(events.c.stream_version)
                 .limit(max_count)
             )
-            return [_row_to_event(r) for r in result], current
+            return [row_to_event(r) for r in result], current
 
     async def read_all(
         self,
@@ -218,7 +219,7 @@ class EventStore:
             query = query.where(events.c.stream_id.startswith(stream_prefix, autoescape=True))
         async with self.engine.connect() as conn:
             result = await conn.execute(query.order_by(events.c.position).limit(max_count))
-            return [_row_to_event(r) for r in result]
+            return [row_to_event(r) for r in result]
 
     async def head_position(self) -> int:
         """The highest committed position (0 for an empty ledger)."""

@@ -30,7 +30,7 @@ from kiln.ledger.projections import all_projections
 from kiln.ledger.projections.base import FOLD_ERRORS, Projection
 from kiln.ledger.projections.checkpoint import lock_projector, read_checkpoint, write_checkpoint
 from kiln.ledger.projections.rows import load_rows, upsert_rows
-from kiln.ledger.store import _row_to_event
+from kiln.ledger.store import row_to_event
 from kiln.ledger.tables import events, projection_failures
 
 log = structlog.get_logger("kiln.ledger.projector")
@@ -96,7 +96,7 @@ class Projector:
                     .order_by(events.c.position)
                     .limit(size)
                 )
-                batch = [_row_to_event(r) for r in result]
+                batch = [row_to_event(r) for r in result]
                 if not batch:
                     LAG.set(0)
                     return 0
