@@ -67,6 +67,19 @@ def test_key_changes_with_the_workload() -> None:
             "workload.model is missing",
         ),
         (_workload({"model_type": "bert"}), InvalidArgument, "unsupported architecture 'bert'"),
+        (  # parsed fine, but no engine can build MoE layers yet: refused at submission
+            _workload(
+                {
+                    **CONFIG,
+                    "model_type": "qwen3_moe",
+                    "num_experts": 8,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                }
+            ),
+            InvalidArgument,
+            "cannot build 'qwen3_moe': MoE layers",
+        ),
         (_workload({**CONFIG, "vocab_size": None}), InvalidArgument, "workload.model"),
         (_workload(batch_size=0), InvalidArgument, "batch_size must be >= 1"),
         (_workload(context_len=0), InvalidArgument, "context_len must be >= 1"),

@@ -38,7 +38,6 @@ def test_bad_durations(text: str) -> None:
             ["--model", str(DATA / "models" / "gpt-oss-20b.json"), "--traffic", str(CONV)],
             "unsupported architecture 'gpt_oss'",
         ),
-        (["--model", str(LLAMA), "--traffic", str(CONV), "--budget", "-1m"], "budget"),
         (["--model", str(LLAMA), "--traffic", str(LLAMA)], "malformed rows"),
     ],
 )
@@ -59,3 +58,33 @@ def test_unreachable_agent_runner_is_one_line(monkeypatch: pytest.MonkeyPatch) -
     result = CliRunner().invoke(app, ["compile", "--model", str(LLAMA), "--traffic", str(CONV)])
     assert result.exit_code == 1
     assert "agent runner at 127.0.0.1:1 is not reachable" in result.output
+
+
+def test_a_bad_budget_is_a_usage_error_naming_the_option() -> None:
+    result = CliRunner().invoke(app, ["compile", "--model", "m", "--traffic", "t", "--budget", "0"])
+    assert result.exit_code == 2
+    assert "--budget" in result.output and "positive duration" in result.output
+
+
+def test_the_live_view_names_the_agent_and_candidate_of_each_result() -> None:
+    from google.protobuf.struct_pb2 import Struct
+
+    from kiln.cli.compile_view import CompileView
+    from kiln.v1 import compiler_pb2
+
+    def event(kind: str, **detail: object) -> compiler_pb2.CompilationEvent:
+        s = Struct()
+        s.update(detail)
+        return compiler_pb2.CompilationEvent(type=kind, detail=s)
+
+    view = CompileView("c", budget_s=60)
+    sdpa = {"ops": {"attention": "sdpa"}, "transforms": [], "code_modules": [], "lossy": False}
+    fused = {"ops": {"qkv_proj": "fused"}, "transforms": [], "code_modules": [], "lossy": False}
+    view.update(event("ExperimentRequested", agent="coordinate", candidate_id="a", candidate=sdpa))
+    view.update(event("ExperimentRequested", agent="random", candidate_id="b", candidate=fused))
+    view.update(event("ExperimentCompleted", candidate_id="b", status="ok", tokens_per_s=26.2))
+    assert view.recent[-1] == "random: qkv_proj=fused → ok 26.2 tok/s"
+    assert view.agents == {
+        "coordinate": "measuring attention=sdpa",
+        "random": "qkv_proj=fused: ok 26.2 tok/s",
+    }

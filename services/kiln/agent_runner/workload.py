@@ -89,6 +89,12 @@ def _check_model(spec: common_pb2.ModelSpec) -> tuple[dict[str, Any], ModelConfi
         raise InvalidArgument(f"workload.model: {exc}") from None
     except (TypeError, ValueError, KeyError) as exc:
         raise InvalidArgument(f"workload.model: malformed config.json ({exc!r})") from None
+    from kiln.workloads.models.build import UnbuildableModelError, check_buildable
+
+    try:  # refuse now what no engine can build, rather than failing the baseline later
+        check_buildable(config)
+    except UnbuildableModelError as exc:
+        raise InvalidArgument(f"workload.model: {exc}") from None
     if spec.dtype and spec.dtype not in DTYPES:
         raise InvalidArgument(
             f"workload.model.dtype {spec.dtype!r} is not one of {', '.join(DTYPES)}"

@@ -48,6 +48,7 @@ def list_(
     response = asyncio.run(_call(ctx, "List", request))
     assert isinstance(response, compiler_pb2.ListResponse)
     table = Table("id", "team", "model", "hardware", "status", "experiments", "speedup")
+    table.columns[0].no_wrap = True  # ids are typed back into `show`: never cut them
     for c in response.compilations:
         table.add_row(
             c.compilation_id,

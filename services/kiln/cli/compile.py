@@ -115,8 +115,8 @@ def _live(view: CompileView, enabled: bool) -> Iterator[Callable[[], None]]:
     if not enabled:
         yield lambda: None
         return
-    with Live(view.render(), console=err_console, refresh_per_second=4, transient=True) as live:
-        yield lambda: live.update(view.render())
+    with Live(view, console=err_console, refresh_per_second=4, transient=True) as live:
+        yield live.refresh
 
 
 def _event_json(event: compiler_pb2.CompilationEvent) -> dict[str, object]:
@@ -163,7 +163,7 @@ def compile(
     try:
         budget_s = parse_duration_s(budget)
     except ValueError as exc:
-        raise CliError(str(exc)) from None
+        raise typer.BadParameter(str(exc), param_hint="--budget") from None
     request = build_request(
         model, traffic, hardware, devices, budget_s, max_experiments, compilation_id, agent or []
     )
@@ -171,7 +171,10 @@ def compile(
     with _one_shot(settings, enabled=one_shot):
         final = asyncio.run(submit_and_watch(settings, request, detach, as_json))
     if detach:
-        console.print(f"submitted {final.compilation_id}; watch with `kiln compilations show`")
+        console.print(
+            f"submitted {final.compilation_id}; see it with "
+            f"`kiln compilations show {final.compilation_id}`"
+        )
         return
     if not as_json:
         console.print(summary_table(final))

@@ -55,6 +55,8 @@ class CompileView:
     snapshot: compiler_pb2.Compilation | None = None
     agents: dict[str, str] = field(default_factory=dict)
     recent: list[str] = field(default_factory=list)
+    proposals: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """candidate id -> (agent, description), so a result names what it measured."""
 
     def update(self, event: compiler_pb2.CompilationEvent) -> None:
         """Fold one Watch event into the view."""
@@ -67,15 +69,21 @@ class CompileView:
 
     def _line(self, kind: str, d: dict[str, Any]) -> str:
         agent = str(d.get("agent", ""))
+        candidate_id = str(d.get("candidate_id", ""))
         if kind == "ExperimentRequested":
             what = describe_candidate(d.get("candidate"))
+            self.proposals[candidate_id] = (agent or "agent", what)
             if agent:
                 self.agents[agent] = f"measuring {what}"
             return f"{agent or 'agent'} → {what}"
         if kind == "ExperimentCompleted":
+            who, what = self.proposals.get(candidate_id, ("", candidate_id[:8]))
             status = d.get("status", "?")
             tps = float(d.get("tokens_per_s", 0.0) or 0.0)
-            return f"result {status} {_tps(tps) if status == 'ok' else d.get('error', '')[:60]}"
+            outcome = _tps(tps) if status == "ok" else str(d.get("error", ""))[:60]
+            if who in self.agents:
+                self.agents[who] = f"{what}: {status} {outcome}".strip()
+            return f"{who or 'result'}: {what} → {status} {outcome}".strip()
         if kind == "BaselineMeasured":
             return f"baseline {_tps(float(d.get('tokens_per_s', 0.0)))}"
         if kind == "BestCandidateImproved":
@@ -83,6 +91,8 @@ class CompileView:
                 f"new best {_tps(float(d.get('tokens_per_s', 0.0)))} "
                 f"({float(d.get('speedup', 0.0)):.2f}x)"
             )
+        if kind == "CompilationSubmitted":
+            return "submitted"
         if kind == "CompilationPlanned":
             return "plan chosen"
         if kind == "CompilationEnded":
@@ -93,6 +103,10 @@ class CompileView:
     def ended(self) -> bool:
         """True once the compilation reached a final status."""
         return self.snapshot is not None and self.snapshot.status in ENDED
+
+    def __rich__(self) -> RenderableType:
+        """Rendered afresh at every refresh, so the clock ticks between events."""
+        return self.render()
 
     def render(self) -> RenderableType:
         """The live progress block."""
