@@ -7,7 +7,6 @@ from typing import Annotated
 
 import grpc
 import typer
-from rich.table import Table
 
 from kiln.cli.compile_view import STATUS_NAMES, summary_table
 from kiln.cli.context import service_addr, settings_for
@@ -47,19 +46,21 @@ def list_(
         request.status = _STATUS_BY_NAME[status]
     response = asyncio.run(_call(ctx, "List", request))
     assert isinstance(response, compiler_pb2.ListResponse)
-    table = Table("id", "team", "model", "hardware", "status", "experiments", "speedup")
-    table.columns[0].no_wrap = True  # ids are typed back into `show`: never cut them
+    # One line each, the id first and whole (it is typed back into `show`), the workload last
+    # so that only it wraps on a narrow terminal.
+    if not response.compilations:
+        console.print("no compilations")
+        return
+    console.print(f"{'id':<32}  {'team':<12} {'status':<10} {'exps':>5} {'speedup':>8}  workload")
     for c in response.compilations:
-        table.add_row(
-            c.compilation_id,
-            c.team,
-            c.workload.model.name,
-            c.workload.hardware.name,
-            STATUS_NAMES.get(c.status, "?"),
-            str(c.experiments_done),
-            f"{c.best.speedup:.2f}x" if c.HasField("best") else "",
+        speedup = f"{c.best.speedup:.2f}x" if c.HasField("best") else "-"
+        console.print(
+            f"{c.compilation_id:<32}  {c.team:<12} {STATUS_NAMES.get(c.status, '?'):<10} "
+            f"{c.experiments_done:>5} {speedup:>8}  "
+            f"{c.workload.model.name} on {c.workload.hardware.name}",
+            markup=False,
+            highlight=False,
         )
-    console.print(table if response.compilations else "no compilations")
 
 
 @app.command()
