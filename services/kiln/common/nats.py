@@ -227,15 +227,19 @@ def parse_board_subject(prefix: str, subject: str) -> tuple[str, BoardKind, str]
 
 
 # --- streams --------------------------------------------------------------------------------
-def events_stream_config(
-    prefix: str, *, duplicate_window_s: float = EVENTS_DUPLICATE_WINDOW_S
+def _file_stream(
+    name: str,
+    description: str,
+    subject: str,
+    retention: RetentionPolicy,
+    duplicate_window_s: float,
 ) -> StreamConfig:
-    """Config of the events stream: file storage, limits retention, kept forever."""
+    """A single-replica, file-backed stream that discards its oldest messages at its limits."""
     return StreamConfig(
-        name=events_stream_name(prefix),
-        description="kiln ledger events, published through the outbox",
-        subjects=[events_filter(prefix)],
-        retention=RetentionPolicy.LIMITS,
+        name=name,
+        description=description,
+        subjects=[subject],
+        retention=retention,
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         duplicate_window=duplicate_window_s,
@@ -243,19 +247,29 @@ def events_stream_config(
     )
 
 
+def events_stream_config(
+    prefix: str, *, duplicate_window_s: float = EVENTS_DUPLICATE_WINDOW_S
+) -> StreamConfig:
+    """Config of the events stream: file storage, limits retention, kept forever."""
+    return _file_stream(
+        events_stream_name(prefix),
+        "kiln ledger events, published through the outbox",
+        events_filter(prefix),
+        RetentionPolicy.LIMITS,
+        duplicate_window_s,
+    )
+
+
 def board_stream_config(
     prefix: str, *, duplicate_window_s: float = BOARD_DUPLICATE_WINDOW_S
 ) -> StreamConfig:
     """Config of the board stream: file storage, limits retention, kept forever."""
-    return StreamConfig(
-        name=board_stream_name(prefix),
-        description="kiln message board: ideas, claims and results per compilation",
-        subjects=[f"{_check_prefix(prefix)}.board.>"],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
-        duplicate_window=duplicate_window_s,
-        num_replicas=1,
+    return _file_stream(
+        board_stream_name(prefix),
+        "kiln message board: ideas, claims and results per compilation",
+        f"{_check_prefix(prefix)}.board.>",
+        RetentionPolicy.LIMITS,
+        duplicate_window_s,
     )
 
 
@@ -266,15 +280,12 @@ WORK_DUPLICATE_WINDOW_S: Final = 600.0
 def work_stream_config(prefix: str) -> StreamConfig:
     """Config of the work queue: work-queue retention (a message is gone once an engine acks
     it), file storage, ``Nats-Msg-Id`` = experiment id so a re-queued experiment is not doubled."""
-    return StreamConfig(
-        name=work_stream_name(prefix),
-        description="kiln experiments waiting for an engine",
-        subjects=[f"{_check_prefix(prefix)}.work.>"],
-        retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
-        duplicate_window=WORK_DUPLICATE_WINDOW_S,
-        num_replicas=1,
+    return _file_stream(
+        work_stream_name(prefix),
+        "kiln experiments waiting for an engine",
+        f"{_check_prefix(prefix)}.work.>",
+        RetentionPolicy.WORK_QUEUE,
+        WORK_DUPLICATE_WINDOW_S,
     )
 
 
