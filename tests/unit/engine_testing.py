@@ -36,9 +36,10 @@ TINY_LLAMA: dict[str, Any] = {
 
 
 def tiny_workload(
-    *, batch: int = 3, context: int = 40, dtype: str = "", name: str = "tiny-llama"
+    *, batch: int = 3, context: int = 40, dtype: str = "float32", name: str = "tiny-llama"
 ) -> dict[str, Any]:
-    """A ``kiln.v1.Workload`` as JSON (what ExperimentWork carries) over :data:`TINY_LLAMA`."""
+    """A ``kiln.v1.Workload`` as JSON (what ExperimentWork carries) over :data:`TINY_LLAMA`;
+    ``dtype=""`` leaves ``model.dtype`` unset (the engine picks)."""
     model: dict[str, Any] = {"name": name, "config_json": json.dumps(TINY_LLAMA), "seed": "7"}
     if dtype:
         model["dtype"] = dtype

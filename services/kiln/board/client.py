@@ -78,20 +78,32 @@ class Board:
         return post.model_copy(update={"seq": ack.seq})
 
     def _new(
-        self, kind: kn.BoardKind, compilation_id: str, candidate_id: str, agent: str,
+        self,
+        kind: kn.BoardKind,
+        compilation_id: str,
+        candidate_id: str,
+        agent: str,
         body: dict[str, Any] | None,
     ) -> BoardPost:
         kn.check_id("compilation id", compilation_id)
         kn.check_id("candidate id", candidate_id)
         _check_agent(agent)
         return BoardPost(
-            kind=kind, compilation_id=compilation_id, candidate_id=candidate_id, agent=agent,
+            kind=kind,
+            compilation_id=compilation_id,
+            candidate_id=candidate_id,
+            agent=agent,
             body=dict(body or {}),
         )
 
     async def post_idea(
-        self, compilation_id: str, candidate_id: str, agent: str,
-        body: dict[str, Any] | None = None, *, msg_id: str | None = None,
+        self,
+        compilation_id: str,
+        candidate_id: str,
+        agent: str,
+        body: dict[str, Any] | None = None,
+        *,
+        msg_id: str | None = None,
     ) -> BoardPost:
         """Propose a candidate.
 
@@ -106,8 +118,13 @@ class Board:
         return await self._post(post, {kn.MSG_ID: mid})
 
     async def post_result(
-        self, compilation_id: str, candidate_id: str, agent: str,
-        body: dict[str, Any] | None = None, *, msg_id: str | None = None,
+        self,
+        compilation_id: str,
+        candidate_id: str,
+        agent: str,
+        body: dict[str, Any] | None = None,
+        *,
+        msg_id: str | None = None,
     ) -> BoardPost:
         """Report what came of a candidate (e.g. a measurement summary).
 

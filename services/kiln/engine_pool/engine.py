@@ -15,11 +15,12 @@ Per candidate (:meth:`Engine.run`), phases timed in ms:
 1. ``load``: execute its code modules in fresh namespaces (they register implementations);
 2. ``bind``: ``OpBinding.from_recipe(candidate.ops)`` and ``model.rebind`` (derived layouts come
    from the weight store's cache: no weight is read again), then its transforms;
-3. ``compile``: ``warmup`` untimed decode steps at the traffic shape (graph compilation lands
-   here);
-4. ``check``: fresh random prompts (``check_batch`` of them), prefill + ``check_steps``
-   decode steps, candidate then reference, outputs poisoned between calls; then one decode step
-   at the traffic shape (full batch and context);
+3. ``compile``: ``warmup`` (at least one) untimed decode steps at the traffic shape (graph
+   compilation lands here); the first one's logits are kept for the check, so the step checked
+   at the traffic shape is one the candidate cannot tell from a warm-up or timed step;
+4. ``check``: the reference's step at the traffic shape (full batch and context) against the
+   kept logits; then fresh random prompts (``check_batch`` of them), prefill + ``check_steps``
+   decode steps, candidate then reference, outputs poisoned between calls;
 5. ``measure``: timed decode steps at (batch_size, context_len) — ``min_repeats`` to
    ``repeats`` of them within ``measure_budget_s`` — median, p10, p90, stdev;
    tokens/s = batch_size / median_s.
@@ -290,14 +291,23 @@ class Engine:
             if candidate.lossy:
                 notes.append(f"lossy: checked to {LOSSY_RTOL:g} x max |reference|")
             phase = "compile"
+            guard = OutputGuard(self._protected)
             with _timed(phases, "compile", sync):
-                for i in range(request.warmup):
+                # The first step at the traffic shape is checked (in the check phase); the
+                # candidate cannot tell it from the timed steps that follow.
+                token = self._shape_token(request.seed)
+                self._at_context()
+                first = run_steps([functools.partial(self.model.decode_step, token)], guard)
+                for i in range(1, request.warmup):
                     self._at_context()
                     self.model.decode_step(steps[i])
             phase = "check"
             with _timed(phases, "check", sync):
                 verdict = self._check(
-                    request.seed, LOSSY_RTOL if candidate.lossy else RTOL[self.dtype]
+                    request.seed,
+                    LOSSY_RTOL if candidate.lossy else RTOL[self.dtype],
+                    first,
+                    guard,
                 )
             if not verdict.correct:
                 return Measurement(
@@ -348,9 +358,42 @@ class Engine:
                 break
         return samples
 
-    def _check(self, seed: int, rtol: float) -> CheckResult:
-        """Prefill + decode steps on fresh inputs, then one step at the traffic shape."""
+    def _shape_token(self, seed: int) -> Tensor:
+        """``[batch_size, 1]`` int64: the token of the step checked at the traffic shape."""
+        g = torch.Generator().manual_seed(seed + 2)
+        return torch.randint(self.vocab, (self.spec.batch_size, 1), generator=g).to(self.device)
+
+    def _check(
+        self, seed: int, rtol: float, at_shape: list[Tensor], guard: OutputGuard
+    ) -> CheckResult:
+        """Compare the candidate against the reference forward.
+
+        Args:
+            seed: the experiment's check seed (fresh inputs every experiment).
+            rtol: relative tolerance (see :mod:`kiln.engine_pool.check`).
+            at_shape: the candidate's logits of its first step at the traffic shape (full batch,
+                full context; ``[[batch_size, V]]`` float32), on :meth:`_shape_token`, taken
+                right before this call with nothing run since.
+            guard: the candidate's output guard (its outputs are poisoned before each call).
+
+        The reference runs the same step at the traffic shape (same cache contents: each step
+        writes its own K/V before attending), then candidate and reference each run a prefill
+        of ``check_batch`` fresh right-padded prompts and ``check_steps`` decode steps.
+        """
         spec = self.spec
+        ref_guard = OutputGuard(self._protected)
+        self._at_context()
+        token = self._shape_token(seed)
+        want = run_steps([functools.partial(self.shape_reference.decode_step, token)], ref_guard)
+        shape_verdict = compare(at_shape, want, rtol)
+        if not shape_verdict.correct:
+            where = f"batch {spec.batch_size}, context {spec.context_len}"
+            return CheckResult(
+                False,
+                shape_verdict.max_abs_error,
+                shape_verdict.tolerance,
+                f"at {where}: {shape_verdict.reason}",
+            )
         inputs = CheckInputs.draw(
             seed,
             batch=spec.check_batch,
@@ -367,30 +410,15 @@ class Engine:
             out += [functools.partial(model.decode_step, step) for step in inputs.decode]
             return out
 
-        guard = OutputGuard(self._protected)
-        ref_guard = OutputGuard(self._protected)
         got = run_steps(calls(self.model), guard)
         want = run_steps(calls(self.reference), ref_guard)
+        guard.poison()
+        ref_guard.poison()
+        self._at_context()
         verdict = compare(got, want, rtol)
         if not verdict.correct:
             return verdict
-        # One step at the operating point (full batch, full context): the candidate cannot
-        # behave only on short contexts or small batches.
-        g = torch.Generator().manual_seed(seed + 2)
-        token = torch.randint(self.vocab, (spec.batch_size, 1), generator=g).to(self.device)
-        self._at_context()
-        got = run_steps([functools.partial(self.model.decode_step, token)], guard)
-        self._at_context()
-        want = run_steps([functools.partial(self.shape_reference.decode_step, token)], ref_guard)
-        guard.poison()
-        ref_guard.poison()
-        at_shape = compare(got, want, rtol)
-        if not at_shape.correct:
-            where = f"batch {spec.batch_size}, context {spec.context_len}"
-            return CheckResult(
-                False, at_shape.max_abs_error, at_shape.tolerance, f"at {where}: {at_shape.reason}"
-            )
-        worst = max(verdict.max_abs_error, at_shape.max_abs_error)
+        worst = max(verdict.max_abs_error, shape_verdict.max_abs_error)
         return CheckResult(True, worst, verdict.tolerance)
 
     def _restore(

@@ -28,7 +28,8 @@ class RunRequest:
     Attributes:
         experiment_id: for logs and notes.
         candidate: ``Candidate.canonical()`` (ops, transforms, code modules, lossy).
-        warmup: untimed decode steps at the traffic shape before timing.
+        warmup: untimed decode steps at the traffic shape before timing (at least one runs:
+            the first is checked against the reference).
         repeats: timed decode steps at most.
         min_repeats: timed decode steps at least.
         measure_budget_s: stop timing once ``min_repeats`` steps ran and their total time
@@ -38,7 +39,7 @@ class RunRequest:
 
     experiment_id: str
     candidate: dict[str, Any]
-    warmup: int = 2
+    warmup: int = 1
     repeats: int = 20
     min_repeats: int = 5
     measure_budget_s: float = 0.0

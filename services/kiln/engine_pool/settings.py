@@ -24,8 +24,9 @@ class EngineSettings(BaseSettings):
     device: str = Field(default="cpu", description='Device engines run on: "cpu", "cuda:0", ...')
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
-        description="Engine dtype: auto = the workload's model.dtype when set, else float32 on "
-        "CPU (bfloat16 on CUDA); anything else forces that dtype for every engine.",
+        description="Engine dtype: auto = the workload's model.dtype when set, else the "
+        "config's torch_dtype where the device computes it natively (CUDA; CPUs with "
+        "AVX512-BF16/AMX), else float32; anything else forces that dtype for every engine.",
     )
     max_batch: int = Field(
         default=8, ge=1, description="Cap on the traffic shape's batch (sequences)."
@@ -35,7 +36,7 @@ class EngineSettings(BaseSettings):
     )
     fast_layers: int = Field(default=2, ge=1, description="Layers of a fast-tier engine.")
     prompt_len: int = Field(default=16, ge=1, description="Prompt tokens of the correctness check.")
-    check_steps: int = Field(default=2, ge=0, description="Decode steps checked after the prefill.")
+    check_steps: int = Field(default=1, ge=0, description="Decode steps checked after the prefill.")
     check_batch: int = Field(
         default=2, ge=1, description="Prompts of the correctness check (full batch at the shape)."
     )
@@ -44,11 +45,16 @@ class EngineSettings(BaseSettings):
     )
 
     # --- how experiments are timed --------------------------------------------------------
-    warmup: int = Field(default=2, ge=0, description="Untimed decode steps before timing.")
+    warmup: int = Field(
+        default=1,
+        ge=0,
+        description="Untimed decode steps at the traffic shape before timing (at least one "
+        "runs: the first is the step checked at the shape).",
+    )
     repeats: int = Field(default=20, ge=1, description="Timed decode steps at most.")
     min_repeats: int = Field(default=5, ge=1, description="Timed decode steps at least.")
     measure_budget_s: float = Field(
-        default=1.0,
+        default=0.5,
         ge=0,
         description="Timing stops once min_repeats steps ran and this many seconds were spent "
         "timing (Triton do_bench style), or after repeats steps.",

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from kiln.engine_pool.native_dtype import is_native
 from kiln.workloads.config import ModelConfig, UnsupportedModelError, parse_config
 
 Tier = Literal["fast", "full"]
@@ -59,7 +60,7 @@ class EngineLimits:
     max_context: int = 512
     fast_layers: int = 2
     prompt_len: int = 16
-    check_steps: int = 2
+    check_steps: int = 1
     check_batch: int = 2
 
 
@@ -155,8 +156,7 @@ class EngineSpec:
 
         dtype = limits.dtype or str(model.get("dtype") or "")
         if not dtype:
-            dtype = "float32" if limits.device == "cpu" else "bfloat16"
-            notes.append(f"workload.model.dtype unset: {dtype} on {limits.device}")
+            dtype = _default_dtype(config.torch_dtype, limits.device, notes)
         if dtype not in ENGINE_DTYPES:
             raise SpecError(f"workload.model.dtype {dtype!r} is not one of {ENGINE_DTYPES}")
         try:
@@ -201,6 +201,18 @@ class EngineSpec:
             check_batch=max(1, min(limits.check_batch, batch)),
             notes=tuple(notes),
         )
+
+
+def _default_dtype(torch_dtype: str, device: str, notes: list[str]) -> str:
+    """The config's ``torch_dtype`` where ``device`` computes it natively, else float32."""
+    if torch_dtype in ENGINE_DTYPES and is_native(torch_dtype, device):
+        notes.append(f"workload.model.dtype unset: the config's {torch_dtype} on {device}")
+        return torch_dtype
+    notes.append(
+        f"workload.model.dtype unset: float32 on {device} "
+        f"(the config's {torch_dtype} is not native there)"
+    )
+    return "float32"
 
 
 def _parse(model: Mapping[str, Any], name: str) -> ModelConfig:

@@ -58,13 +58,17 @@ def reference(
     Returns:
         ``[B, Hq, T, D]`` in ``q.dtype``.
     """
-    group = q.shape[1] // k_cache.shape[1]
-    k = k_cache.float().repeat_interleave(group, dim=1)
-    v = v_cache.float().repeat_interleave(group, dim=1)
-    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
-    mask = cache_mask(positions, seq_lens, k_cache.shape[2])
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)
+    b, hq, t, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    # Query head h reads KV head h // group (transformers' repeat_kv), computed by grouping the
+    # queries as [B, Hkv, group * T, D] instead of copying the cache group times.
+    qg = q.float().reshape(b, hkv, group * t, d)
+    scores = torch.matmul(qg, k_cache.float().transpose(-1, -2)) * scale
+    mask = cache_mask(positions, seq_lens, k_cache.shape[2])  # [B, 1, T, S]
+    scores = scores.view(b, hkv, group, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, hkv, group * t, -1)
+    return torch.matmul(probs, v_cache.float()).view(b, hq, t, d).to(q.dtype)
 
 
 @register("attention", "sdpa")
