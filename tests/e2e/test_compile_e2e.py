@@ -1,11 +1,14 @@
 """A compilation through all four services as separate processes, over real gRPC, NATS and
 PostgreSQL, with the real engine pool measuring on the CPU: the ``kiln compile`` CLI end to end,
-and SIGKILL of the agent runner and of the engine pool mid-compilation."""
+SIGKILL of the agent runner and of the engine pool mid-compilation, and SIGKILL of an engine
+worker process (a child of the engine pool) mid-experiment."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 import pytest
 import pytest_asyncio
@@ -23,7 +27,8 @@ from kiln.common.client import team_channel
 from kiln.common.settings import KilnSettings
 from kiln.ledger.db import create_engine, libpq_dsn
 from kiln.ledger.replay import replay
-from kiln.v1 import compiler_pb2_grpc
+from kiln.v1 import compiler_pb2_grpc, engine_pool_pb2, engine_pool_pb2_grpc
+from kiln.workloads.candidate import REFERENCE_CANDIDATE
 
 from .processes import ServiceProcess, free_port, service_env
 
@@ -77,6 +82,9 @@ async def deployment(settings: KilnSettings, tmp_path: Path) -> AsyncIterator[De
     prefix = f"ke{uuid.uuid4().hex[:8]}"  # its own work queue: no other consumer may share it
     env = service_env(str(settings.database_url), str(settings.nats_url), prefix, tmp_path, addrs)
     env.update(KILN_ENGINE_ACK_WAIT_S="5", KILN_ENGINE_MEASURE_BUDGET_S="0.2")
+    # A fast-tier and a full-tier engine stay warm side by side: confirmations on the full
+    # tier do not rebuild the fast engine each time (tiny models: memory is no concern).
+    env.update(KILN_ENGINE_MAX_ENGINES="2")
     procs = {n: ServiceProcess(n, addrs[n], env, tmp_path / f"{n}.log") for n in SERVICES}
     try:
         for proc in procs.values():
@@ -116,14 +124,21 @@ async def _wait_for(
 
 
 def _assert_sound(events: list[dict[str, Any]], max_experiments: int) -> None:
-    """No event lost or duplicated: one completion per request, no candidate twice, versions
-    contiguous per stream, one end, the budget respected."""
+    """No event lost or duplicated: one completion per request, no candidate twice on a tier
+    (but the reference, measured again on the full tier for every confirmation), bests only
+    from the full tier, versions contiguous per stream, one end, the budget respected."""
     requested = {e["stream_id"]: e for e in events if e["type"] == "ExperimentRequested"}
     completed = Counter(e["stream_id"] for e in events if e["type"] == "ExperimentCompleted")
     assert set(completed) == set(requested), "a request without a completion, or vice versa"
     assert max(completed.values()) == 1, "an experiment completed twice"
-    candidates = Counter(e["data"]["candidate_id"] for e in requested.values())
+    candidates = Counter(
+        (e["data"]["candidate_id"], e["data"]["tier"])
+        for e in requested.values()
+        if (e["data"]["candidate_id"], e["data"]["tier"]) != (REFERENCE_CANDIDATE.id, "full")
+    )
     assert max(candidates.values()) == 1, f"a candidate was measured twice: {candidates}"
+    bests = [e for e in events if e["type"] == "BestCandidateImproved"]
+    assert all(e["data"]["tier"] == "full" for e in bests)
     by_stream: dict[str, list[int]] = {}
     for e in events:
         by_stream.setdefault(e["stream_id"], []).append(e["version"])
@@ -139,10 +154,49 @@ def _assert_sound(events: list[dict[str, Any]], max_experiments: int) -> None:
     assert len(counted) <= max_experiments
 
 
-def _submit_request(model: Path, budget_s: float, max_experiments: int) -> Any:
+def _submit_request(
+    model: Path, budget_s: float, max_experiments: int, agents: list[str] | None = None
+) -> Any:
     from kiln.cli.compile import build_request
 
-    return build_request(model, TRACE, "cpu", 0, budget_s, max_experiments, "", [])
+    return build_request(model, TRACE, "cpu", 0, budget_s, max_experiments, "", agents or [])
+
+
+def _engine_workers(pool_pid: int) -> dict[int, psutil.Process]:
+    """The engine worker processes of the engine pool ``pool_pid``, by pid: its descendants
+    started by multiprocessing's spawn (not its resource tracker)."""
+    workers = {}
+    for child in psutil.Process(pool_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "spawn_main" in " ".join(child.cmdline()):
+                workers[child.pid] = child
+    return workers
+
+
+async def _kill_a_busy_engine(deployment: Deployment, timeout_s: float) -> list[int]:
+    """SIGKILL engine worker processes as soon as the engine pool reports one running an
+    experiment (ListEngines: BUSY): that one by its pid, or every worker when the pool does not
+    report pids. Returns the pids killed."""
+    pool = deployment.procs["engine-pool"]
+    assert pool.proc is not None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with team_channel(pool.addr, "e2e") as ch:
+        stub = engine_pool_pb2_grpc.EnginePoolStub(ch)
+        while loop.time() < deadline:
+            reply = await stub.ListEngines(
+                engine_pool_pb2.ListEnginesRequest(local_only=True), timeout=10
+            )
+            busy = [e for e in reply.engines if e.state == engine_pool_pb2.ENGINE_STATE_BUSY]
+            workers = _engine_workers(pool.proc.pid) if busy else {}
+            chosen = [workers[e.pid] for e in busy if e.pid in workers] or list(workers.values())
+            for worker in chosen:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    worker.kill()
+            if chosen:
+                return [w.pid for w in chosen]
+            await asyncio.sleep(0.02)
+    raise AssertionError(f"no engine was busy within {timeout_s}s")
 
 
 async def test_compilation_survives_sigkill_of_agent_runner_and_engine_pool(
@@ -178,6 +232,31 @@ async def test_compilation_survives_sigkill_of_agent_runner_and_engine_pool(
         await engine.dispose()
 
 
+async def test_compilation_survives_an_engine_crash_mid_experiment(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    # One agent (coordinate descent walks op swaps before torch_compile): short experiments.
+    request = _submit_request(tiny_llama(tmp_path), 180, max_experiments=7, agents=["coordinate"])
+    async with team_channel(deployment.compiler_addr, "e2e") as ch:
+        compilation = await compiler_pb2_grpc.CompilerStub(ch).Submit(request, timeout=60)
+    cid = compilation.compilation_id
+    db = deployment.database_url
+
+    await _wait_for(db, cid, "ExperimentCompleted", 2, timeout_s=120)  # engines are warm
+    killed = await _kill_a_busy_engine(deployment, timeout_s=60)
+
+    events = await _wait_for(db, cid, "CompilationEnded", 1, timeout_s=240)
+    _assert_sound(events, max_experiments=7)  # ... and it succeeded
+    results = [e["data"] for e in events if e["type"] == "ExperimentCompleted"]
+    crashed = [d for d in results if d["status"] == "crashed"]
+    assert crashed, f"killed {killed}; results: {[(d['status'], d['error']) for d in results]}"
+    assert "engine process died" in crashed[0]["error"]
+    assert len(results) == 7 and all(d["status"] != "cancelled" for d in results)
+    end = events[-1]["data"]
+    assert end["reason"].startswith("the experiment budget is spent (7 of 7 experiments)")
+    assert any(e["type"] == "TierAgreement" for e in events)
+
+
 async def test_kiln_compile_cli_end_to_end(deployment: Deployment, tmp_path: Path) -> None:
     model = tiny_llama(tmp_path)
     args = [
@@ -191,6 +270,15 @@ async def test_kiln_compile_cli_end_to_end(deployment: Deployment, tmp_path: Pat
     text = out.decode()
     assert proc.returncode == 0, err.decode()[-2000:] + text
     assert "succeeded" in text and "baseline" in text and "experiments" in text
+    assert "fast vs full" in text  # the tier agreement, at the end of `kiln compile`
+    match = re.search(r"compilation ([0-9a-f]{32})", text)
+    assert match, text
+    shown = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kiln", "compilations", "show", match.group(1),
+        env=deployment.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    show_out, _ = await shown.communicate()
+    assert shown.returncode == 0 and "fast vs full" in show_out.decode()
     listed = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kiln", "compilations", "list", env=deployment.env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -9,7 +9,9 @@ someone answered first, drop it) and acks.
 
 Its throughput model: 1000 tokens/s for the reference, times a factor per op implementation and
 transform (SDPA 1.3, fused QKV 1.1, ...), times a deterministic ±1 % per candidate; torch.compile
-with one thread is reported incorrect, so failures show up too.
+with one thread is reported incorrect, so failures show up too. The full tier (consumed apart,
+so it can be paused on its own) reports a quarter of that with another deterministic ±6 % per
+candidate, so fast and full rankings mostly, not always, agree.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ OP_FACTORS = {
 THREAD_FACTORS = {"1": 0.55, "2": 1.0}
 
 
-def throughput(candidate: dict[str, Any]) -> tuple[float, bool]:
-    """(tokens/s, correct) of a candidate's canonical JSON under the fake model."""
+FULL_TIER_FACTOR = 0.25
+
+
+def throughput(candidate: dict[str, Any], tier: str = "fast") -> tuple[float, bool]:
+    """(tokens/s, correct) of a candidate's canonical JSON on ``tier`` under the fake model."""
     tps = BASE_TOKENS_PER_S
     for op, impl in candidate.get("ops", {}).items():
         tps *= OP_FACTORS.get((op, impl), 0.95)
@@ -53,16 +58,20 @@ def throughput(candidate: dict[str, Any]) -> tuple[float, bool]:
     digest = hashlib.sha256(repr(sorted(candidate.items())).encode()).digest()
     tps *= 1.0 + (digest[0] / 255.0 - 0.5) * 0.02
     correct = not ("torch_compile" in transforms and threads == "1")
+    if tier == "full":
+        tps *= FULL_TIER_FACTOR * (1.0 + (digest[1] / 255.0 - 0.5) * 0.12)
     return tps, correct
 
 
 class FakeEngine:
-    """Consumes ``{prefix}.work.experiments.fast`` with ``workers`` concurrent workers.
+    """Consumes ``{prefix}.work.experiments.*.fast.*`` with ``workers`` concurrent workers and
+    ``{prefix}.work.experiments.*.full.*`` with one.
 
     Attributes:
         delay_s: seconds each experiment takes.
         handled: experiment ids answered, in order.
-        paused: while set, workers hold off (work stays queued).
+        running: while cleared, every worker holds off (work stays queued).
+        full_running: while cleared, the full-tier worker holds off.
     """
 
     def __init__(self, nats_url: str, prefix: str, ledger_addr: str, workers: int = 2) -> None:
@@ -72,6 +81,8 @@ class FakeEngine:
         self.handled: list[str] = []
         self.running = asyncio.Event()
         self.running.set()
+        self.full_running = asyncio.Event()
+        self.full_running.set()
         self._nc: Client | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._clients: dict[str, LedgerClient] = {}
@@ -81,15 +92,23 @@ class FakeEngine:
         js = self._nc.jetstream()
         await kn.ensure_streams(js, self.prefix)
         sub = await js.pull_subscribe(
-            kn.work_subject(self.prefix, "fast"),
+            kn.work_filter(self.prefix, tier="fast"),  # every device kind and model
             durable="fake-engine-fast",
             stream=kn.work_stream_name(self.prefix),
         )
         self._tasks = [asyncio.create_task(self._work(sub)) for _ in range(self.workers)]
+        full = await js.pull_subscribe(
+            kn.work_filter(self.prefix, tier="full"),
+            durable="fake-engine-full",
+            stream=kn.work_stream_name(self.prefix),
+        )
+        self._tasks.append(asyncio.create_task(self._work(full, self.full_running)))
 
-    async def _work(self, sub: Any) -> None:
+    async def _work(self, sub: Any, gate: asyncio.Event | None = None) -> None:
         while True:
             await self.running.wait()
+            if gate is not None:
+                await gate.wait()
             try:
                 msgs = await sub.fetch(1, timeout=0.5)
             except nats.errors.TimeoutError:
@@ -100,7 +119,7 @@ class FakeEngine:
 
     async def _handle(self, work: ExperimentWork) -> None:
         await asyncio.sleep(self.delay_s)
-        tps, correct = throughput(work.candidate)
+        tps, correct = throughput(work.candidate, work.tier)
         median_ms = 1000.0 * 8 / tps
         data = {
             "compilation_id": work.compilation_id,
@@ -135,10 +154,11 @@ class FakeEngine:
         for client in self._clients.values():
             await client.close()
         if self._nc is not None:
-            with contextlib.suppress(Exception):
-                await self._nc.jetstream().delete_consumer(
-                    kn.work_stream_name(self.prefix), "fake-engine-fast"
-                )
+            for durable in ("fake-engine-fast", "fake-engine-full"):
+                with contextlib.suppress(Exception):
+                    await self._nc.jetstream().delete_consumer(
+                        kn.work_stream_name(self.prefix), durable
+                    )
             await self._nc.close()
 
 

@@ -96,8 +96,17 @@ async def test_list_engines(stub: engine_pool_pb2_grpc.EnginePoolStub) -> None:
     assert engine.device == "cpu" and engine.host
     assert engine.experiments_run >= 1 and engine.cold_start_s > 0
     assert engine.memory.weights_bytes > 0 and engine.started_at.seconds > 0
+    assert engine.pool_id and engine.engine_id.endswith(f"/cpu@{engine.pool_id}")
+    assert len(engine.spec_key) == 24 and len(engine.model_key) == 12
+    assert engine.device_kind == "cpu" and engine.pid > 0 and engine.restarts == 0
+    assert engine.last_heartbeat.seconds > 0 and engine.notes
+    # No NATS here: the registry is this pool alone.
+    (pool,) = (await stub.ListEngines(engine_pool_pb2.ListEnginesRequest())).pools
+    assert pool.local and pool.pool_id == engine.pool_id and pool.pid > 0
+    assert [(d.device, d.kind) for d in pool.devices] == [("cpu", "cpu")]
+    assert pool.experiments_done >= 1 and pool.hardware == []  # gRPC only: takes no queued work
     other = await stub.ListEngines(engine_pool_pb2.ListEnginesRequest(model_name="other"))
-    assert list(other.engines) == []
+    assert list(other.engines) == [] and len(other.pools) == 1
 
 
 def _without_config() -> dict[str, object]:
@@ -134,13 +143,15 @@ async def test_bad_requests_are_invalid_argument(
 
 
 @pytest.mark.skipif(not MODELS.is_dir(), reason="../shared/data/models is not here")
-async def test_moe_models_are_invalid_argument(stub: engine_pool_pb2_grpc.EnginePoolStub) -> None:
+async def test_unbuildable_models_are_invalid_argument(
+    stub: engine_pool_pb2_grpc.EnginePoolStub,
+) -> None:
     workload = tiny_workload()
     workload["model"] = {
-        "name": "mixtral",
-        "config_json": (MODELS / "mixtral-8x7b-v0.1.json").read_text(),
+        "name": "deepseek-v3",
+        "config_json": (MODELS / "deepseek-v3.json").read_text(),
     }
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.RunExperiment(_request(workload=workload), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "MoE" in (err.value.details() or "")
+    assert "MLA" in (err.value.details() or "")

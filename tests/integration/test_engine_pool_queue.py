@@ -1,5 +1,7 @@
 """The engine pool on the real work queue: ExperimentRequested in the real ledger, an
-ExperimentWork on NATS, the engine pool service in-process, ExperimentCompleted exactly once."""
+ExperimentWork on its (device kind, tier, model) subject, the engine pool service in-process,
+ExperimentCompleted exactly once; crashes recorded with their cause and the engine restarted;
+work for hardware or models the pool does not serve left queued."""
 
 from __future__ import annotations
 
@@ -14,19 +16,27 @@ import nats
 import pytest
 import pytest_asyncio
 
-from kiln.common.nats import delete_streams, work_stream_name, work_subject
+from kiln.common.nats import delete_streams, parse_work_subject, work_stream_name
 from kiln.common.server import serve
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
 from kiln.engine_pool.app import EnginePoolApp
 from kiln.engine_pool.queue import durable_name
+from kiln.engine_pool.registry import KEY_PREFIX, PoolRecord, registry_bucket
 from kiln.ledger.app import LedgerApp
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from kiln.v1 import ledger_pb2
 from kiln.workloads.candidate import Candidate
 
-from ..unit.engine_testing import TINY_LLAMA, engine_settings, tiny_workload, work
+from ..unit.engine_testing import (
+    EXIT_AT_LOAD,
+    TINY_LLAMA,
+    engine_settings,
+    module,
+    tiny_workload,
+    work,
+)
 from ..unit.runtime_app import free_port
 
 pytestmark = pytest.mark.integration
@@ -57,7 +67,12 @@ async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
     )
     ledger_task, ledger_addr = await _serve(LedgerApp(cfg), cfg)
     cfg = cfg.model_copy(update={"ledger_addr": ledger_addr})
-    app = EnginePoolApp(cfg, engine_settings(consume=True, ack_wait_s=6.0, nak_delay_s=0.5))
+    app = EnginePoolApp(
+        cfg,
+        engine_settings(
+            consume=True, ack_wait_s=6.0, nak_delay_s=0.5, discover_s=0.5, heartbeat_s=0.5
+        ),
+    )
     pool_task, _ = await _serve(app, cfg)
     await asyncio.wait_for(app.consumer.connected.wait(), 20)
     nc = await nats.connect(cfg.require_nats_url())
@@ -92,7 +107,7 @@ async def _requested(stack: Stack, w: ExperimentWork) -> ledger_pb2.RecordedEven
 
 async def _publish(stack: Stack, w: ExperimentWork, msg_id: str | None = None) -> None:
     headers = {"Nats-Msg-Id": msg_id or w.experiment_id}
-    await stack.js.publish(work_subject(stack.prefix, w.tier), w.to_json(), headers=headers)
+    await stack.js.publish(w.subject(stack.prefix), w.to_json(), headers=headers)
 
 
 async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float = 60.0) -> None:
@@ -106,10 +121,14 @@ async def _events(stack: Stack, w: ExperimentWork) -> list[ledger_pb2.RecordedEv
     return await stack.ledger.read_stream(f"experiment-{w.experiment_id}")
 
 
-async def _settled(stack: Stack, handled: int) -> bool:
-    """Every message handled so far, nothing pending or unacked on the fast consumer."""
+async def _settled(stack: Stack, handled: int, subject: str | None = None) -> bool:
+    """Every message handled so far, nothing pending or unacked on the subject's consumer
+    (default: the tiny workload's fast subject)."""
     stream = work_stream_name(stack.prefix)
-    info = await stack.js.consumer_info(stream, durable_name("fast"))
+    subject = subject or work(Candidate()).subject(stack.prefix)
+    info = await stack.js.consumer_info(
+        stream, durable_name(*parse_work_subject(stack.prefix, subject))
+    )
     return (
         stack.app.consumer.handled >= handled
         and info.num_pending == 0
@@ -159,7 +178,7 @@ async def test_failures_are_recorded_and_bad_messages_dropped(stack: Stack) -> N
     # Work whose ExperimentRequested was never appended, and a body that is not work at all.
     orphan = work(Candidate())
     await _publish(stack, orphan)
-    await stack.js.publish(work_subject(stack.prefix, "fast"), b"{not json")
+    await stack.js.publish(orphan.subject(stack.prefix), b"{not json")
     await _until(lambda: _settled(stack, handled + 3))
 
     _, done = await _events(stack, rejected)
@@ -167,3 +186,81 @@ async def test_failures_are_recorded_and_bad_messages_dropped(stack: Stack) -> N
     assert data["status"] == "rejected" and "MLP biases" in data["error"]
     with pytest.raises(Exception, match="has no events"):
         await _events(stack, orphan)
+
+
+SEGFAULT_AT_LOAD = module("segv", "import ctypes\nctypes.string_at(0)\n")
+
+
+async def _completed(stack: Stack, w: ExperimentWork) -> dict[str, object]:
+    async def done() -> bool:
+        return len(await _events(stack, w)) == 2
+
+    await _until(done, 120)
+    _, completed = await _events(stack, w)
+    data: dict[str, object] = json.loads(completed.data)
+    return data
+
+
+async def _registered(stack: Stack) -> PoolRecord:
+    kv = await stack.js.key_value(registry_bucket(stack.prefix))
+    entry = await kv.get(KEY_PREFIX + stack.app.pool.pool_id)
+    assert entry.value
+    return PoolRecord.from_json(entry.value)
+
+
+async def test_a_crash_is_recorded_with_its_cause_and_the_engine_restarts(stack: Stack) -> None:
+    segv = work(Candidate.make(code_modules=[SEGFAULT_AT_LOAD]))
+    exits = work(Candidate.make(code_modules=[EXIT_AT_LOAD]))
+    good = work(Candidate.make({"mlp": "fused_gate_up"}))
+    for w in (segv, exits, good):
+        await _requested(stack, w)
+        await _publish(stack, w)
+    crashed, exited, ok = [await _completed(stack, w) for w in (segv, exits, good)]
+    assert crashed["status"] == "crashed" and "killed by signal SIGSEGV" in str(crashed["error"])
+    assert exited["status"] == "crashed" and "exit code 3" in str(exited["error"])
+    assert ok["status"] == "ok", ok["error"]
+
+    # The registry (the pool's heartbeat in the KV bucket) shows the restarts.
+    async def restarted_and_ready() -> bool:
+        record = await _registered(stack)
+        return any(e.restarts >= 2 and e.state == "ready" for e in record.engines)
+
+    await _until(restarted_and_ready, 20)
+    record = await _registered(stack)
+    (engine,) = [e for e in record.engines if e.model_key == good.model_key and e.tier == "fast"]
+    assert engine.experiments_run >= 1 and engine.pid > 0 and engine.device == "cpu"
+    assert good.subject(stack.prefix) in record.subjects
+    assert record.hardware == ["cpu"] and record.devices[0].kind == "cpu"
+
+
+async def test_each_model_has_its_own_subject_and_consumer(stack: Stack) -> None:
+    other = tiny_workload(name="tiny-llama-seed-9")
+    other["model"]["seed"] = "9"
+    first, second = work(Candidate()), work(Candidate(), workload=other)
+    assert first.model_key != second.model_key
+    for w in (first, second):
+        await _requested(stack, w)
+        await _publish(stack, w)
+    for w in (first, second):
+        assert (await _completed(stack, w))["status"] == "ok"
+    consumer = stack.app.consumer
+    assert {first.subject(stack.prefix), second.subject(stack.prefix)} <= set(consumer.lanes)
+    stream = work_stream_name(stack.prefix)
+    info = await stack.js.consumer_info(stream, durable_name("cpu", "fast", second.model_key))
+    assert info.config.filter_subject == second.subject(stack.prefix)
+
+
+async def test_work_for_other_hardware_stays_queued(stack: Stack) -> None:
+    h100 = tiny_workload()
+    h100["hardware"] = {"name": "h100", "num_devices": 1}
+    w = work(Candidate(), workload=h100)
+    await _requested(stack, w)
+    await _publish(stack, w)
+    subject = w.subject(stack.prefix)
+    assert subject.split(".")[3] == "h100"
+    await asyncio.sleep(2.0)  # several scans
+    assert subject not in stack.app.consumer.lanes
+    assert len(await _events(stack, w)) == 1
+    info = await stack.js.stream_info(work_stream_name(stack.prefix), subjects_filter=subject)
+    assert (info.state.subjects or {}).get(subject) == 1
+    await stack.js.purge_stream(work_stream_name(stack.prefix), subject=subject)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from kiln.agent_runner.space import (
+    CUDA_GRAPH,
     OP_PREFIX,
     THREADS,
     TORCH_COMPILE,
@@ -12,9 +16,13 @@ from kiln.agent_runner.space import (
     Dimension,
     space_for,
     thread_counts,
+    unused_ops,
 )
 from kiln.ops import registry
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate, Transform
+from kiln.workloads.config import parse_config
+
+MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
 
 
 def test_cpu_space_has_non_lossy_ops_threads_and_torch_compile() -> None:
@@ -28,11 +36,22 @@ def test_cpu_space_has_non_lossy_ops_threads_and_torch_compile() -> None:
     for d in space.dims:
         if d.op is not None:
             assert all(not registry.get(d.op, v).lossy for v in d.values if v)
-    assert "op:moe" not in dims  # no implementation to choose from
+    assert CUDA_GRAPH not in dims  # GPU targets only
 
 
-def test_gpu_space_has_no_threads() -> None:
-    assert THREADS not in {d.name for d in space_for("h200").dims}
+def test_gpu_space_has_cuda_graphs_and_no_threads() -> None:
+    names = {d.name for d in space_for("h200").dims}
+    assert THREADS not in names and CUDA_GRAPH in names
+
+
+def test_ops_a_model_never_calls_are_left_out() -> None:
+    llama = parse_config(json.loads((MODELS / "llama-3.2-1b.json").read_text()), "llama")
+    qwen_moe = parse_config(json.loads((MODELS / "qwen3-30b-a3b.json").read_text()), "qwen")
+    space = space_for("cpu", cpus=2)
+    dense = {d.name for d in space.without_ops(unused_ops(llama)).dims}
+    assert "op:moe" not in dense and "op:mlp" in dense
+    moe = {d.name for d in space.without_ops(unused_ops(qwen_moe)).dims}
+    assert "op:moe" in moe and "op:mlp" not in moe
 
 
 def test_points_are_distinct_candidates_without_the_reference() -> None:

@@ -67,18 +67,22 @@ def test_key_changes_with_the_workload() -> None:
             "workload.model is missing",
         ),
         (_workload({"model_type": "bert"}), InvalidArgument, "unsupported architecture 'bert'"),
-        (  # parsed fine, but no engine can build MoE layers yet: refused at submission
+        (  # parsed fine, but no engine can build MLA attention yet: refused at submission
             _workload(
                 {
                     **CONFIG,
-                    "model_type": "qwen3_moe",
-                    "num_experts": 8,
+                    "model_type": "deepseek_v3",
+                    "n_routed_experts": 8,
                     "num_experts_per_tok": 2,
                     "moe_intermediate_size": 32,
+                    "kv_lora_rank": 16,
+                    "qk_nope_head_dim": 8,
+                    "qk_rope_head_dim": 8,
+                    "v_head_dim": 8,
                 }
             ),
             InvalidArgument,
-            "cannot build 'qwen3_moe': MoE layers",
+            "cannot build 'deepseek_v3': MLA attention",
         ),
         (_workload({**CONFIG, "vocab_size": None}), InvalidArgument, "workload.model"),
         (_workload(batch_size=0), InvalidArgument, "batch_size must be >= 1"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from kiln.ops.registry import ops
 from kiln.workloads.config import load_config, parse_config
 from kiln.workloads.models import UnbuildableModelError, build_model
+from kiln.workloads.models.build import check_buildable
 from kiln.workloads.models.kv_cache import CacheCapacityError
 
 MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
@@ -35,20 +37,30 @@ TINY = {
 
 
 @pytest.mark.skipif(not MODELS.is_dir(), reason="../shared/data/models is not here")
-@pytest.mark.parametrize(
-    ("file", "why"),
-    [
-        ("mixtral-8x7b-v0.1.json", "MoE"),
-        ("qwen3-30b-a3b.json", "MoE"),
-        ("deepseek-v3.json", "deepseek_v3"),
-    ],
-)
-def test_moe_and_mla_models_are_refused_by_name(file: str, why: str) -> None:
-    config = load_config(MODELS / file)
-    with pytest.raises(UnbuildableModelError, match=why) as err:
+def test_mla_models_are_refused_by_name() -> None:
+    config = load_config(MODELS / "deepseek-v3.json")
+    with pytest.raises(UnbuildableModelError, match="'deepseek_v3': MLA attention") as err:
         build_model(config, layers=1)
     assert isinstance(err.value, NotImplementedError)
     assert config.name in str(err.value)
+
+
+@pytest.mark.skipif(not MODELS.is_dir(), reason="../shared/data/models is not here")
+@pytest.mark.parametrize("file", ["mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json"])
+def test_moe_models_are_buildable(file: str) -> None:
+    check_buildable(load_config(MODELS / file))  # building them: tests/unit/test_moe_models.py
+
+
+def test_moe_sliding_window_and_shared_experts_are_refused() -> None:
+    raw = {**TINY, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+    config = parse_config({**raw, "rope_scaling": None}, "tiny-mixtral")
+    check_buildable(config)
+    with pytest.raises(UnbuildableModelError, match="sliding-window"):
+        check_buildable(parse_config({**raw, "rope_scaling": None, "sliding_window": 4096}))
+    assert config.moe is not None
+    shared = replace(config, moe=replace(config.moe, num_shared_experts=1))
+    with pytest.raises(UnbuildableModelError, match="shared experts"):
+        check_buildable(shared)
 
 
 @pytest.mark.parametrize(

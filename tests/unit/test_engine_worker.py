@@ -112,7 +112,7 @@ def test_measurement_reports_timing_memory_and_phases(engine: Engine) -> None:
     assert len(t.samples_ms) == 7 and t.warmup_runs == 2
     assert t.p10_ms <= t.median_ms <= t.p90_ms and t.stdev_ms >= 0
     assert m.tokens_per_s == pytest.approx(3 / (t.median_ms / 1e3))
-    assert set(m.phases_ms) == {"load", "bind", "compile", "check", "measure"}
+    assert set(m.phases_ms) == {"load", "bind", "compile", "check", "measure", "verify"}
     assert m.memory.weights_bytes == engine.weights.nbytes()
     assert m.memory.kv_cache_bytes > 0 and m.memory.workspace_bytes > 0
     assert m.max_abs_error <= 1e-3 * 10

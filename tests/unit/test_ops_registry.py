@@ -32,13 +32,9 @@ def scratch_impl() -> Iterator[str]:
         unregister("sampler", "test_scratch")
 
 
-def test_every_op_but_moe_has_a_reference() -> None:
+def test_every_op_has_a_reference() -> None:
     for op in OPS:
-        impls = implementations(op)
-        if op == "moe":
-            assert impls == ()
-        else:
-            assert impls[0] == "reference"
+        assert implementations(op)[0] == "reference"
 
 
 def test_required_alternatives_are_registered() -> None:
@@ -64,8 +60,6 @@ def test_unknown_implementation_names_the_registered_ones() -> None:
         get("attention", "flash")
     assert isinstance(err.value, KeyError)
     assert str(err.value) == "op 'attention' has no implementation 'flash' (known: reference, sdpa)"
-    with pytest.raises(UnknownImplementationError, match="none yet"):
-        get("moe", "reference")
 
 
 def test_register_get_replace_unregister(scratch_impl: str) -> None:
@@ -89,14 +83,14 @@ def test_binding_defaults_to_reference_and_rejects_bad_recipes() -> None:
     binding = OpBinding.from_recipe({"attention": "sdpa"})
     assert binding.recipe["attention"] == "sdpa"
     assert binding.recipe["mlp"] == "reference"
-    assert "moe" not in binding.recipe
+    assert binding.recipe["moe"] == "reference"
     assert not binding.lossy
     with pytest.raises(UnknownImplementationError):
         OpBinding.from_recipe({"attention": "flash"})
     with pytest.raises(UnknownOpError):
         OpBinding.from_recipe({"attn": "sdpa"})
     with pytest.raises(UnknownImplementationError, match="moe"):
-        binding.impl("moe")
+        OpBinding({}).impl("moe")
 
 
 def test_lossy_implementations_need_opt_in(scratch_impl: str) -> None:

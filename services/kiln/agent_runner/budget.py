@@ -4,9 +4,9 @@ A compilation stops when either limit is reached:
 
 - wall time: ``wall_seconds`` since the ledger recorded its ``CompilationSubmitted`` (so a
   restarted runner keeps the original deadline);
-- experiments: ``max_experiments`` *completed* experiments, the baseline included (0 = no
-  limit). Slots are reserved before an experiment is requested, so completed + in flight never
-  exceeds the limit.
+- experiments: ``max_experiments`` *completed* experiments, the baseline and the full-tier
+  confirmations included (0 = no limit). Slots are reserved before an experiment is requested,
+  so completed + in flight never exceeds the limit.
 """
 
 from __future__ import annotations

@@ -1,15 +1,26 @@
-"""One compilation, run to its end: plan, baseline, agents, best-so-far, budget, cancel.
+"""One compilation, run to its end: plan, baseline, agents, confirmations, best-so-far, budget,
+cancel.
 
 The runner is the only writer of its ``compilation-<id>`` stream apart from cancel requests: it
 appends with the stream's expected version and, on ``Aborted``, re-reads the stream (that is how
 it learns of a cancel requested elsewhere) and retries. Its events, in order:
 
 ``CompilationPlanned`` (the cost model's first feasible plan) -> ``BaselineMeasured`` (the
-reference candidate on the fast tier) -> ``BestCandidateImproved`` each time a correct candidate
-beats the best so far (the baseline at first) -> ``CompilationEnded``.
+reference candidate on the fast tier) -> ``BestCandidateImproved`` each time a candidate
+confirmed on the full tier beats the best so far (the full-tier reference at first) ->
+``TierAgreement`` (fast vs full rank correlation) -> ``CompilationEnded``.
+
+Agents search on the fast tier. When a fast result becomes the fast leader, the runner's
+confirmation task (one per compilation, agent ``confirm``) holds the agents' next requests
+(the *gate*), waits for their experiments in flight, and measures the reference and then the
+leader on the full tier, back to back; :mod:`kiln.agent_runner.judge` says what is due and what
+a confirmation proves. Everything it decides is recomputed from the ledger, so a restarted
+runner finishes a confirmation cut in half and starts the ones that were due.
 
 It ends ``succeeded`` when the experiment budget or the wall-clock budget is spent or the agents
-have nothing left to propose; ``cancelled`` after a cancel request; ``failed`` with the reason
+have nothing left to propose (and the confirmations due are done); an experiment that crashes
+or times out (an engine process died, the engine pool restarted) is recorded as such and the
+search goes on; ``cancelled`` after a cancel request; ``failed`` with the reason
 when the cost model is unreachable or refuses, the baseline does not measure, or every agent
 fails. Before ``CompilationEnded`` every requested experiment gets its ``ExperimentCompleted``
 (the runner records ``timed_out`` for those no engine answered), so a finished compilation has
@@ -21,7 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine
+import json
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -36,20 +48,33 @@ from kiln.agent_runner.config import RunnerConfig
 from kiln.agent_runner.dispatcher import ExperimentDispatcher
 from kiln.agent_runner.errors import Failure
 from kiln.agent_runner.experiment import Completed, Requested
-from kiln.agent_runner.judge import BASELINE_AGENT, judgement, speedup
+from kiln.agent_runner.judge import (
+    BASELINE_AGENT,
+    CONFIRM_AGENT,
+    CONFIRM_TIER,
+    SEARCH_TIER,
+    agreement_text,
+    completed_on,
+    confirmation_due,
+    judgement,
+    needs_reference,
+    speedup,
+    tier_agreement,
+)
 from kiln.agent_runner.ledger_access import LedgerPool
 from kiln.agent_runner.planning import choose_plan
 from kiln.agent_runner.resume import orphan_claims
-from kiln.agent_runner.space import CandidateSpace
+from kiln.agent_runner.space import CandidateSpace, unused_ops
 from kiln.agent_runner.state import CompilationState, ExperimentRecord
 from kiln.agent_runner.stream import CompilationStream
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.agent_runner.workload import workload_to_json
 from kiln.board import Board
 from kiln.common.logging import get_logger
-from kiln.events.types import EndStatus, is_failure
+from kiln.events.types import EndStatus, Tier, is_failure
 from kiln.ledger.model import NewEvent
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
+from kiln.workloads.config import parse_config
 
 log = get_logger("kiln.agent_runner.compilation")
 
@@ -96,6 +121,18 @@ class CompilationRunner:
         self._stream = CompilationStream(state, deps.ledger.client(state.team), self._stop.set)
         self._judge_lock = asyncio.Lock()
         self._requested: set[str] = set()
+        """Candidates requested on the search tier (agents measure each once)."""
+        self._gate = asyncio.Event()
+        """Open (set) unless a confirmation is running: agents wait here before requesting."""
+        self._gate.set()
+        self._searching = 0
+        """Search-tier experiments past the gate and not completed."""
+        self._search_idle = asyncio.Event()
+        self._search_idle.set()
+        self._confirm_slots = 0
+        """Experiment slots reserved for the confirmation due."""
+        self._confirm_wanted = asyncio.Event()
+        self._agents_done = False
         self._in_flight: dict[str, Requested] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workload_json = workload_to_json(state.workload)
@@ -104,7 +141,8 @@ class CompilationRunner:
         self.finished = asyncio.Event()
         """Set when :meth:`run` returns (ended, or stopped by shutdown)."""
         for rec in state.experiments.values():
-            self._requested.add(rec.requested.candidate.id)
+            if rec.requested.tier == SEARCH_TIER:
+                self._requested.add(rec.requested.candidate.id)
             if rec.completed is None:
                 self._in_flight[rec.requested.experiment_id] = rec.requested
                 self._budget.in_flight += 1
@@ -120,9 +158,12 @@ class CompilationRunner:
 
     @property
     def space(self) -> CandidateSpace:
-        """The candidate space of the workload's hardware."""
+        """The candidate space of the workload's hardware, without ops the model never calls."""
         if self._space is None:
-            self._space = self._deps.space(self.state.workload.hardware.name)
+            space = self._deps.space(self.state.workload.hardware.name)
+            model = self.state.workload.model
+            config = parse_config(json.loads(model.config_json), model.name or "model")
+            self._space = space.without_ops(unused_ops(config))
         return self._space
 
     @property
@@ -145,7 +186,8 @@ class CompilationRunner:
         self._budget.release()
 
     async def measure(self, candidate: Candidate, agent: str) -> Outcome | None:
-        """Request an experiment for a reserved slot, wait for it and judge it (best-so-far).
+        """Request an experiment on the search tier for a reserved slot (after any
+        confirmation under way), wait for it and judge it.
 
         Returns:
             The outcome; None (slot released) when the candidate was requested before in this
@@ -155,17 +197,35 @@ class CompilationRunner:
             KilnError, nats.errors.Error: the ledger or NATS failed (the slot is released when
                 nothing was requested).
         """
+        try:
+            await self._gate.wait()
+        except asyncio.CancelledError:
+            self.release()
+            raise
         if candidate.id in self._requested:
             self.release()
             return None
         self._requested.add(candidate.id)
+        with self._search_busy():
+            try:
+                req = await self._shielded(self._request(candidate, agent, SEARCH_TIER))
+            except Exception:
+                self.release()  # nothing was requested (a cancelled caller keeps its slot:
+                raise  # the request goes on and is settled when the compilation ends)
+            completed = await self._deps.dispatcher.wait(req)
+            return await self._shielded(self._complete(req, completed))
+
+    @contextlib.contextmanager
+    def _search_busy(self) -> Iterator[None]:
+        """Count a search-tier experiment under way (a confirmation waits for none)."""
+        self._searching += 1
+        self._search_idle.clear()
         try:
-            req = await self._shielded(self._request(candidate, agent))
-        except Exception:
-            self.release()  # nothing was requested (a cancelled caller keeps its slot: the
-            raise  # request goes on and is settled when the compilation ends)
-        completed = await self._deps.dispatcher.wait(req)
-        return await self._shielded(self._complete(req, completed))
+            yield
+        finally:
+            self._searching -= 1
+            if self._searching == 0:
+                self._search_idle.set()
 
     # ------------------------------------------------------------------ control
     def request_cancel(self, reason: str) -> None:
@@ -244,10 +304,22 @@ class CompilationRunner:
         return f"the agents have nothing left to propose ({b.completed} experiments)"
 
     async def _end(self, status: EndStatus, reason: str) -> None:
-        """Settle every experiment, then append CompilationEnded."""
+        """Settle every experiment, then append TierAgreement (once a baseline was measured)
+        and CompilationEnded (a succeeded one's reason ends with the tier agreement) in one
+        atomic append, so no experiment can come between them."""
         self._stop.set()
         await self._settle(f"the compilation ended ({status}) before an engine answered")
-        await self._append(records.ended(self.compilation_id, status, reason))
+        st, events = self.state, []
+        agreement = st.tier_agreement
+        if st.baseline is not None and agreement is None:
+            event = tier_agreement(st)
+            assert isinstance(event.data, dict)
+            agreement = (int(event.data["n"]), event.data["rho"])
+            events.append(event)
+        if status == "succeeded" and agreement is not None:
+            reason = f"{reason}; {agreement_text(*agreement)}"
+        events.append(records.ended(self.compilation_id, status, reason))
+        await self._stream.append(*events)
         log.info("compilation ended", compilation=self.compilation_id, status=status, reason=reason)
 
     async def _settle(self, why: str) -> None:
@@ -271,14 +343,23 @@ class CompilationRunner:
         extra: list[Coroutine[Any, Any, Any]] = [
             self._finish_adopted(req)
             for req in list(self._in_flight.values())
-            if req.agent != BASELINE_AGENT
+            if req.agent != BASELINE_AGENT and req.tier == SEARCH_TIER
         ]
         if self._resumed:
             extra.extend(await self._orphan_claims())
         agents = build_agents(st.agents, st.compilation_id)
-        results = await asyncio.gather(
-            *(agent.run(self) for agent in agents), *extra, return_exceptions=True
+        confirming = asyncio.create_task(
+            self._confirmations(), name=f"kiln-confirm-{st.compilation_id}"
         )
+        try:
+            results = await asyncio.gather(
+                *(agent.run(self) for agent in agents), *extra, return_exceptions=True
+            )
+            self._agents_done = True
+            self._confirm_wanted.set()
+            await asyncio.wait({confirming})
+        finally:
+            await cancel_and_wait(confirming)
         errors: list[BaseException] = []
         for agent, result in zip(agents, results, strict=False):
             if isinstance(result, BaseException):
@@ -340,23 +421,107 @@ class CompilationRunner:
         )
 
     async def _catch_up_best(self) -> None:
-        """After a restart: judge the fastest completed candidate in case its
-        BestCandidateImproved was not recorded before the stop."""
-        done = [
-            r
-            for r in self.state.experiments.values()
-            if r.completed is not None and r.completed.ok and r.requested.agent != BASELINE_AGENT
-        ]
-        if done:
-            top = max(done, key=lambda r: r.completed.result.tokens_per_s if r.completed else 0)
-            assert top.completed is not None
-            await self._judge(top.requested, top.completed)
+        """After a restart: judge the completed confirmations again, in the order they
+        completed, in case a BestCandidateImproved was not recorded before the stop (judging
+        one that was recorded gives nothing)."""
+        for req, completed in completed_on(self.state, CONFIRM_TIER):
+            if not req.candidate.is_reference:
+                await self._judge(req, completed)
 
     async def _finish_adopted(self, req: Requested) -> None:
         """Wait for an experiment requested before a restart and report it for its agent."""
-        completed = await self._deps.dispatcher.wait(req)
-        outcome = await self._shielded(self._complete(req, completed))
+        with self._search_busy():
+            completed = await self._deps.dispatcher.wait(req)
+            outcome = await self._shielded(self._complete(req, completed))
         await self._post_result(outcome, req.agent)
+
+    # ------------------------------------------------------------------ confirmations
+    async def _confirmations(self) -> None:
+        """Confirm fast leaders on the full tier until the agents are done and nothing is due
+        (see the module docs); failures are logged, and the agents go on without it."""
+        try:
+            await self._confirm_until_done()
+        except Exception as exc:
+            log.error("confirmations stopped", compilation=self.compilation_id, exc_info=exc)
+        finally:
+            self._gate.set()
+            self._release_confirm_slots()
+
+    async def _confirm_until_done(self) -> None:
+        adopted = sorted(
+            (r for r in self._in_flight.values() if r.tier == CONFIRM_TIER),
+            key=lambda r: r.position,
+        )
+        if adopted:  # a confirmation cut by a restart: finish it before anything else
+            self._gate.clear()
+            for req in adopted:
+                await self._finish_full(req)
+        while True:
+            self._confirm_wanted.clear()
+            if confirmation_due(self.state) is None:
+                if self._agents_done:
+                    return
+                self._gate.set()
+                await self._confirm_wanted.wait()
+                continue
+            self._gate.clear()
+            await self._search_idle.wait()
+            if not await self._confirm_pair():
+                self._gate.set()
+                if self._agents_done:
+                    return  # no slot left for it
+                await self._confirm_wanted.wait()
+
+    async def _confirm_pair(self) -> bool:
+        """The reference (unless the last full-tier request is one), then the fast leader,
+        on the full tier; False when the experiment budget has no room for them."""
+        if not self._hold_confirm_slots():
+            return False
+        if needs_reference(self.state):
+            self._confirm_slots -= 1
+            await self._measure_full(REFERENCE_CANDIDATE)
+        target = confirmation_due(self.state)  # the freshest leader
+        if target is None:
+            return True
+        self._confirm_slots -= 1
+        await self._measure_full(target)
+        return True
+
+    def _want_confirmation(self) -> None:
+        """After a search-tier result: if a confirmation is due, reserve its slots now (before
+        the agents take them) and wake the confirmation task."""
+        if confirmation_due(self.state) is not None:
+            self._hold_confirm_slots()
+            self._confirm_wanted.set()
+
+    def _hold_confirm_slots(self) -> bool:
+        """Hold the experiment slots the due confirmation needs, all or none (a pair that does
+        not fit in the budget leaves its slots to the agents)."""
+        need = 1 + int(needs_reference(self.state))
+        while self._confirm_slots < need and self.reserve():
+            self._confirm_slots += 1
+        if self._confirm_slots >= need:
+            return True
+        self._release_confirm_slots()
+        return False
+
+    def _release_confirm_slots(self) -> None:
+        while self._confirm_slots:
+            self._confirm_slots -= 1
+            self.release()
+
+    async def _measure_full(self, candidate: Candidate) -> None:
+        """Request ``candidate`` on the full tier for a taken slot, wait for it, judge it."""
+        try:
+            req = await self._shielded(self._request(candidate, CONFIRM_AGENT, CONFIRM_TIER))
+        except Exception:
+            self.release()
+            raise
+        await self._finish_full(req)
+
+    async def _finish_full(self, req: Requested) -> None:
+        completed = await self._deps.dispatcher.wait(req)
+        await self._shielded(self._complete(req, completed))
 
     async def _orphan_claims(self) -> list[Coroutine[Any, Any, Any]]:
         """Measure candidates claimed before a restart but never requested, for their
@@ -393,12 +558,16 @@ class CompilationRunner:
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
-    async def _request(self, candidate: Candidate, agent: str) -> Requested:
+    async def _request(self, candidate: Candidate, agent: str, tier: Tier) -> Requested:
         """Record the experiment, track it, queue its work. Work that cannot be queued closes
         the experiment at once (``timed_out`` with the NATS error), so it is never left open."""
         st, dispatcher = self.state, self._deps.dispatcher
         req = await dispatcher.record(
-            team=st.team, compilation_id=st.compilation_id, candidate=candidate, agent=agent
+            team=st.team,
+            compilation_id=st.compilation_id,
+            candidate=candidate,
+            agent=agent,
+            tier=tier,
         )
         self._in_flight[req.experiment_id] = req
         st.experiments[req.experiment_id] = ExperimentRecord(req)
@@ -420,11 +589,14 @@ class CompilationRunner:
         return await self._judge(req, completed)
 
     async def _judge(self, req: Requested, completed: Completed) -> Outcome:
-        """Record the baseline or a new best if it calls for one (one judgement at a time)."""
+        """Record the baseline or a new best if it calls for one, and ask for a confirmation
+        when a search-tier result makes one due (one judgement at a time)."""
         async with self._judge_lock:
             event = judgement(self.state, req, completed)
             if event is not None:
                 await self._append(event)
+            if req.tier == SEARCH_TIER:
+                self._want_confirmation()
         return Outcome(req.experiment_id, req.candidate, completed, speedup(self.state, completed))
 
     async def _append(self, event: NewEvent) -> None:

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.events.types import Tier
-
 
 @dataclass(frozen=True)
 class RunnerConfig:
     """How the agent runner drives compilations.
 
     Attributes:
-        tier: engine tier experiments are queued on ("fast"; full-tier confirmation of winners
-            comes in a later issue).
         experiment_deadline_s: ``ExperimentWork.deadline_s``: seconds an engine may spend on one
             candidate (load, check, measure) before it times it out; at most 3600.
         experiment_margin_s: seconds on top of the deadline the runner waits for an engine's
@@ -30,7 +26,6 @@ class RunnerConfig:
         resume_retry_s: pause between resume attempts while the ledger is unreachable, seconds.
     """
 
-    tier: Tier = "fast"
     experiment_deadline_s: float = 300.0
     experiment_margin_s: float = 60.0
     plan_timeout_s: float = 10.0

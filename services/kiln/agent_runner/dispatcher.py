@@ -3,7 +3,7 @@
 Requesting an experiment (:meth:`ExperimentDispatcher.record`, then
 :meth:`ExperimentDispatcher.publish`): append ``ExperimentRequested`` to ``experiment-<new id>``
 (expected version: no stream), then publish an :class:`~kiln.common.work.ExperimentWork` on
-``work_subject(prefix, tier)`` with ``Nats-Msg-Id`` = the experiment id.
+``ExperimentWork.subject(prefix)`` with ``Nats-Msg-Id`` = the experiment id.
 
 Learning results: one shared follower of the ledger (``ReadAll`` with follow, types
 ``ExperimentCompleted`` and ``CompilationCancelRequested``), started from the position before
@@ -33,6 +33,7 @@ from kiln.common import nats as kn
 from kiln.common.errors import Aborted, AlreadyExists, KilnError
 from kiln.common.logging import get_logger
 from kiln.common.work import ExperimentWork
+from kiln.events.types import Tier
 from kiln.workloads.candidate import Candidate
 
 log = get_logger("kiln.agent_runner.dispatcher")
@@ -51,7 +52,7 @@ class ExperimentDispatcher:
         ledger: the ledger clients (appends as the experiment's team).
         js: JetStream (the work stream must exist: ``kiln.common.nats.ensure_streams``).
         prefix: the subject prefix.
-        config: tier and time-outs.
+        config: time-outs.
         on_cancel: told about every ``CompilationCancelRequested`` read after the follower
             started.
     """
@@ -77,10 +78,16 @@ class ExperimentDispatcher:
 
     # ---------------------------------------------------------------- requesting
     async def record(
-        self, *, team: str, compilation_id: str, candidate: Candidate, agent: str
+        self,
+        *,
+        team: str,
+        compilation_id: str,
+        candidate: Candidate,
+        agent: str,
+        tier: Tier,
     ) -> Requested:
-        """Record a new experiment (``ExperimentRequested``) and start waiting for its result;
-        :meth:`publish` then queues its work.
+        """Record a new experiment (``ExperimentRequested``) on ``tier`` and start waiting for
+        its result; :meth:`publish` then queues its work.
 
         Returns:
             The request (its ledger position included); await :meth:`wait` for the result.
@@ -89,7 +96,6 @@ class ExperimentDispatcher:
             KilnError: the ledger refused or stayed unavailable.
         """
         eid = records.new_experiment_id()
-        tier = self._config.tier
         event = records.experiment_requested(compilation_id, eid, candidate, tier, agent)
         client = self._ledger.client(team)
         result = await retry_unavailable(
@@ -116,7 +122,7 @@ class ExperimentDispatcher:
             deadline_s=self._config.experiment_deadline_s,
         )
         ack = await self._js.publish(
-            kn.work_subject(self._prefix, req.tier),
+            work.subject(self._prefix),  # per (device kind, tier, model)
             work.to_json(),
             timeout=10.0,
             stream=kn.work_stream_name(self._prefix),

@@ -1,53 +1,258 @@
-"""Judging a completed experiment: does it set the baseline or a new best? (pure)
+"""Judging completed experiments: the baseline, confirmation on the full tier, best-so-far, and
+how well the fast tier predicts the full tier. Pure functions of the compilation's state (its
+stream and its experiments), so a restarted runner reaches the same verdicts.
 
-- The baseline: the reference candidate proposed by ``baseline``, measured correct with
-  tokens/s > 0, while the compilation has no baseline yet -> ``BaselineMeasured``.
-- A new best: any other candidate measured correct (status ok and correct) with tokens/s above
-  the best so far (the baseline's at first) -> ``BestCandidateImproved`` with speedup =
-  tokens/s ÷ baseline tokens/s. Judged on the tier it ran on (fast for now; confirming winners
-  on full engines before they count comes with a later issue).
+Agents search on the *fast* tier (a few layers: quick, cheap). A candidate becomes best-so-far
+only once it is *confirmed* on the *full* tier (all layers):
+
+1. The baseline: the reference candidate proposed by ``baseline`` on the fast tier, measured
+   correct with tokens/s > 0 while the compilation has none -> ``BaselineMeasured``. Agents'
+   speedups (their board results) are fast-tier tokens/s ÷ the baseline's.
+2. The fast leader (:func:`fast_leader`): the correct fast-tier candidate with the most
+   tokens/s, if above the baseline's (on a tie, the earlier result). A leader without a
+   full-tier experiment is *due* for confirmation (:func:`confirmation_due`). A leader
+   overtaken on the fast tier before its confirmation started is not confirmed; the new one
+   is.
+3. A confirmation is a pair of full-tier experiments by the agent ``confirm``, run back to
+   back once the agents' experiments in flight are done, while the agents hold their next
+   requests (so nothing runs between the two): the reference, then the candidate
+   (:func:`needs_reference`: a reference is requested unless the last full-tier request
+   already is one, e.g. a pair cut by a restart). The reference is measured again for every
+   confirmation — an *interleaved* baseline — because a single measurement of the reference
+   on a fresh engine, while other services share the host, is noisy, and the host's speed
+   drifts. A candidate's full speedup is its full-tier tokens/s ÷ those of the *nearest*
+   correct full-tier reference measurement completed before it (:func:`full_reference`:
+   normally its own pair's; an earlier one when that failed). The nearest, not the median of
+   all of them, because it cancels the drift between confirmations where a median would
+   average over it.
+4. A confirmed candidate is the new best when it was measured correct and its full speedup is
+   above 1 and above the current best's (each against its own nearest reference) ->
+   ``BestCandidateImproved`` with tier "full", its full-tier tokens/s and that speedup.
+   Comparing speedups against interleaved references, not raw tokens/s measured minutes
+   apart, is the noise cut.
+
+Confirmations count toward the experiment budget like any other experiment (the ledger's
+counters count every completed experiment, and ``max_experiments`` bounds what the engines
+spend). The runner reserves a confirmation's slots as soon as its leader becomes due, before
+the agents can take them, all or none: a pair that no longer fits in the budget leaves the last
+slot to the agents, and that leader stays unconfirmed (no best).
+
+Tier agreement (:func:`tier_agreement`): Spearman's rank correlation between fast-tier and
+full-tier tokens/s over the candidates measured correct on both tiers (the reference
+included, with the median of its full-tier measurements), recorded as ``TierAgreement``
+before the compilation ends.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Sequence
+
 from kiln.agent_runner import records
 from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.state import CompilationState
+from kiln.events.types import Tier, TierPoint
 from kiln.ledger.model import NewEvent
+from kiln.workloads.candidate import Candidate
 
 BASELINE_AGENT = "baseline"
-"""The agent name of the reference-forward experiment."""
+"""The agent name of the reference-forward experiment on the fast tier."""
+CONFIRM_AGENT = "confirm"
+"""The agent name of full-tier experiments (the reference and the candidates confirmed)."""
+SEARCH_TIER: Tier = "fast"
+"""The tier agents search on."""
+CONFIRM_TIER: Tier = "full"
+"""The tier winners are confirmed on."""
+
+Result = tuple[Requested, Completed]
+
+
+def completed_on(state: CompilationState, tier: Tier) -> list[Result]:
+    """The completed experiments requested on ``tier``, in the order they completed."""
+    done = [
+        (r.requested, r.completed)
+        for r in state.experiments.values()
+        if r.completed is not None and r.requested.tier == tier
+    ]
+    return sorted(done, key=lambda p: p[1].position)
+
+
+def fast_leader(state: CompilationState) -> Result | None:
+    """The correct fast-tier candidate (not the reference) with the most tokens/s, if it beats
+    the baseline; None before the baseline or when nothing beats it."""
+    if state.baseline is None:
+        return None
+    leader: Result | None = None
+    bar = state.baseline.tokens_per_s
+    for req, done in completed_on(state, SEARCH_TIER):
+        if req.candidate.is_reference or not done.ok:
+            continue
+        if done.result.tokens_per_s > bar:
+            leader, bar = (req, done), done.result.tokens_per_s
+    return leader
+
+
+def confirmation_due(state: CompilationState) -> Candidate | None:
+    """The fast leader when it has no full-tier experiment yet (requested or done), else
+    None."""
+    leader = fast_leader(state)
+    if leader is None:
+        return None
+    cid = leader[0].candidate.id
+    if any(
+        r.requested.tier == CONFIRM_TIER and r.requested.candidate.id == cid
+        for r in state.experiments.values()
+    ):
+        return None
+    return leader[0].candidate
+
+
+def needs_reference(state: CompilationState) -> bool:
+    """Whether the next confirmation starts with a full-tier reference: yes unless the latest
+    full-tier request is the reference (its pair's candidate was never requested)."""
+    full = [r.requested for r in state.experiments.values() if r.requested.tier == CONFIRM_TIER]
+    if not full:
+        return True
+    return not max(full, key=lambda r: r.position).candidate.is_reference
+
+
+def full_reference(state: CompilationState, before: int) -> Completed | None:
+    """The reference's correct full-tier measurement completed last before ledger position
+    ``before`` (with tokens/s > 0), or None."""
+    nearest: Completed | None = None
+    for req, done in completed_on(state, CONFIRM_TIER):
+        if done.position >= before:
+            break
+        if req.candidate.is_reference and done.ok and done.result.tokens_per_s > 0:
+            nearest = done
+    return nearest
 
 
 def speedup(state: CompilationState, completed: Completed) -> float | None:
-    """tokens/s ÷ baseline tokens/s of a correct measurement; None without both."""
-    if not completed.ok or state.baseline is None or state.baseline.tokens_per_s <= 0:
+    """tokens/s over the baseline of a correct measurement: on the fast tier, over the
+    baseline (``BaselineMeasured``); on the full tier, over the nearest earlier full-tier
+    reference (:func:`full_reference`). None when either is missing."""
+    if not completed.ok:
+        return None
+    if completed.result.tier == CONFIRM_TIER:
+        ref = full_reference(state, completed.position)
+        return None if ref is None else completed.result.tokens_per_s / ref.result.tokens_per_s
+    if state.baseline is None or state.baseline.tokens_per_s <= 0:
         return None
     return completed.result.tokens_per_s / state.baseline.tokens_per_s
 
 
 def judgement(state: CompilationState, req: Requested, completed: Completed) -> NewEvent | None:
-    """The compilation event a completed experiment calls for, or None."""
+    """The compilation event a completed experiment calls for (``BaselineMeasured`` or
+    ``BestCandidateImproved``), or None. Judging the same experiment again gives None."""
     result, cid = completed.result, state.compilation_id
+    if req.tier == CONFIRM_TIER:
+        if req.candidate.is_reference:
+            return None
+        gain = speedup(state, completed)
+        bar = max(1.0, state.best.speedup if state.best is not None else 1.0)
+        if gain is None or gain <= bar:
+            return None
+        return records.best_improved(
+            cid,
+            workload_key=state.workload_key,
+            experiment_id=req.experiment_id,
+            candidate_id=req.candidate.id,
+            tokens_per_s=result.tokens_per_s,
+            median_ms=result.median_ms,
+            speedup=gain,
+            tier=CONFIRM_TIER,
+        )
     if req.agent == BASELINE_AGENT and req.candidate.is_reference:
         if state.baseline is None and completed.ok and result.tokens_per_s > 0:
             return records.baseline_measured(
                 cid, req.experiment_id, req.candidate.id, result.tokens_per_s, result.median_ms
             )
+    return None
+
+
+# ---------------------------------------------------------------------- tier agreement
+def average_ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks of ``values``, ties getting the average of the ranks they span
+    (e.g. ``[10, 20, 20, 30]`` -> ``[1, 2.5, 2.5, 4]``)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
+    """Spearman's rank correlation of paired samples, ties included: Pearson's correlation of
+    the average ranks (Kendall & Gibbons, *Rank Correlation Methods*, 5th ed., 1990, ch. 3;
+    the definition ``scipy.stats.spearmanr`` uses; the shortcut 1 - 6·Σd²/(n(n²-1)) holds only
+    without ties). None for fewer than two pairs or when one side's ranks are all equal.
+
+    Raises:
+        ValueError: ``x`` and ``y`` differ in length.
+    """
+    if len(x) != len(y):
+        raise ValueError(f"spearman: {len(x)} values against {len(y)}")
+    n = len(x)
+    if n < 2:
         return None
-    gain = speedup(state, completed)
-    if gain is None or state.baseline is None:
+    rx, ry = average_ranks(x), average_ranks(y)
+    mean = (n + 1) / 2  # the mean of average ranks, ties or not
+    sxy = sum((a - mean) * (b - mean) for a, b in zip(rx, ry, strict=True))
+    sxx = sum((a - mean) ** 2 for a in rx)
+    syy = sum((b - mean) ** 2 for b in ry)
+    if sxx == 0 or syy == 0:
         return None
-    best = state.best.tokens_per_s if state.best else state.baseline.tokens_per_s
-    if result.tokens_per_s <= best:
-        return None
-    return records.best_improved(
-        cid,
-        workload_key=state.workload_key,
-        experiment_id=req.experiment_id,
-        candidate_id=req.candidate.id,
-        tokens_per_s=result.tokens_per_s,
-        median_ms=result.median_ms,
-        speedup=gain,
-        tier=result.tier,
-    )
+    return max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))
+
+
+def tier_points(state: CompilationState) -> list[TierPoint]:
+    """Candidates measured correct on both tiers, in the order of their fast-tier results:
+    fast-tier tokens/s and full-tier tokens/s (the median over several full-tier measurements,
+    which only the reference has)."""
+    fast: dict[str, float] = {}
+    for req, done in completed_on(state, SEARCH_TIER):
+        if done.ok:
+            fast.setdefault(req.candidate.id, done.result.tokens_per_s)
+    full: dict[str, list[float]] = {}
+    for req, done in completed_on(state, CONFIRM_TIER):
+        if done.ok:
+            full.setdefault(req.candidate.id, []).append(done.result.tokens_per_s)
+    return [
+        TierPoint(
+            candidate_id=cid,
+            fast_tokens_per_s=tps,
+            full_tokens_per_s=statistics.median(full[cid]),
+        )
+        for cid, tps in fast.items()
+        if cid in full
+    ]
+
+
+def tier_agreement(state: CompilationState) -> NewEvent:
+    """``TierAgreement`` for the compilation as it stands."""
+    points = tier_points(state)
+    rho = spearman([p.fast_tokens_per_s for p in points], [p.full_tokens_per_s for p in points])
+    return records.tier_agreement(state.compilation_id, len(points), rho, points)
+
+
+AGREEMENT_PREFIX = "fast vs full tier: "
+"""How :func:`agreement_text` starts (a succeeded compilation's reason ends with it)."""
+
+
+def agreement_text(n: int, rho: float | None) -> str:
+    """One line for people, e.g. ``fast vs full tier: Spearman rho 0.80 over 5 candidates``."""
+    if rho is not None:
+        return f"{AGREEMENT_PREFIX}Spearman rho {rho:.2f} over {n} candidates"
+    if n == 0:
+        return f"{AGREEMENT_PREFIX}no candidate was measured correct on both tiers"
+    if n == 1:
+        return f"{AGREEMENT_PREFIX}1 candidate measured on both tiers, too few to rank"
+    return f"{AGREEMENT_PREFIX}no rank correlation over {n} candidates (one tier ties them all)"

@@ -25,6 +25,8 @@ from kiln.events.types import (
     ExperimentCompleted,
     ExperimentRequested,
     Tier,
+    TierAgreement,
+    TierPoint,
 )
 from kiln.ledger.model import NewEvent
 from kiln.workloads.candidate import Candidate
@@ -158,6 +160,14 @@ def best_improved(
         tier=tier,
     )
     return _event(payload, _event_id(compilation_id, "best", experiment_id), compilation_id)
+
+
+def tier_agreement(
+    compilation_id: str, n: int, rho: float | None, points: list[TierPoint]
+) -> NewEvent:
+    """``TierAgreement`` (one per compilation)."""
+    payload = TierAgreement(n=n, rho=rho, points=points)
+    return _event(payload, _event_id(compilation_id, "tier-agreement"), compilation_id)
 
 
 def cancel_requested(compilation_id: str, reason: str) -> NewEvent:

@@ -10,8 +10,12 @@ the experiments projection, cannot miss an experiment requested just before the 
 The rebuilt runner (:class:`kiln.agent_runner.compilation.CompilationRunner` with
 ``resumed=True``) re-publishes work for experiments requested but not completed (same
 ``Nats-Msg-Id``: harmless), measures candidates claimed on the board but never requested,
-starts its agents (the board's claims keep them off what was taken), and keeps the original
-wall-clock deadline (it may be spent already: then it ends at once).
+judges the confirmations completed before the stop again (a ``BestCandidateImproved`` lost in
+the stop is recorded; one recorded is not repeated), finishes a confirmation cut by the stop
+(its full-tier experiments in flight, then its candidate if only the reference was requested),
+starts the confirmation that is due (:func:`kiln.agent_runner.judge.confirmation_due`, from
+these experiments), starts its agents (the board's claims keep them off what was taken), and
+keeps the original wall-clock deadline (it may be spent already: then it ends at once).
 """
 
 from __future__ import annotations

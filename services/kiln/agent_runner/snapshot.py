@@ -4,8 +4,9 @@
 ``ExperimentCompleted`` events of its experiments, in global order, the way the ledger's
 compilations projection does (status pending -> running -> succeeded | cancelled | failed;
 counters count completed experiments, failures those whose status is not ok), plus the plan,
-baseline and best candidate as messages. :func:`from_row` turns a compilations projection row
-into a summary ``Compilation`` (List).
+baseline and best candidate as messages. ``TierAgreement`` has no field of its own in the
+message: Watch sends it as an event, and a succeeded compilation's reason ends with it.
+:func:`from_row` turns a compilations projection row into a summary ``Compilation`` (List).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ COMPILATION_TYPES = (
     "CompilationPlanned",
     "BaselineMeasured",
     "BestCandidateImproved",
+    "TierAgreement",
     "CompilationCancelRequested",
     "CompilationEnded",
 )

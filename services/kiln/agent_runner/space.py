@@ -7,7 +7,13 @@ For the CPU target a point of the space picks
   proposed);
 - ``threads``: unset (the engine's default) or ``n`` in 1, 2, 4, ... up to ``os.cpu_count()``
   (transform ``Transform("threads", {"n": "<n>"})``);
-- ``torch_compile``: off or ``Transform("torch_compile", {"mode": "default"})``.
+- ``torch_compile``: off or ``Transform("torch_compile", {"mode": "default"})``;
+- on GPU targets (anything but ``cpu``), ``cuda_graph``: off or ``Transform("cuda_graph")``
+  (the decode step captured as one CUDA graph).
+
+Ops the model never calls (``moe`` in a dense model, ``mlp`` in a model whose every layer is
+MoE) are left out for that compilation (:meth:`CandidateSpace.without_ops`, :func:`unused_ops`):
+varying them would measure the same forward twice.
 
 The all-reference point is the reference candidate: the baseline, never proposed by agents.
 Importing :mod:`kiln.ops` (to read the registry) imports torch.
@@ -21,10 +27,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kiln.workloads.candidate import REFERENCE, Candidate, Transform
+from kiln.workloads.config import ModelConfig
 
 OP_PREFIX = "op:"
 THREADS = "threads"
 TORCH_COMPILE = "torch_compile"
+CUDA_GRAPH = "cuda_graph"
 
 Value = str | None
 """A dimension's value: an implementation name, a transform parameter, or None (off)."""
@@ -48,10 +56,14 @@ def _transform(name: str, value: str) -> Transform:
         return Transform.of(THREADS, n=value)
     if name == TORCH_COMPILE:
         return Transform.of(TORCH_COMPILE, mode=value)
+    if name == CUDA_GRAPH:
+        return Transform.of(CUDA_GRAPH)
     raise ValueError(f"unknown transform dimension {name!r}")
 
 
 def _transform_value(t: Transform) -> Value:
+    if t.name == CUDA_GRAPH:
+        return "on"
     return t.param("n") if t.name == THREADS else t.param("mode", "default")
 
 
@@ -73,6 +85,10 @@ class CandidateSpace:
         if any(not d.values for d in dims):
             raise ValueError("every dimension needs at least one value")
         self.dims = tuple(dims)
+
+    def without_ops(self, ops: frozenset[str]) -> CandidateSpace:
+        """The same space without the dimensions of ``ops``."""
+        return CandidateSpace([d for d in self.dims if d.op not in ops])
 
     @property
     def size(self) -> int:
@@ -175,4 +191,16 @@ def space_for(hardware: str, cpus: int | None = None) -> CandidateSpace:
     if hardware.strip().lower() == "cpu":
         dims.append(Dimension(THREADS, (None, *(str(n) for n in thread_counts(cpus)))))
     dims.append(Dimension(TORCH_COMPILE, (None, "default")))
+    if hardware.strip().lower() != "cpu":
+        dims.append(Dimension(CUDA_GRAPH, (None, "on")))
     return CandidateSpace(dims)
+
+
+def unused_ops(config: ModelConfig) -> frozenset[str]:
+    """Ops ``config``'s forward never calls: ``moe`` in a dense model, ``mlp`` in a model
+    whose every layer routes to experts."""
+    if not config.is_moe:
+        return frozenset({"moe"})
+    if all(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+        return frozenset({"mlp"})
+    return frozenset()

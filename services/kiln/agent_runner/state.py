@@ -29,7 +29,8 @@ class Baseline:
 
 @dataclass(frozen=True)
 class Best:
-    """The best correct candidate so far and its speedup over the baseline."""
+    """The best confirmed candidate so far (full tier) and its speedup over the reference
+    measured on the full tier next to it."""
 
     experiment_id: str
     candidate_id: str
@@ -59,7 +60,9 @@ class CompilationState:
         submitted_position: global position of the submission.
         version: the stream's last version folded.
         plan: the chosen ``ParallelismPlan`` as JSON, once planned.
-        baseline, best: measurements, once known.
+        baseline: the reference's fast-tier measurement, once known.
+        best: the best candidate confirmed on the full tier, once there is one.
+        tier_agreement: (n, rho) once ``TierAgreement`` is recorded.
         cancel_reason: set once a cancel was requested.
         end_status, end_reason: set once ended.
         experiments: experiment id -> record (the runner's, not the stream's).
@@ -77,6 +80,7 @@ class CompilationState:
     plan: dict[str, Any] | None = None
     baseline: Baseline | None = None
     best: Best | None = None
+    tier_agreement: tuple[int, float | None] | None = None
     cancel_reason: str | None = None
     end_status: str | None = None
     end_reason: str = ""
@@ -147,6 +151,9 @@ class CompilationState:
                 float(d["median_ms"]),
                 float(d["speedup"]),
             )
+        elif event_type == "TierAgreement":
+            rho = d.get("rho")
+            self.tier_agreement = (int(d["n"]), None if rho is None else float(rho))
         elif event_type == "CompilationCancelRequested":
             self.cancel_reason = d.get("reason") or "cancel requested"
         elif event_type == "CompilationEnded":

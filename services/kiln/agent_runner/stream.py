@@ -39,18 +39,18 @@ class CompilationStream:
         self._stream = records.compilation_stream(state.compilation_id)
         self._lock = asyncio.Lock()
 
-    async def append(self, event: NewEvent) -> None:
-        """Append ``event`` (payload a dict) and fold it.
+    async def append(self, *events: NewEvent) -> None:
+        """Append ``events`` (payloads dicts) in one atomic append and fold them.
 
         Raises:
-            KilnError: the ledger refused it, stayed unavailable, or conflicts kept coming.
+            KilnError: the ledger refused them, stayed unavailable, or conflicts kept coming.
         """
         st = self.state
         async with self._lock:
             for _ in range(MAX_CONFLICTS):
                 try:
                     result = await retry_unavailable(
-                        lambda: self._client.append(self._stream, [event], st.version)
+                        lambda: self._client.append(self._stream, list(events), st.version)
                     )
                 except Aborted:
                     await self.sync()
@@ -58,10 +58,13 @@ class CompilationStream:
                 if result.already_stored:
                     await self.sync()
                 else:
-                    assert isinstance(event.data, dict)
-                    st.apply_data(event.type, event.data, result.stream_version)
+                    first = result.stream_version - len(events) + 1
+                    for i, event in enumerate(events):
+                        assert isinstance(event.data, dict)
+                        st.apply_data(event.type, event.data, first + i)
                 return
-        raise KilnError(f"cannot append {event.type} to {self._stream}: conflicts keep coming")
+        types = ", ".join(e.type for e in events)
+        raise KilnError(f"cannot append {types} to {self._stream}: conflicts keep coming")
 
     async def sync(self) -> None:
         """Fold the stream's events after the state's version."""

@@ -11,7 +11,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kiln.v1 import compiler_pb2
+from kiln.v1 import common_pb2, compiler_pb2
 
 STATUS_NAMES = {
     compiler_pb2.COMPILATION_STATUS_PENDING: "pending",
@@ -45,6 +45,20 @@ def _tps(value: float) -> str:
     return f"{value:,.1f} tok/s" if value else "-"
 
 
+def tier_agreement_text(detail: dict[str, Any]) -> str:
+    """A ``TierAgreement`` payload as one line (its ``n`` may arrive as a float from a
+    Struct)."""
+    from kiln.agent_runner.judge import agreement_text
+
+    rho = detail.get("rho")
+    return agreement_text(int(detail.get("n", 0) or 0), None if rho is None else float(rho))
+
+
+def _tier(m: Any) -> str:
+    name = {common_pb2.TIER_FAST: "fast", common_pb2.TIER_FULL: "full"}.get(m.tier)
+    return f", {name} tier" if name else ""
+
+
 @dataclass
 class CompileView:
     """State of one watched compilation, updated event by event."""
@@ -72,6 +86,8 @@ class CompileView:
         candidate_id = str(d.get("candidate_id", ""))
         if kind == "ExperimentRequested":
             what = describe_candidate(d.get("candidate"))
+            if d.get("tier") == "full":
+                what += " (full tier)"
             self.proposals[candidate_id] = (agent or "agent", what)
             if agent:
                 self.agents[agent] = f"measuring {what}"
@@ -89,8 +105,10 @@ class CompileView:
         if kind == "BestCandidateImproved":
             return (
                 f"new best {_tps(float(d.get('tokens_per_s', 0.0)))} "
-                f"({float(d.get('speedup', 0.0)):.2f}x)"
+                f"({float(d.get('speedup', 0.0)):.2f}x, {d.get('tier', '?')} tier)"
             )
+        if kind == "TierAgreement":
+            return tier_agreement_text(d)
         if kind == "CompilationSubmitted":
             return "submitted"
         if kind == "CompilationPlanned":
@@ -141,23 +159,36 @@ class CompileView:
 
 
 def summary_table(snap: compiler_pb2.Compilation) -> Table:
-    """The end-of-compilation table: baseline, best, speedup, experiments, failures, plan."""
+    """The end-of-compilation table: baseline, best, speedup, how well the fast tier ranked
+    candidates as the full tier did (the end of a succeeded compilation's reason), experiments,
+    failures, plan."""
     table = Table(
         title=f"compilation {snap.compilation_id}", title_justify="left", show_header=False
     )
     table.add_column("", style="bold")
     table.add_column("")
-    table.add_row(
-        "status", STATUS_NAMES.get(snap.status, "?") + (f" ({snap.reason})" if snap.reason else "")
-    )
-    table.add_row("baseline", _tps(snap.baseline.tokens_per_s))
+    from kiln.agent_runner.judge import AGREEMENT_PREFIX
+
+    reason, cut, tiers = snap.reason.partition(f"; {AGREEMENT_PREFIX}")
+    table.add_row("status", STATUS_NAMES.get(snap.status, "?") + (f" ({reason})" if reason else ""))
+    table.add_row("baseline", _tps(snap.baseline.tokens_per_s) + _tier(snap.baseline))
     if snap.HasField("best"):
         m = snap.best.measurement
-        table.add_row("best", f"{_tps(m.tokens_per_s)}  (median {m.timing.median_ms:.2f} ms/step)")
-        table.add_row("speedup", f"{snap.best.speedup:.2f}x")
+        table.add_row(
+            "best",
+            f"{_tps(m.tokens_per_s)}  (median {m.timing.median_ms:.2f} ms/step{_tier(m)})",
+        )
+        over = (
+            " over the reference measured next to it on the full tier"
+            if m.tier == common_pb2.TIER_FULL
+            else ""
+        )
+        table.add_row("speedup", f"{snap.best.speedup:.2f}x{over}")
         table.add_row("best candidate", describe_candidate(snap.best.candidate))
     else:
-        table.add_row("best", "no correct candidate beat the baseline")
+        table.add_row("best", "no candidate beat the reference on the full tier")
+    if cut:
+        table.add_row("fast vs full", tiers)
     table.add_row("experiments", str(snap.experiments_done))
     table.add_row("failures", str(snap.failures))
     if snap.HasField("plan"):

@@ -7,6 +7,10 @@ Subjects (``prefix`` is ``settings.subject_prefix``, default ``kiln``):
     ``Nats-Msg-Id`` = event id and the ``Kiln-*`` headers named below.
 ``{prefix}.board.{compilation_id}.{kind}.{candidate_id}``
     the agents' message board (stream ``{PREFIX}_BOARD``); ``kind`` is idea, claim or result.
+``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``
+    experiments waiting for an engine (work-queue stream ``{PREFIX}_WORK`` over
+    ``{prefix}.work.>``), one subject per (hardware kind, tier, model); see
+    :func:`work_subject` and :mod:`kiln.common.work`.
 """
 
 from __future__ import annotations
@@ -155,12 +159,76 @@ def work_stream_name(prefix: str) -> str:
     return _check_prefix(prefix).upper() + "_WORK"
 
 
-def work_subject(prefix: str, tier: str) -> str:
-    """Subject an experiment of ``tier`` ("fast" or "full") is queued on:
-    ``{prefix}.work.experiments.{tier}``. Engines of a tier consume its subject."""
-    if tier not in ("fast", "full"):
+WORK_TIERS: Final = ("fast", "full")
+"""Engine tiers, the third token of a work subject after ``{prefix}.work.experiments``."""
+_WORK_TOKEN_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+
+
+def check_work_token(what: str, value: str) -> str:
+    """Return ``value`` if it can be a device kind or model key token of a work subject
+    (``[a-z0-9][a-z0-9_-]{0,63}``: lower case, no dots or wildcards).
+
+    Raises:
+        InvalidArgument: naming ``what`` and the bad value.
+    """
+    if not isinstance(value, str) or not _WORK_TOKEN_RE.match(value):
+        raise InvalidArgument(f"invalid {what} {value!r}: expected [a-z0-9][a-z0-9_-]{{0,63}}")
+    return value
+
+
+def _check_tier(tier: str) -> str:
+    if tier not in WORK_TIERS:
         raise InvalidArgument(f"invalid tier {tier!r}: expected 'fast' or 'full'")
-    return f"{_check_prefix(prefix)}.work.experiments.{tier}"
+    return tier
+
+
+def work_subject(prefix: str, device_kind: str, tier: str, model_key: str) -> str:
+    """Subject one experiment is queued on:
+    ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``.
+
+    Args:
+        prefix: the subject prefix.
+        device_kind: the hardware kind that should measure it ("cpu", "h100", "h200", ...:
+            ``workload.hardware.name``; see :func:`kiln.common.work.device_kind`).
+        tier: "fast" or "full".
+        model_key: short hash of the model (:func:`kiln.common.work.model_key`).
+
+    Raises:
+        InvalidArgument: a bad prefix, tier, device kind or model key.
+    """
+    kind = check_work_token("device kind", device_kind)
+    key = check_work_token("model key", model_key)
+    return f"{_check_prefix(prefix)}.work.experiments.{kind}.{_check_tier(tier)}.{key}"
+
+
+def work_filter(prefix: str, device_kind: str = "*", tier: str = "*", model_key: str = "*") -> str:
+    """Wildcard over work subjects: each of ``device_kind``, ``tier``, ``model_key`` is a
+    token or ``"*"`` (default: every experiment subject, ``{prefix}.work.experiments.*.*.*``).
+
+    A work-queue stream refuses a consumer whose filter overlaps another consumer's, so engine
+    pools consume one exact subject per durable consumer; this filter is for stream-info
+    queries, core subscriptions and single-consumer tools.
+
+    Raises:
+        InvalidArgument: a bad prefix or token.
+    """
+    kind = device_kind if device_kind == "*" else check_work_token("device kind", device_kind)
+    key = model_key if model_key == "*" else check_work_token("model key", model_key)
+    tier = tier if tier == "*" else _check_tier(tier)
+    return f"{_check_prefix(prefix)}.work.experiments.{kind}.{tier}.{key}"
+
+
+def parse_work_subject(prefix: str, subject: str) -> tuple[str, str, str]:
+    """Split a work subject into (device kind, tier, model key).
+
+    Raises:
+        InvalidArgument: the subject is not an experiment subject under ``prefix``.
+    """
+    parts = subject.split(".")
+    if len(parts) != 6 or parts[0] != prefix or parts[1:3] != ["work", "experiments"]:
+        raise InvalidArgument(f"not a work subject under {prefix!r}: {subject!r}")
+    kind = check_work_token("device kind", parts[3])
+    return kind, _check_tier(parts[4]), check_work_token("model key", parts[5])
 
 
 def events_subject(prefix: str, stream_id: str, event_type: str) -> str:

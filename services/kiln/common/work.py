@@ -4,21 +4,79 @@ Flow (DESIGN.md: the ledger is the record, NATS carries work):
 
 1. The agent runner appends ``ExperimentRequested`` to ``experiment-<experiment_id>`` (expected
    version: no stream), then publishes an :class:`ExperimentWork` as JSON on
-   ``kiln.common.nats.work_subject(prefix, tier)`` with ``Nats-Msg-Id`` = experiment id.
-2. An engine pool (durable pull consumer per tier, explicit ack, ``max_deliver`` bounded) runs it
-   on a persistent engine and appends ``ExperimentCompleted`` to the same stream with expected
-   version 1. ``Aborted`` there means another engine already completed it: ack and drop. Then it
-   acks the message. A crash before the ack redelivers the work; the expected version keeps the
-   ledger free of duplicates.
+   :meth:`ExperimentWork.subject` = ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``
+   with ``Nats-Msg-Id`` = experiment id. ``device_kind`` is the workload's hardware target
+   (:func:`device_kind`), ``model_key`` a short hash of the model (:func:`model_key`), so
+   experiments queue per (model, tier, device kind) and an engine pool takes only what its
+   devices can measure, preferring the model its engines already hold.
+2. An engine pool (one durable pull consumer per exact subject, shared by every pool that
+   serves it; explicit ack, ``max_deliver`` bounded) runs it on a persistent engine and appends
+   ``ExperimentCompleted`` to the same stream with expected version 1. ``Aborted`` there means
+   another engine already completed it: ack and drop. Then it acks the message. A crash before
+   the ack redelivers the work; the expected version keeps the ledger free of duplicates.
 3. The agent runner learns the result from the ledger (ReadAll / the events subject), never
    from the engine directly, so either side can restart at any point.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+MODEL_KEY_CHARS = 12
+"""Hex digits of a model key (48 bits: collisions are irrelevant at kiln's scale)."""
+DEFAULT_DEVICE_KIND = "cpu"
+"""Device kind of a workload that names no hardware."""
+_KIND_JUNK = re.compile(r"[^a-z0-9_-]+")
+
+
+def device_kind(workload: Mapping[str, Any]) -> str:
+    """The device kind a workload's experiments are queued for: ``workload.hardware.name`` in
+    lower case ("cpu", "h100", "h200", "b200", ...), characters other than ``[a-z0-9_-]``
+    replaced by ``-``; ``"cpu"`` when the workload names no hardware.
+
+    Args:
+        workload: the ``kiln.v1.Workload`` message as JSON (``MessageToDict``).
+    """
+    name = str((workload.get("hardware") or {}).get("name") or "").strip().lower()
+    kind = _KIND_JUNK.sub("-", name).strip("-_")[:64]
+    return kind or DEFAULT_DEVICE_KIND
+
+
+def model_key(workload: Mapping[str, Any]) -> str:
+    """A short stable hash (:data:`MODEL_KEY_CHARS` hex digits) of what makes a model's weights:
+    the config (``model.config_json`` parsed and re-serialized with sorted keys, so formatting
+    does not matter; the raw text when it is not JSON), ``model.dtype``, ``model.weights_dir``
+    and ``model.seed``. Not the name, not the traffic: experiments on one model share engines
+    whatever the traffic shape, so they share a queue subject.
+
+    Args:
+        workload: the ``kiln.v1.Workload`` message as JSON (``MessageToDict``; the seed may be
+            a string, as MessageToDict writes uint64).
+    """
+    model = dict(workload.get("model") or {})
+    text = str(model.get("config_json") or "")
+    try:
+        config: Any = json.loads(text)
+    except ValueError:
+        config = text
+    try:
+        seed = str(int(model.get("seed") or 0))
+    except (TypeError, ValueError):
+        seed = str(model.get("seed"))
+    body = {
+        "config": config,
+        "dtype": str(model.get("dtype") or ""),
+        "weights_dir": str(model.get("weights_dir") or ""),
+        "seed": seed,
+    }
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:MODEL_KEY_CHARS]
 
 
 class ExperimentWork(BaseModel):
@@ -45,6 +103,27 @@ class ExperimentWork(BaseModel):
     candidate: dict[str, Any]
     workload: dict[str, Any]
     deadline_s: float = Field(gt=0, le=3600)
+
+    @property
+    def device_kind(self) -> str:
+        """The hardware kind its subject names (:func:`device_kind` of the workload)."""
+        return device_kind(self.workload)
+
+    @property
+    def model_key(self) -> str:
+        """The model its subject names (:func:`model_key` of the workload)."""
+        return model_key(self.workload)
+
+    def subject(self, prefix: str) -> str:
+        """The work subject it is published on:
+        ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``.
+
+        Raises:
+            kiln.common.errors.InvalidArgument: a bad prefix.
+        """
+        from kiln.common.nats import work_subject  # the NATS client only where it is used
+
+        return work_subject(prefix, self.device_kind, self.tier, self.model_key)
 
     def to_json(self) -> bytes:
         """The message body."""

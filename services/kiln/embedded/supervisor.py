@@ -132,6 +132,9 @@ class Supervisor:
                 **{addr_env_var(name): svc.addr for name, svc in self.services.items()},
             },
         )
+        # The embedded deployment has one engine pool: it measures every target hardware
+        # (a workload for h200 runs on this host's devices, noted as a stand-in) unless told.
+        env.setdefault("KILN_ENGINE_HARDWARE", "*")
         notes: dict[str, str] = {}
         to_start = []
         for name, svc in self.services.items():

@@ -2,9 +2,23 @@
 
 Every experiment draws new random prompts (right-padded, lengths varying across the batch) and
 decode tokens from its own seed, runs the candidate first and the reference second on the same
-inputs, and compares every step's logits. Before each call the outputs already returned are
-poisoned (filled with NaN), so a candidate that hands back a stale tensor fails instead of
-passing with the previous answer.
+inputs (the reference on its own copy of them), and compares every step's logits. Before each
+call the outputs already returned are poisoned (filled with NaN), so a candidate that hands back
+a stale tensor fails instead of passing with the previous answer.
+
+The gate (:meth:`kiln.engine_pool.engine.Engine.run`) checks three kinds of calls:
+
+1. the first decode step at the traffic shape (full batch, full context), which the candidate
+   cannot tell from a warm-up or timed step;
+2. a prefill of fresh prompts plus decode steps (varied lengths, a small batch);
+3. timed steps: after each timed call returns, :class:`TimedOutputs` decides with fresh OS
+   entropy whether to keep a copy of its output (reservoir sampling), so ``k`` timed steps end
+   up verified, chosen uniformly; nothing in the process can know during a call whether its
+   output will be verified. After timing, the reference runs each kept step's token at the
+   same cache state and the outputs are compared as above. A candidate that cheats on a
+   fraction ``p`` of its timed steps escapes with probability ``(1 - p) ** k``; moving the
+   reported median needs ``p > 1/2`` (``k = 1``: under one in two; a cheat on every timed step,
+   as caching, skipping work or finishing work after returning do, never escapes).
 
 Tolerance (``max |candidate - reference| <= rtol x max |reference|`` over all checked logits,
 and the same argmax wherever the reference's top-2 margin exceeds twice that):
@@ -19,11 +33,14 @@ bfloat16   5e-2    ``attention=sdpa`` vs the float32-accumulating reference drif
 float16    1e-2    10 mantissa bits (8x finer than bfloat16)
 =========  ======  ==========================================================================
 
-Lossy candidates (opted in) are held to :data:`LOSSY_RTOL` and labelled as such.
+Lossy candidates (opted in) are held to :data:`LOSSY_RTOL` and labelled as such. What a
+candidate may not do besides computing (change the engine's code or numerics flags, keep
+working after returning) is watched by :mod:`kiln.engine_pool.integrity`.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -174,3 +191,52 @@ def compare(candidate: Sequence[Tensor], reference: Sequence[Tensor], rtol: floa
             f"max |error| {worst:.3g} exceeds {rtol:g} x max |reference| = {tol:.3g}",
         )
     return CheckResult(True, worst, tol)
+
+
+class TimedOutputs:
+    """Copies of the outputs of ``k`` timed steps, chosen uniformly at random among however
+    many run (reservoir sampling, Vitter's algorithm R).
+
+    Each decision is drawn from the OS's entropy (``random.SystemRandom``) after the step's
+    call has returned, so no code in the process can tell during a call whether its output
+    will be kept (a choice drawn from the experiment's seed beforehand could be read from the
+    engine's memory). Copies are float32 ``[B, V]``; at most ``k`` are held at once and about
+    ``k (1 + ln(n / k))`` are made over ``n`` steps.
+
+    Args:
+        k: how many steps to keep (0: none).
+    """
+
+    def __init__(self, k: int) -> None:
+        self.k = max(0, k)
+        self.seen = 0
+        self._slots: list[tuple[int, Tensor]] = []
+        self._rng = random.SystemRandom()
+
+    def offer(self, step: int, out: object) -> Callable[[], None] | None:
+        """Consider the output of timed step ``step`` (0-based): draw whether to keep it (host
+        only) and return the copy to make, or None. The timer runs the copy outside the timed
+        interval (:mod:`kiln.engine_pool.timing`).
+
+        Raises:
+            TypeError: ``out`` is not a tensor (the forward must return logits).
+        """
+        if not isinstance(out, Tensor):
+            raise TypeError(f"the forward returned {type(out).__name__}, not a tensor of logits")
+        self.seen += 1
+        if len(self._slots) < self.k:
+            slot = len(self._slots)
+            self._slots.append((step, out))  # replaced by its copy when the copy runs
+        else:
+            slot = self._rng.randrange(self.seen)
+            if slot >= self.k:
+                return None
+
+        def copy() -> None:
+            self._slots[slot] = (step, _copy(out))
+
+        return copy
+
+    def kept(self) -> list[tuple[int, Tensor]]:
+        """``(step, float32 copy of its logits)`` for the steps kept, in step order."""
+        return sorted(self._slots, key=lambda s: s[0])

@@ -20,10 +20,22 @@ Per candidate (:meth:`Engine.run`), phases timed in ms:
    at the traffic shape is one the candidate cannot tell from a warm-up or timed step;
 4. ``check``: the reference's step at the traffic shape (full batch and context) against the
    kept logits; then fresh random prompts (``check_batch`` of them), prefill + ``check_steps``
-   decode steps, candidate then reference, outputs poisoned between calls;
+   decode steps, candidate then reference (on its own copy of the inputs), outputs poisoned
+   between calls;
 5. ``measure``: timed decode steps at (batch_size, context_len) — ``min_repeats`` to
    ``repeats`` of them within ``measure_budget_s`` — median, p10, p90, stdev;
-   tokens/s = batch_size / median_s.
+   tokens/s = batch_size / median_s. The previous output is poisoned before each call; after
+   each call returns (outside the timed interval) a random choice keeps a copy of its output
+   (:class:`~kiln.engine_pool.check.TimedOutputs`), and no thread may still be running
+   candidate code (else INCORRECT: work outside the timed call);
+6. ``verify``: the reference's step on each kept timed step's token (``verify_timed_steps``,
+   default 1), at the same cache state, against the kept copy.
+
+Around all of it (:mod:`kiln.engine_pool.integrity`): the engine's code, reference models,
+timer and numerics flags are fingerprinted before the candidate loads and compared after; a
+change (or a candidate thread still running) makes the experiment INCORRECT whatever the
+gate said, is put back, and restarts the engine. :mod:`kiln.engine_pool.red_team` holds the
+cheating candidates this is tested against.
 
 An exception in any phase makes the experiment CRASHED (with the exception and the tail of its
 traceback); an unknown op, implementation or transform makes it REJECTED. Either way the engine
@@ -53,8 +65,22 @@ from kiln.engine_pool.check import (
     CheckResult,
     EngineFault,
     OutputGuard,
+    TimedOutputs,
     compare,
     run_steps,
+)
+from kiln.engine_pool.device_memory import (
+    activation_bytes_per_sequence,
+    fit_batch,
+    free_bytes,
+    peak_allocated,
+    reset_peak,
+)
+from kiln.engine_pool.integrity import (
+    AttributeSnapshot,
+    HarnessFingerprint,
+    OutsideWork,
+    ThreadWatch,
 )
 from kiln.engine_pool.measurement import Measurement, MemoryUsage
 from kiln.engine_pool.reload import RegistrySnapshot, forget_sources, load_code_modules
@@ -70,6 +96,23 @@ from kiln.workloads.models.binding import BindError, LossyImplementationError
 Tensor = torch.Tensor
 TRACEBACK_CHARS = 1500
 SAMPLES_PER_TENSOR = 1 << 16
+MODEL_BINDING = ("binding", "ops")
+"""Attributes of the measured model hot reload swaps (everything else only transforms may set,
+and they undo it)."""
+ENGINE_ATTRIBUTES = (
+    "reference",
+    "shape_reference",
+    "model",
+    "weights",
+    "timer",
+    "spec",
+    "_context",
+    "_protected",
+    "_base",
+    "_sample",
+    "_registry",
+)
+"""The engine's attributes no experiment reassigns (fingerprinted by :meth:`Engine._attempt`)."""
 
 
 @contextmanager
@@ -103,6 +146,10 @@ class Engine:
         ValueError: the spec cannot be built (see :func:`kiln.workloads.models.build_model`).
     """
 
+    _fingerprint: HarnessFingerprint | None = None
+    """The pristine engine's fingerprint, taken before its first candidate loads (see
+    :meth:`_attempt`)."""
+
     def __init__(self, spec: EngineSpec, engine_id: str = "") -> None:
         start = time.perf_counter()
         self.spec = spec
@@ -125,6 +172,8 @@ class Engine:
         self.weights = self.reference.weights
         self.build_phases_s["weights"] = time.perf_counter() - t
         t = time.perf_counter()
+        if self.device.type == "cuda":
+            spec = self.spec = fit_batch(spec, config, free_bytes(self.device))
         self.model = build_model(
             config,
             weights=self.weights,
@@ -146,6 +195,7 @@ class Engine:
         for cache in (self.model.cache, self.reference.cache):
             self._protected |= {t.untyped_storage().data_ptr() for t in cache.k + cache.v}
         self._registry = RegistrySnapshot.take()
+        self._collect = False
         self._threads = torch.get_num_threads()
         t = time.perf_counter()
         self._warm()
@@ -199,21 +249,33 @@ class Engine:
         self._at_context()
         self.timer.sync()
 
+    def after_reply(self) -> None:
+        """Work the next experiment needs done but the last one's result need not wait for:
+        a full garbage collection after a candidate that loaded code modules or compiled
+        (its functions, graphs and compiled code hold device memory until collected); tens
+        of milliseconds with torch loaded. The worker calls it once the result is sent."""
+        if self._collect:
+            self._collect = False
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
     def memory(self) -> MemoryUsage:
-        """Bytes held: base weights, both KV caches, derived layouts plus one decode step's
-        activations (estimate: fp32 logits, hidden/MLP intermediates, fp32 attention scores)."""
-        cfg, spec = self.model.config, self.spec
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_seq = (
-            cfg.vocab_size * 4
-            + (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * elem
-            + 2 * cfg.num_attention_heads * spec.cache_len * 4
-        )
-        return MemoryUsage(
-            weights_bytes=self.weights.nbytes(),
-            kv_cache_bytes=self.model.cache.nbytes() + self.reference.cache.nbytes(),
-            workspace_bytes=self.weights.derived_nbytes() + spec.batch_size * per_seq,
-        )
+        """Bytes held: base weights, both KV caches, and workspace. On CUDA the workspace is
+        measured: the peak PyTorch allocated since the experiment (or the build) began, less
+        weights and caches (derived layouts, activations, CUDA graph pools, compiled code's
+        buffers). On CPU it is derived layouts plus an estimate of one decode step's
+        activations (:func:`~kiln.engine_pool.device_memory.activation_bytes_per_sequence`)."""
+        weights = self.weights.nbytes()
+        kv = self.model.cache.nbytes() + self.reference.cache.nbytes()
+        peak = peak_allocated(self.device)
+        if peak is not None:
+            workspace = max(0, peak - weights - kv)
+        else:
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            per_seq = activation_bytes_per_sequence(self.model.config, self.spec.cache_len, elem)
+            workspace = self.weights.derived_nbytes() + self.spec.batch_size * per_seq
+        return MemoryUsage(weights_bytes=weights, kv_cache_bytes=kv, workspace_bytes=workspace)
 
     def info(self) -> dict[str, Any]:
         """What the worker reports once built."""
@@ -232,6 +294,7 @@ class Engine:
         measurement. Raises only what the worker should die of (KeyboardInterrupt).
         """
         base: dict[str, Any] = {"engine_id": self.engine_id, "tier": self.spec.tier}
+        reset_peak(self.device)
         try:
             candidate = Candidate.from_canonical(request.candidate)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -265,16 +328,103 @@ class Engine:
         applied: AppliedTransforms,
         base: dict[str, Any],
     ) -> Measurement:
+        """The gate (:meth:`_gate`) under the watches of :mod:`kiln.engine_pool.integrity`:
+        the engine's code and numerics flags fingerprinted before the candidate loads and
+        compared after, the measured model's own attributes compared, threads running candidate
+        code looked for. Any of those makes the experiment INCORRECT (whatever the gate said),
+        puts back what was changed, and asks for a restart. The fingerprint is kept from one
+        experiment to the next and refreshed before each candidate loads (what changed in
+        between, e.g. torch's lazy imports, is noted and becomes the baseline). Cost: a few ms
+        for the engine's first experiment, then about 1 ms to refresh and 1 ms to compare."""
+        fingerprint = self._fingerprint
+        if fingerprint is None:
+            fingerprint = self._fingerprint = HarnessFingerprint.take(self._watched())
+        else:
+            between = fingerprint.refresh(self._watched())
+            if between:
+                notes.append(f"changed since the last experiment: {'; '.join(between[:4])}")
+        model = AttributeSnapshot("engine.model", self.model, True, ignore=MODEL_BINDING).take()
+        tampered: list[str] = []
+        result = self._gate(candidate, request, phases, notes, applied, base, model, tampered)
+        tampered += fingerprint.changes()
+        tampered += model.changes()
+        strays = ThreadWatch().strays(new_threads=False)
+        if not tampered and not strays:
+            return result
+        problems = fingerprint.restore()
+        try:
+            model.restore()
+        except (TypeError, AttributeError) as exc:
+            problems.append(f"engine.model: {exc}")
+        why = []
+        if tampered:
+            why.append(f"changed the engine outside its ops: {'; '.join(tampered[:8])}")
+        if strays:
+            why.append(f"left threads running candidate code: {'; '.join(strays[:4])}")
+        said = result.error.removeprefix(f"{result.status}: ")
+        before = f" (gate said {result.status}: {said})" if result.status != "ok" else ""
+        out_notes = result.notes or notes
+        out_notes.append("engine restarts after this experiment: " + "; ".join(why))
+        if problems:
+            out_notes.append(f"could not put back: {'; '.join(problems[:4])}")
+        return Measurement(
+            status="incorrect",
+            max_abs_error=result.max_abs_error,
+            error=f"incorrect: {' and '.join(why)}{before}",
+            memory=result.memory,
+            phases_ms=phases,
+            notes=out_notes,
+            restart_engine=True,
+            **base,
+        )
+
+    def _watched(self) -> Iterator[tuple[str, object, tuple[str, ...] | None]]:
+        """The engine's own objects a candidate must leave alone (for the fingerprint): the
+        engine's references to its models, weights and timer; both reference models, their
+        bound ops and caches; the timer."""
+        yield "engine", self, ENGINE_ATTRIBUTES
+        for label, ref in (
+            ("reference", self.reference),
+            ("shape_reference", self.shape_reference),
+        ):
+            yield f"engine.{label}", ref, None
+            yield f"engine.{label}.ops", ref.ops, None
+            for i, layer in enumerate(ref.ops.layers):
+                yield f"engine.{label}.ops.layers[{i}]", layer, None
+            yield f"engine.{label}.cache", ref.cache, ("k", "v", "lengths")
+        yield "engine.timer", self.timer, None
+
+    def _gate(
+        self,
+        candidate: Candidate,
+        request: RunRequest,
+        phases: dict[str, float],
+        notes: list[str],
+        applied: AppliedTransforms,
+        base: dict[str, Any],
+        model: AttributeSnapshot,
+        tampered: list[str],
+    ) -> Measurement:
+        """Load, bind, compile (first step at the shape kept), check, time, verify timed steps
+        (phases in the module docstring). ``model`` is the measured model's attributes before
+        loading: changes found after loading go to ``tampered`` and are put back; it is
+        re-taken once the transforms are applied (they may install a forward)."""
         sync = self.timer.sync
         spec = self.spec
+        rtol = LOSSY_RTOL if candidate.lossy else RTOL[self.dtype]
         g = torch.Generator().manual_seed(request.seed + 1)
-        steps = torch.randint(
+        tokens = torch.randint(
             self.vocab, (request.warmup + request.repeats, spec.batch_size, 1), generator=g
-        ).to(self.device)
+        )
+        steps = tokens.to(self.device, copy=True)  # the candidate's; ``tokens`` stays ours
         phase = "load"
         try:
             with _timed(phases, "load", sync):
                 load_code_modules(candidate.code_modules)
+            loaded = list(model.changes())
+            if loaded:
+                tampered += loaded
+                model.restore()
             phase = "bind"
             with _timed(phases, "bind", sync):
                 try:
@@ -288,6 +438,10 @@ class Engine:
                 applied.undo += more.undo
                 applied.compiled = more.compiled
                 notes += more.notes
+            model.take()
+            for name, ms in more.phases_ms.items():  # graph_capture: its own phase
+                phases["bind"] -= ms
+                phases[name] = ms
             if candidate.lossy:
                 notes.append(f"lossy: checked to {LOSSY_RTOL:g} x max |reference|")
             phase = "compile"
@@ -303,27 +457,36 @@ class Engine:
                     self.model.decode_step(steps[i])
             phase = "check"
             with _timed(phases, "check", sync):
-                verdict = self._check(
-                    request.seed,
-                    LOSSY_RTOL if candidate.lossy else RTOL[self.dtype],
-                    first,
-                    guard,
-                )
+                verdict = self._check(request.seed, rtol, first, guard)
             if not verdict.correct:
-                return Measurement(
-                    status="incorrect",
-                    max_abs_error=verdict.max_abs_error,
-                    error=f"incorrect: {verdict.reason}",
-                    memory=self.memory(),
-                    phases_ms=phases,
-                    notes=notes,
-                    **base,
-                )
+                return self._incorrect(verdict, phases, notes, base)
             phase = "measure"
+            kept = TimedOutputs(request.verify_timed_steps)
             with _timed(phases, "measure", sync):
-                samples = self._time(request, steps[request.warmup :])
+                samples = self._time(request, steps[request.warmup :], guard, kept)
+            phase = "verify"
+            with _timed(phases, "verify", sync):
+                verified = self._verify(kept, tokens[request.warmup :], rtol, len(samples))
+            chosen = ", ".join(str(step + 1) for step, _ in kept.kept())
+            notes.append(
+                f"verified timed step(s) {chosen or 'none'} of {len(samples)} against the "
+                "reference (chosen after each call returned)"
+            )
+            if not verified.correct:
+                median = summarize(samples, request.warmup).median_ms
+                notes.append(f"timed median {median:.4g} ms (not reported: incorrect)")
+                return self._incorrect(verified, phases, notes, base)
         except RejectedCandidate as exc:
             return Measurement.failed("rejected", f"{phase}: {exc}", phases_ms=phases, **base)
+        except OutsideWork as exc:
+            return Measurement.failed(
+                "incorrect",
+                f"incorrect: work outside the timed call: {exc}",
+                phases_ms=phases,
+                notes=notes,
+                restart_engine=True,
+                **base,
+            )
         except EngineFault as exc:
             return Measurement.failed(
                 "crashed", f"{phase}: {exc}", phases_ms=phases, restart_engine=True, **base
@@ -336,7 +499,7 @@ class Engine:
         return Measurement(
             status="ok",
             correct=True,
-            max_abs_error=verdict.max_abs_error,
+            max_abs_error=max(verdict.max_abs_error, verified.max_abs_error),
             timing=timing,
             tokens_per_s=spec.batch_size / (timing.median_ms / 1e3) if timing.median_ms else 0.0,
             memory=self.memory(),
@@ -345,18 +508,97 @@ class Engine:
             **base,
         )
 
-    def _time(self, request: RunRequest, steps: Tensor) -> list[float]:
+    def _incorrect(
+        self,
+        verdict: CheckResult,
+        phases: dict[str, float],
+        notes: list[str],
+        base: dict[str, Any],
+    ) -> Measurement:
+        return Measurement(
+            status="incorrect",
+            max_abs_error=verdict.max_abs_error,
+            error=f"incorrect: {verdict.reason}",
+            memory=self.memory(),
+            phases_ms=phases,
+            notes=notes,
+            **base,
+        )
+
+    def _time(
+        self, request: RunRequest, steps: Tensor, guard: OutputGuard, kept: TimedOutputs
+    ) -> list[float]:
         """Timed decode steps at the operating point, ms each: at least ``min_repeats``, at most
-        ``repeats``, stopping early once ``measure_budget_s`` of timed steps have run."""
+        ``repeats``, stopping early once ``measure_budget_s`` of timed steps have run.
+
+        Args:
+            request: the experiment (repeats, budget).
+            steps: ``[repeats, batch_size, 1]`` int64 tokens, one step each.
+            guard: the candidate's output guard: the previous output is poisoned before each
+                call (outside the timed interval).
+            kept: offered each step's output right after its call returns, outside the timed
+                interval (on CUDA: on the current stream, before the device-wide sync).
+
+        Raises:
+            OutsideWork: after a call returned, a thread was still running candidate code or a
+                thread started during the call was still alive.
+        """
         samples: list[float] = []
         budget_ms = request.measure_budget_s * 1e3
+        threads = ThreadWatch()
+
+        def keep(step: int, out: object) -> Callable[[], None] | None:
+            guard.hold(out)
+            return kept.offer(step, out)
+
         for i in range(request.repeats):
             self._at_context()
-            samples.append(self.timer.time_ms(functools.partial(self.model.decode_step, steps[i])))
+            guard.poison()
+            guard.release()
+            step = functools.partial(self.model.decode_step, steps[i])
+            samples.append(self.timer.time_ms(step, functools.partial(keep, i)))
+            strays = threads.strays()
+            if strays:
+                raise OutsideWork(f"after timed step {i + 1} returned: {'; '.join(strays[:4])}")
             enough = len(samples) >= request.min_repeats
             if enough and budget_ms > 0 and sum(samples) >= budget_ms:
                 break
+        guard.poison()
+        guard.release()
         return samples
+
+    def _verify(self, kept: TimedOutputs, tokens: Tensor, rtol: float, timed: int) -> CheckResult:
+        """The reference's decode step on each kept timed step's token, at the same cache state
+        (every timed step starts at ``context_len``), against the kept logits.
+
+        Args:
+            kept: the timed steps' outputs kept (see :class:`~kiln.engine_pool.check.TimedOutputs`).
+            tokens: ``[repeats, batch_size, 1]`` int64 on the CPU: the engine's own copy of the
+                timed steps' tokens (a candidate writing into its input changes only its copy).
+            rtol: relative tolerance.
+            timed: how many timed steps ran (for the message).
+
+        Cost: one reference decode step at the traffic shape per kept step.
+        """
+        ref_guard = OutputGuard(self._protected)
+        worst, tolerance = 0.0, 0.0
+        for step, got in kept.kept():
+            self._at_context()
+            token = tokens[step].to(self.device)
+            reference = functools.partial(self.shape_reference.decode_step, token)
+            verdict = compare([got], run_steps([reference], ref_guard), rtol)
+            if not verdict.correct:
+                reason = verdict.reason.removeprefix("step 0: ")
+                return CheckResult(
+                    False,
+                    verdict.max_abs_error,
+                    verdict.tolerance,
+                    f"timed step {step + 1} of {timed} (verified after timing): {reason}",
+                )
+            worst, tolerance = max(worst, verdict.max_abs_error), verdict.tolerance
+        ref_guard.poison()
+        self._at_context()
+        return CheckResult(True, worst, tolerance)
 
     def _shape_token(self, seed: int) -> Tensor:
         """``[batch_size, 1]`` int64: the token of the step checked at the traffic shape."""
@@ -378,7 +620,9 @@ class Engine:
 
         The reference runs the same step at the traffic shape (same cache contents: each step
         writes its own K/V before attending), then candidate and reference each run a prefill
-        of ``check_batch`` fresh right-padded prompts and ``check_steps`` decode steps.
+        of ``check_batch`` fresh right-padded prompts and ``check_steps`` decode steps. The
+        reference gets its own copy of every input (drawn again from the seed), so a candidate
+        that writes into its inputs cannot steer the reference.
         """
         spec = self.spec
         ref_guard = OutputGuard(self._protected)
@@ -394,16 +638,16 @@ class Engine:
                 shape_verdict.tolerance,
                 f"at {where}: {shape_verdict.reason}",
             )
-        inputs = CheckInputs.draw(
-            seed,
-            batch=spec.check_batch,
-            prompt_len=spec.prompt_len,
-            steps=spec.check_steps,
-            vocab=self.vocab,
-            device=self.device,
-        )
 
         def calls(model: DecoderModel) -> list[Callable[[], object]]:
+            inputs = CheckInputs.draw(
+                seed,
+                batch=spec.check_batch,
+                prompt_len=spec.prompt_len,
+                steps=spec.check_steps,
+                vocab=self.vocab,
+                device=self.device,
+            )
             out: list[Callable[[], object]] = [
                 functools.partial(model.prefill, inputs.tokens, inputs.seq_lens)
             ]
@@ -442,8 +686,7 @@ class Engine:
                     problem = "the candidate modified the engine's weights"
                 self._fill_cache()
             self._at_context()
-            if candidate.code_modules or applied.compiled:
-                gc.collect()
+            self._collect = self._collect or bool(candidate.code_modules or applied.compiled)
         except Exception as exc:
             problem = f"restoring the engine failed: {type(exc).__name__}: {exc}"
         return problem

@@ -1,10 +1,15 @@
-"""The pool of persistent engines on this host, keyed by engine spec.
+"""The pool of persistent engines on this host: one slot per device, engines keyed by spec.
 
-Engines are created lazily, the first time an experiment needs their spec (model, tier, dtype,
-operating point). At most ``max_engines`` are held (1 by default, per device): when a different
-spec is needed, the least recently used engine is stopped once its running experiment ends.
-Each engine runs one experiment at a time; the pool runs experiments on different engines
-concurrently.
+Each device (:mod:`kiln.engine_pool.devices`; one per visible GPU, else the CPU) is a
+:class:`DeviceSlot`: experiments on a device run one at a time (the slot's lock), each engine is
+its own OS process pinned to that device, and at most ``max_engines`` engines (2 by default)
+are held per device: when a different spec is needed, the device's least recently used engine
+is stopped first. Engines are created lazily, the first time an experiment needs their spec
+(model, tier, dtype, device, operating point).
+
+An experiment from the work queue names its device (the device whose worker fetched it); one
+from RunExperiment goes to the best device: idle and already holding its model, else idle, else
+holding it, else the one with the fewest waiting.
 
 An experiment keeps its engine until the engine answers, even when the caller stops waiting
 (a cancelled RunExperiment): the engine's pipe protocol is never cut mid-answer.
@@ -13,13 +18,19 @@ An experiment keeps its engine until the engine answers, even when the caller st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import re
 import socket
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import structlog
 
 from kiln.common.errors import FailedPrecondition, InvalidArgument
 from kiln.common.work import ExperimentWork
+from kiln.engine_pool.devices import Device, resolve_devices, settings_for
 from kiln.engine_pool.measurement import Measurement
 from kiln.engine_pool.process import EngineProcess, EngineSnapshot, EngineStartError
 from kiln.engine_pool.request import RunRequest
@@ -29,54 +40,153 @@ from kiln.workloads.candidate import Candidate
 
 log = structlog.get_logger("kiln.engine_pool")
 
+_ID_JUNK = re.compile(r"[^A-Za-z0-9_-]+")
 
-class EnginePool:
-    """Engines by spec key, LRU first.
 
-    Args:
-        settings: engine settings (device, caps, timing, max engines).
-        host: host name reported in engine ids (default: this host's).
+def default_pool_id(host: str) -> str:
+    """``<host>-<pid>`` with characters other than ``[A-Za-z0-9_-]`` replaced by ``-``."""
+    return clean_pool_id(f"{host}-{os.getpid()}")
+
+
+def clean_pool_id(value: str) -> str:
+    """``value`` with characters other than ``[A-Za-z0-9_-]`` replaced by ``-`` (a pool id is
+    one token of a registry key), at most 100 characters.
+
+    Raises:
+        ValueError: nothing is left.
+    """
+    cleaned = _ID_JUNK.sub("-", value).strip("-")[:100]
+    if not cleaned:
+        raise ValueError(f"invalid pool id {value!r}")
+    return cleaned
+
+
+@dataclasses.dataclass(eq=False)
+class DeviceSlot:
+    """One device and the engines held on it.
+
+    Attributes:
+        device: the device.
+        engines: engines by spec key, least recently used first.
+        lock: held while an experiment (or an engine build) runs on the device.
+        waiting: experiments waiting for the lock.
+        experiments_done: experiments finished on it.
     """
 
-    def __init__(self, settings: EngineSettings, *, host: str | None = None) -> None:
-        self.settings = settings
+    device: Device
+    engines: OrderedDict[str, EngineProcess] = dataclasses.field(default_factory=OrderedDict)
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    waiting: int = 0
+    experiments_done: int = 0
+
+    @property
+    def busy(self) -> bool:
+        """An experiment or a build holds the device."""
+        return self.lock.locked()
+
+    def holds(self, tier: str, model_key: str) -> bool:
+        """Whether an engine of this (tier, model) is held (warm or building)."""
+        return any(
+            e.spec.tier == tier and e.model_key == model_key and not e.closed
+            for e in self.engines.values()
+        )
+
+
+class EnginePool:
+    """Engines by device and spec key.
+
+    Args:
+        settings: engine settings (devices, caps, timing, max engines per device).
+        host: host name reported in the registry (default: this host's).
+        pool_id: this pool's id (default: ``settings.pool_id``, else ``<host>-<pid>``).
+        devices: the devices (default: :func:`~kiln.engine_pool.devices.resolve_devices`).
+
+    Attributes:
+        on_change: called (no arguments) whenever an engine or device changes state.
+
+    Raises:
+        kiln.engine_pool.devices.DeviceError: bad ``KILN_ENGINE_DEVICES``.
+        ValueError: a pool id with no usable character.
+    """
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        *,
+        host: str | None = None,
+        pool_id: str | None = None,
+        devices: list[Device] | None = None,
+    ) -> None:
+        self.devices = devices or resolve_devices(settings)
+        self.settings = settings_for(settings, self.devices)
         self.host = host or socket.gethostname()
-        self._engines: OrderedDict[str, EngineProcess] = OrderedDict()
-        self._admit = asyncio.Lock()
+        chosen = pool_id or settings.pool_id
+        self.pool_id = clean_pool_id(chosen) if chosen else default_pool_id(self.host)
+        self.slots: dict[str, DeviceSlot] = {d.name: DeviceSlot(d) for d in self.devices}
+        self.started_at = time.time()
+        self.on_change: Callable[[], None] = lambda: None
         self._running: set[asyncio.Task[Measurement]] = set()
         self._closed = False
 
     # ------------------------------------------------------------------ specs
-    def spec_for(self, work: ExperimentWork) -> EngineSpec:
-        """The engine spec ``work`` needs.
+    def spec_for(self, work: ExperimentWork, device: str | None = None) -> EngineSpec:
+        """The engine spec ``work`` needs on ``device`` (default: the first device).
 
         Raises:
             InvalidArgument: the workload cannot be built (no or bad config, unsupported or
                 unbuildable architecture, unknown dtype).
         """
+        name = device or self.devices[0].name
+        limits = dataclasses.replace(self.settings.limits(), device=name)
         try:
-            return EngineSpec.from_workload(work.workload, work.tier, self.settings.limits())
+            return EngineSpec.from_workload(work.workload, work.tier, limits)
         except SpecError as exc:
             raise InvalidArgument(str(exc)) from None
 
     def engine_id(self, spec: EngineSpec) -> str:
-        """``<model>/<tier>/<key prefix>@<host>``."""
-        return f"{spec.model_name}/{spec.tier}/{spec.key[:8]}@{self.host}"
+        """``<model>/<tier>/<spec key prefix>/<device>@<pool id>``."""
+        return f"{spec.model_name}/{spec.tier}/{spec.key[:8]}/{spec.device}@{self.pool_id}"
+
+    def slot(self, device: str) -> DeviceSlot:
+        """The slot of ``device``.
+
+        Raises:
+            InvalidArgument: not a device of this pool.
+        """
+        try:
+            return self.slots[device]
+        except KeyError:
+            raise InvalidArgument(
+                f"device {device!r} is not one of this pool's: {', '.join(self.slots)}"
+            ) from None
+
+    def choose_slot(self, work: ExperimentWork) -> DeviceSlot:
+        """The device a RunExperiment call runs on: idle and holding the model, else idle,
+        else holding the model, else the one with the fewest waiting (first on ties)."""
+        tier, key = work.tier, work.model_key
+        slots = list(self.slots.values())
+        return min(
+            slots,
+            key=lambda s: (s.busy, not s.holds(tier, key), s.waiting, slots.index(s)),
+        )
 
     # ------------------------------------------------------------------ experiments
-    async def measure(self, work: ExperimentWork) -> Measurement:
-        """Run ``work`` on an engine of its spec (created on first use).
+    async def measure(self, work: ExperimentWork, device: str | None = None) -> Measurement:
+        """Run ``work`` on ``device`` (default: :meth:`choose_slot`), on an engine of its spec
+        there (created on first use).
 
         Returns:
             The measurement; a bad candidate is a REJECTED measurement, not an error.
 
         Raises:
-            InvalidArgument: the workload cannot be built (see :meth:`spec_for`), or its engine
-                failed to build for a reason of the workload (e.g. missing weights).
+            InvalidArgument: the workload cannot be built (see :meth:`spec_for`), its engine
+                failed to build for a reason of the workload (e.g. missing weights), or
+                ``device`` is not one of the pool's.
             FailedPrecondition: the engine failed to build for a reason of the host, or the
                 pool is closed.
         """
-        spec = self.spec_for(work)
+        slot = self.slot(device) if device else self.choose_slot(work)
+        spec = self.spec_for(work, slot.device.name)
         try:
             candidate = Candidate.from_canonical(work.candidate)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -93,92 +203,140 @@ class EnginePool:
             repeats=self.settings.repeats,
             min_repeats=min(self.settings.min_repeats, self.settings.repeats),
             measure_budget_s=self.settings.measure_budget_s,
+            verify_timed_steps=self.settings.verify_timed_steps,
         )
-        task = asyncio.create_task(self._run(spec, request, work.deadline_s, candidate.id))
+        task = asyncio.create_task(
+            self._run(slot, spec, work.model_key, request, work.deadline_s, candidate.id)
+        )
         self._running.add(task)
         task.add_done_callback(self._running.discard)
         return await asyncio.shield(task)
 
     async def _run(
-        self, spec: EngineSpec, request: RunRequest, deadline_s: float, candidate_id: str
+        self,
+        slot: DeviceSlot,
+        spec: EngineSpec,
+        model_key: str,
+        request: RunRequest,
+        deadline_s: float,
+        candidate_id: str,
     ) -> Measurement:
-        while True:
-            engine = await self._checkout(spec)
-            async with engine.lock:
-                if engine.closed:
-                    continue  # evicted while we waited: check out again
-                try:
-                    measurement = await engine.run(request, deadline_s, candidate_id)
-                except EngineStartError as exc:
-                    await self._discard(engine)
-                    if exc.invalid:
-                        raise InvalidArgument(exc.message) from None
-                    raise FailedPrecondition(exc.message) from None
-            log.info(
-                "experiment.measured",
-                experiment_id=request.experiment_id,
-                engine_id=engine.engine_id,
-                status=measurement.status,
-                median_ms=measurement.timing.median_ms if measurement.timing else None,
+        slot.waiting += 1
+        try:
+            await slot.lock.acquire()
+        finally:
+            slot.waiting -= 1
+        try:
+            self.on_change()
+            engine = await self._engine(slot, spec, model_key)
+            try:
+                measurement = await engine.run(request, deadline_s, candidate_id)
+            except EngineStartError as exc:
+                await self._discard(slot, engine)
+                if exc.invalid:
+                    raise InvalidArgument(exc.message) from None
+                raise FailedPrecondition(exc.message) from None
+            slot.experiments_done += 1
+        finally:
+            slot.lock.release()
+            self.on_change()
+        log.info(
+            "experiment.measured",
+            experiment_id=request.experiment_id,
+            engine_id=engine.engine_id,
+            status=measurement.status,
+            median_ms=measurement.timing.median_ms if measurement.timing else None,
+        )
+        return measurement
+
+    async def _engine(self, slot: DeviceSlot, spec: EngineSpec, model_key: str) -> EngineProcess:
+        """The engine of ``spec`` on ``slot``, started (after stopping the device's least
+        recently used engines) when missing. The caller holds ``slot.lock``."""
+        if self._closed:
+            raise FailedPrecondition("the engine pool is shutting down")
+        engine = slot.engines.get(spec.key)
+        if engine is None or engine.closed:
+            slot.engines.pop(spec.key, None)
+            while len(slot.engines) >= self.settings.engines_per_device():
+                _, victim = slot.engines.popitem(last=False)
+                log.info("engine.evicting", engine_id=victim.engine_id, for_spec=spec.key)
+                await victim.stop()
+            device = slot.device
+            engine = EngineProcess(
+                spec,
+                self.engine_id(spec),
+                ready_timeout_s=self.settings.ready_timeout_s,
+                env={**device.env(), "KILN_ENGINE_THREADS": self.settings.threads},
+                worker_device=device.worker_device,
+                model_key=model_key,
             )
-            return measurement
+            engine.start()
+            slot.engines[spec.key] = engine
+        slot.engines.move_to_end(spec.key)
+        return engine
 
-    async def _checkout(self, spec: EngineSpec) -> EngineProcess:
-        """The engine of ``spec``, started (after evicting the LRU one) when missing."""
-        async with self._admit:
-            if self._closed:
-                raise FailedPrecondition("the engine pool is shutting down")
-            engine = self._engines.get(spec.key)
-            if engine is None or engine.closed:
-                while len(self._engines) >= self.settings.engines_per_device():
-                    _, victim = self._engines.popitem(last=False)
-                    log.info("engine.evicting", engine_id=victim.engine_id, for_spec=spec.key)
-                    async with victim.lock:
-                        await victim.stop()
-                engine = EngineProcess(
-                    spec, self.engine_id(spec), ready_timeout_s=self.settings.ready_timeout_s
-                )
-                engine.start()
-                self._engines[spec.key] = engine
-            self._engines.move_to_end(spec.key)
-            return engine
-
-    async def _discard(self, engine: EngineProcess) -> None:
+    async def _discard(self, slot: DeviceSlot, engine: EngineProcess) -> None:
         """Forget an engine that failed to build (the next experiment builds it afresh)."""
-        if self._engines.get(engine.spec.key) is engine:
-            del self._engines[engine.spec.key]
+        if slot.engines.get(engine.spec.key) is engine:
+            del slot.engines[engine.spec.key]
         await engine.stop()
 
-    async def warm(self, work: ExperimentWork) -> EngineProcess:
-        """Build (or find) the engine ``work`` needs and wait until it is ready.
+    async def warm(self, work: ExperimentWork, device: str | None = None) -> EngineProcess:
+        """Build (or find) the engine ``work`` needs on ``device`` (default:
+        :meth:`choose_slot`) and wait until it is ready.
 
         Raises:
             InvalidArgument, FailedPrecondition: as :meth:`measure`.
         """
-        engine = await self._checkout(self.spec_for(work))
-        try:
-            await engine.wait_ready()
-        except EngineStartError as exc:
-            await self._discard(engine)
-            raise (InvalidArgument if exc.invalid else FailedPrecondition)(exc.message) from None
+        slot = self.slot(device) if device else self.choose_slot(work)
+        spec = self.spec_for(work, slot.device.name)
+        async with slot.lock:
+            engine = await self._engine(slot, spec, work.model_key)
+            try:
+                await engine.wait_ready()
+            except EngineStartError as exc:
+                await self._discard(slot, engine)
+                raise (InvalidArgument if exc.invalid else FailedPrecondition)(
+                    exc.message
+                ) from None
+            finally:
+                self.on_change()
         return engine
 
     # ------------------------------------------------------------------ inspection
     def engines(self, model_name: str = "") -> list[EngineSnapshot]:
-        """Snapshots of the engines held (all, or one model's), least recently used first."""
+        """Snapshots of the engines held (all, or one model's), by device, least recently
+        used first."""
         return [
             e.snapshot()
-            for e in self._engines.values()
+            for slot in self.slots.values()
+            for e in slot.engines.values()
             if not model_name or e.spec.model_name == model_name
         ]
+
+    def processes(self) -> list[EngineProcess]:
+        """The engine processes held, by device (for tests and the registry)."""
+        return [e for slot in self.slots.values() for e in slot.engines.values()]
+
+    def resident(self, device: str) -> list[tuple[str, str]]:
+        """(tier, model key) of the engines held on ``device``, most recently used first: the
+        work this device serves without loading other weights."""
+        slot = self.slots[device]
+        return [(e.spec.tier, e.model_key) for e in reversed(slot.engines.values()) if not e.closed]
+
+    @property
+    def experiments_done(self) -> int:
+        """Experiments finished on every device since the pool started."""
+        return sum(s.experiments_done for s in self.slots.values())
 
     async def close(self) -> None:
         """Stop every engine; running experiments end (cancelled)."""
         self._closed = True
         for task in list(self._running):
             task.cancel()
-        engines = list(self._engines.values())
-        self._engines.clear()
+        engines = self.processes()
+        for slot in self.slots.values():
+            slot.engines.clear()
         for engine in engines:
             engine.kill_now()
         await asyncio.gather(*(e.stop() for e in engines), return_exceptions=True)

@@ -8,7 +8,13 @@ blocking the event loop. The process is the isolation boundary:
   the experiment is TIMED_OUT;
 - the process dies mid-experiment (``os._exit``, a segfault, the OOM killer): the experiment is
   CRASHED with the exit code or signal, and the process restarted;
-- the engine asks for a restart (its state may be damaged): restarted after the answer.
+- the engine asks for a restart (its state may be damaged), or the candidate crashed with a
+  device fault (a CUDA error leaves the CUDA context unusable: :func:`is_device_fault`):
+  restarted after the answer.
+
+A restart is the one case where an engine reloads its weights. The process may be pinned to one
+device (``env``, e.g. ``CUDA_VISIBLE_DEVICES``, and ``worker_device``, the device as the pinned
+process sees it; :mod:`kiln.engine_pool.devices`).
 
 A restart spawns the new process at once and returns; the next experiment waits until it is
 ready. Start and restart must run on the event loop's thread: on Linux the worker dies with the
@@ -20,12 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import signal
 import sys
 import time
 import types
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -47,8 +54,27 @@ IPC_MARGIN_S = 1.0
 POLL_SLICE_S = 0.25
 """Longest single wait on the pipe (keeps cancellation prompt), seconds."""
 
+DEVICE_FAULT_MARKERS = (
+    "CUDA error",
+    "CUDA_ERROR_",
+    "CUBLAS_STATUS_",
+    "CUDNN_STATUS_",
+    "cuDNN error",
+    "device-side assert",
+    "AcceleratorError",
+    "an illegal memory access",
+    "unspecified launch failure",
+)
+"""Texts of errors after which a CUDA context cannot be trusted (sticky errors): the engine
+process is replaced after such a crash."""
+
 _TIMEOUT = object()
 _EOF = object()
+
+
+def is_device_fault(error: str) -> bool:
+    """Whether a crash's error text is a device fault (:data:`DEVICE_FAULT_MARKERS`)."""
+    return any(marker in error for marker in DEVICE_FAULT_MARKERS)
 
 
 class EngineStartError(RuntimeError):
@@ -63,6 +89,22 @@ class EngineStartError(RuntimeError):
         super().__init__(message)
         self.message = message
         self.invalid = invalid
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]) -> Iterator[None]:
+    """Set ``env`` in this process's environment while a child is spawned (the child inherits
+    it), then restore it. Runs on the event loop's thread, which alone spawns engines."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -90,7 +132,12 @@ def describe_exit(code: int | None) -> str:
 
 @dataclass
 class EngineSnapshot:
-    """What ListEngines reports about one engine."""
+    """What ListEngines reports about one engine (units: seconds, bytes).
+
+    Attributes:
+        spec_key: :attr:`EngineSpec.key`. model_key: the model's work-subject key.
+        pid: the current process's id (0 when none runs).
+    """
 
     engine_id: str
     device: str
@@ -103,6 +150,29 @@ class EngineSnapshot:
     cold_start_s: float
     restarts: int
     notes: list[str] = field(default_factory=list)
+    spec_key: str = ""
+    model_key: str = ""
+    pid: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-compatible form (the registry record)."""
+        out = asdict(self)
+        out["started_at"] = self.started_at.isoformat() if self.started_at else None
+        return out
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> EngineSnapshot:
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (records of newer pools).
+
+        Raises:
+            KeyError, TypeError, ValueError: not a snapshot.
+        """
+        known = {f.name for f in fields(EngineSnapshot)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["memory"] = MemoryUsage(**(values.get("memory") or {}))
+        started = values.get("started_at")
+        values["started_at"] = datetime.fromisoformat(started) if started else None
+        return EngineSnapshot(**values)
 
 
 class EngineProcess:
@@ -112,6 +182,10 @@ class EngineProcess:
         spec: what the worker builds.
         engine_id: its name in measurements and ListEngines.
         ready_timeout_s: longest build before the start counts as failed, seconds.
+        env: environment variables of the worker process (its device pin).
+        worker_device: the spec's device as the worker sees it (``cuda:0`` when pinned to one
+            GPU); None = ``spec.device``.
+        model_key: the model's work-subject key, for ListEngines.
 
     Attributes:
         lock: held by whoever runs an experiment on it (one at a time).
@@ -123,10 +197,22 @@ class EngineProcess:
         closed: stopped for good (evicted or shut down).
     """
 
-    def __init__(self, spec: EngineSpec, engine_id: str, *, ready_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        spec: EngineSpec,
+        engine_id: str,
+        *,
+        ready_timeout_s: float = 600.0,
+        env: Mapping[str, str] | None = None,
+        worker_device: str | None = None,
+        model_key: str = "",
+    ):
         self.spec = spec
         self.engine_id = engine_id
         self.ready_timeout_s = ready_timeout_s
+        self.env = dict(env or {})
+        self.worker_device = worker_device or spec.device
+        self.model_key = model_key
         self.lock = asyncio.Lock()
         self.state: EngineState = "starting"
         self.cold_start_s = 0.0
@@ -146,14 +232,15 @@ class EngineProcess:
         :meth:`wait_ready` waits). Call on the event loop's thread."""
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
+        spec = {**self.spec.to_dict(), "device": self.worker_device}
         process = ctx.Process(
             target=worker_main,
-            args=(child, self.spec.to_dict(), self.engine_id),
+            args=(child, spec, self.engine_id),
             name=f"kiln-engine-{self.spec.key[:8]}",
             daemon=True,
         )
         started = time.monotonic()
-        with _bare_main():
+        with _bare_main(), _environ(self.env):
             process.start()
         child.close()
         self._process, self._conn = process, parent
@@ -161,7 +248,7 @@ class EngineProcess:
         self.state = "starting" if self.restarts == 0 else "restarting"
         self._ready = asyncio.get_running_loop().create_task(self._await_ready(started))
         self._ready.add_done_callback(lambda t: t.cancelled() or t.exception())
-        log.info("engine.starting", engine_id=self.engine_id, pid=process.pid)
+        log.info("engine.starting", engine_id=self.engine_id, pid=process.pid, env=self.env)
 
     async def _await_ready(self, started: float) -> None:
         msg = await self._receive(self.ready_timeout_s)
@@ -208,6 +295,14 @@ class EngineProcess:
         if self._ready is None:
             raise EngineStartError("engine not started", invalid=False)
         await asyncio.shield(self._ready)
+
+    @property
+    def pid(self) -> int:
+        """The current worker process's id; 0 when none is running."""
+        process = self._process
+        if process is None or process.pid is None or not process.is_alive():
+            return 0
+        return process.pid
 
     def _kill(self) -> None:
         if self._process is not None and self._process.is_alive():
@@ -322,6 +417,9 @@ class EngineProcess:
         if measurement.restart_engine:
             measurement.restart_engine = False
             await self._restart("requested by the engine")
+        elif measurement.status == "crashed" and is_device_fault(measurement.error):
+            measurement.notes.append("device fault: engine restarted")
+            await self._restart("device fault")
         else:
             self.state = "ready"
         return measurement
@@ -341,4 +439,7 @@ class EngineProcess:
             cold_start_s=self.cold_start_s,
             restarts=self.restarts,
             notes=list(self.spec.notes),
+            spec_key=self.spec.key,
+            model_key=self.model_key,
+            pid=self.pid,
         )

@@ -1,14 +1,29 @@
 """The engine pool's side of the experiment work queue (contract: :mod:`kiln.common.work`).
 
-One durable pull consumer per tier (``engine-pool-fast`` on ``work_subject(prefix, "fast")``,
-``engine-pool-full`` on the full subject), explicit ack, ``max_deliver`` bounded; every engine
-pool replica binds the same durables, so replicas share the work. Per message:
+Subjects and consumers. Work is queued on ``{prefix}.work.experiments.{device_kind}.{tier}.
+{model_key}`` in one work-queue stream over ``{prefix}.work.>``. A work-queue stream refuses
+consumers whose filters overlap (NATS 2.9 has no multi-subject filters either), so every pool
+consumes each exact subject through one durable pull consumer named after it
+(:func:`durable_name`, e.g. ``ep-cpu-fast-1a2b3c4d5e6f``); every pool serving that subject
+binds the same durable and JetStream hands each message to one of them. A pool learns the
+subjects it serves by scanning the stream (``STREAM.INFO`` with a subject filter, every
+``KILN_ENGINE_DISCOVER_S``, which also refreshes how much work each subject holds) and by a core
+subscription to ``{prefix}.work.experiments.>`` that sees every publish as it happens.
+
+Which subjects: those whose device kind one of its devices serves (by default the device's own
+kind; ``KILN_ENGINE_HARDWARE`` a list or ``*``) and whose model key is allowed
+(``KILN_ENGINE_MODELS``, default all).
+
+One worker per device fetches one message at a time, only while its device is free, from the
+subjects it serves: first those of the (tier, model) its engine already holds (no weights to
+load), then those of models no other device of this pool holds, then the rest in turn. Per
+message:
 
 1. parse :class:`~kiln.common.work.ExperimentWork`; malformed → ``term()`` (logged);
 2. read ``experiment-<id>`` from the ledger: already completed → ack (a redelivery or a second
    publish); no ``ExperimentRequested`` → ``term()`` (the contract was broken upstream);
-3. run it on the pool, sending ``in_progress()`` every third of ``ack_wait`` meanwhile;
-   a workload that cannot be built is recorded as REJECTED;
+3. run it on the pool, on this device, sending ``in_progress()`` every third of ``ack_wait``
+   meanwhile; a workload that cannot be built is recorded as REJECTED;
 4. append ``ExperimentCompleted`` with expected version 1, as the work's team, caused by the
    ``ExperimentRequested`` event and in its correlation; ``Aborted`` → someone else completed it;
 5. ack. The ledger unreachable (after retries) → ``nak(nak_delay_s)``: the work comes back and
@@ -26,6 +41,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats
@@ -36,11 +52,17 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from pydantic import ValidationError
 
 from kiln.common.errors import Aborted, AlreadyExists, InvalidArgument, KilnError, NotFound
-from kiln.common.nats import connect, ensure_streams, work_stream_name, work_subject
+from kiln.common.nats import (
+    connect,
+    ensure_streams,
+    parse_work_subject,
+    work_filter,
+    work_stream_name,
+)
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
 from kiln.engine_pool.measurement import Measurement
-from kiln.engine_pool.pool import EnginePool
+from kiln.engine_pool.pool import DeviceSlot, EnginePool
 from kiln.engine_pool.settings import EngineSettings
 from kiln.events.types import ExperimentCompleted
 from kiln.ledger.client import LedgerClient
@@ -50,13 +72,22 @@ from kiln.workloads.candidate import Candidate
 
 log = structlog.get_logger("kiln.engine_pool.queue")
 
-TIERS = ("fast", "full")
 APPEND_ATTEMPTS = 3
+FETCH_TIMEOUT_S = 0.5
+"""Longest wait of one fetch from a subject that should hold work, seconds."""
+BUSY_POLL_S = 0.1
+"""How often a device worker looks whether its device is free again, seconds."""
+ANY = "*"
 
 
-def durable_name(tier: str) -> str:
-    """The durable consumer of a tier's work, e.g. ``engine-pool-fast``."""
-    return f"engine-pool-{tier}"
+def durable_name(device_kind: str, tier: str, model_key: str) -> str:
+    """The durable consumer of one work subject, shared by every pool that serves it, e.g.
+    ``ep-h100-fast-1a2b3c4d5e6f``."""
+    return f"ep-{device_kind}-{tier}-{model_key}"
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip().lower() for t in text.split(",") if t.strip()]
 
 
 def _finite(x: float) -> float:
@@ -89,17 +120,41 @@ def completed_payload(work: ExperimentWork, m: Measurement) -> dict[str, Any]:
     return event.model_dump(mode="json")
 
 
+@dataclass(eq=False)
+class Lane:
+    """One work subject this pool consumes.
+
+    Attributes:
+        subject: the exact subject. kind, tier, model_key: its tokens.
+        sub: the pull subscription bound to its durable consumer.
+        queued: messages the stream holds on it (queued or in flight; from the last scan,
+            plus publishes seen since, minus messages handled here).
+        lock: one fetch at a time per subscription.
+    """
+
+    subject: str
+    kind: str
+    tier: str
+    model_key: str
+    sub: Any
+    queued: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
 class WorkConsumer:
-    """Consumes the work queue of both tiers into an :class:`EnginePool`.
+    """Consumes the work subjects this pool serves into an :class:`EnginePool`, one worker
+    per device.
 
     Args:
         settings: NATS URL, subject prefix and ledger address.
-        engine_settings: ack wait, max deliver, nak delay.
+        engine_settings: ack wait, max deliver, nak delay, hardware and models served, scan
+            interval.
         pool: runs the experiments.
 
     Attributes:
         connected: set while consuming.
         handled: messages handled so far (acked, nacked or terminated).
+        lanes: the subjects consumed now, by subject.
     """
 
     def __init__(
@@ -110,7 +165,49 @@ class WorkConsumer:
         self.pool = pool
         self.connected = asyncio.Event()
         self.handled = 0
+        self.lanes: dict[str, Lane] = {}
         self._ledgers: dict[str, LedgerClient] = {}
+        self._js: JetStreamContext | None = None
+        self._news = asyncio.Condition()
+        self._generation = 0
+        self._turn = 0
+        self._unbound: set[str] = set()
+        self._hardware = _csv(engine_settings.hardware)
+        self._models = set(_csv(engine_settings.models))
+
+    # ------------------------------------------------------------------ what is served
+    def kinds_for(self, slot: DeviceSlot) -> list[str]:
+        """Device kinds whose work ``slot`` takes: ``KILN_ENGINE_HARDWARE`` when set (``*`` =
+        any), else the device's own kind."""
+        return self._hardware or [slot.device.kind]
+
+    @property
+    def hardware(self) -> list[str]:
+        """Device kinds this pool takes work for (``*`` = any), for the registry."""
+        if self._hardware:
+            return list(self._hardware)
+        return sorted({slot.device.kind for slot in self.pool.slots.values()})
+
+    @property
+    def models(self) -> list[str]:
+        """Model keys this pool takes work for (empty = every model)."""
+        return sorted(self._models)
+
+    @property
+    def subjects(self) -> list[str]:
+        """The subjects consumed now."""
+        return sorted(self.lanes)
+
+    def serves(self, kind: str, model_key: str) -> bool:
+        """Whether some device of this pool takes work of ``kind`` on ``model_key``."""
+        if self._models and model_key not in self._models:
+            return False
+        kinds = self.hardware
+        return ANY in kinds or kind in kinds
+
+    def _slot_serves(self, slot: DeviceSlot, lane: Lane) -> bool:
+        kinds = self.kinds_for(slot)
+        return ANY in kinds or lane.kind in kinds
 
     # ------------------------------------------------------------------ wiring
     def ledger(self, team: str) -> LedgerClient:
@@ -121,28 +218,93 @@ class WorkConsumer:
             self._ledgers[team] = client
         return client
 
-    def consumer_config(self, tier: str) -> ConsumerConfig:
-        """The durable pull consumer of ``tier``."""
+    def consumer_config(self, subject: str) -> ConsumerConfig:
+        """The durable pull consumer of one work subject.
+
+        Raises:
+            InvalidArgument: not a work subject under the prefix.
+        """
+        kind, tier, key = parse_work_subject(self.settings.subject_prefix, subject)
         return ConsumerConfig(
-            durable_name=durable_name(tier),
-            filter_subject=work_subject(self.settings.subject_prefix, tier),
+            durable_name=durable_name(kind, tier, key),
+            filter_subject=subject,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.engine_settings.ack_wait_s,
             max_deliver=self.engine_settings.max_deliver,
-            description=f"kiln engine pools: {tier}-tier experiments",
+            description=f"kiln engine pools: {tier}-tier experiments of model {key} on {kind}",
         )
 
-    async def _subscribe(self, js: JetStreamContext, tier: str) -> Any:
+    async def _bind(self, js: JetStreamContext, subject: str) -> Lane:
+        """Create (or find) the subject's durable consumer and bind a pull subscription."""
         stream = work_stream_name(self.settings.subject_prefix)
-        config = self.consumer_config(tier)
+        config = self.consumer_config(subject)
+        durable = str(config.durable_name)
         try:
             await js.add_consumer(stream, config)
-        except nats.js.errors.BadRequestError as exc:  # exists with another config: update it
-            log.info("work.consumer_exists", tier=tier, error=str(exc))
-            with contextlib.suppress(nats.js.errors.BadRequestError):
-                await js.delete_consumer(stream, durable_name(tier))
-                await js.add_consumer(stream, config)
-        return await js.pull_subscribe_bind(durable=durable_name(tier), stream=stream)
+        except nats.js.errors.BadRequestError as exc:
+            # Exists with a config the server cannot update to ours (another pool's settings):
+            # share it as it is rather than pull it from under that pool.
+            log.info("work.consumer_exists", durable=durable, error=str(exc))
+        sub = await js.pull_subscribe_bind(durable=durable, stream=stream)
+        kind, tier, key = parse_work_subject(self.settings.subject_prefix, subject)
+        lane = Lane(subject, kind, tier, key, sub)
+        self.lanes[subject] = lane
+        log.info("work.subject_bound", subject=subject, durable=durable)
+        return lane
+
+    async def _drop(self, lane: Lane) -> None:
+        if self.lanes.get(lane.subject) is lane:
+            del self.lanes[lane.subject]
+        with contextlib.suppress(Exception):
+            await lane.sub.unsubscribe()
+
+    async def discover(self) -> None:
+        """Scan the stream: bind every served subject that holds work and set how much each
+        holds. Raises what JetStream raises."""
+        js = self._js
+        if js is None:
+            return
+        prefix = self.settings.subject_prefix
+        info = await js.stream_info(work_stream_name(prefix), subjects_filter=work_filter(prefix))
+        counts: dict[str, int] = dict(info.state.subjects or {})
+        noticed = set(self._unbound)  # publishes seen meanwhile stay for the next scan
+        for subject in sorted(set(counts) | noticed):
+            lane = self.lanes.get(subject)
+            if lane is None:
+                try:
+                    kind, _, key = parse_work_subject(prefix, subject)
+                except InvalidArgument:
+                    continue
+                if not self.serves(kind, key):
+                    continue
+                lane = await self._bind(js, subject)
+            # Published after the scan's snapshot: worth one fetch.
+            lane.queued = counts.get(subject, 1 if subject in noticed else 0)
+        self._unbound -= noticed
+        for subject, lane in self.lanes.items():
+            if subject not in counts and subject not in noticed:
+                lane.queued = 0
+        await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._news:
+            self._generation += 1
+            self._news.notify_all()
+
+    async def _on_published(self, msg: Msg) -> None:
+        """A work item was published (core subscription): count it, or bind its subject."""
+        try:
+            kind, _, key = parse_work_subject(self.settings.subject_prefix, msg.subject)
+        except InvalidArgument:
+            return
+        if not self.serves(kind, key):
+            return
+        lane = self.lanes.get(msg.subject)
+        if lane is None:
+            self._unbound.add(msg.subject)
+        else:
+            lane.queued += 1
+        await self._notify()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Connect (retrying while NATS is down or unconfigured) and consume until ``stop``."""
@@ -163,30 +325,158 @@ class WorkConsumer:
                 nc = await connect(url, name="kiln-engine-pool")
                 js = nc.jetstream()
                 await ensure_streams(js, prefix)
-                subs = {tier: await self._subscribe(js, tier) for tier in TIERS}
+                await nc.subscribe(work_filter(prefix), cb=self._on_published)
+                self._js = js
+                await self.discover()
                 self.connected.set()
-                log.info("work.consuming", prefix=prefix, tiers=list(subs))
-                await asyncio.gather(*(self._consume(sub, stop) for sub in subs.values()))
+                log.info(
+                    "work.consuming",
+                    prefix=prefix,
+                    hardware=self.hardware,
+                    models=self.models or "all",
+                    devices=list(self.pool.slots),
+                )
+                tasks = [
+                    asyncio.create_task(self._scan(stop), name="kiln-work-scan"),
+                    *(
+                        asyncio.create_task(self._worker(slot, stop), name=f"kiln-work-{name}")
+                        for name, slot in self.pool.slots.items()
+                    ),
+                ]
+                try:
+                    await asyncio.gather(*tasks)
+                finally:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("work queue consumer stopped; retrying", error=str(exc))
+                log.warning("work queue consumer stopped; retrying", error=str(exc) or repr(exc))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=2.0)
             finally:
                 self.connected.clear()
+                self._js = None
+                self.lanes.clear()
                 if nc is not None:
                     with contextlib.suppress(Exception):
                         await nc.close()
 
-    async def _consume(self, sub: Any, stop: asyncio.Event) -> None:
+    async def _scan(self, stop: asyncio.Event) -> None:
+        """Re-scan the stream every ``discover_s``, and soon after a publish on a subject not
+        bound yet."""
         while not stop.is_set():
+            seen = self._generation
+            await self._wait_news(stop, seen, self.engine_settings.discover_s, self._has_unbound)
+            if stop.is_set():
+                return
             try:
-                msgs = await sub.fetch(1, timeout=1.0)
-            except nats.errors.TimeoutError:
+                await self.discover()
+            except (nats.errors.Error, OSError, TimeoutError) as exc:  # NATS away: next time
+                log.warning("work.scan_failed", error=str(exc) or repr(exc))
+
+    def _has_unbound(self) -> bool:
+        return bool(self._unbound)
+
+    async def _wait_news(
+        self,
+        stop: asyncio.Event,
+        seen: int,
+        timeout_s: float,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
+        """Wait until news after generation ``seen`` (and ``ready()`` if given), ``stop``, or
+        ``timeout_s``."""
+
+        def done() -> bool:
+            if stop.is_set():
+                return True
+            return self._generation != seen and (ready is None or ready())
+
+        async def wait() -> None:
+            async with self._news:
+                await self._news.wait_for(done)
+
+        waiter = asyncio.ensure_future(wait())
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({waiter, stopper}, timeout=timeout_s)
+        finally:
+            waiter.cancel()
+            stopper.cancel()
+            await asyncio.gather(waiter, stopper, return_exceptions=True)
+
+    async def _worker(self, slot: DeviceSlot, stop: asyncio.Event) -> None:
+        """Fetch and run experiments on ``slot``'s device, one at a time, while it is free."""
+        device = slot.device.name
+        while not stop.is_set():
+            if slot.busy:  # a RunExperiment call holds the device
+                await asyncio.sleep(BUSY_POLL_S)
                 continue
-            for msg in msgs:
-                await self.handle(msg)
+            seen = self._generation
+            try:
+                found = await self._next(slot, stop)
+            except (nats.errors.Error, OSError) as exc:  # NATS away (it reconnects by itself)
+                log.warning("work.fetch_failed", device=device, error=str(exc) or repr(exc))
+                await asyncio.sleep(1.0)
+                continue
+            if found is None:
+                await self._wait_news(stop, seen, self.engine_settings.discover_s)
+                continue
+            lane, msg = found
+            try:
+                await self.handle(msg, device=device)
+            finally:
+                lane.queued = max(0, lane.queued - 1)
+
+    def order(self, slot: DeviceSlot) -> list[Lane]:
+        """The subjects ``slot`` fetches from, in order: those of the (tier, model) its engines
+        hold (most recent first), then models no other device here holds, then the rest,
+        rotating so that every subject gets its turn."""
+        resident = self.pool.resident(slot.device.name)
+        elsewhere = {
+            pair
+            for other in self.pool.slots.values()
+            if other is not slot
+            for pair in self.pool.resident(other.device.name)
+        }
+        lanes = [lane for lane in self.lanes.values() if self._slot_serves(slot, lane)]
+        self._turn += 1
+        n = max(1, len(lanes))
+
+        def rank(item: tuple[int, Lane]) -> tuple[int, int, int]:
+            i, lane = item
+            pair = (lane.tier, lane.model_key)
+            mine = resident.index(pair) if pair in resident else len(resident)
+            return (mine, pair in elsewhere, (i - self._turn) % n)
+
+        return [lane for _, lane in sorted(enumerate(lanes), key=rank)]
+
+    async def _next(self, slot: DeviceSlot, stop: asyncio.Event) -> tuple[Lane, Msg] | None:
+        """The next message for ``slot``, or None when no subject it serves gave one."""
+        for lane in self.order(slot):
+            if stop.is_set():
+                return None
+            if lane.queued <= 0:
+                continue
+            msg = await self._fetch(lane)
+            if msg is not None:
+                return lane, msg
+        return None
+
+    async def _fetch(self, lane: Lane) -> Msg | None:
+        async with lane.lock:
+            try:
+                msgs = await lane.sub.fetch(1, timeout=FETCH_TIMEOUT_S)
+            except nats.errors.TimeoutError:
+                return None  # in flight elsewhere, or waiting out a nak delay
+            except nats.js.errors.APIError as exc:  # e.g. the consumer was deleted
+                log.warning("work.subject_lost", subject=lane.subject, error=str(exc))
+                await self._drop(lane)
+                self._unbound.add(lane.subject)
+                return None
+        return msgs[0] if msgs else None
 
     async def close(self) -> None:
         """Close the ledger clients."""
@@ -203,14 +493,15 @@ class WorkConsumer:
             with contextlib.suppress(Exception):
                 await msg.in_progress()
 
-    async def handle(self, msg: Msg) -> None:
-        """Process one delivered message to its ack, nak or term (see the module docstring)."""
+    async def handle(self, msg: Msg, device: str | None = None) -> None:
+        """Process one delivered message to its ack, nak or term (see the module docstring),
+        running it on ``device`` (default: the pool's choice)."""
         try:
-            await self._handle_message(msg)
+            await self._handle_message(msg, device)
         finally:
             self.handled += 1
 
-    async def _handle_message(self, msg: Msg) -> None:
+    async def _handle_message(self, msg: Msg, device: str | None) -> None:
         try:
             work = ExperimentWork.from_json(msg.data)
         except ValidationError as exc:
@@ -219,7 +510,7 @@ class WorkConsumer:
             return
         heartbeat = asyncio.create_task(self._heartbeat(msg))
         try:
-            await self._handle(msg, work)
+            await self._handle(msg, work, device)
         except KilnError as exc:  # ledger trouble: try again later
             log.warning("work.retry_later", experiment_id=work.experiment_id, error=exc.message)
             with contextlib.suppress(Exception):
@@ -231,10 +522,10 @@ class WorkConsumer:
         finally:
             heartbeat.cancel()
 
-    async def _handle(self, msg: Msg, work: ExperimentWork) -> None:
+    async def _handle(self, msg: Msg, work: ExperimentWork, device: str | None) -> None:
         stream = f"experiment-{work.experiment_id}"
         ledger = self.ledger(work.team)
-        bound = log.bind(experiment_id=work.experiment_id, tier=work.tier)
+        bound = log.bind(experiment_id=work.experiment_id, tier=work.tier, device=device)
         requested, completed = await self._ledger_state(ledger, stream)
         if completed:
             bound.info("work.already_completed")
@@ -244,7 +535,7 @@ class WorkConsumer:
             bound.error("work.no_request", why="no ExperimentRequested in the ledger")
             await msg.term()
             return
-        measurement = await self._measure(msg, work)
+        measurement = await self._measure(msg, work, device)
         event = NewEvent(
             "ExperimentCompleted",
             completed_payload(work, measurement),
@@ -262,9 +553,9 @@ class WorkConsumer:
             return
         await msg.ack()
 
-    async def _measure(self, msg: Msg, work: ExperimentWork) -> Measurement:
+    async def _measure(self, msg: Msg, work: ExperimentWork, device: str | None) -> Measurement:
         try:
-            return await self.pool.measure(work)
+            return await self.pool.measure(work, device)
         except InvalidArgument as exc:
             return Measurement.failed("rejected", exc.message, tier=work.tier)
         except KilnError as exc:

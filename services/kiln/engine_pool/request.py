@@ -35,6 +35,9 @@ class RunRequest:
         measure_budget_s: stop timing once ``min_repeats`` steps ran and their total time
             reached this many seconds (0: always ``repeats`` steps).
         seed: seed of this experiment's fresh random check inputs (a new one per request).
+        verify_timed_steps: timed steps whose outputs are verified against the reference after
+            timing, chosen at random after each call returns (0: none; see
+            :class:`kiln.engine_pool.check.TimedOutputs`); each costs one reference decode step.
     """
 
     experiment_id: str
@@ -44,6 +47,7 @@ class RunRequest:
     min_repeats: int = 5
     measure_budget_s: float = 0.0
     seed: int = field(default_factory=lambda: secrets.randbits(62))
+    verify_timed_steps: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the pipe."""

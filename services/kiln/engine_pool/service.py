@@ -10,7 +10,12 @@ measurement with a non-OK status; bad input is INVALID_ARGUMENT:
 
 ``experiment.tier`` unspecified means fast. The clamps and defaults applied to the traffic
 shape (``Measurement`` has no field for them) come back as trailing metadata
-``kiln-engine-notes``: a JSON list of strings.
+``kiln-engine-notes``: a JSON list of strings. The experiment runs on this pool's best device
+for it (:meth:`~kiln.engine_pool.pool.EnginePool.choose_slot`).
+
+``ListEngines`` lists the engines and pools of the registry (:mod:`kiln.engine_pool.registry`):
+every pool registered on the shared NATS, this one first and always current; ``local_only``
+(or NATS unreachable) gives this pool's alone.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from kiln.common.work import ExperimentWork
 from kiln.engine_pool.measurement import Measurement, MemoryUsage
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.process import EngineSnapshot
+from kiln.engine_pool.registry import PoolRecord, Registry
 from kiln.engine_pool.settings import EngineSettings
 from kiln.v1 import common_pb2, engine_pool_pb2, engine_pool_pb2_grpc
 from kiln.workloads.candidate import Candidate
@@ -90,24 +96,66 @@ def measurement_to_proto(m: Measurement) -> common_pb2.Measurement:
     return msg
 
 
-def engine_to_proto(e: EngineSnapshot, host: str) -> engine_pool_pb2.EngineInfo:
-    """An engine snapshot as ``kiln.v1.EngineInfo``."""
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def engine_to_proto(e: EngineSnapshot, pool: PoolRecord) -> engine_pool_pb2.EngineInfo:
+    """An engine snapshot of ``pool`` as ``kiln.v1.EngineInfo``."""
+    kinds = {d.device: d.kind for d in pool.devices}
     info = engine_pool_pb2.EngineInfo(
         engine_id=e.engine_id,
-        host=host,
+        host=pool.host,
         device=e.device,
         model_name=e.model_name,
         tier=_TIER.get(e.tier, common_pb2.TIER_UNSPECIFIED),
-        state=_STATE[e.state],
+        state=_STATE.get(e.state, engine_pool_pb2.ENGINE_STATE_UNSPECIFIED),
         memory=memory_to_proto(e.memory),
         experiments_run=e.experiments_run,
         cold_start_s=e.cold_start_s,
+        pool_id=pool.pool_id,
+        spec_key=e.spec_key,
+        model_key=e.model_key,
+        restarts=e.restarts,
+        last_heartbeat=_timestamp(pool.heartbeat_at),
+        device_kind=kinds.get(e.device, ""),
+        pid=e.pid,
+        notes=e.notes,
     )
     if e.started_at is not None:
         ts = Timestamp()
         ts.FromDatetime(e.started_at)
         info.started_at.CopyFrom(ts)
     return info
+
+
+def pool_to_proto(pool: PoolRecord) -> engine_pool_pb2.PoolInfo:
+    """A registry record as ``kiln.v1.PoolInfo``."""
+    return engine_pool_pb2.PoolInfo(
+        pool_id=pool.pool_id,
+        host=pool.host,
+        pid=pool.pid,
+        devices=[
+            engine_pool_pb2.DeviceInfo(
+                device=d.device,
+                kind=d.kind,
+                label=d.label,
+                busy=d.busy,
+                experiments_done=d.experiments_done,
+            )
+            for d in pool.devices
+        ],
+        hardware=pool.hardware,
+        models=pool.models,
+        subjects=pool.subjects,
+        started_at=_timestamp(pool.started_at),
+        last_heartbeat=_timestamp(pool.heartbeat_at),
+        ttl_s=pool.ttl_s,
+        experiments_done=pool.experiments_done,
+        local=pool.local,
+    )
 
 
 def work_from_request(
@@ -145,11 +193,12 @@ def work_from_request(
 
 
 class EnginePoolServicer(engine_pool_pb2_grpc.EnginePoolServicer):
-    """``kiln.v1.EnginePool`` over an :class:`EnginePool`."""
+    """``kiln.v1.EnginePool`` over an :class:`EnginePool` and the pool :class:`Registry`."""
 
-    def __init__(self, pool: EnginePool, settings: EngineSettings) -> None:
+    def __init__(self, pool: EnginePool, settings: EngineSettings, registry: Registry) -> None:
         self.pool = pool
         self.settings = settings
+        self.registry = registry
 
     async def RunExperiment(
         self, request: engine_pool_pb2.RunExperimentRequest, context: grpc.aio.ServicerContext
@@ -163,9 +212,14 @@ class EnginePoolServicer(engine_pool_pb2_grpc.EnginePoolServicer):
     async def ListEngines(
         self, request: engine_pool_pb2.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> engine_pool_pb2.ListEnginesResponse:
-        """Every engine held (or one model's)."""
+        """The engines (all, or one model's) of every registered pool, or of this one."""
+        pools = [self.registry.local()] if request.local_only else await self.registry.pools()
         return engine_pool_pb2.ListEnginesResponse(
             engines=[
-                engine_to_proto(e, self.pool.host) for e in self.pool.engines(request.model_name)
-            ]
+                engine_to_proto(e, pool)
+                for pool in pools
+                for e in pool.engines
+                if not request.model_name or e.model_name == request.model_name
+            ],
+            pools=[pool_to_proto(pool) for pool in pools],
         )

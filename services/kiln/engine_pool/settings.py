@@ -2,17 +2,33 @@
 
 They sit beside :class:`kiln.common.settings.KilnSettings` (addresses, NATS, ledger) and hold
 what only engines care about: the device, the caps on the traffic shape an engine is built for,
-how experiments are timed, and how the work queue is consumed. Defaults suit a CPU host.
+how experiments are timed, and how the work queue is consumed. Defaults suit a CPU host; on a
+CUDA device (``KILN_ENGINE_DEVICE=cuda...``) every field left unset takes its value from
+:data:`CUDA_DEFAULTS` instead.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kiln.engine_pool.spec import EngineLimits
+
+CUDA_DEFAULTS: dict[str, Any] = {
+    "max_batch": 1024,
+    "max_context": 131072,
+    "warmup": 2,
+    "repeats": 200,
+    "min_repeats": 10,
+    "measure_budget_s": 0.025,
+}
+"""Defaults for CUDA engines: the traffic shape is capped by device memory, not by these
+(``kiln.engine_pool.device_memory``). A decode step takes 0.4–20 ms on an H200 (Llama-3.2-1B
+batch 1, fast tier with a CUDA graph to full tier eager), so timing stops after 10 steps and
+25 ms of them (about 50 steps of a graphed fast-tier step; Triton's ``do_bench`` uses 100 ms);
+their spread is reported with every measurement."""
 
 
 class EngineSettings(BaseSettings):
@@ -35,13 +51,30 @@ class EngineSettings(BaseSettings):
         default=512, ge=2, description="Cap on the shape's context length, tokens."
     )
     fast_layers: int = Field(default=2, ge=1, description="Layers of a fast-tier engine.")
+    max_layers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most layers an engine of either tier holds (unset = all): a full-tier "
+        "engine of a model too big for the host is scaled to fit by layer count.",
+    )
     prompt_len: int = Field(default=16, ge=1, description="Prompt tokens of the correctness check.")
     check_steps: int = Field(default=1, ge=0, description="Decode steps checked after the prefill.")
     check_batch: int = Field(
         default=2, ge=1, description="Prompts of the correctness check (full batch at the shape)."
     )
+    threads: str = Field(
+        default="auto",
+        pattern=r"^(auto|[1-9][0-9]*)$",
+        description="Intra-op threads of a CPU engine: a number, or auto = the host's cores "
+        "less one, leaving a core to the services that share the host "
+        "(kiln.engine_pool.worker.cpu_threads). The threads transform overrides it per "
+        "experiment.",
+    )
     max_engines: int | None = Field(
-        default=None, ge=1, description="Engines held at once (LRU eviction); unset = 1 per device."
+        default=None,
+        ge=1,
+        description="Engines held at once per device (LRU eviction); unset = 2, so a "
+        "compilation's fast engine and the full engine that confirms its winners both stay warm.",
     )
 
     # --- how experiments are timed --------------------------------------------------------
@@ -58,6 +91,13 @@ class EngineSettings(BaseSettings):
         ge=0,
         description="Timing stops once min_repeats steps ran and this many seconds were spent "
         "timing (Triton do_bench style), or after repeats steps.",
+    )
+    verify_timed_steps: int = Field(
+        default=1,
+        ge=0,
+        description="Timed steps whose outputs are checked against the reference after timing, "
+        "chosen at random after each call returned (a candidate cheating on a fraction p of "
+        "its timed steps escapes with probability (1-p)^k); each costs one reference step.",
     )
     ready_timeout_s: float = Field(
         default=600.0, gt=0, description="Longest engine build, seconds."
@@ -83,6 +123,52 @@ class EngineSettings(BaseSettings):
     nak_delay_s: float = Field(
         default=5.0, ge=0, description="Redelivery delay after a nak, seconds."
     )
+    hardware: str = Field(
+        default="",
+        description="Hardware kinds (workload.hardware.name) whose queued experiments this "
+        "pool takes, comma-separated: empty = its devices' own kinds; '*' = any (measure other "
+        "targets here as a stand-in).",
+    )
+    models: str = Field(
+        default="",
+        description="Model keys (kiln.common.work.model_key; ListEngines shows them) whose "
+        "queued experiments this pool takes, comma-separated; empty = every model.",
+    )
+    discover_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How often the work stream is scanned for subjects (models) not yet "
+        "consumed and for queued work, seconds (new work is also noticed as it is published).",
+    )
+
+    # --- devices and the pool registry ----------------------------------------------------
+    devices: str = Field(
+        default="",
+        description="Devices, one engine process each (kiln.engine_pool.devices): 'auto' = "
+        "every visible CUDA device, else the CPU; or a comma list ('cuda:0,cuda:1', 'cpu'; "
+        "'cuda' = every visible GPU). Empty = KILN_ENGINE_DEVICE when set, else auto.",
+    )
+    device_kind: str = Field(
+        default="",
+        description="Hardware kind of this host's GPUs (h100, h200, ...) when their name does "
+        "not tell; empty = from the name.",
+    )
+    pool_id: str = Field(
+        default="",
+        description="This pool's id in the registry and in engine ids; empty = <host>-<pid>.",
+    )
+    heartbeat_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often the pool re-registers itself and its engines, seconds "
+        "(at most a third of the registry TTL is used).",
+    )
+    registry_ttl_s: float = Field(
+        default=30.0,
+        ge=1,
+        description="Seconds after its last heartbeat at which a pool drops out of the "
+        "registry (the TTL of the JetStream key-value bucket; its first creator sets it).",
+    )
 
     @field_validator("device")
     @classmethod
@@ -90,6 +176,14 @@ class EngineSettings(BaseSettings):
         if v != "cpu" and not v.startswith("cuda"):
             raise ValueError('device must be "cpu" or "cuda[:N]"')
         return v
+
+    @model_validator(mode="after")
+    def _cuda_defaults(self) -> EngineSettings:
+        if self.device.startswith("cuda"):
+            for name, value in CUDA_DEFAULTS.items():
+                if name not in self.model_fields_set:
+                    setattr(self, name, value)
+        return self
 
     def limits(self) -> EngineLimits:
         """The part of the settings that shapes an :class:`~kiln.engine_pool.spec.EngineSpec`."""
@@ -102,8 +196,9 @@ class EngineSettings(BaseSettings):
             prompt_len=self.prompt_len,
             check_steps=self.check_steps,
             check_batch=self.check_batch,
+            max_layers=self.max_layers,
         )
 
     def engines_per_device(self) -> int:
-        """How many engines the pool holds at once (``max_engines``, default 1)."""
-        return self.max_engines or 1
+        """How many engines the pool holds at once per device (``max_engines``, default 2)."""
+        return self.max_engines or 2

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from kiln.engine_pool.native_dtype import is_native
 from kiln.workloads.config import ModelConfig, UnsupportedModelError, parse_config
+from kiln.workloads.traffic.experts import exponent_for_hot_ratio, hot_ratio
 
 Tier = Literal["fast", "full"]
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
@@ -52,6 +54,9 @@ class EngineLimits:
         check_steps: decode steps compared after the prefill.
         check_batch: prompts of the correctness check (clamped to the batch); the check at the
             traffic shape always uses the full batch.
+        max_layers: most decoder layers an engine of either tier holds (None = all): a
+            full-tier engine of a model too big for the host is scaled to fit by layer count
+            (noted in the spec).
     """
 
     device: str = "cpu"
@@ -62,6 +67,7 @@ class EngineLimits:
     prompt_len: int = 16
     check_steps: int = 1
     check_batch: int = 2
+    max_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,10 @@ class EngineSpec:
         prompt_len: prompt tokens of the correctness check.
         check_steps: decode steps compared after the check's prefill.
         check_batch: prompts (sequences) of the correctness check.
+        expert_zipf_exponent: MoE expert-load skew imposed on random-weight routers (Zipf
+            exponent, from ``traffic.expert_zipf_exponent`` or ``traffic.expert_load_skew``; see
+            :mod:`kiln.workloads.models.routing`); 0.0 for dense models and checkpoints. Part of
+            the key only when non-zero.
         notes: clamps and defaults applied, in words (not part of the key).
     """
 
@@ -100,12 +110,15 @@ class EngineSpec:
     prompt_len: int
     check_steps: int
     check_batch: int
+    expert_zipf_exponent: float = 0.0
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def key(self) -> str:
         """Hash of the build-relevant fields (24 hex digits): same key, same engine."""
         body = {k: v for k, v in asdict(self).items() if k != "notes"}
+        if not self.expert_zipf_exponent:  # dense specs keep the keys they had
+            del body["expert_zipf_exponent"]
         text = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -116,8 +129,12 @@ class EngineSpec:
         return max(self.context_len + 1, self.prompt_len + self.check_steps)
 
     def model_config(self) -> ModelConfig:
-        """The architecture (all layers; the engine truncates to ``layers``)."""
-        return parse_config(self.config, self.model_name)
+        """The architecture (all layers; the engine truncates to ``layers``), with the
+        expert-load skew set on MoE configs (:meth:`ModelConfig.with_expert_skew`)."""
+        config = parse_config(self.config, self.model_name)
+        if self.expert_zipf_exponent:
+            config = config.with_expert_skew(self.expert_zipf_exponent)
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-compatible form (what the worker process receives)."""
@@ -168,7 +185,16 @@ class EngineSpec:
 
         total = config.num_hidden_layers
         layers = total if tier == "full" else min(limits.fast_layers, total)
-        batch, context = _operating_point(dict(workload.get("traffic") or {}), notes)
+        if limits.max_layers is not None and layers > limits.max_layers:
+            notes.append(
+                f"scaled to fit by layer count: {limits.max_layers} of {total} layers held "
+                f"on the {tier} tier (KILN_ENGINE_MAX_LAYERS)"
+            )
+            layers = limits.max_layers
+        traffic = dict(workload.get("traffic") or {})
+        weights_dir = str(model.get("weights_dir") or "") or None
+        zipf = _expert_skew(traffic, config, weights_dir, notes)
+        batch, context = _operating_point(traffic, notes)
         if batch > limits.max_batch:
             notes.append(
                 f"batch clamped from {batch} to {limits.max_batch} (KILN_ENGINE_MAX_BATCH)"
@@ -193,12 +219,13 @@ class EngineSpec:
             dtype=dtype,
             device=limits.device,
             seed=seed,
-            weights_dir=str(model.get("weights_dir") or "") or None,
+            weights_dir=weights_dir,
             batch_size=batch,
             context_len=context,
             prompt_len=max(1, min(limits.prompt_len, context)),
             check_steps=limits.check_steps,
             check_batch=max(1, min(limits.check_batch, batch)),
+            expert_zipf_exponent=zipf,
             notes=tuple(notes),
         )
 
@@ -242,6 +269,51 @@ def check_buildable(config: ModelConfig) -> None:
         check(config)
     except UnbuildableModelError as exc:
         raise SpecError(str(exc)) from exc
+
+
+def _expert_skew(
+    traffic: Mapping[str, Any], config: ModelConfig, weights_dir: str | None, notes: list[str]
+) -> float:
+    """The Zipf exponent of expert load an MoE engine imposes (0.0 for dense models and
+    checkpoints): ``traffic.expert_zipf_exponent``, else the exponent whose hottest-expert
+    ratio is ``traffic.expert_load_skew`` for this model's experts and top-k.
+
+    Raises:
+        SpecError: either field negative or not a finite number.
+    """
+    values = {}
+    for name in ("expert_zipf_exponent", "expert_load_skew"):
+        try:
+            values[name] = float(traffic.get(name) or 0.0)
+        except (TypeError, ValueError):
+            raise SpecError(f"traffic.{name} {traffic.get(name)!r} is not a number") from None
+        if not (math.isfinite(values[name]) and values[name] >= 0):
+            raise SpecError(f"traffic.{name} must be finite and >= 0, got {values[name]}")
+    moe = config.moe
+    if moe is None:
+        return 0.0
+    zipf, source = values["expert_zipf_exponent"], "traffic.expert_zipf_exponent"
+    if not zipf and values["expert_load_skew"] > 1.0:
+        ratio = values["expert_load_skew"]
+        zipf = exponent_for_hot_ratio(ratio, moe.num_experts, moe.top_k)
+        source = (
+            f"traffic.expert_load_skew {ratio:g} for {moe.num_experts} experts, top-{moe.top_k}"
+        )
+    if not zipf:
+        notes.append("MoE expert load: the router's own (the traffic shape sets no skew)")
+        return 0.0
+    if weights_dir:
+        notes.append(
+            f"MoE expert load: the checkpoint router's own (skew s={zipf:.3g} from the traffic "
+            "is imposed only on random weights)"
+        )
+        return 0.0
+    ratio = hot_ratio(moe.num_experts, moe.top_k, zipf)
+    notes.append(
+        f"MoE routers biased so expert load follows Zipf s={zipf:.3g} over each layer's experts "
+        f"(from {source}): hottest expert {ratio:.2f}x the uniform share"
+    )
+    return zipf
 
 
 def _operating_point(traffic: Mapping[str, Any], notes: list[str]) -> tuple[int, int]:

@@ -9,8 +9,13 @@ Known transforms (parameter values are strings, as candidates carry them):
   (``T == 1``) runs through ``torch.compile``; prefill stays eager. Compilation happens on the
   first decode call, i.e. in the engine's warm-up (the ``compile`` phase).
 
-Anything else (``cuda_graph`` included, until CUDA engines exist) is rejected: the candidate is
-REJECTED with the reason, not run.
+- ``cuda_graph``: no parameters — the decode step at the traffic shape captured as one CUDA
+  graph and replayed (:mod:`kiln.engine_pool.cuda_graph`); CUDA engines only. Applied last,
+  whatever its place in the list, so it captures the other transforms' forward (a
+  ``torch_compile`` forward is compiled during the capture's warm-up). Its warm-up and capture
+  time is reported as the ``graph_capture`` phase.
+
+Anything else is rejected: the candidate is REJECTED with the reason, not run.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.engine_pool import cuda_graph
 from kiln.workloads.candidate import Transform
 from kiln.workloads.models import DecoderModel
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-KNOWN_TRANSFORMS = ("threads", "torch_compile")
+KNOWN_TRANSFORMS = ("threads", "torch_compile", "cuda_graph")
 
 
 class RejectedCandidate(ValueError):
@@ -40,6 +46,7 @@ class AppliedTransforms:
     notes: list[str] = field(default_factory=list)
     undo: list[Callable[[], None]] = field(default_factory=list)
     compiled: bool = False
+    phases_ms: dict[str, float] = field(default_factory=dict)
 
     def revert(self) -> None:
         """Undo every transform, last applied first."""
@@ -115,6 +122,7 @@ def apply_transforms(model: DecoderModel, transforms: Sequence[Transform]) -> Ap
         RejectedCandidate: an unknown transform or a bad parameter.
     """
     applied = AppliedTransforms()
+    graphed = False
     try:
         for t in transforms:
             if t.name == "threads":
@@ -122,14 +130,19 @@ def apply_transforms(model: DecoderModel, transforms: Sequence[Transform]) -> Ap
             elif t.name == "torch_compile":
                 _torch_compile(t, model, applied)
             elif t.name == "cuda_graph":
-                raise RejectedCandidate(
-                    "transform 'cuda_graph' is not available on this engine yet "
-                    f"(known: {', '.join(KNOWN_TRANSFORMS)})"
-                )
+                _params(t, ())
+                if model.cache.lengths.device.type != "cuda":
+                    raise RejectedCandidate("transform 'cuda_graph' needs a CUDA engine")
+                graphed = True
             else:
                 raise RejectedCandidate(
                     f"unknown transform {t.name!r} (known: {', '.join(KNOWN_TRANSFORMS)})"
                 )
+        if graphed:
+            graph, undo = cuda_graph.install(model)
+            applied.undo.append(undo)
+            applied.phases_ms["graph_capture"] = graph.capture_ms
+            applied.notes.append(f"cuda_graph: decode step at batch {graph.batch} captured")
     except BaseException:
         applied.revert()
         raise

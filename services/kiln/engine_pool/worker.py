@@ -42,6 +42,25 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def cpu_threads(setting: str, cores: int | None = None) -> int:
+    """Intra-op threads of a CPU engine (``KILN_ENGINE_THREADS``): a positive number, or
+    ``auto``/empty = one fewer than the host's cores (at least 1), so the services, PostgreSQL
+    and NATS that share the host keep a core and do not preempt the timed steps' threads (on a
+    2-core host two engine threads beside busy services made decode steps 3-6x slower and
+    erratic; one thread gave stable timings).
+
+    Raises:
+        ValueError: not ``auto``, empty or a positive integer.
+    """
+    n = cores or os.cpu_count() or 1
+    if setting.strip().lower() in ("", "auto"):
+        return max(1, n - 1)
+    value = int(setting)
+    if value < 1:
+        raise ValueError(f"KILN_ENGINE_THREADS={setting!r}: expected a positive integer or auto")
+    return value
+
+
 def worker_main(conn: Connection, spec: dict[str, Any], engine_id: str) -> None:
     """Entry point of the engine process.
 
@@ -55,8 +74,11 @@ def worker_main(conn: Connection, spec: dict[str, Any], engine_id: str) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C; it stops us
     try:
+        import torch
+
         from kiln.engine_pool.engine import Engine
 
+        torch.set_num_threads(cpu_threads(os.environ.get("KILN_ENGINE_THREADS", "")))
         engine = Engine(EngineSpec.from_dict(spec), engine_id)
     except Exception as exc:
         conn.send(
@@ -91,3 +113,4 @@ def serve(conn: Connection, engine: Any) -> None:
             return
         if measurement.restart_engine:
             return
+        engine.after_reply()

@@ -1,7 +1,8 @@
 """The event types kiln records, version 1.
 
 Streams:
-    ``compilation-<id>``: one compilation's life (submitted, planned, baseline, best, ended).
+    ``compilation-<id>``: one compilation's life (submitted, planned, baseline, best, tier
+    agreement, ended).
     ``experiment-<id>``: one experiment (requested, completed).
 
 Payloads do not repeat what the envelope carries: the compilation or experiment id is the
@@ -84,7 +85,9 @@ class BaselineMeasured(EventSchema):
 
 
 class BestCandidateImproved(EventSchema):
-    """A correct candidate beat the best so far (confirmed on the full tier where required)."""
+    """A correct candidate beat the best so far. The agent runner records it only for a
+    candidate confirmed on the full tier (``tier`` "full"), with ``speedup`` over the reference
+    measured on the full tier next to it (:mod:`kiln.agent_runner.judge`)."""
 
     event_type = "BestCandidateImproved"
     category = "compilation"
@@ -96,6 +99,30 @@ class BestCandidateImproved(EventSchema):
     median_ms: float = Field(ge=0)
     speedup: float = Field(ge=0)
     tier: Tier
+
+
+class TierPoint(EventSchema):
+    """One candidate measured correct on both tiers: its fast-tier and full-tier tokens/s (the
+    reference's full-tier value is the median of its full-tier measurements)."""
+
+    candidate_id: str
+    fast_tokens_per_s: float = Field(ge=0)
+    full_tokens_per_s: float = Field(ge=0)
+
+
+class TierAgreement(EventSchema):
+    """How well the fast tier's ranking predicted the full tier's, recorded once, just before
+    ``CompilationEnded``: Spearman's rank correlation between fast-tier and full-tier tokens/s
+    over the ``n`` candidates measured correct on both tiers (the reference included). ``rho``
+    is null when it is undefined (fewer than two candidates, or one tier ranks them all
+    equal)."""
+
+    event_type = "TierAgreement"
+    category = "compilation"
+
+    n: int = Field(ge=0)
+    rho: float | None = Field(default=None, ge=-1, le=1)
+    points: list[TierPoint] = Field(default_factory=list)
 
 
 class CompilationCancelRequested(EventSchema):

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 REFERENCE = "reference"
 
 #: The ops a decoder is made of, with their call contract in one line (details in each family's
-#: module). ``moe`` is a slot: MoE models come later, it has no implementation yet.
+#: module).
 OPS: dict[str, str] = {
     "embedding": "tokens[B,T] int64 -> hidden[B,T,H]",
     "rms_norm": "x[...,N], residual[...,N]|None -> (normed[...,N], residual_out[...,N])",
@@ -31,7 +31,7 @@ OPS: dict[str, str] = {
     "seq_lens[B] -> out[B,Hq,T,D]",
     "o_proj": "attn[B,Hq,T,D] -> hidden[B,T,H]",
     "mlp": "x[B,T,H] -> [B,T,H] (gate/up/down, SiLU)",
-    "moe": "x[B,T,H] -> [B,T,H] (router + experts; no implementation yet)",
+    "moe": "x[B,T,H] -> [B,T,H] (router top-k + SwiGLU experts)",
     "lm_head": "x[...,H] -> logits[...,V] float32",
     "sampler": "logits[B,V] float32 -> tokens[B] int64",
 }

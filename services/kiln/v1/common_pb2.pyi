@@ -155,6 +155,7 @@ class TrafficShape(_message.Message):
     EXPERT_LOAD_SKEW_FIELD_NUMBER: _builtins.int
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     CONTEXT_LEN_FIELD_NUMBER: _builtins.int
+    EXPERT_ZIPF_EXPONENT_FIELD_NUMBER: _builtins.int
     source: _builtins.str
     """Trace the shape was read from (file name), or "synthetic"."""
     arrival_rate_rps: _builtins.float
@@ -171,6 +172,11 @@ class TrafficShape(_message.Message):
     """The operating point chosen for measurement: decode batch size."""
     context_len: _builtins.int
     """The operating point chosen for measurement: context length in tokens."""
+    expert_zipf_exponent: _builtins.float
+    """MoE expert-load skew as a Zipf exponent s >= 0: the expert of load rank r gets a share
+    proportional to r^-s (0 = balanced). Derived from the trace's prompt-block popularity
+    (kiln.workloads.traffic.experts); engines bias MoE routers so expert load follows it.
+    """
     @_builtins.property
     def isl_tokens(self) -> Global___Distribution:
         """Input sequence length (prompt tokens) per request."""
@@ -192,10 +198,11 @@ class TrafficShape(_message.Message):
         expert_load_skew: _builtins.float = ...,
         batch_size: _builtins.int = ...,
         context_len: _builtins.int = ...,
+        expert_zipf_exponent: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["isl_tokens", b"isl_tokens", "osl_tokens", b"osl_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival_rate_rps", b"arrival_rate_rps", "batch_size", b"batch_size", "context_len", b"context_len", "expert_load_skew", b"expert_load_skew", "interarrival_cv", b"interarrival_cv", "isl_tokens", b"isl_tokens", "mean_concurrency", b"mean_concurrency", "osl_tokens", b"osl_tokens", "prefix_hit_rate", b"prefix_hit_rate", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival_rate_rps", b"arrival_rate_rps", "batch_size", b"batch_size", "context_len", b"context_len", "expert_load_skew", b"expert_load_skew", "expert_zipf_exponent", b"expert_zipf_exponent", "interarrival_cv", b"interarrival_cv", "isl_tokens", b"isl_tokens", "mean_concurrency", b"mean_concurrency", "osl_tokens", b"osl_tokens", "prefix_hit_rate", b"prefix_hit_rate", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,23 +26,27 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kiln.v1 import common_pb2 as kiln_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kiln/v1/engine_pool.proto\x12\x07kiln.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14kiln/v1/common.proto\"\x98\x02\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x1b\n\x04tier\x18\x05 \x01(\x0e\x32\r.kiln.v1.Tier\x12#\n\x05state\x18\x06 \x01(\x0e\x32\x14.kiln.v1.EngineState\x12$\n\x06memory\x18\x07 \x01(\x0b\x32\x14.kiln.v1.MemoryUsage\x12\x17\n\x0f\x65xperiments_run\x18\x08 \x01(\x04\x12.\n\nstarted_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x63old_start_s\x18\n \x01(\x01\"(\n\x12ListEnginesRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\";\n\x13ListEnginesResponse\x12$\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x13.kiln.v1.EngineInfo\"S\n\x14RunExperimentRequest\x12\'\n\nexperiment\x18\x01 \x01(\x0b\x32\x13.kiln.v1.Experiment\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01*\xa9\x01\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_STATE_STARTING\x10\x01\x12\x16\n\x12\x45NGINE_STATE_READY\x10\x02\x12\x15\n\x11\x45NGINE_STATE_BUSY\x10\x03\x12\x1b\n\x17\x45NGINE_STATE_RESTARTING\x10\x04\x12\x15\n\x11\x45NGINE_STATE_DEAD\x10\x05\x32\x9c\x01\n\nEnginePool\x12H\n\x0bListEngines\x12\x1b.kiln.v1.ListEnginesRequest\x1a\x1c.kiln.v1.ListEnginesResponse\x12\x44\n\rRunExperiment\x12\x1d.kiln.v1.RunExperimentRequest\x1a\x14.kiln.v1.Measurementb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kiln/v1/engine_pool.proto\x12\x07kiln.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14kiln/v1/common.proto\"\xc5\x03\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x1b\n\x04tier\x18\x05 \x01(\x0e\x32\r.kiln.v1.Tier\x12#\n\x05state\x18\x06 \x01(\x0e\x32\x14.kiln.v1.EngineState\x12$\n\x06memory\x18\x07 \x01(\x0b\x32\x14.kiln.v1.MemoryUsage\x12\x17\n\x0f\x65xperiments_run\x18\x08 \x01(\x04\x12.\n\nstarted_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x63old_start_s\x18\n \x01(\x01\x12\x0f\n\x07pool_id\x18\x0b \x01(\t\x12\x10\n\x08spec_key\x18\x0c \x01(\t\x12\x11\n\tmodel_key\x18\r \x01(\t\x12\x10\n\x08restarts\x18\x0e \x01(\r\x12\x32\n\x0elast_heartbeat\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0b\x64\x65vice_kind\x18\x10 \x01(\t\x12\x0b\n\x03pid\x18\x11 \x01(\r\x12\r\n\x05notes\x18\x12 \x03(\t\"a\n\nDeviceInfo\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05label\x18\x03 \x01(\t\x12\x0c\n\x04\x62usy\x18\x04 \x01(\x08\x12\x18\n\x10\x65xperiments_done\x18\x05 \x01(\x04\"\xac\x02\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12$\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x13.kiln.v1.DeviceInfo\x12\x10\n\x08hardware\x18\x05 \x03(\t\x12\x0e\n\x06models\x18\x06 \x03(\t\x12\x10\n\x08subjects\x18\x07 \x03(\t\x12.\n\nstarted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_heartbeat\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05ttl_s\x18\n \x01(\x01\x12\x18\n\x10\x65xperiments_done\x18\x0b \x01(\x04\x12\r\n\x05local\x18\x0c \x01(\x08\"<\n\x12ListEnginesRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nlocal_only\x18\x02 \x01(\x08\"]\n\x13ListEnginesResponse\x12$\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x13.kiln.v1.EngineInfo\x12 \n\x05pools\x18\x02 \x03(\x0b\x32\x11.kiln.v1.PoolInfo\"S\n\x14RunExperimentRequest\x12\'\n\nexperiment\x18\x01 \x01(\x0b\x32\x13.kiln.v1.Experiment\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01*\xa9\x01\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_STATE_STARTING\x10\x01\x12\x16\n\x12\x45NGINE_STATE_READY\x10\x02\x12\x15\n\x11\x45NGINE_STATE_BUSY\x10\x03\x12\x1b\n\x17\x45NGINE_STATE_RESTARTING\x10\x04\x12\x15\n\x11\x45NGINE_STATE_DEAD\x10\x05\x32\x9c\x01\n\nEnginePool\x12H\n\x0bListEngines\x12\x1b.kiln.v1.ListEnginesRequest\x1a\x1c.kiln.v1.ListEnginesResponse\x12\x44\n\rRunExperiment\x12\x1d.kiln.v1.RunExperimentRequest\x1a\x14.kiln.v1.Measurementb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kiln.v1.engine_pool_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINESTATE']._serialized_start=565
-  _globals['_ENGINESTATE']._serialized_end=734
+  _globals['_ENGINESTATE']._serialized_start=1194
+  _globals['_ENGINESTATE']._serialized_end=1363
   _globals['_ENGINEINFO']._serialized_start=94
-  _globals['_ENGINEINFO']._serialized_end=374
-  _globals['_LISTENGINESREQUEST']._serialized_start=376
-  _globals['_LISTENGINESREQUEST']._serialized_end=416
-  _globals['_LISTENGINESRESPONSE']._serialized_start=418
-  _globals['_LISTENGINESRESPONSE']._serialized_end=477
-  _globals['_RUNEXPERIMENTREQUEST']._serialized_start=479
-  _globals['_RUNEXPERIMENTREQUEST']._serialized_end=562
-  _globals['_ENGINEPOOL']._serialized_start=737
-  _globals['_ENGINEPOOL']._serialized_end=893
+  _globals['_ENGINEINFO']._serialized_end=547
+  _globals['_DEVICEINFO']._serialized_start=549
+  _globals['_DEVICEINFO']._serialized_end=646
+  _globals['_POOLINFO']._serialized_start=649
+  _globals['_POOLINFO']._serialized_end=949
+  _globals['_LISTENGINESREQUEST']._serialized_start=951
+  _globals['_LISTENGINESREQUEST']._serialized_end=1011
+  _globals['_LISTENGINESRESPONSE']._serialized_start=1013
+  _globals['_LISTENGINESRESPONSE']._serialized_end=1106
+  _globals['_RUNEXPERIMENTREQUEST']._serialized_start=1108
+  _globals['_RUNEXPERIMENTREQUEST']._serialized_end=1191
+  _globals['_ENGINEPOOL']._serialized_start=1366
+  _globals['_ENGINEPOOL']._serialized_end=1522
 # @@protoc_insertion_point(module_scope)

@@ -29,19 +29,29 @@ class _EngineStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineSta
     DESCRIPTOR: _descriptor.EnumDescriptor
     ENGINE_STATE_UNSPECIFIED: _EngineState.ValueType  # 0
     ENGINE_STATE_STARTING: _EngineState.ValueType  # 1
+    """The process is building the engine (weights, caches, warm-up): the cold start."""
     ENGINE_STATE_READY: _EngineState.ValueType  # 2
+    """Built and idle."""
     ENGINE_STATE_BUSY: _EngineState.ValueType  # 3
+    """Running an experiment."""
     ENGINE_STATE_RESTARTING: _EngineState.ValueType  # 4
+    """Rebuilding after a crash, a deadline passed or a requested restart."""
     ENGINE_STATE_DEAD: _EngineState.ValueType  # 5
+    """Stopped (evicted or shut down), or its build failed."""
 
 class EngineState(_EngineState, metaclass=_EngineStateEnumTypeWrapper): ...
 
 ENGINE_STATE_UNSPECIFIED: EngineState.ValueType  # 0
 ENGINE_STATE_STARTING: EngineState.ValueType  # 1
+"""The process is building the engine (weights, caches, warm-up): the cold start."""
 ENGINE_STATE_READY: EngineState.ValueType  # 2
+"""Built and idle."""
 ENGINE_STATE_BUSY: EngineState.ValueType  # 3
+"""Running an experiment."""
 ENGINE_STATE_RESTARTING: EngineState.ValueType  # 4
+"""Rebuilding after a crash, a deadline passed or a requested restart."""
 ENGINE_STATE_DEAD: EngineState.ValueType  # 5
+"""Stopped (evicted or shut down), or its build failed."""
 Global___EngineState: _TypeAlias = EngineState  # noqa: Y015
 
 @_typing.final
@@ -58,20 +68,52 @@ class EngineInfo(_message.Message):
     EXPERIMENTS_RUN_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
     COLD_START_S_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    SPEC_KEY_FIELD_NUMBER: _builtins.int
+    MODEL_KEY_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    LAST_HEARTBEAT_FIELD_NUMBER: _builtins.int
+    DEVICE_KIND_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    NOTES_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
+    """"<model>/<tier>/<spec key prefix>/<device>@<pool id>"."""
     host: _builtins.str
     device: _builtins.str
-    """"cpu", "cuda:0", ..."""
+    """"cpu", "cuda:0", ... as the pool names its devices."""
     model_name: _builtins.str
     tier: _common_pb2.Tier.ValueType
     state: Global___EngineState.ValueType
     experiments_run: _builtins.int
+    """Experiments answered, over every process of this engine."""
     cold_start_s: _builtins.float
-    """Seconds from process start to first measurement."""
+    """Seconds from process start to ready, of the current process."""
+    pool_id: _builtins.str
+    """The engine pool holding it."""
+    spec_key: _builtins.str
+    """Hash of everything the engine is built for (equal specs share one engine)."""
+    model_key: _builtins.str
+    """The model's work-subject key (kiln.common.work.model_key)."""
+    restarts: _builtins.int
+    """Processes replaced after a crash, a deadline passed or a requested restart."""
+    device_kind: _builtins.str
+    """Hardware kind of its device: "cpu", "h100", "h200", ..."""
+    pid: _builtins.int
+    """OS process id of the engine process (0 when none is running), on its host."""
     @_builtins.property
     def memory(self) -> _common_pb2.MemoryUsage: ...
     @_builtins.property
-    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    def started_at(self) -> _timestamp_pb2.Timestamp:
+        """When the current process started."""
+
+    @_builtins.property
+    def last_heartbeat(self) -> _timestamp_pb2.Timestamp:
+        """The pool's last heartbeat (now, for the pool answering)."""
+
+    @_builtins.property
+    def notes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Clamps and defaults applied to the traffic shape it was built for."""
+
     def __init__(
         self,
         *,
@@ -85,30 +127,150 @@ class EngineInfo(_message.Message):
         experiments_run: _builtins.int = ...,
         started_at: _timestamp_pb2.Timestamp | None = ...,
         cold_start_s: _builtins.float = ...,
+        pool_id: _builtins.str = ...,
+        spec_key: _builtins.str = ...,
+        model_key: _builtins.str = ...,
+        restarts: _builtins.int = ...,
+        last_heartbeat: _timestamp_pb2.Timestamp | None = ...,
+        device_kind: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        notes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat", b"last_heartbeat", "memory", b"memory", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cold_start_s", b"cold_start_s", "device", b"device", "engine_id", b"engine_id", "experiments_run", b"experiments_run", "host", b"host", "memory", b"memory", "model_name", b"model_name", "started_at", b"started_at", "state", b"state", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cold_start_s", b"cold_start_s", "device", b"device", "device_kind", b"device_kind", "engine_id", b"engine_id", "experiments_run", b"experiments_run", "host", b"host", "last_heartbeat", b"last_heartbeat", "memory", b"memory", "model_key", b"model_key", "model_name", b"model_name", "notes", b"notes", "pid", b"pid", "pool_id", b"pool_id", "restarts", b"restarts", "spec_key", b"spec_key", "started_at", b"started_at", "state", b"state", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EngineInfo: _TypeAlias = EngineInfo  # noqa: Y015
 
 @_typing.final
+class DeviceInfo(_message.Message):
+    """One device of an engine pool; one engine process runs on it at a time."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    BUSY_FIELD_NUMBER: _builtins.int
+    EXPERIMENTS_DONE_FIELD_NUMBER: _builtins.int
+    device: _builtins.str
+    """"cpu", "cuda:0", ..."""
+    kind: _builtins.str
+    """"cpu", "h100", "h200", ..."""
+    label: _builtins.str
+    """The GPU's name ("NVIDIA H200"), or "cpu"."""
+    busy: _builtins.bool
+    """An experiment or an engine build is running on it."""
+    experiments_done: _builtins.int
+    """Experiments finished on it since the pool started."""
+    def __init__(
+        self,
+        *,
+        device: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        label: _builtins.str = ...,
+        busy: _builtins.bool = ...,
+        experiments_done: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "device", b"device", "experiments_done", b"experiments_done", "kind", b"kind", "label", b"label"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeviceInfo: _TypeAlias = DeviceInfo  # noqa: Y015
+
+@_typing.final
+class PoolInfo(_message.Message):
+    """One engine pool process, as registered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    HARDWARE_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    SUBJECTS_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    LAST_HEARTBEAT_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    EXPERIMENTS_DONE_FIELD_NUMBER: _builtins.int
+    LOCAL_FIELD_NUMBER: _builtins.int
+    pool_id: _builtins.str
+    """Unique per pool process (default "<host>-<pid>"; KILN_ENGINE_POOL_ID)."""
+    host: _builtins.str
+    pid: _builtins.int
+    ttl_s: _builtins.float
+    """Seconds after its last heartbeat at which it drops out of the registry."""
+    experiments_done: _builtins.int
+    """Experiments finished since it started (queue and RunExperiment)."""
+    local: _builtins.bool
+    """This is the pool that answered."""
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceInfo]: ...
+    @_builtins.property
+    def hardware(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Hardware kinds whose queued experiments it takes ("*" = any)."""
+
+    @_builtins.property
+    def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Model keys whose queued experiments it takes; empty = every model."""
+
+    @_builtins.property
+    def subjects(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Work subjects it consumes now."""
+
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def last_heartbeat(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        pool_id: _builtins.str = ...,
+        host: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        devices: _abc.Iterable[Global___DeviceInfo] | None = ...,
+        hardware: _abc.Iterable[_builtins.str] | None = ...,
+        models: _abc.Iterable[_builtins.str] | None = ...,
+        subjects: _abc.Iterable[_builtins.str] | None = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+        last_heartbeat: _timestamp_pb2.Timestamp | None = ...,
+        ttl_s: _builtins.float = ...,
+        experiments_done: _builtins.int = ...,
+        local: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat", b"last_heartbeat", "started_at", b"started_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "experiments_done", b"experiments_done", "hardware", b"hardware", "host", b"host", "last_heartbeat", b"last_heartbeat", "local", b"local", "models", b"models", "pid", b"pid", "pool_id", b"pool_id", "started_at", b"started_at", "subjects", b"subjects", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolInfo: _TypeAlias = PoolInfo  # noqa: Y015
+
+@_typing.final
 class ListEnginesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_NAME_FIELD_NUMBER: _builtins.int
+    LOCAL_ONLY_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """Empty = all models."""
+    local_only: _builtins.bool
+    """Only this pool's engines (no registry read)."""
     def __init__(
         self,
         *,
         model_name: _builtins.str = ...,
+        local_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_only", b"local_only", "model_name", b"model_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -119,16 +281,22 @@ class ListEnginesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENGINES_FIELD_NUMBER: _builtins.int
+    POOLS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineInfo]: ...
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolInfo]:
+        """The pools the engines belong to (every registered pool, engines or not)."""
+
     def __init__(
         self,
         *,
         engines: _abc.Iterable[Global___EngineInfo] | None = ...,
+        pools: _abc.Iterable[Global___PoolInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "pools", b"pools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

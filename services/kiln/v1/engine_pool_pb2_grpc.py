@@ -51,7 +51,10 @@ class EnginePoolServicer:
     """Missing associated documentation comment in .proto file."""
 
     def ListEngines(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The engines of every engine pool registered on the shared NATS (each pool heartbeats its
+        record into a JetStream key-value bucket with a TTL; a pool that stops heartbeating drops
+        out after the TTL), this pool's own always current. local_only = this pool's alone.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

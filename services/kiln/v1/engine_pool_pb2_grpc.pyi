@@ -33,6 +33,10 @@ class EnginePoolStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> EnginePoolAsyncStub: ...
     ListEngines: _grpc.UnaryUnaryMultiCallable[_engine_pool_pb2.ListEnginesRequest, _engine_pool_pb2.ListEnginesResponse]
+    """The engines of every engine pool registered on the shared NATS (each pool heartbeats its
+    record into a JetStream key-value bucket with a TTL; a pool that stops heartbeating drops
+    out after the TTL), this pool's own always current. local_only = this pool's alone.
+    """
     RunExperiment: _grpc.UnaryUnaryMultiCallable[_engine_pool_pb2.RunExperimentRequest, _common_pb2.Measurement]
     """Measure one candidate on an engine of the experiment's (model, tier); DEADLINE_EXCEEDED
     when no engine answers in time. A failing candidate is a Measurement with a non-OK status,
@@ -43,6 +47,10 @@ class EnginePoolStub:
 class EnginePoolAsyncStub(EnginePoolStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     ListEngines: _aio.UnaryUnaryMultiCallable[_engine_pool_pb2.ListEnginesRequest, _engine_pool_pb2.ListEnginesResponse]  # type: ignore[assignment]
+    """The engines of every engine pool registered on the shared NATS (each pool heartbeats its
+    record into a JetStream key-value bucket with a TTL; a pool that stops heartbeating drops
+    out after the TTL), this pool's own always current. local_only = this pool's alone.
+    """
     RunExperiment: _aio.UnaryUnaryMultiCallable[_engine_pool_pb2.RunExperimentRequest, _common_pb2.Measurement]  # type: ignore[assignment]
     """Measure one candidate on an engine of the experiment's (model, tier); DEADLINE_EXCEEDED
     when no engine answers in time. A failing candidate is a Measurement with a non-OK status,
@@ -55,7 +63,11 @@ class EnginePoolServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _engine_pool_pb2.ListEnginesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_engine_pool_pb2.ListEnginesResponse, _abc.Awaitable[_engine_pool_pb2.ListEnginesResponse]]: ...
+    ) -> _typing.Union[_engine_pool_pb2.ListEnginesResponse, _abc.Awaitable[_engine_pool_pb2.ListEnginesResponse]]:
+        """The engines of every engine pool registered on the shared NATS (each pool heartbeats its
+        record into a JetStream key-value bucket with a TTL; a pool that stops heartbeating drops
+        out after the TTL), this pool's own always current. local_only = this pool's alone.
+        """
 
     @_abc_1.abstractmethod
     def RunExperiment(

@@ -9,6 +9,7 @@ the Hugging Face configs; the formulas follow each family's ``modeling_*.py`` in
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,18 @@ class UnsupportedModelError(ValueError):
 class MoEConfig:
     """Mixture-of-experts FFN: ``num_experts`` routed experts of width ``intermediate_size``,
     ``top_k`` per token, ``num_shared_experts`` always-on experts (DeepSeek), and which layers
-    are dense (``dense_layers``)."""
+    are dense (``dense_layers``).
+
+    Attributes:
+        norm_topk_prob: renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE's
+            ``norm_topk_prob``; Mixtral always does).
+        round_router_weights: cast the top-k weights to the model dtype before scaling the
+            experts' outputs (transformers' ``Qwen3MoeTopKRouter``); False keeps them float32
+            (``MixtralTopKRouter``). Equal results in float32.
+        load_zipf_exponent: not a Hugging Face field: the expert-load skew (Zipf exponent, from
+            the traffic shape) that engines impose on random-weight routers with a router bias
+            (:mod:`kiln.workloads.models.routing`); 0 = the router's own load.
+    """
 
     num_experts: int
     top_k: int
@@ -34,6 +46,8 @@ class MoEConfig:
     num_shared_experts: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    round_router_weights: bool = True
+    load_zipf_exponent: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -168,6 +182,19 @@ class ModelConfig:
             raise ValueError(f"layers must be within 1..{self.num_hidden_layers}")
         return replace(self, num_hidden_layers=num_hidden_layers)
 
+    def with_expert_skew(self, zipf_exponent: float) -> ModelConfig:
+        """The same architecture with :attr:`MoEConfig.load_zipf_exponent` set (a dense config
+        is returned unchanged).
+
+        Raises:
+            ValueError: ``zipf_exponent`` negative or not finite.
+        """
+        if not (math.isfinite(zipf_exponent) and zipf_exponent >= 0):
+            raise ValueError(f"the Zipf exponent must be finite and >= 0, got {zipf_exponent}")
+        if self.moe is None:
+            return self
+        return replace(self, moe=replace(self.moe, load_zipf_exponent=float(zipf_exponent)))
+
 
 def _require(cfg: dict[str, Any], key: str, name: str) -> Any:
     if key not in cfg:
@@ -195,23 +222,27 @@ def parse_config(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     layers = int(_require(cfg, "num_hidden_layers", name))
-    if model_type == "qwen3_moe":
-        sparse_step = int(cfg.get("decoder_sparse_step", 1))
+    if model_type == "qwen3_moe" and int(cfg.get("num_experts") or 0) > 0:
+        # transformers' Qwen3MoeDecoderLayer: a layer is sparse unless listed in
+        # mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step.
+        sparse_step = int(cfg.get("decoder_sparse_step") or 1)
         mlp_only = set(cfg.get("mlp_only_layers") or [])
         dense = tuple(i for i in range(layers) if i in mlp_only or (i + 1) % sparse_step != 0)
         moe = MoEConfig(
             num_experts=int(cfg["num_experts"]),
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            top_k=int(_require(cfg, "num_experts_per_tok", name)),
+            intermediate_size=int(_require(cfg, "moe_intermediate_size", name)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             dense_layers=dense,
+            round_router_weights=True,
         )
     elif model_type == "mixtral":
         moe = MoEConfig(
-            num_experts=int(cfg["num_local_experts"]),
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["intermediate_size"]),
+            num_experts=int(_require(cfg, "num_local_experts", name)),
+            top_k=int(_require(cfg, "num_experts_per_tok", name)),
+            intermediate_size=int(_require(cfg, "intermediate_size", name)),
             norm_topk_prob=True,
+            round_router_weights=False,
         )
     elif model_type == "deepseek_v3":
         moe = MoEConfig(

@@ -7,11 +7,20 @@ and cached, so switching implementations re-binds code without re-reading or re-
 
 Weights come from :func:`seeded_random` (deterministic, for engines without a checkpoint) or
 :func:`load_safetensors` (a local directory of ``*.safetensors`` files, sharded or not).
+
+MoE experts are held stacked per layer, as transformers >= 5 holds them in memory
+(``Qwen3MoeExperts`` / ``MixtralExperts``): ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (each
+expert's gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]``, with the router
+at ``mlp.gate.weight`` ``[E, H]``. Checkpoints on disk name experts one by one — Qwen3-MoE
+``mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral ``block_sparse_moe.experts.{e}.{w1,w3,w2}
+.weight`` and ``block_sparse_moe.gate.weight`` — and :func:`load_safetensors` stacks them on load
+(transformers' ``conversion_mapping`` does the same), so each weight is held once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +33,10 @@ T = TypeVar("T")
 
 LM_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
+ROUTER_BIAS = "gate.kiln_skew_bias"
+"""Suffix (after a layer's ``...mlp.``) of the float32 ``[E]`` router-logit bias kiln adds to
+random-weight MoE routers to impose the traffic's expert-load skew (not a checkpoint weight; see
+:mod:`kiln.workloads.models.routing`)."""
 
 
 class WeightError(ValueError):
@@ -64,6 +77,16 @@ class WeightStore:
     def get(self, name: str) -> torch.Tensor | None:
         """The tensor called ``name``, or None."""
         return self._tensors.get(name)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Hold one more base tensor (e.g. a router bias computed at build time).
+
+        Raises:
+            WeightError: ``name`` is held already.
+        """
+        if name in self._tensors:
+            raise WeightError(f"a weight named {name!r} is held already")
+        self._tensors[name] = tensor
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs, tied names included."""
@@ -113,14 +136,17 @@ class WeightStore:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The HF parameter names and shapes of a dense Llama / Qwen3 model with ``config``'s layers
-    (``lm_head.weight`` only when embeddings are not tied).
+    """The parameter names and shapes of a Llama / Qwen3 / Qwen3-MoE / Mixtral model with
+    ``config``'s layers (``lm_head.weight`` only when embeddings are not tied). Names are HF's;
+    MoE layers hold their experts stacked (see the module docs): ``mlp.gate.weight [E, H]``,
+    ``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``.
 
     Raises:
-        WeightError: an MoE or MLA config (not a dense Llama-style layout).
+        WeightError: an MLA config, or MoE with shared experts (DeepSeek-V3): layouts kiln does
+            not build.
     """
-    if config.moe is not None or config.mla is not None:
-        raise WeightError(f"{config.name}: only dense Llama-style layouts are known")
+    if config.mla is not None or (config.moe is not None and config.moe.num_shared_experts):
+        raise WeightError(f"{config.name}: MLA and shared-expert layouts are not known")
     h, d, v = config.hidden_size, config.head_dim, config.vocab_size
     hq, hkv, inter = (
         config.num_attention_heads,
@@ -144,6 +170,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if config.moe is not None and config.is_moe_layer(i):
+            e, mi = config.moe.num_experts, config.moe.intermediate_size
+            shapes[p + "mlp.gate.weight"] = (e, h)
+            shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * mi, h)
+            shapes[p + "mlp.experts.down_proj"] = (e, h, mi)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
@@ -181,6 +213,13 @@ def seeded_random(
             tensors[name] = torch.ones(shape, dtype=dtype, device=dev)
             continue
         gen = torch.Generator(device=dev).manual_seed(_name_seed(seed, name))
+        if len(shape) == 3:  # stacked experts: one expert at a time, to bound the float32 copy
+            t = torch.empty(shape, dtype=dtype, device=dev)
+            for e in range(shape[0]):
+                part = torch.empty(shape[1:], dtype=torch.float32, device=dev)
+                t[e] = part.normal_(0.0, std, generator=gen).to(dtype)
+            tensors[name] = t
+            continue
         t = torch.empty(shape, dtype=torch.float32, device=dev).normal_(0.0, std, generator=gen)
         tensors[name] = t.to(dtype)
     return WeightStore(tensors, tied=config.tie_word_embeddings)
@@ -203,6 +242,47 @@ def _index(directory: Path) -> dict[str, Path]:
     return where
 
 
+Part = tuple[str, tuple[int | slice, ...]]
+"""One checkpoint tensor feeding a held tensor: (name in the files, index into the held tensor;
+``()`` = the whole of it)."""
+
+_MOE_NAME = re.compile(
+    r"(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)"
+)
+
+
+def checkpoint_sources(name: str, shape: tuple[int, ...]) -> list[list[Part]]:
+    """The ways a checkpoint may hold the tensor ``name`` of shape ``shape``, preferred first:
+    under its own name; for MoE layers also per expert, Qwen3-MoE style
+    (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``) or Mixtral style
+    (``block_sparse_moe.experts.{e}.w1/w3/w2.weight``, router ``block_sparse_moe.gate.weight``).
+    ``gate_up_proj[e]`` is expert e's gate rows ``[:I]`` then its up rows ``[I:]``."""
+    options: list[list[Part]] = [[(name, ())]]
+    m = _MOE_NAME.fullmatch(name)
+    if m is None:
+        return options
+    layer, what = m.groups()
+    if what == "gate.weight":
+        options.append([(f"{layer}.block_sparse_moe.gate.weight", ())])
+        return options
+    experts = shape[0]
+    if what == "experts.gate_up_proj":
+        inter = shape[1] // 2
+        for mod, gate, up in (("mlp", "gate_proj", "up_proj"), ("block_sparse_moe", "w1", "w3")):
+            parts: list[Part] = []
+            for e in range(experts):
+                base = f"{layer}.{mod}.experts.{e}."
+                parts.append((f"{base}{gate}.weight", (e, slice(0, inter))))
+                parts.append((f"{base}{up}.weight", (e, slice(inter, 2 * inter))))
+            options.append(parts)
+    else:
+        for mod, down in (("mlp", "down_proj"), ("block_sparse_moe", "w2")):
+            options.append(
+                [(f"{layer}.{mod}.experts.{e}.{down}.weight", (e,)) for e in range(experts)]
+            )
+    return options
+
+
 def load_safetensors(
     directory: str | Path,
     config: ModelConfig,
@@ -213,7 +293,9 @@ def load_safetensors(
 
     Only the tensors ``config`` needs are read (a config truncated to N layers reads N layers);
     others in the files are ignored. Tensors are cast to ``dtype`` on ``device``. With tied
-    embeddings, ``lm_head.weight`` is the embedding table even when the files hold a copy.
+    embeddings, ``lm_head.weight`` is the embedding table even when the files hold a copy. MoE
+    experts stored one by one (Qwen3-MoE or Mixtral checkpoint names) are stacked into the held
+    layout as they are read (:func:`checkpoint_sources`).
 
     Raises:
         WeightError: no such directory or no ``*.safetensors`` files in it; a tensor missing
@@ -226,25 +308,41 @@ def load_safetensors(
         raise WeightError(f"{root}: not a directory")
     where = _index(root)
     shapes = expected_shapes(config)
-    missing = [n for n in shapes if n not in where]
+    plan: dict[str, list[Part]] = {}
+    missing: list[str] = []
+    for name, shape in shapes.items():
+        options = checkpoint_sources(name, shape)
+        chosen = next((o for o in options if all(src in where for src, _ in o)), None)
+        if chosen is None:
+            missing.append(name if len(options) == 1 else f"{name} (or per-expert tensors)")
+        else:
+            plan[name] = chosen
     if missing:
         shown = ", ".join(missing[:8]) + (
             f", ... ({len(missing)} in all)" if len(missing) > 8 else ""
         )
         raise WeightError(f"{root}: missing weights for {config.name}: {shown}")
-    tensors: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in shapes:
-        by_file.setdefault(where[name], []).append(name)
+    by_file: dict[Path, list[tuple[str, str, tuple[int | slice, ...]]]] = {}
+    for name, parts in plan.items():
+        for src, index in parts:
+            by_file.setdefault(where[src], []).append((name, src, index))
     dev = torch.device(device)
-    for f, names in by_file.items():
+    tensors: dict[str, torch.Tensor] = {}
+    for f, items in by_file.items():
         with safe_open(str(f), framework="pt", device=str(dev)) as handle:
-            for name in names:
-                found = tuple(handle.get_slice(name).get_shape())
-                if found != shapes[name]:
+            for name, src, index in items:
+                found = tuple(handle.get_slice(src).get_shape())
+                want = tuple(torch.empty(shapes[name], device="meta")[index].shape)
+                if found != want:
+                    part = f"{name}{list(index)}" if index else name
                     raise WeightError(
-                        f"{f.name}: {name} has shape {list(found)}, "
-                        f"{config.name} needs {list(shapes[name])}"
+                        f"{f.name}: {src} has shape {list(found)}, "
+                        f"{config.name} needs {list(want)} (for {part})"
                     )
-                tensors[name] = handle.get_tensor(name).to(dtype)
+                if not index:
+                    tensors[name] = handle.get_tensor(src).to(dtype)
+                    continue
+                if name not in tensors:
+                    tensors[name] = torch.empty(shapes[name], dtype=dtype, device=dev)
+                tensors[name][index].copy_(handle.get_tensor(src))
     return WeightStore(tensors, tied=config.tie_word_embeddings)

@@ -67,8 +67,9 @@ class Lab(Protocol):
         """Give back a slot that was not used."""
 
     async def measure(self, candidate: Candidate, agent: str) -> Outcome | None:
-        """Request an experiment for a reserved slot and wait for its result; None (slot
-        released) when the candidate was already requested in this compilation."""
+        """Request an experiment for a reserved slot (on the fast tier, once any full-tier
+        confirmation under way is done) and wait for its result; None (slot released) when the
+        candidate was already requested in this compilation."""
 
 
 class Agent(ABC):

@@ -8,5 +8,14 @@ from kiln.workloads.models.binding import OpBinding
 from kiln.workloads.models.build import UnbuildableModelError, build_model
 from kiln.workloads.models.decoder import DecoderModel
 from kiln.workloads.models.kv_cache import StaticKVCache
+from kiln.workloads.models.routing import ExpertLoadReport, measure_expert_load
 
-__all__ = ["DecoderModel", "OpBinding", "StaticKVCache", "UnbuildableModelError", "build_model"]
+__all__ = [
+    "DecoderModel",
+    "ExpertLoadReport",
+    "OpBinding",
+    "StaticKVCache",
+    "UnbuildableModelError",
+    "build_model",
+    "measure_expert_load",
+]

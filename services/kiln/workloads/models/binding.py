@@ -102,8 +102,7 @@ class OpBinding:
         """The implementation chosen for ``op``.
 
         Raises:
-            kiln.ops.registry.UnknownImplementationError: ``op`` has no implementation here
-                (e.g. ``moe``, which has none yet).
+            kiln.ops.registry.UnknownImplementationError: ``op`` has no implementation here.
         """
         try:
             return self._impls[op]

@@ -13,33 +13,38 @@ import torch
 
 from kiln.ops.rope import SUPPORTED_ROPE_TYPES, rope_parameters
 from kiln.workloads.config import ModelConfig
+from kiln.workloads.models import routing
 from kiln.workloads.models.binding import OpBinding
 from kiln.workloads.models.decoder import DecoderModel
 from kiln.workloads.models.kv_cache import StaticKVCache
 from kiln.workloads.weights import WeightStore, load_safetensors, seeded_random
 
-BUILDABLE_MODEL_TYPES = ("llama", "qwen3")
+BUILDABLE_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral")
 
 
 class UnbuildableModelError(NotImplementedError):
-    """kiln parses this config but cannot build it yet (MoE, MLA, an unsupported feature);
-    the message says which and why."""
+    """kiln parses this config but cannot build it yet (MLA, shared experts, an unsupported
+    feature); the message says which and why."""
 
 
 def check_buildable(config: ModelConfig) -> None:
-    """Raise :class:`UnbuildableModelError` unless ``config`` is a dense Llama / Qwen3 model
-    with default or Llama-3 RoPE, no MLP bias and no sliding window."""
+    """Raise :class:`UnbuildableModelError` unless ``config`` is a Llama / Qwen3 dense model or
+    a Qwen3-MoE / Mixtral model (top-k routed SwiGLU experts, no shared experts) with default or
+    Llama-3 RoPE, SiLU, no MLP bias and no sliding window. DeepSeek-V3 is refused for its MLA
+    attention (and its shared experts and grouped routing)."""
     why = None
     raw = config.raw
-    if config.is_moe:
-        why = f"{config.model_type!r}: MoE layers (the `moe` op has no implementation yet)"
-    elif config.mla is not None:
+    if config.mla is not None:
         why = f"{config.model_type!r}: MLA attention"
+    elif config.moe is not None and config.moe.num_shared_experts:
+        why = f"{config.model_type!r}: shared experts"
     elif config.model_type not in BUILDABLE_MODEL_TYPES:
         why = f"model type {config.model_type!r} (buildable: {', '.join(BUILDABLE_MODEL_TYPES)})"
     elif raw.get("mlp_bias"):
         why = "MLP biases"
-    elif raw.get("use_sliding_window"):
+    elif raw.get("use_sliding_window") or (
+        config.model_type == "mixtral" and raw.get("sliding_window")
+    ):
         why = "sliding-window attention"
     elif raw.get("hidden_act", "silu") != "silu":
         why = f"activation {raw.get('hidden_act')!r}"
@@ -70,7 +75,11 @@ def build_model(
         config: the architecture.
         layers: keep only the first N layers (the fast tier; embedding and LM head kept).
         dtype, device: of weights, activations and cache.
-        seed: for :func:`~kiln.workloads.weights.seeded_random` when no weights are given.
+        seed: for :func:`~kiln.workloads.weights.seeded_random` when no weights are given,
+            and for the router biases that impose ``config.moe.load_zipf_exponent`` on them
+            (fitted here, layer by layer; the measured load is ``model.expert_load``; see
+            :mod:`kiln.workloads.models.routing`). Checkpoint weights and a given ``weights``
+            store get no new bias (a store keeps the biases it holds).
         weights_dir: a local directory of ``*.safetensors`` with HF names (instead of random).
         weights: an existing store to share (instead of reading or drawing weights).
         max_batch, max_seq_len: KV-cache capacity (sequences, tokens per sequence).
@@ -86,11 +95,16 @@ def build_model(
     check_buildable(config)
     cfg = config.with_layers(layers) if layers is not None else config
     binding = OpBinding.from_recipe(recipe, allow_lossy=allow_lossy)
+    skew = cfg.moe is not None and cfg.moe.load_zipf_exponent > 0
+    calibrate = False
     if weights is None:
         if weights_dir is not None:
             weights = load_safetensors(weights_dir, cfg, dtype, device)
         else:
             weights = seeded_random(cfg, dtype, device, seed)
+            if skew:
+                routing.add_router_biases(weights, cfg)
+                calibrate = True
     cache = StaticKVCache(
         layers=cfg.num_hidden_layers,
         max_batch=max_batch,
@@ -100,4 +114,7 @@ def build_model(
         dtype=dtype,
         device=device,
     )
-    return DecoderModel(cfg, weights, cache, binding)
+    model = DecoderModel(cfg, weights, cache, binding)
+    if calibrate:
+        model.expert_load = routing.calibrate_router_bias(model, seed=seed)
+    return model

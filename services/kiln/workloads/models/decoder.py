@@ -1,14 +1,18 @@
-"""The forward pass of a dense decoder (Llama, Qwen3), written only in op-slot calls.
+"""The forward pass of a decoder (Llama, Qwen3, Qwen3-MoE, Mixtral), written only in op-slot
+calls.
 
 Per layer: ``input_norm`` (adds the residual) → ``qkv_proj`` → ``q_norm``/``k_norm`` (Qwen3) →
 ``rope`` → KV-cache write → ``attention`` → ``o_proj`` → ``post_attention_norm`` (adds the
-residual) → ``ffn``; then ``final_norm`` → ``lm_head``. Which implementation runs each slot is
-the :class:`~kiln.workloads.models.binding.OpBinding`'s business; :meth:`DecoderModel.rebind`
-swaps it without touching weights or the cache. Mirrors transformers' ``LlamaModel`` /
-``Qwen3Model`` with vLLM's residual-carrying norms.
+residual) → ``ffn`` (``mlp``, or ``moe`` on expert layers); then ``final_norm`` → ``lm_head``.
+Which implementation runs each slot is the :class:`~kiln.workloads.models.binding.OpBinding`'s
+business; :meth:`DecoderModel.rebind` swaps it without touching weights or the cache. Mirrors
+transformers' ``LlamaModel`` / ``Qwen3Model`` / ``Qwen3MoeModel`` / ``MixtralModel`` with vLLM's
+residual-carrying norms.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,11 +22,14 @@ from kiln.workloads.models.kv_cache import StaticKVCache
 from kiln.workloads.models.slots import LayerSlots, ModelSlots, Site, dense_decoder_slots
 from kiln.workloads.weights import WeightStore
 
+if TYPE_CHECKING:
+    from kiln.workloads.models.routing import ExpertLoadReport
+
 Tensor = torch.Tensor
 
 
 class DecoderModel:
-    """A dense decoder over a weight store and a static KV cache.
+    """A decoder over a weight store and a static KV cache.
 
     Args:
         config: the architecture (truncated to the layers held, for the fast tier).
@@ -34,6 +41,9 @@ class DecoderModel:
     Attributes:
         slots: the sites (op, HF prefix, base params) of every op call.
         ops: the same slots bound to implementations.
+        expert_load: for an MoE model whose routers were biased to the traffic's expert-load
+            skew at build, the load measured on held-out prompts
+            (:class:`~kiln.workloads.models.routing.ExpertLoadReport`); else None.
     """
 
     def __init__(
@@ -51,6 +61,7 @@ class DecoderModel:
         )
         self.binding = binding or OpBinding.from_recipe()
         self.ops: ModelSlots[BoundOp] = self.binding.bind_model(self.slots, weights)
+        self.expert_load: ExpertLoadReport | None = None
 
     def rebind(self, binding: OpBinding) -> None:
         """Swap op implementations (hot reload): weights and cache stay; derived layouts are

@@ -107,6 +107,22 @@ class StaticKVCache:
         self.lengths[: self.batch] += steps
         self._longest += steps
 
+    def state(self) -> tuple[Tensor, int, int]:
+        """A copy of the bookkeeping (lengths ``[max_batch]`` int64, active batch, host-side
+        longest length) for :meth:`restore_state`; the K/V buffers are not copied."""
+        return self.lengths.clone(), self.batch, self._longest
+
+    def restore_state(self, state: tuple[Tensor, int, int]) -> None:
+        """Put back bookkeeping taken by :meth:`state` (in place: ``lengths`` keeps its address,
+        which a captured CUDA graph relies on)."""
+        lengths, self.batch, self._longest = state
+        self.lengths.copy_(lengths)
+
+    def advanced_on_device(self, steps: int = 1) -> None:
+        """Record on the host that a replayed CUDA graph advanced every active sequence by
+        ``steps`` (the graph already incremented ``lengths`` on the device)."""
+        self._longest += steps
+
     def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Store a step's keys and values at their positions.
 

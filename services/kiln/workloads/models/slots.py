@@ -1,4 +1,4 @@
-"""Op slots: where in a dense decoder each op is called, and with which base params.
+"""Op slots: where in a decoder each op is called, and with which base params.
 
 A :class:`Site` names one call site (its op, its HF module prefix, and the params the op's
 reference implementation takes there: weights from the store and config scalars). The
@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 from kiln.ops import rope
 from kiln.workloads.config import ModelConfig
-from kiln.workloads.weights import LM_HEAD, WeightStore
+from kiln.workloads.weights import LM_HEAD, ROUTER_BIAS, WeightStore
 
 S = TypeVar("S")
 U = TypeVar("U")
@@ -114,7 +114,6 @@ def _layer(config: ModelConfig, store: WeightStore, i: int, rope_site: Site) -> 
         qkv[f"{proj}_weight"] = store[f"{attn}.{proj}_proj.weight"]
         qkv[f"{proj}_bias"] = store.get(f"{attn}.{proj}_proj.bias")
     eps = config.rms_norm_eps
-    mlp = f"{p}.mlp"
     return LayerSlots(
         input_norm=_norm(store, f"{p}.input_layernorm", eps),
         qkv_proj=Site("qkv_proj", attn, qkv),
@@ -128,7 +127,15 @@ def _layer(config: ModelConfig, store: WeightStore, i: int, rope_site: Site) -> 
             {"weight": store[f"{attn}.o_proj.weight"], "bias": store.get(f"{attn}.o_proj.bias")},
         ),
         post_attention_norm=_norm(store, f"{p}.post_attention_layernorm", eps),
-        ffn=Site(
+        ffn=_ffn(config, store, i),
+    )
+
+
+def _ffn(config: ModelConfig, store: WeightStore, i: int) -> Site:
+    """Layer ``i``'s ``ffn`` site: ``moe`` on expert layers, ``mlp`` otherwise."""
+    mlp = f"model.layers.{i}.mlp"
+    if config.moe is None or not config.is_moe_layer(i):
+        return Site(
             "mlp",
             mlp,
             {
@@ -136,14 +143,28 @@ def _layer(config: ModelConfig, store: WeightStore, i: int, rope_site: Site) -> 
                 "up_weight": store[f"{mlp}.up_proj.weight"],
                 "down_weight": store[f"{mlp}.down_proj.weight"],
             },
-        ),
+        )
+    moe = config.moe
+    return Site(
+        "moe",
+        mlp,
+        {
+            "router_weight": store[f"{mlp}.gate.weight"],
+            "gate_up_weight": store[f"{mlp}.experts.gate_up_proj"],
+            "down_weight": store[f"{mlp}.experts.down_proj"],
+            "top_k": moe.top_k,
+            "norm_topk_prob": moe.norm_topk_prob,
+            "round_router_weights": moe.round_router_weights,
+            "router_bias": store.get(f"{mlp}.{ROUTER_BIAS}"),
+        },
     )
 
 
 def dense_decoder_slots(
     config: ModelConfig, store: WeightStore, *, max_positions: int
 ) -> ModelSlots[Site]:
-    """The sites of a dense Llama / Qwen3 decoder with ``config.num_hidden_layers`` layers.
+    """The sites of a Llama / Qwen3 / Qwen3-MoE / Mixtral decoder with
+    ``config.num_hidden_layers`` layers (expert layers' ``ffn`` is a ``moe`` site).
 
     Args:
         config: the (possibly truncated) architecture.

@@ -6,6 +6,7 @@ only; protobuf is imported only by ``TrafficShape.to_proto``.
 """
 
 from kiln.workloads.traffic.concurrency import Concurrency, ServiceModel, estimate_concurrency
+from kiln.workloads.traffic.experts import block_popularity_exponent, zipf_shares
 from kiln.workloads.traffic.prefix import block_reuse_rate, prefix_hit_rate
 from kiln.workloads.traffic.readers import (
     TraceError,
@@ -30,6 +31,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "TrafficShape",
+    "block_popularity_exponent",
     "block_reuse_rate",
     "estimate_concurrency",
     "operating_batch_size",
@@ -39,4 +41,5 @@ __all__ = [
     "read_azure_csv",
     "read_mooncake_jsonl",
     "read_trace",
+    "zipf_shares",
 ]

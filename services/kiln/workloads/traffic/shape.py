@@ -21,6 +21,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from kiln.workloads.traffic.concurrency import ServiceModel, estimate_concurrency
+from kiln.workloads.traffic.experts import block_popularity_exponent
 from kiln.workloads.traffic.prefix import MOONCAKE_BLOCK_TOKENS, prefix_hit_rate
 from kiln.workloads.traffic.records import Request, Trace
 from kiln.workloads.traffic.stats import Distribution, coefficient_of_variation
@@ -36,6 +37,11 @@ NOTE_CONCURRENCY = (
 )
 NOTE_NO_HASHES = "prefix_hit_rate is 0.0: the trace has no prefix-block hash ids"
 NOTE_SKEW = "expert_load_skew {skew:g} was given, not derived: request traces carry no MoE routing"
+NOTE_ZIPF = (
+    "expert_zipf_exponent {s:.3g}: Zipf MLE of prompt-block popularity, a proxy for MoE "
+    "expert-load skew (kiln.workloads.traffic.experts)"
+)
+NOTE_NO_ZIPF = "expert_zipf_exponent is 0.0 (balanced experts): the trace has no block hash ids"
 NOTE_NO_SPAN = "arrival_rate_rps and interarrival_cv are 0.0: all arrivals at one instant"
 
 
@@ -75,6 +81,11 @@ class TrafficShape:
         expert_load_skew: most-loaded expert's share over the uniform share (>= 1). Request
             traces carry no routing data, so this is not derived; it is whatever the caller
             passes (default 1.0, perfectly balanced).
+        expert_zipf_exponent: MoE expert-load skew as a Zipf exponent s >= 0 (the expert of load
+            rank r gets a share ∝ r^-s; 0 = balanced), derived from the trace: the Zipf MLE of
+            its prompt-block popularity (Mooncake ``hash_ids``), 0.0 without block ids. Why and
+            how: :mod:`kiln.workloads.traffic.experts`. Engines bias MoE routers so the expert
+            load follows it.
         batch_size: operating point, decode batch (see the module docs).
         context_len: operating point, context length in tokens (see the module docs).
         notes: caveats about how fields were obtained; not sent on the wire, not compared.
@@ -88,6 +99,7 @@ class TrafficShape:
     mean_concurrency: float
     prefix_hit_rate: float
     expert_load_skew: float = 1.0
+    expert_zipf_exponent: float = 0.0
     batch_size: int = 1
     context_len: int = 1
     notes: tuple[str, ...] = field(default=(), compare=False)
@@ -132,9 +144,11 @@ class TrafficShape:
 
         if any(r.hash_ids for r in ordered):
             hit = prefix_hit_rate(ordered, block_size)
+            zipf = block_popularity_exponent(ordered)
+            notes.append(NOTE_ZIPF.format(s=zipf))
         else:
-            hit = 0.0
-            notes.append(NOTE_NO_HASHES)
+            hit = zipf = 0.0
+            notes += [NOTE_NO_HASHES, NOTE_NO_ZIPF]
         notes.append(NOTE_SKEW.format(skew=expert_load_skew))
 
         isl = Distribution.of([r.isl for r in ordered])
@@ -149,6 +163,7 @@ class TrafficShape:
             mean_concurrency=concurrency,
             prefix_hit_rate=hit,
             expert_load_skew=expert_load_skew,
+            expert_zipf_exponent=zipf,
             batch_size=operating_batch_size(concurrency, max_batch),
             context_len=operating_context_len(isl.p50, osl.p50),
             notes=tuple(notes),
@@ -191,6 +206,7 @@ class TrafficShape:
             mean_concurrency=self.mean_concurrency,
             prefix_hit_rate=self.prefix_hit_rate,
             expert_load_skew=self.expert_load_skew,
+            expert_zipf_exponent=self.expert_zipf_exponent,
             batch_size=self.batch_size,
             context_len=self.context_len,
         )
@@ -211,6 +227,7 @@ class TrafficShape:
             mean_concurrency=msg.mean_concurrency,
             prefix_hit_rate=msg.prefix_hit_rate,
             expert_load_skew=msg.expert_load_skew,
+            expert_zipf_exponent=msg.expert_zipf_exponent,
             batch_size=msg.batch_size,
             context_len=msg.context_len,
         )

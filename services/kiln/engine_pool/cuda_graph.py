@@ -1,0 +1,110 @@
+"""The ``cuda_graph`` transform: the whole decode step at the traffic shape as one CUDA graph.
+
+Capture follows PyTorch's recipe (``torch.cuda.graphs`` documentation, "Whole-network
+capture"): a few eager warm-up iterations on a side stream (lazy initialisation, cuBLAS
+workspaces, ``torch.compile``'s compilation when that transform is applied too), then capture
+into a private memory pool; each later call copies the tokens into the static input buffer and
+replays. The KV cache is static (fixed addresses, positions and lengths read on the device), so
+the captured step reads the cache's current lengths and advances them in the graph; the host
+side of the cache's bookkeeping is advanced by :meth:`StaticKVCache.advanced_on_device`.
+
+Only the shape captured replays (``[batch, 1]`` tokens with ``batch`` sequences active): any
+other call (the check's prefill and its small-batch decode steps) runs eagerly through the same
+bound ops. The graph is dropped when the experiment ends (a new candidate is a new capture).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from kiln.workloads.models import DecoderModel
+
+Tensor = torch.Tensor
+WARMUP_ITERS = 2
+"""Eager decode steps on a side stream before capture (PyTorch's example uses 3; 2 suffice for
+eager ops, and ``torch.compile`` compiles on the first)."""
+
+
+class DecodeGraph:
+    """A captured decode step of ``model`` at its cache's active batch.
+
+    Args:
+        model: the measured model, bound to the candidate's ops (and transforms), on CUDA, with
+            the cache at the operating point (``batch`` sequences active).
+        warmup_iters: eager iterations before capture.
+
+    Attributes:
+        capture_ms: wall time of warm-up plus capture, ms.
+        batch: the captured batch (sequences).
+
+    Raises:
+        RuntimeError: the model is not on CUDA, or capture failed (an op synchronises with the
+            host, allocates outside the pool in a forbidden way, ...): the message is CUDA's.
+    """
+
+    def __init__(self, model: DecoderModel, warmup_iters: int = WARMUP_ITERS) -> None:
+        cache = model.cache
+        device = cache.lengths.device
+        if device.type != "cuda":
+            raise RuntimeError(f"cuda_graph needs a CUDA engine, this one runs on {device}")
+        start = time.perf_counter()
+        self.model = model
+        self.batch = cache.batch
+        self._eager: Callable[[Tensor], Tensor] = model.decode_step
+        self._tokens = torch.zeros((self.batch, 1), dtype=torch.int64, device=device)
+        saved = cache.state()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup_iters):
+                self._eager(self._tokens)
+                cache.restore_state(saved)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._out = self._eager(self._tokens)
+        cache.restore_state(saved)  # capture recorded the step; it did not run it
+        torch.cuda.synchronize(device)
+        self.capture_ms = (time.perf_counter() - start) * 1e3
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        """Decode step (same contract as :meth:`DecoderModel.decode_step`): replay when
+        ``tokens`` is ``[batch, 1]`` with ``batch`` sequences active, else run eagerly.
+
+        Returns:
+            ``[batch, V]`` float32 logits: the graph's static output buffer on replay (the next
+            call overwrites it).
+        """
+        cache = self.model.cache
+        if tokens.shape != self._tokens.shape or cache.batch != self.batch:
+            return self._eager(tokens)
+        cache.next_positions()  # raises CacheCapacityError exactly as the eager step would
+        self._tokens.copy_(tokens)
+        self.graph.replay()
+        cache.advanced_on_device(1)
+        return self._out
+
+    def release(self) -> None:
+        """Drop the graph and its memory pool's tensors."""
+        del self.graph, self._out, self._tokens
+
+
+def install(model: DecoderModel) -> tuple[DecodeGraph, Callable[[], None]]:
+    """Capture ``model``'s decode step and route :meth:`DecoderModel.decode_step` through it
+    (on this instance only); returns the graph and the undo.
+
+    Raises:
+        RuntimeError: see :class:`DecodeGraph`.
+    """
+    graph = DecodeGraph(model)
+    model.__dict__["decode_step"] = graph
+
+    def undo() -> None:
+        model.__dict__.pop("decode_step", None)
+        graph.release()
+        torch.cuda.empty_cache()
+
+    return graph, undo

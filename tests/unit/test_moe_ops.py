@@ -1,0 +1,190 @@
+"""``moe`` implementations: the reference against a plain per-token formula and transformers'
+sparse MoE blocks; the alternatives against the reference over odd shapes and per dtype."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.moe import route
+from kiln.ops.registry import get, implementations
+from tests.unit.op_testing import DTYPES, assert_close, randn
+
+ALTERNATIVES = [i for i in implementations("moe") if i != "reference"]
+
+
+def moe_params(
+    experts: int,
+    hidden: int,
+    inter: int,
+    top_k: int,
+    dtype: torch.dtype,
+    *,
+    norm: bool = True,
+    round_weights: bool = True,
+    bias: bool = False,
+) -> dict[str, Any]:
+    """Seeded random params (router scaled up so routing is far from uniform ties)."""
+    return {
+        "router_weight": randn(experts, hidden, dtype=dtype, scale=0.3),
+        "gate_up_weight": randn(experts, 2 * inter, hidden, dtype=dtype, scale=0.08),
+        "down_weight": randn(experts, hidden, inter, dtype=dtype, scale=0.08),
+        "top_k": top_k,
+        "norm_topk_prob": norm,
+        "round_router_weights": round_weights,
+        "router_bias": torch.linspace(2.0, -2.0, experts) if bias else None,
+    }
+
+
+def per_token(x: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    """The textbook formula in float64: for each token, sum_k w_k * expert_{e_k}(x)."""
+    flat = x.reshape(-1, x.shape[-1]).double()
+    logits = flat @ p["router_weight"].double().T
+    if p["router_bias"] is not None:
+        logits = logits + p["router_bias"].double()
+    w, e = torch.topk(torch.softmax(logits, -1), p["top_k"], dim=-1)
+    if p["norm_topk_prob"]:
+        w = w / w.sum(-1, keepdim=True)
+    inter = p["down_weight"].shape[-1]
+    out = torch.zeros_like(flat)
+    for n in range(flat.shape[0]):
+        for k in range(p["top_k"]):
+            gu = p["gate_up_weight"][e[n, k]].double()
+            h = F.silu(gu[:inter] @ flat[n]) * (gu[inter:] @ flat[n])
+            out[n] += w[n, k] * (p["down_weight"][e[n, k]].double() @ h)
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no-norm"])
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_reference_is_the_per_token_formula(top_k: int, norm: bool, bias: bool) -> None:
+    torch.manual_seed(top_k)
+    p = moe_params(6, 24, 40, top_k, torch.float32, norm=norm, bias=bias)
+    x = randn(2, 5, 24, dtype=torch.float32)
+    got = get("moe", "reference")(x, **p)
+    torch.testing.assert_close(got, per_token(x, p).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_router_bias_moves_tokens_to_favoured_experts() -> None:
+    torch.manual_seed(0)
+    p = moe_params(8, 32, 16, 2, torch.float32)
+    x = randn(64, 32, dtype=torch.float32)
+    bias = torch.zeros(8)
+    bias[5] = 20.0
+    _, plain = route(x, p["router_weight"], top_k=2, norm_topk_prob=True)
+    _, biased = route(x, p["router_weight"], top_k=2, norm_topk_prob=True, router_bias=bias)
+    assert (biased == 5).any(dim=-1).all() and not (plain == 5).any(dim=-1).all()
+
+
+@pytest.mark.parametrize("impl", ALTERNATIVES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("batch", "tokens", "experts", "top_k"),
+    [
+        (1, 1, 16, 1),  # decode of one token: 15 experts get nothing
+        (1, 1, 8, 8),  # every expert, weights summing to 1
+        (3, 7, 8, 2),  # Mixtral-like
+        (2, 5, 12, 3),  # odd sizes
+        (1, 33, 4, 1),
+    ],
+)
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "no-norm-bias"])
+def test_alternative_matches_reference(
+    impl: str,
+    dtype: torch.dtype,
+    batch: int,
+    tokens: int,
+    experts: int,
+    top_k: int,
+    variant: str,
+) -> None:
+    torch.manual_seed(batch + 10 * tokens + experts + top_k)
+    p = moe_params(
+        experts,
+        56,
+        72,
+        top_k,
+        dtype,
+        norm=variant != "no-norm-bias",
+        round_weights=variant != "mixtral",
+        bias=variant == "no-norm-bias",
+    )
+    x = randn(batch, tokens, 56, dtype=dtype)
+    expected = get("moe", "reference")(x, **p)
+    alt = get("moe", impl)
+    actual = alt(x, **(alt.derived.fn(p) if alt.derived else p))
+    assert expected.shape == (batch, tokens, 56)
+    assert_close(actual, expected)
+
+
+def test_experts_nobody_chose_are_not_needed() -> None:
+    """A token routed by a huge bias to expert 0 only: NaN weights of the other experts must not
+    reach the output of any implementation."""
+    torch.manual_seed(3)
+    p = moe_params(4, 16, 8, 1, torch.float32)
+    p["router_bias"] = torch.tensor([100.0, 0.0, 0.0, 0.0])
+    clean = get("moe", "reference")(randn(1, 3, 16, dtype=torch.float32), **p)
+    p["gate_up_weight"][1:] = float("nan")
+    x = randn(1, 3, 16, dtype=torch.float32)
+    for impl in ("reference", "grouped", "grouped_mm"):  # dense multiplies NaN by 0: NaN
+        assert torch.isfinite(get("moe", impl)(x, **p)).all()
+    assert clean.shape == (1, 3, 16)
+
+
+# --------------------------------------------------------------------------- transformers' blocks
+transformers = pytest.importorskip("transformers")
+
+
+def hf_block(family: str, p: dict[str, Any], dtype: torch.dtype) -> Any:
+    experts, hidden = p["router_weight"].shape
+    inter = p["down_weight"].shape[-1]
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=hidden,
+            moe_intermediate_size=inter,
+            num_experts=experts,
+            num_experts_per_tok=p["top_k"],
+            norm_topk_prob=p["norm_topk_prob"],
+        )
+        config._experts_implementation = "eager"
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        block = Qwen3MoeSparseMoeBlock(config)
+    else:
+        config = transformers.MixtralConfig(
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_local_experts=experts,
+            num_experts_per_tok=p["top_k"],
+        )
+        config._experts_implementation = "eager"
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        block = MixtralSparseMoeBlock(config)
+    block.gate.weight.data = p["router_weight"].clone()
+    block.experts.gate_up_proj.data = p["gate_up_weight"].clone()
+    block.experts.down_proj.data = p["down_weight"].clone()
+    return block.to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("family", "top_k", "norm"),
+    [("qwen3_moe", 4, True), ("qwen3_moe", 2, False), ("mixtral", 2, True)],
+)
+def test_reference_is_transformers_sparse_moe_block(
+    family: str, top_k: int, norm: bool, dtype: torch.dtype
+) -> None:
+    """Same weights, same inputs: equal to transformers' eager block, bit for bit on CPU (the
+    router-weight rounding differs between the families and shows in bfloat16)."""
+    torch.manual_seed(7)
+    p = moe_params(8, 64, 48, top_k, dtype, norm=norm, round_weights=family == "qwen3_moe")
+    x = randn(2, 9, 64, dtype=dtype)
+    with torch.no_grad():
+        want = hf_block(family, p, dtype)(x)
+    got = get("moe", "reference")(x, **p)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

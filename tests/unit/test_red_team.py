@@ -1,0 +1,299 @@
+"""The red team on a CPU engine: every cheating candidate of :mod:`kiln.engine_pool.red_team`
+is INCORRECT with its reason, honest candidates built the same way pass, the output cheats do
+get past the checks a naive engine makes (so they are real cheats), and the engine is clean
+after each (the next reference run is ok).
+
+Plus the gate's parts on their own: the timed-output reservoir, the timers, the thread watch and
+the harness fingerprint.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kiln.engine_pool import red_team
+from kiln.engine_pool.check import TimedOutputs
+from kiln.engine_pool.engine import Engine
+from kiln.engine_pool.integrity import HarnessFingerprint, ThreadWatch
+from kiln.engine_pool.measurement import Measurement
+from kiln.engine_pool.request import RunRequest
+from kiln.engine_pool.spec import EngineLimits, EngineSpec
+from kiln.engine_pool.timing import CpuTimer
+from kiln.workloads.candidate import Candidate
+from kiln.workloads.models.decoder import DecoderModel
+
+from .engine_testing import TINY_LLAMA, tiny_workload
+
+LIMITS = EngineLimits(max_batch=4, max_context=32, fast_layers=2, prompt_len=8, check_steps=2)
+# A larger vocabulary than the other engine tests': the LM head then takes long enough that
+# work deferred to a thread is still running when the timed call returns.
+VOCAB = 4096
+PERF_COUNTER = time.perf_counter
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    workload = tiny_workload(batch=3, context=24)
+    workload["model"]["config_json"] = json.dumps({**TINY_LLAMA, "vocab_size": VOCAB})
+    yield Engine(EngineSpec.from_workload(workload, "fast", LIMITS), engine_id="red-team")
+
+
+def _run(engine: Engine, candidate: Candidate, **kw: int) -> Measurement:
+    return engine.run(RunRequest("red-team", candidate.canonical(), warmup=1, repeats=4, **kw))
+
+
+@pytest.mark.parametrize("cheat", red_team.cheats("cpu"), ids=lambda c: c.name)
+def test_every_cheat_is_rejected(engine: Engine, cheat: red_team.Cheat) -> None:
+    m = _run(engine, cheat.candidate)
+    assert m.status == "incorrect" and not m.correct, (m.status, m.error)
+    assert m.timing is None and m.tokens_per_s == 0.0
+    for text in cheat.caught:
+        assert text in m.error, (text, m.error)
+    if red_team.TAMPERED in cheat.caught or red_team.OUTSIDE in cheat.caught:
+        assert m.restart_engine
+    # Whatever it did is undone: the engine measures the reference correctly next.
+    after = _run(engine, Candidate())
+    assert after.status == "ok", after.error
+    assert DecoderModel._layer.__name__ == "_layer" and time.perf_counter is PERF_COUNTER
+    assert "decode_step" not in engine.model.__dict__
+
+
+OUTPUT_CHEATS = [
+    c for c in red_team.cheats("cpu") if set(c.caught) <= {red_team.VERIFIED, "non-finite"}
+]
+
+
+@pytest.mark.parametrize("cheat", OUTPUT_CHEATS, ids=lambda c: c.name)
+def test_output_cheats_pass_every_check_but_the_timed_one(
+    engine: Engine, cheat: red_team.Cheat
+) -> None:
+    """With no timed step verified, these cheats pass the check at the traffic shape and the
+    prefill/decode check: they are real cheats, and verifying timed steps is what stops them."""
+    m = _run(engine, cheat.candidate, verify_timed_steps=0)
+    assert m.status == "ok", m.error
+    assert any("verified timed step(s) none" in n for n in m.notes)
+
+
+@pytest.mark.parametrize(
+    "name", ["shared_class_patch", "kernel_override", "gate_patch", "fake_clock"]
+)
+def test_tampering_cheats_fool_the_comparison_alone(engine: Engine, name: str) -> None:
+    """Changing what the reference (or the comparison, or the clock) does makes the outputs
+    agree: only the fingerprint sees these. (``reduced_precision`` too, where the reduced
+    kernels are deterministic; on this CPU the float32-to-bfloat16 matmuls are not always.)"""
+    (cheat,) = [c for c in red_team.CHEATS if c.name == name]
+    m = _run(engine, cheat.candidate)
+    assert m.status == "incorrect" and red_team.TAMPERED in m.error
+    assert "(gate said" not in m.error  # the gate itself said ok
+    assert _run(engine, Candidate()).status == "ok"
+
+
+@pytest.mark.parametrize(
+    ("name", "candidate"), red_team.honest("cpu"), ids=[n for n, _ in red_team.honest("cpu")]
+)
+def test_honest_candidates_built_like_the_cheats_pass(
+    engine: Engine, name: str, candidate: Candidate
+) -> None:
+    m = _run(engine, candidate, verify_timed_steps=4)
+    assert m.status == "ok", (name, m.error)
+    assert m.correct and not m.restart_engine
+    assert any("verified timed step(s) 1, 2, 3, 4 of 4" in n for n in m.notes), m.notes
+
+
+def test_every_timed_step_can_be_verified_and_costs_one_reference_step(engine: Engine) -> None:
+    m = _run(engine, Candidate.make({"attention": "sdpa"}), verify_timed_steps=2)
+    assert m.status == "ok", m.error
+    assert "verify" in m.phases_ms and m.phases_ms["verify"] > 0
+    (note,) = [n for n in m.notes if n.startswith("verified timed step(s)")]
+    assert note.endswith("of 4 against the reference (chosen after each call returned)")
+    assert len(note.split(" of ")[0].split(",")) == 2
+
+
+# --------------------------------------------------------------------------- on CUDA
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def cuda_engine() -> Iterator[Engine]:
+    from kiln.engine_pool.settings import EngineSettings
+
+    workload = tiny_workload(batch=4, context=64, dtype="bfloat16")
+    workload["model"]["config_json"] = json.dumps({**TINY_LLAMA, "vocab_size": VOCAB})
+    limits = EngineSettings(device="cuda:0").limits()
+    yield Engine(EngineSpec.from_workload(workload, "fast", limits), engine_id="red-team-cuda")
+
+
+def _run_cuda(engine: Engine, candidate: Candidate, **kw: int) -> Measurement:
+    request = RunRequest(
+        "red-team", candidate.canonical(), warmup=2, repeats=30, min_repeats=10, **kw
+    )
+    return engine.run(request)
+
+
+@cuda
+@pytest.mark.parametrize("cheat", red_team.cheats("cuda"), ids=lambda c: c.name)
+def test_every_cheat_is_rejected_on_cuda(cuda_engine: Engine, cheat: red_team.Cheat) -> None:
+    m = _run_cuda(cuda_engine, cheat.candidate)
+    assert m.status == "incorrect", (m.status, m.error)
+    for text in cheat.caught:
+        assert text in m.error, (text, m.error)
+    after = _run_cuda(cuda_engine, Candidate())
+    assert after.status == "ok", after.error
+
+
+@cuda
+@pytest.mark.parametrize(
+    ("name", "candidate"), red_team.honest("cuda"), ids=[n for n, _ in red_team.honest("cuda")]
+)
+def test_honest_candidates_pass_on_cuda(
+    cuda_engine: Engine, name: str, candidate: Candidate
+) -> None:
+    m = _run_cuda(cuda_engine, candidate, verify_timed_steps=5)
+    assert m.status == "ok", (name, m.error)
+
+
+@cuda
+def test_the_cuda_timer_counts_work_left_on_a_side_stream(cuda_engine: Engine) -> None:
+    """Unverified, the side-stream cheat passes, but its time is counted: every timed step
+    includes the ~1 ms the side stream spends (an event timer on the current stream would
+    report the step without it)."""
+    (cheat,) = [c for c in red_team.CHEATS if c.name == "side_stream"]
+    honest = _run_cuda(cuda_engine, Candidate())
+    m = _run_cuda(cuda_engine, cheat.candidate, verify_timed_steps=0)
+    assert m.status == "ok" and m.timing is not None and honest.timing is not None, m.error
+    assert m.timing.p10_ms > honest.timing.median_ms + 0.5, (m.timing, honest.timing)
+
+
+# --------------------------------------------------------------------------- the parts
+
+
+def test_timed_outputs_keep_a_uniform_sample_of_copies() -> None:
+    counts: collections.Counter[int] = collections.Counter()
+    for _ in range(3000):
+        kept = TimedOutputs(1)
+        for step in range(6):
+            copy = kept.offer(step, torch.full((1, 2), float(step)))
+            if copy is not None:
+                copy()
+        ((step, logits),) = kept.kept()
+        assert float(logits[0, 0]) == step
+        counts[step] += 1
+    assert set(counts) == set(range(6))
+    assert all(350 < n < 650 for n in counts.values()), counts  # 500 expected each
+    out = torch.ones(2, 3)
+    two = TimedOutputs(2)
+    copy = two.offer(0, out)
+    assert copy is not None
+    copy()
+    out.fill_(float("nan"))  # the copy was taken: later writes do not reach it
+    assert bool((two.kept()[0][1] == 1).all())
+    with pytest.raises(TypeError, match="not a tensor"):
+        two.offer(1, (out,))
+    assert TimedOutputs(0).kept() == []
+
+
+def test_cpu_timer_clock_is_bound_and_keep_is_untimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = CpuTimer()
+    monkeypatch.setattr(time, "perf_counter", lambda: 0.0)  # a candidate's fake clock
+    seen: list[object] = []
+
+    def call() -> str:
+        time.sleep(0.01)
+        return "out"
+
+    def keep(out: object) -> Callable[[], None]:
+        seen.append(out)
+        return functools.partial(time.sleep, 0.05)
+
+    ms = timer.time_ms(call, keep)
+    assert seen == ["out"]
+    assert 9 < ms < 45  # the sleep inside the call, not the one in keep, not the fake clock
+
+
+def _candidate_function(source: str, name: str) -> types.FunctionType:
+    namespace: dict[str, object] = {"time": time, "threading": threading}
+    exec(compile(source, "<candidate:test#0>", "exec"), namespace)
+    fn = namespace[name]
+    assert isinstance(fn, types.FunctionType)
+    return fn
+
+
+def test_thread_watch_names_threads_doing_candidate_work() -> None:
+    busy = _candidate_function(
+        "def busy(stop):\n    while not stop.is_set():\n        time.sleep(0.001)\n", "busy"
+    )
+    watch = ThreadWatch()
+    assert watch.strays() == []
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()
+        assert ThreadWatch().strays() == []  # an idle pool thread does no candidate work
+    stop = threading.Event()
+    thread = threading.Thread(target=busy, args=(stop,), name="busy")
+    thread.start()
+    try:
+        (line,) = watch.strays()
+        assert "'busy' runs candidate code: busy (<candidate:test#0>" in line
+        assert ThreadWatch().strays(new_threads=False) == [line]
+    finally:
+        stop.set()
+        thread.join()
+    sleeper = threading.Thread(target=time.sleep, args=(0.2,), name="plain")
+    sleeper.start()
+    try:
+        assert watch.strays() == ["thread 'plain' started during the call is still running"]
+        assert watch.strays(new_threads=False) == []
+    finally:
+        sleeper.join()
+
+
+def test_fingerprint_sees_and_undoes_patches_of_the_reference_and_numerics() -> None:
+    fingerprint = HarnessFingerprint.take()
+    assert fingerprint.changes() == []
+    layer, code = DecoderModel._layer, DecoderModel._layer.__code__
+    linear = torch.nn.functional.linear
+    DecoderModel._layer.__code__ = (lambda self, *a: None).__code__
+    DecoderModel.extra = 1  # type: ignore[attr-defined]
+    torch.nn.functional.linear = lambda *a, **k: a[0]
+    torch.set_float32_matmul_precision("medium")
+    mode = torch.overrides.TorchFunctionMode()
+    mode.__enter__()
+    try:
+        changes = "\n".join(fingerprint.changes())
+        assert "DecoderModel._layer modified in place" in changes
+        assert "DecoderModel.extra added" in changes
+        assert "torch.nn.functional.linear replaced" in changes
+        assert "get_float32_matmul_precision() changed from 'highest' to 'medium'" in changes
+        assert "torch function modes: 0 -> 1 active" in changes
+    finally:
+        problems = fingerprint.restore()
+    assert problems == [] and fingerprint.changes() == []
+    assert DecoderModel._layer is layer and layer.__code__ is code
+    assert not hasattr(DecoderModel, "extra") and torch.nn.functional.linear is linear
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_fingerprint_covers_instances_given() -> None:
+    holder = types.SimpleNamespace(a=1, b=functools.partial(max, 1, key=abs))
+    fingerprint = HarnessFingerprint.take([("holder", holder, None)])
+    holder.b.keywords["key"] = None
+    holder.c = 3
+    assert set(fingerprint.changes()) == {
+        "holder.b modified in place (code, defaults or closure)",
+        "holder.c added",
+    }
+    fingerprint.restore()
+    assert holder.b.keywords == {"key": abs} and not hasattr(holder, "c")
+    assert sys.gettrace() is None or fingerprint.changes() == []
