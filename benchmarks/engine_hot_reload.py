@@ -162,6 +162,11 @@ def row(label: str, took: float, m: Measurement) -> str:
     line = (
         f"  {label:42s} {m.status:9s} {took:9.3f} s {median:>12s} {m.tokens_per_s:9.1f}  {phases}"
     )
+    if m.prefill is not None:
+        line += (
+            f"\n    prefill {m.prefill.median_ms:.2f} ms median "
+            f"({m.prefill_tokens_per_s:,.0f} prompt tokens/s)"
+        )
     if m.status != "ok":
         line += f"\n    error: {m.error.splitlines()[0] if m.error else ''}"
     return line

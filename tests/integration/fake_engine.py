@@ -114,6 +114,11 @@ class FakeEngine:
             except nats.errors.TimeoutError:
                 continue
             for msg in msgs:
+                # A fetch already waiting when a gate closed must not run its work: hold it
+                # (in progress) until the gate opens again.
+                while not (self.running.is_set() and (gate is None or gate.is_set())):
+                    await msg.in_progress()
+                    await asyncio.sleep(0.1)
                 await self._handle(ExperimentWork.from_json(msg.data))
                 await msg.ack()
 

@@ -117,6 +117,23 @@ def test_measurement_reports_timing_memory_and_phases(engine: Engine) -> None:
     assert m.memory.kv_cache_bytes > 0 and m.memory.workspace_bytes > 0
     assert m.max_abs_error <= 1e-3 * 10
     assert any(n.startswith("check seed") for n in m.notes)
+    assert m.prefill is None and m.prefill_tokens_per_s == 0.0  # none asked for
+
+
+def test_prefill_is_timed_at_the_traffic_shape_when_asked(engine: Engine) -> None:
+    m = engine.run(
+        RunRequest("exp", Candidate().canonical(), warmup=1, repeats=3, prefill_repeats=3)
+    )
+    assert m.status == "ok" and m.prefill is not None, m.error
+    assert len(m.prefill.samples_ms) == 3 and m.prefill.median_ms > 0
+    spec = engine.spec
+    expected = spec.batch_size * spec.context_len / (m.prefill.median_ms / 1e3)
+    assert m.prefill_tokens_per_s == pytest.approx(expected)
+    assert "prefill" in m.phases_ms
+    # the engine is back at the operating point: the next experiment checks and times as usual
+    assert (
+        engine.run(RunRequest("next", Candidate().canonical(), warmup=1, repeats=3)).status == "ok"
+    )
 
 
 def test_a_wrong_implementation_from_a_code_module_is_incorrect(engine: Engine) -> None:

@@ -82,7 +82,7 @@ from kiln.engine_pool.integrity import (
     OutsideWork,
     ThreadWatch,
 )
-from kiln.engine_pool.measurement import Measurement, MemoryUsage
+from kiln.engine_pool.measurement import Measurement, MemoryUsage, Timing
 from kiln.engine_pool.reload import RegistrySnapshot, forget_sources, load_code_modules
 from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.spec import EngineSpec
@@ -509,6 +509,16 @@ class Engine:
                 median = summarize(samples, request.warmup).median_ms
                 notes.append(f"timed median {median:.4g} ms (not reported: incorrect)")
                 return self._incorrect(verified, phases, notes, base)
+            prefill: Timing | None = None
+            if request.prefill_repeats > 0:
+                phase = "prefill"
+                with _timed(phases, "prefill", sync):
+                    prefill_ms = self._time_prefill(request.prefill_repeats, request.seed)
+                    prefill = summarize(prefill_ms, 1)
+                notes.append(
+                    f"prefill timed: {spec.batch_size} prompts of {spec.context_len} tokens, "
+                    f"{request.prefill_repeats} times after one untimed"
+                )
         except RejectedCandidate as exc:
             return Measurement.failed("rejected", f"{phase}: {exc}", phases_ms=phases, **base)
         except OutsideWork as exc:
@@ -535,11 +545,36 @@ class Engine:
             max_abs_error=max(verdict.max_abs_error, verified.max_abs_error),
             timing=timing,
             tokens_per_s=spec.batch_size / (timing.median_ms / 1e3) if timing.median_ms else 0.0,
+            prefill=prefill,
+            prefill_tokens_per_s=(
+                spec.batch_size * spec.context_len / (prefill.median_ms / 1e3)
+                if prefill and prefill.median_ms
+                else 0.0
+            ),
             memory=self.memory(),
             phases_ms=phases,
             notes=notes,
             **base,
         )
+
+    def _time_prefill(self, repeats: int, seed: int) -> list[float]:
+        """Prefill of ``batch_size`` random prompts of ``context_len`` tokens on the measured
+        model (the candidate's ops): one untimed, then ``repeats`` timed, ms each. The cache is
+        put back at the operating point afterwards (its first slots now hold real K/V).
+
+        Raises:
+            whatever the candidate's prefill raises (the experiment is then CRASHED).
+        """
+        spec = self.spec
+        g = torch.Generator().manual_seed(seed + 3)
+        prompts = torch.randint(self.vocab, (spec.batch_size, spec.context_len), generator=g)
+        prompts = prompts.to(self.device)
+        call = functools.partial(self.model.prefill, prompts)
+        try:
+            call()
+            return [self.timer.time_ms(call) for _ in range(repeats)]
+        finally:
+            self._at_context()
 
     def _incorrect(
         self,

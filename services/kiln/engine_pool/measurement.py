@@ -69,11 +69,15 @@ class Measurement:
             the candidate produced non-finite values).
         timing: decode-step timings (None unless timed).
         tokens_per_s: ``batch_size / median_s``: decode throughput at the traffic shape.
+        prefill: timings of a prefill of ``batch_size`` prompts of ``context_len`` tokens (None
+            unless the request asked for prefill repeats).
+        prefill_tokens_per_s: ``batch_size x context_len / prefill median_s``: prompt tokens/s.
         memory: bytes held (see :class:`MemoryUsage`).
         error: why, for any status but ok (exception text, tolerance, deadline).
         engine_id, tier: where it ran.
         candidate_id: the content id of the candidate measured.
-        phases_ms: wall time per phase (load, bind, compile, check, measure), ms.
+        phases_ms: wall time per phase (load, bind, graph_capture, compile, check, measure,
+            verify), ms.
         notes: clamps and defaults applied, check seed, transforms applied, in words.
         restart_engine: the worker asks to be restarted after replying (its state may be
             damaged: weights modified, registry not restorable); never sent over the wire.
@@ -84,6 +88,8 @@ class Measurement:
     max_abs_error: float = 0.0
     timing: Timing | None = None
     tokens_per_s: float = 0.0
+    prefill: Timing | None = None
+    prefill_tokens_per_s: float = 0.0
     memory: MemoryUsage = field(default_factory=MemoryUsage)
     error: str = ""
     engine_id: str = ""
@@ -113,9 +119,11 @@ class Measurement:
         """Inverse of :meth:`to_dict`."""
         values = dict(data)
         timing = values.pop("timing", None)
+        prefill = values.pop("prefill", None)
         memory = values.pop("memory", None) or {}
         return Measurement(
             timing=None if timing is None else Timing(**timing),
+            prefill=None if prefill is None else Timing(**prefill),
             memory=MemoryUsage(**memory),
             **values,
         )

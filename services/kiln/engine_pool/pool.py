@@ -204,6 +204,7 @@ class EnginePool:
             min_repeats=min(self.settings.min_repeats, self.settings.repeats),
             measure_budget_s=self.settings.measure_budget_s,
             verify_timed_steps=self.settings.verify_timed_steps,
+            prefill_repeats=self.settings.prefill_repeats,
         )
         task = asyncio.create_task(
             self._run(slot, spec, work.model_key, request, work.deadline_s, candidate.id)

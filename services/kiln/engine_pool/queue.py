@@ -116,6 +116,12 @@ def completed_payload(work: ExperimentWork, m: Measurement) -> dict[str, Any]:
         engine_id=m.engine_id,
         tier=work.tier,
         error=m.error,
+        weights_bytes=m.memory.weights_bytes,
+        kv_cache_bytes=m.memory.kv_cache_bytes,
+        workspace_bytes=m.memory.workspace_bytes,
+        prefill_median_ms=m.prefill.median_ms if m.prefill else 0.0,
+        prefill_tokens_per_s=m.prefill_tokens_per_s,
+        phases_ms={k: round(v, 3) for k, v in m.phases_ms.items()},
     )
     return event.model_dump(mode="json")
 

@@ -38,6 +38,8 @@ class RunRequest:
         verify_timed_steps: timed steps whose outputs are verified against the reference after
             timing, chosen at random after each call returns (0: none; see
             :class:`kiln.engine_pool.check.TimedOutputs`); each costs one reference decode step.
+        prefill_repeats: timed prefills of ``batch_size`` prompts of ``context_len`` tokens after
+            the decode timing (0: none).
     """
 
     experiment_id: str
@@ -48,6 +50,7 @@ class RunRequest:
     measure_budget_s: float = 0.0
     seed: int = field(default_factory=lambda: secrets.randbits(62))
     verify_timed_steps: int = 1
+    prefill_repeats: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the pipe."""

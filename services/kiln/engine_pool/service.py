@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from kiln.common.errors import InvalidArgument
 from kiln.common.identity import current_call
 from kiln.common.work import ExperimentWork
-from kiln.engine_pool.measurement import Measurement, MemoryUsage
+from kiln.engine_pool.measurement import Measurement, MemoryUsage, Timing
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.process import EngineSnapshot
 from kiln.engine_pool.registry import PoolRecord, Registry
@@ -82,18 +82,24 @@ def measurement_to_proto(m: Measurement) -> common_pb2.Measurement:
         tier=_TIER.get(m.tier, common_pb2.TIER_UNSPECIFIED),
     )
     if m.timing is not None:
-        t = m.timing
-        msg.timing.CopyFrom(
-            common_pb2.Timing(
-                median_ms=t.median_ms,
-                p10_ms=t.p10_ms,
-                p90_ms=t.p90_ms,
-                stdev_ms=t.stdev_ms,
-                samples_ms=t.samples_ms,
-                warmup_runs=t.warmup_runs,
-            )
-        )
+        msg.timing.CopyFrom(timing_to_proto(m.timing))
+    if m.prefill is not None:
+        msg.prefill.CopyFrom(timing_to_proto(m.prefill))
+        msg.prefill_tokens_per_s = m.prefill_tokens_per_s
+    msg.phases_ms.update(m.phases_ms)
     return msg
+
+
+def timing_to_proto(t: Timing) -> common_pb2.Timing:
+    """Timings (ms) as ``kiln.v1.Timing``."""
+    return common_pb2.Timing(
+        median_ms=t.median_ms,
+        p10_ms=t.p10_ms,
+        p90_ms=t.p90_ms,
+        stdev_ms=t.stdev_ms,
+        samples_ms=t.samples_ms,
+        warmup_runs=t.warmup_runs,
+    )
 
 
 def _timestamp(seconds: float) -> Timestamp:

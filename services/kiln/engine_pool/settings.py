@@ -23,6 +23,7 @@ CUDA_DEFAULTS: dict[str, Any] = {
     "repeats": 200,
     "min_repeats": 10,
     "measure_budget_s": 0.01,
+    "prefill_repeats": 3,
 }
 """Defaults for CUDA engines: the traffic shape is capped by device memory, not by these
 (``kiln.engine_pool.device_memory``). A decode step takes 0.4–20 ms on an H200 (Llama-3.2-1B
@@ -91,6 +92,13 @@ class EngineSettings(BaseSettings):
         ge=0,
         description="Timing stops once min_repeats steps ran and this many seconds were spent "
         "timing (Triton do_bench style), or after repeats steps.",
+    )
+    prefill_repeats: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="Timed prefills of batch x context tokens per experiment, after the decode "
+        "timing (TTFT at the shape); 0 = none (CPU default: a prefill there costs seconds).",
     )
     verify_timed_steps: int = Field(
         default=1,

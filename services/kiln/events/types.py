@@ -176,3 +176,9 @@ class ExperimentCompleted(EventSchema):
     engine_id: str = ""
     tier: Tier
     error: str = ""
+    weights_bytes: int = Field(default=0, ge=0, le=2**62)
+    kv_cache_bytes: int = Field(default=0, ge=0, le=2**62)
+    workspace_bytes: int = Field(default=0, ge=0, le=2**62)
+    prefill_median_ms: float = Field(default=0.0, ge=0)
+    prefill_tokens_per_s: float = Field(default=0.0, ge=0)
+    phases_ms: dict[str, float] = Field(default_factory=dict)

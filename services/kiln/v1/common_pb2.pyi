@@ -488,6 +488,26 @@ class Measurement(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class PhasesMsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     STATUS_FIELD_NUMBER: _builtins.int
     CORRECT_FIELD_NUMBER: _builtins.int
     MAX_ABS_ERROR_FIELD_NUMBER: _builtins.int
@@ -497,6 +517,9 @@ class Measurement(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
+    PREFILL_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    PHASES_MS_FIELD_NUMBER: _builtins.int
     status: Global___ExperimentStatus.ValueType
     correct: _builtins.bool
     max_abs_error: _builtins.float
@@ -507,10 +530,22 @@ class Measurement(_message.Message):
     """Cause, for any status other than OK."""
     engine_id: _builtins.str
     tier: Global___Tier.ValueType
+    prefill_tokens_per_s: _builtins.float
+    """Prompt tokens/s of the prefill: batch x context / prefill median."""
     @_builtins.property
     def timing(self) -> Global___Timing: ...
     @_builtins.property
     def memory(self) -> Global___MemoryUsage: ...
+    @_builtins.property
+    def prefill(self) -> Global___Timing:
+        """Timed prefills of batch x context tokens (unset when the engine timed none)."""
+
+    @_builtins.property
+    def phases_ms(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Wall time per phase of the experiment (load, bind, graph_capture, compile, check, measure,
+        verify, prefill), ms.
+        """
+
     def __init__(
         self,
         *,
@@ -523,10 +558,13 @@ class Measurement(_message.Message):
         error: _builtins.str = ...,
         engine_id: _builtins.str = ...,
         tier: Global___Tier.ValueType = ...,
+        prefill: Global___Timing | None = ...,
+        prefill_tokens_per_s: _builtins.float = ...,
+        phases_ms: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory", "timing", b"timing"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory", "prefill", b"prefill", "timing", b"timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["correct", b"correct", "engine_id", b"engine_id", "error", b"error", "max_abs_error", b"max_abs_error", "memory", b"memory", "status", b"status", "tier", b"tier", "timing", b"timing", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["correct", b"correct", "engine_id", b"engine_id", "error", b"error", "max_abs_error", b"max_abs_error", "memory", b"memory", "phases_ms", b"phases_ms", "prefill", b"prefill", "prefill_tokens_per_s", b"prefill_tokens_per_s", "status", b"status", "tier", b"tier", "timing", b"timing", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
