@@ -58,19 +58,26 @@ _ids = itertools.count(1)
 
 
 def _done(
-    cand: Candidate, agent: str, tps: float, status: str = "ok", tier: Tier = "fast"
+    cand: Candidate,
+    agent: str,
+    tps: float,
+    status: str = "ok",
+    tier: Tier = "fast",
+    spread: float = 0.02,
 ) -> tuple[Requested, Completed]:
-    """A request and its completion; positions grow with every call (ledger order)."""
+    """A request and its completion (one sequence per step, p10/p90 at -/+ ``spread`` of the
+    median); positions grow with every call (ledger order)."""
     n = next(_ids)
     req = Requested(f"e{n}", "c1", "search", cand, agent, tier, 10 * n)
+    median = 1000.0 / tps if tps > 0 else 0.0
     result = ExperimentCompleted(
         compilation_id="c1",
         candidate_id=cand.id,
         status=status,  # type: ignore[arg-type]
         correct=status == "ok",
-        median_ms=2.0,
-        p10_ms=2.0,
-        p90_ms=2.0,
+        median_ms=median,
+        p10_ms=median * (1 - spread),
+        p90_ms=median * (1 + spread),
         tokens_per_s=tps,
         engine_id="e",
         tier=tier,
@@ -92,9 +99,11 @@ def _add(
 
 
 def _full(
-    state: CompilationState, cand: Candidate, tps: float, status: str = "ok"
+    state: CompilationState, cand: Candidate, tps: float, status: str = "ok", spread: float = 0.02
 ) -> tuple[Requested, Completed]:
-    return _add(state, cand, "confirm", tps, status, "full")
+    req, completed = _done(cand, "confirm", tps, status, "full", spread)
+    state.experiments[req.experiment_id] = ExperimentRecord(req, completed)
+    return req, completed
 
 
 def _pending(state: CompilationState, cand: Candidate, tier: Tier = "full") -> Requested:
@@ -339,3 +348,17 @@ def test_orphan_claims_are_claims_never_requested_with_a_recipe() -> None:
         claim("cafe", {}),  # no recipe
     ]
     assert orphan_claims(posts, requested={other.id}) == [(A, "a")]
+
+
+def test_a_confirmation_within_the_noise_is_not_a_best() -> None:
+    state = _state(baseline=100.0)
+    _add(state, A, "random", 150.0)
+    _full(state, REF, 50.0, spread=0.10)
+    # 9 % faster in median, but its p10-p90 band overlaps the reference's: noise, not a win
+    req, completed = _full(state, A, 54.5, spread=0.10)
+    assert judgement(state, req, completed) is None
+    # clearly apart: a win
+    _full(state, REF, 50.0, spread=0.10)
+    req, completed = _full(state, A, 80.0, spread=0.10)
+    event = judgement(state, req, completed)
+    assert event is not None and event.data["speedup"] == pytest.approx(1.6)  # type: ignore[index]

@@ -25,8 +25,10 @@ only once it is *confirmed* on the *full* tier (all layers):
    normally its own pair's; an earlier one when that failed). The nearest, not the median of
    all of them, because it cancels the drift between confirmations where a median would
    average over it.
-4. A confirmed candidate is the new best when it was measured correct and its full speedup is
-   above 1 and above the current best's (each against its own nearest reference) ->
+4. A confirmed candidate is the new best when it was measured correct, its full speedup is
+   above 1 and above the current best's (each against its own nearest reference), and it is
+   faster beyond the noise of the two measurements (:func:`distinguishable`: its p90 step
+   below the reference's p10 step) ->
    ``BestCandidateImproved`` with tier "full", its full-tier tokens/s and that speedup.
    Comparing speedups against interleaved references, not raw tokens/s measured minutes
    apart, is the noise cut.
@@ -52,7 +54,7 @@ from collections.abc import Sequence
 from kiln.agent_runner import records
 from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.state import CompilationState
-from kiln.events.types import Tier, TierPoint
+from kiln.events.types import ExperimentCompleted, Tier, TierPoint
 from kiln.ledger.model import NewEvent
 from kiln.workloads.candidate import Candidate
 
@@ -129,6 +131,17 @@ def full_reference(state: CompilationState, before: int) -> Completed | None:
     return nearest
 
 
+def distinguishable(candidate: ExperimentCompleted, reference: ExperimentCompleted) -> bool:
+    """Whether the candidate is faster beyond the noise of the two measurements: its
+    slowest-decile step (p90) is faster than the reference's fastest-decile step (p10), i.e.
+    their p10–p90 bands do not overlap. Same configuration measured twice on a shared 2-core
+    host differs by up to 10 % in median while the bands overlap; with only medians (p10/p90
+    unset) it falls back to comparing medians."""
+    if candidate.p90_ms <= 0 or reference.p10_ms <= 0:
+        return candidate.median_ms < reference.median_ms
+    return candidate.p90_ms < reference.p10_ms
+
+
 def speedup(state: CompilationState, completed: Completed) -> float | None:
     """tokens/s over the baseline of a correct measurement: on the fast tier, over the
     baseline (``BaselineMeasured``); on the full tier, over the nearest earlier full-tier
@@ -153,6 +166,9 @@ def judgement(state: CompilationState, req: Requested, completed: Completed) -> 
         gain = speedup(state, completed)
         bar = max(1.0, state.best.speedup if state.best is not None else 1.0)
         if gain is None or gain <= bar:
+            return None
+        ref = full_reference(state, completed.position)
+        if ref is None or not distinguishable(result, ref.result):
             return None
         return records.best_improved(
             cid,
