@@ -146,7 +146,9 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
 
     stream = f"compilation-{uuid.uuid4().hex[:12]}"
     event_id = _append_event(kiln_env["KILN_LEDGER_ADDR"], stream)
-    assert _stream_event_ids(kiln_env, stream) == [event_id]
+    # the agent runner may append to the stream (it fails a compilation whose workload is
+    # empty): what matters is that the event appended here is stored and stays first
+    assert _stream_event_ids(kiln_env, stream)[0] == event_id
 
     pids = _pids(state_dir)
     assert all(pids.values()), pids
@@ -157,7 +159,7 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
     _assert_json_service_logs(state_dir)
 
     kiln(kiln_env, "up")
-    assert _stream_event_ids(kiln_env, stream) == [event_id]
+    assert _stream_event_ids(kiln_env, stream)[0] == event_id
     tail = kiln(kiln_env, "ledger", "tail", "--no-follow", "--json").stdout
     assert event_id in tail
     replay = kiln(kiln_env, "ledger", "replay")
