@@ -152,6 +152,8 @@ def request_for(label: str, candidate: Candidate, settings: EngineSettings) -> R
         repeats=settings.repeats,
         min_repeats=settings.min_repeats,
         measure_budget_s=settings.measure_budget_s,
+        verify_timed_steps=settings.verify_timed_steps,
+        prefill_repeats=settings.prefill_repeats,
     )
 
 
