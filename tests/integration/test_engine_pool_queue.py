@@ -17,7 +17,6 @@ import pytest
 import pytest_asyncio
 
 from kiln.common.nats import delete_streams, parse_work_subject, work_stream_name
-from kiln.common.server import serve
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
 from kiln.engine_pool.app import EnginePoolApp
@@ -37,7 +36,7 @@ from ..unit.engine_testing import (
     tiny_workload,
     work,
 )
-from ..unit.runtime_app import free_port
+from .serving import serve_in_task
 
 pytestmark = pytest.mark.integration
 
@@ -50,22 +49,13 @@ class Stack:
     prefix: str
 
 
-async def _serve(app: object, cfg: KilnSettings) -> tuple[asyncio.Task[None], str]:
-    addr, started = f"127.0.0.1:{free_port()}", asyncio.Event()
-    task = asyncio.create_task(
-        serve(app, cfg, listen=addr, started=started, handle_signals=False)  # type: ignore[arg-type]
-    )
-    await asyncio.wait_for(started.wait(), 20)
-    return task, addr
-
-
 @pytest_asyncio.fixture(scope="module")
 async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
     prefix = "kq" + uuid.uuid4().hex[:10]  # a work stream of our own
     cfg = settings.model_copy(
         update={"subject_prefix": prefix, "metrics_port": 0, "grace_period_s": 1.0}
     )
-    ledger_task, ledger_addr = await _serve(LedgerApp(cfg), cfg)
+    ledger_task, ledger_addr = await serve_in_task(LedgerApp(cfg), cfg)
     cfg = cfg.model_copy(update={"ledger_addr": ledger_addr})
     app = EnginePoolApp(
         cfg,
@@ -73,7 +63,7 @@ async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
             consume=True, ack_wait_s=6.0, nak_delay_s=0.5, discover_s=0.5, heartbeat_s=0.5
         ),
     )
-    pool_task, _ = await _serve(app, cfg)
+    pool_task, _ = await serve_in_task(app, cfg)
     await asyncio.wait_for(app.consumer.connected.wait(), 20)
     nc = await nats.connect(cfg.require_nats_url())
     try:

@@ -23,7 +23,6 @@ import pytest_asyncio
 
 from kiln.common.client import team_channel
 from kiln.common.nats import delete_streams, parse_work_subject, work_stream_name
-from kiln.common.server import serve
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
 from kiln.engine_pool.app import EnginePoolApp
@@ -37,6 +36,7 @@ from kiln.workloads.candidate import Candidate
 
 from ..unit.engine_testing import work
 from ..unit.runtime_app import free_port
+from .serving import serve_in_task
 
 pytestmark = pytest.mark.integration
 
@@ -61,15 +61,6 @@ class Pools:
     other: subprocess.Popen[bytes]
     js: nats.js.JetStreamContext
     prefix: str
-
-
-async def _serve(app: object, cfg: KilnSettings) -> tuple[asyncio.Task[None], str]:
-    addr, started = f"127.0.0.1:{free_port()}", asyncio.Event()
-    task = asyncio.create_task(
-        serve(app, cfg, listen=addr, started=started, handle_signals=False)  # type: ignore[arg-type]
-    )
-    await asyncio.wait_for(started.wait(), 20)
-    return task, addr
 
 
 def _start_other_pool(cfg: KilnSettings, ledger_addr: str, log: Path) -> subprocess.Popen[bytes]:
@@ -100,11 +91,11 @@ async def pools(
     cfg = settings.model_copy(
         update={"subject_prefix": prefix, "metrics_port": 0, "grace_period_s": 1.0}
     )
-    ledger_task, ledger_addr = await _serve(LedgerApp(cfg), cfg)
+    ledger_task, ledger_addr = await serve_in_task(LedgerApp(cfg), cfg)
     cfg = cfg.model_copy(update={"ledger_addr": ledger_addr})
     engine = {k.removeprefix("KILN_ENGINE_").lower(): v for k, v in ENGINE_ENV.items()}
     app = EnginePoolApp(cfg, EngineSettings(**engine, pool_id="host-a"))  # type: ignore[arg-type]
-    pool_task, pool_addr = await _serve(app, cfg)
+    pool_task, pool_addr = await serve_in_task(app, cfg)
     other = _start_other_pool(cfg, ledger_addr, tmp_path_factory.mktemp("host-b") / "pool.log")
     nc = await nats.connect(cfg.require_nats_url())
     try:
