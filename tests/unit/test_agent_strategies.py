@@ -9,6 +9,8 @@ from typing import Any, cast
 import pytest
 
 from kiln.agent_runner.agents import (
+    AGENT_KINDS,
+    DEFAULT_AGENTS,
     CoordinateAgent,
     Lab,
     Outcome,
@@ -105,7 +107,10 @@ def test_random_search_skips_claimed() -> None:
 
 
 def test_agent_registry() -> None:
-    assert validate_agents([]) == ["coordinate", "random"]
+    defaults = validate_agents([])
+    assert defaults == list(DEFAULT_AGENTS) and len(set(defaults)) == len(defaults) >= 2
+    assert all(k in AGENT_KINDS for k in defaults)
+    assert [type(a) for a in build_agents([], "c1")] == [AGENT_KINDS[k] for k in defaults]
     agents = build_agents(["random", "coordinate", "random"], "c1")
     assert [a.name for a in agents] == ["random-1", "coordinate", "random-2"]
     assert agents[0].seed != agents[2].seed
@@ -178,7 +183,7 @@ class _Lab:
     def release(self) -> None:
         self.budget.release()
 
-    async def measure(self, candidate: Candidate, agent: str) -> Outcome:
+    async def measure(self, candidate: Candidate, agent: str, *, profile: bool = False) -> Outcome:
         await asyncio.sleep(0.001)
         self.measured.append((agent, candidate.id))
         self.budget.complete()
@@ -213,7 +218,7 @@ async def test_two_agents_share_the_board_never_measure_twice_and_stop_at_the_bu
         ),
     )
     lab = _Lab(board, limit=20)
-    agents = build_agents([], "c1")
+    agents = build_agents(["coordinate", "random"], "c1")
     counts = await asyncio.wait_for(asyncio.gather(*(a.run(cast(Lab, lab)) for a in agents)), 10)
     ids = [cid for _, cid in lab.measured]
     assert len(ids) == len(set(ids)) == 20 == sum(counts)
@@ -226,7 +231,10 @@ async def test_agents_stop_when_the_space_is_exhausted() -> None:
     board, small = _MemoryBoard(), space_for("cpu", cpus=2)
     lab = _Lab(board, limit=0)
     counts = await asyncio.wait_for(
-        asyncio.gather(*(a.run(cast(Lab, lab)) for a in build_agents([], "c1"))), 20
+        asyncio.gather(
+            *(a.run(cast(Lab, lab)) for a in build_agents(["coordinate", "random"], "c1"))
+        ),
+        20,
     )
     assert sum(counts) == small.size - 1 == len({c for _, c in lab.measured})
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.ops.registry import implementations, ops
+from kiln.ops.registry import get, implementations, ops
 from kiln.workloads.config import parse_config
 from kiln.workloads.models import DecoderModel, OpBinding, build_model
 from kiln.workloads.weights import WeightStore, seeded_random
@@ -34,7 +34,12 @@ VOCAB = 1000
 SEQ_LENS = torch.tensor([7, 4])
 DECODE_STEPS = 3
 HF_ATOL = 1e-4
-ALTERNATIVES = [(op, i) for op in ops() for i in implementations(op) if i != "reference"]
+ALTERNATIVES = [
+    (op, i)
+    for op in ops()
+    for i in implementations(op)
+    if i != "reference" and get(op, i).runs_on("cpu") and not get(op, i).lossy
+]
 # Logits of a swapped op vs the reference forward: float32 only reorders sums; bfloat16 rounds
 # intermediates differently (tolerance relative to the largest logit).
 MODEL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -10,7 +10,12 @@ from kiln.ops import attention
 from kiln.ops.registry import get, implementations
 from tests.unit.op_testing import DTYPES, assert_close, randn
 
-ALTERNATIVES = [i for i in implementations("attention") if i != "reference"]
+# Alternatives that run on CPU and are exact (Triton kernels and lossy ones have their own tests).
+ALTERNATIVES = [
+    i
+    for i in implementations("attention")
+    if i != "reference" and get("attention", i).runs_on("cpu") and not get("attention", i).lossy
+]
 CACHE_LEN = 19
 HEAD_DIM = 24
 KV_HEADS = 2

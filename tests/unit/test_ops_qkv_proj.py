@@ -10,7 +10,12 @@ import torch
 from kiln.ops.registry import get, implementations
 from tests.unit.op_testing import DTYPES, assert_close, randn
 
-ALTERNATIVES = [i for i in implementations("qkv_proj") if i != "reference"]
+# Alternatives that run on CPU and are exact (Triton kernels and lossy ones have their own tests).
+ALTERNATIVES = [
+    i
+    for i in implementations("qkv_proj")
+    if i != "reference" and get("qkv_proj", i).runs_on("cpu") and not get("qkv_proj", i).lossy
+]
 HIDDEN = 200
 HEAD_DIM = 20
 KV_HEADS = 2

@@ -59,7 +59,9 @@ def test_unknown_implementation_names_the_registered_ones() -> None:
     with pytest.raises(UnknownImplementationError) as err:
         get("attention", "flash")
     assert isinstance(err.value, KeyError)
-    assert str(err.value) == "op 'attention' has no implementation 'flash' (known: reference, sdpa)"
+    message = str(err.value)
+    assert message.startswith("op 'attention' has no implementation 'flash' (known: reference, ")
+    assert "sdpa" in message
 
 
 def test_register_get_replace_unregister(scratch_impl: str) -> None:

@@ -54,6 +54,7 @@ from kiln.agent_runner.judge import (
     CONFIRM_TIER,
     SEARCH_TIER,
     agreement_text,
+    compared_event,
     completed_on,
     confirmation_due,
     judgement,
@@ -69,10 +70,12 @@ from kiln.agent_runner.state import CompilationState, ExperimentRecord
 from kiln.agent_runner.stream import CompilationStream
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.agent_runner.workload import workload_to_json
+from kiln.baselines.names import compare_agent
 from kiln.board import Board
 from kiln.common.logging import get_logger
 from kiln.events.types import EndStatus, Tier, is_failure
 from kiln.ledger.model import NewEvent
+from kiln.v1 import common_pb2
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.workloads.config import parse_config
 
@@ -140,6 +143,13 @@ class CompilationRunner:
         self.agents_measured: dict[str, int] = {}
         self.finished = asyncio.Event()
         """Set when :meth:`run` returns (ended, or stopped by shutdown)."""
+        self._compares: dict[str, ExperimentRecord] = {}
+        """Baseline experiments (:mod:`kiln.baselines`) by baseline name: kept out of
+        ``state.experiments`` (never judged, not in the experiment budget)."""
+        for eid, rec in list(state.experiments.items()):
+            if rec.requested.baseline:
+                del state.experiments[eid]
+                self._compares[rec.requested.baseline] = rec
         for rec in state.experiments.values():
             if rec.requested.tier == SEARCH_TIER:
                 self._requested.add(rec.requested.candidate.id)
@@ -172,6 +182,11 @@ class CompilationRunner:
         return self._deps.board
 
     @property
+    def workload(self) -> common_pb2.Workload:
+        """The compilation's workload (model config, traffic shape, hardware target)."""
+        return self.state.workload
+
+    @property
     def experiments_done(self) -> int:
         """Completed experiments (any status, the baseline included)."""
         return self._budget.completed
@@ -185,9 +200,12 @@ class CompilationRunner:
         """Give back an unused slot."""
         self._budget.release()
 
-    async def measure(self, candidate: Candidate, agent: str) -> Outcome | None:
+    async def measure(
+        self, candidate: Candidate, agent: str, *, profile: bool = False
+    ) -> Outcome | None:
         """Request an experiment on the search tier for a reserved slot (after any
-        confirmation under way), wait for it and judge it.
+        confirmation under way), wait for it and judge it; ``profile`` asks the engine for the
+        per-op profile (``ExperimentCompleted.op_ms``).
 
         Returns:
             The outcome; None (slot released) when the candidate was requested before in this
@@ -208,7 +226,9 @@ class CompilationRunner:
         self._requested.add(candidate.id)
         with self._search_busy():
             try:
-                req = await self._shielded(self._request(candidate, agent, SEARCH_TIER))
+                req = await self._shielded(
+                    self._request(candidate, agent, SEARCH_TIER, profile=profile)
+                )
             except Exception:
                 self.release()  # nothing was requested (a cancelled caller keeps its slot:
                 raise  # the request goes on and is settled when the compilation ends)
@@ -330,6 +350,10 @@ class CompilationRunner:
         for req in list(self._in_flight.values()):
             completed = await dispatcher.close(req, why, status="cancelled")
             await self._complete(req, completed)
+        for name, rec in list(self._compares.items()):
+            if rec.completed is None:
+                completed = await dispatcher.close(rec.requested, why, status="cancelled")
+                self._compares[name] = ExperimentRecord(rec.requested, completed)
 
     # ------------------------------------------------------------------ the search
     async def _search(self) -> None:
@@ -345,6 +369,8 @@ class CompilationRunner:
             for req in list(self._in_flight.values())
             if req.agent != BASELINE_AGENT and req.tier == SEARCH_TIER
         ]
+        if st.baselines:
+            extra.append(self._compare_baselines())
         if self._resumed:
             extra.extend(await self._orphan_claims())
         agents = build_agents(st.agents, st.compilation_id)
@@ -404,7 +430,9 @@ class CompilationRunner:
             await self.board.claim(
                 st.compilation_id, ref.id, BASELINE_AGENT, {"candidate": ref.canonical()}
             )
-            await self.measure(ref, BASELINE_AGENT)
+            # profiled, so profile-guided agents see where the reference's time goes from the
+            # start (one extra eager decode step, after the timed ones)
+            await self.measure(ref, BASELINE_AGENT, profile=True)
         if st.baseline is None:
             rec = next(r for r in st.experiments.values() if r.requested.agent == BASELINE_AGENT)
             result = rec.completed.result if rec.completed else None
@@ -419,6 +447,53 @@ class CompilationRunner:
             result_body(REFERENCE_CANDIDATE, rec.completed.summary(), 1.0),
             msg_id=f"result:{st.baseline.experiment_id}",
         )
+
+    async def _compare_baselines(self) -> None:
+        """Measure the compilation's baselines (:mod:`kiln.baselines`), one after another, on
+        the full tier (the engine's operating point and weights), each recorded as
+        ``BaselineCompared`` (:func:`~kiln.agent_runner.judge.compared_event`); after a restart
+        the ones recorded are skipped and the ones in flight adopted. A failure is logged and
+        the next baseline goes on."""
+        st, dispatcher = self.state, self._deps.dispatcher
+        for name in st.baselines:
+            if name in st.compared or self._stop.is_set():
+                continue
+            try:
+                rec = self._compares.get(name)
+                if rec is None:
+                    req = await self._shielded(self._request_baseline(name))
+                    rec = self._compares[name] = ExperimentRecord(req)
+                elif rec.completed is None:
+                    await dispatcher.adopt(rec.requested, self._workload_json)
+                completed = rec.completed or await dispatcher.wait(rec.requested)
+                dispatcher.forget(rec.requested.experiment_id)
+                self._compares[name] = ExperimentRecord(rec.requested, completed)
+                await self._shielded(self._append(compared_event(st, rec.requested, completed)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.error("baseline comparison failed", baseline=name, exc_info=exc)
+
+    async def _request_baseline(self, name: str) -> Requested:
+        """Record and queue baseline ``name``'s experiment (agent ``compare:<name>``, the
+        reference candidate as a placeholder the engine ignores, full tier); work that cannot
+        be queued closes it at once (``timed_out``)."""
+        st, dispatcher = self.state, self._deps.dispatcher
+        req = await dispatcher.record(
+            team=st.team,
+            compilation_id=st.compilation_id,
+            candidate=REFERENCE_CANDIDATE,
+            agent=compare_agent(name),
+            tier=CONFIRM_TIER,
+            baseline=name,
+        )
+        try:
+            await dispatcher.publish(req, self._workload_json)
+        except Exception as exc:
+            log.error("cannot queue the baseline", experiment=req.experiment_id, error=repr(exc))
+            with contextlib.suppress(Exception):
+                await dispatcher.close(req, f"the work could not be queued on NATS: {exc!r}")
+        return req
 
     async def _catch_up_best(self) -> None:
         """After a restart: judge the completed confirmations again, in the order they
@@ -558,7 +633,9 @@ class CompilationRunner:
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
-    async def _request(self, candidate: Candidate, agent: str, tier: Tier) -> Requested:
+    async def _request(
+        self, candidate: Candidate, agent: str, tier: Tier, *, profile: bool = False
+    ) -> Requested:
         """Record the experiment, track it, queue its work. Work that cannot be queued closes
         the experiment at once (``timed_out`` with the NATS error), so it is never left open."""
         st, dispatcher = self.state, self._deps.dispatcher
@@ -568,6 +645,7 @@ class CompilationRunner:
             candidate=candidate,
             agent=agent,
             tier=tier,
+            profile=profile,
         )
         self._in_flight[req.experiment_id] = req
         st.experiments[req.experiment_id] = ExperimentRecord(req)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
 
 @dataclass(frozen=True)
 class RunnerConfig:
@@ -37,3 +40,65 @@ class RunnerConfig:
     def experiment_timeout_s(self) -> float:
         """Seconds from publishing work to recording it timed out: deadline + margin."""
         return self.experiment_deadline_s + self.experiment_margin_s
+
+
+class LLMSettings(BaseSettings):
+    """The code-writing agent's endpoint (kind ``llm``), from ``KILN_LLM_*``; off by default.
+
+    Any server speaking OpenAI's Chat Completions API works (OpenAI, vLLM, llama.cpp, Ollama):
+    the agent POSTs to ``{url}/chat/completions``. With ``KILN_LLM_URL`` unset the ``llm``
+    agent kind is refused (:func:`kiln.agent_runner.agents.llm.require_llm`).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KILN_LLM_", extra="ignore")
+
+    url: str | None = Field(
+        default=None,
+        description="Base URL, e.g. http://127.0.0.1:8000/v1; unset = the llm agent is off.",
+    )
+    model: str = Field(default="gpt-4o-mini", description="The model name sent in each request.")
+    api_key: SecretStr | None = Field(default=None, description="Bearer token; unset = no header.")
+    timeout_s: float = Field(
+        default=120.0, gt=0, description="Deadline of one HTTP request, seconds."
+    )
+    max_tokens: int = Field(default=4096, gt=0, description="Completion length limit, tokens.")
+    temperature: float = Field(default=0.2, ge=0, le=2, description="Sampling temperature.")
+    attempts: int = Field(
+        default=4,
+        ge=1,
+        le=10,
+        description="Tries of one request on 429, 5xx or a connection error.",
+    )
+    backoff_s: float = Field(
+        default=1.0, ge=0, description="First pause between tries, seconds (doubles, at most 30 s)."
+    )
+    max_bad_replies: int = Field(
+        default=3, ge=1, description="Unusable replies in a row before the agent stops."
+    )
+    history_chars: int = Field(
+        default=6000, ge=200, description="Budget of the board history in the prompt, characters."
+    )
+
+
+class OptunaSettings(BaseSettings):
+    """Where the ``optuna`` agent keeps its studies, from ``KILN_OPTUNA_*``.
+
+    ``KILN_OPTUNA_STORAGE`` is a SQLAlchemy URL (optuna's ``RDBStorage``) or ``memory`` (an
+    in-memory study: no resume after a restart). Unset, the agent uses the ledger's Postgres:
+    ``KILN_DATABASE_URL`` (or the embedded default's, as the ledger finds it), in its own
+    schema ``KILN_OPTUNA_DB_SCHEMA`` (default ``optuna``) so optuna's tables, and the
+    ``alembic_version`` table optuna keeps, stay apart from the ledger's. With no database
+    known either, the study is in memory (logged). See
+    :func:`kiln.agent_runner.agents.optuna_search.resolve_storage`.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KILN_OPTUNA_", extra="ignore")
+
+    storage: str | None = Field(
+        default=None, description="SQLAlchemy URL or 'memory'; unset = the ledger's database."
+    )
+    db_schema: str = Field(
+        default="optuna",
+        pattern=r"^[a-z_][a-z0-9_]{0,62}$",
+        description="Postgres schema of the studies (created if missing).",
+    )

@@ -85,9 +85,13 @@ class ExperimentDispatcher:
         candidate: Candidate,
         agent: str,
         tier: Tier,
+        profile: bool = False,
+        baseline: str = "",
     ) -> Requested:
         """Record a new experiment (``ExperimentRequested``) on ``tier`` and start waiting for
-        its result; :meth:`publish` then queues its work.
+        its result; :meth:`publish` then queues its work (``profile``: ask the engine for the
+        per-op profile too; ``baseline``: measure that baseline of :mod:`kiln.baselines`
+        instead of the candidate).
 
         Returns:
             The request (its ledger position included); await :meth:`wait` for the result.
@@ -96,12 +100,24 @@ class ExperimentDispatcher:
             KilnError: the ledger refused or stayed unavailable.
         """
         eid = records.new_experiment_id()
-        event = records.experiment_requested(compilation_id, eid, candidate, tier, agent)
+        event = records.experiment_requested(
+            compilation_id, eid, candidate, tier, agent, profile, baseline
+        )
         client = self._ledger.client(team)
         result = await retry_unavailable(
             lambda: client.append(records.experiment_stream(eid), [event], "no_stream")
         )
-        req = Requested(eid, compilation_id, team, candidate, agent, tier, result.positions[0])
+        req = Requested(
+            eid,
+            compilation_id,
+            team,
+            candidate,
+            agent,
+            tier,
+            result.positions[0],
+            profile,
+            baseline,
+        )
         self._register(req)
         return req
 
@@ -120,6 +136,8 @@ class ExperimentDispatcher:
             candidate=req.candidate.canonical(),
             workload=workload,
             deadline_s=self._config.experiment_deadline_s,
+            profile=req.profile,
+            baseline=req.baseline,
         )
         ack = await self._js.publish(
             work.subject(self._prefix),  # per (device kind, tier, model)

@@ -42,6 +42,9 @@ class Requested:
         agent: who proposed it ("baseline" for the reference forward).
         tier: "fast" or "full".
         position: global ledger position of the ExperimentRequested event.
+        profile: the engine is asked for the per-op profile (``ExperimentCompleted.op_ms``).
+        baseline: a baseline of :mod:`kiln.baselines` measured instead of the candidate ("" for
+            a normal experiment); such experiments are never judged.
     """
 
     experiment_id: str
@@ -51,6 +54,8 @@ class Requested:
     agent: str
     tier: Tier
     position: int
+    profile: bool = False
+    baseline: str = ""
 
     @staticmethod
     def from_event(event: ledger_pb2.RecordedEvent) -> Requested:
@@ -67,6 +72,8 @@ class Requested:
             agent=p.agent,
             tier=p.tier,
             position=event.position,
+            profile=p.profile,
+            baseline=p.baseline,
         )
 
 
@@ -115,4 +122,6 @@ class Completed:
             "median_ms": r.median_ms,
             "engine_id": r.engine_id,
             "error": r.error[:500],
+            "op_ms": dict(r.op_ms),
+            "op_profile_shape": dict(r.op_profile_shape),
         }

@@ -50,11 +50,20 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kiln.agent_runner import records
 from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.state import CompilationState
-from kiln.events.types import ExperimentCompleted, Tier, TierPoint
+from kiln.agent_runner.usage import device_ms_of
+from kiln.events.types import (
+    BaselineCompared,
+    BestCandidateImproved,
+    ExperimentCompleted,
+    Tier,
+    TierPoint,
+    is_counted,
+)
 from kiln.ledger.model import NewEvent
 from kiln.workloads.candidate import Candidate
 
@@ -171,7 +180,7 @@ def judgement(state: CompilationState, req: Requested, completed: Completed) -> 
         ref = full_reference(state, completed.position)
         if ref is None or not distinguishable(result, ref.result):
             return None
-        return records.best_improved(
+        event = records.best_improved(
             cid,
             workload_key=state.workload_key,
             experiment_id=req.experiment_id,
@@ -181,12 +190,33 @@ def judgement(state: CompilationState, req: Requested, completed: Completed) -> 
             speedup=gain,
             tier=CONFIRM_TIER,
         )
+        return with_progress(event, state, completed)
     if req.agent == BASELINE_AGENT and req.candidate.is_reference:
         if state.baseline is None and completed.ok and result.tokens_per_s > 0:
             return records.baseline_measured(
                 cid, req.experiment_id, req.candidate.id, result.tokens_per_s, result.median_ms
             )
     return None
+
+
+def with_progress(event: NewEvent, state: CompilationState, completed: Completed) -> NewEvent:
+    """``event`` (a ``BestCandidateImproved``) with where the compilation stood when
+    ``completed`` was recorded: ``elapsed_s`` since the submission, ``experiments`` completed
+    at or before its ledger position, and their engine busy time ``device_s``
+    (:func:`kiln.agent_runner.usage.device_ms_of`). A function of the state, so a restarted
+    runner records the same event."""
+    done = [
+        r.completed
+        for r in state.experiments.values()
+        if r.completed is not None and r.completed.position <= completed.position
+    ]
+    device_ms = sum(device_ms_of(c.result.model_dump()) for c in done)
+    data = dict(event.data) if isinstance(event.data, dict) else {}
+    data["elapsed_s"] = max(0.0, (completed.recorded_at - state.submitted_at).total_seconds())
+    data["experiments"] = sum(int(is_counted(c.result.status)) for c in done)
+    data["device_s"] = device_ms / 1e3
+    payload = BestCandidateImproved.model_validate(data)
+    return replace(event, data=payload.model_dump(mode="json"))
 
 
 # ---------------------------------------------------------------------- tier agreement
@@ -273,3 +303,32 @@ def agreement_text(n: int, rho: float | None) -> str:
     if n == 1:
         return f"{AGREEMENT_PREFIX}1 candidate measured on both tiers, too few to rank"
     return f"{AGREEMENT_PREFIX}no rank correlation over {n} candidates (one tier ties them all)"
+
+
+# ---------------------------------------------------------------------- baselines compared
+def compared_event(state: CompilationState, req: Requested, completed: Completed) -> NewEvent:
+    """The ``BaselineCompared`` of a baseline experiment (``req.baseline`` set): its tokens/s,
+    timings and own correctness check, why it was skipped or failed, its operating point's
+    batch (``tokens_per_s x median_s``, as the engine derived tokens/s) and the engine's
+    weights bytes. Never a candidate, a reference or a best."""
+    from kiln.baselines.names import skipped_reason
+
+    r = completed.result
+    skipped = skipped_reason(r.status, r.error)
+    payload = BaselineCompared(
+        name=req.baseline,
+        experiment_id=req.experiment_id,
+        status=r.status,
+        correct=r.correct,
+        tokens_per_s=r.tokens_per_s,
+        median_ms=r.median_ms,
+        p10_ms=r.p10_ms,
+        p90_ms=r.p90_ms,
+        max_abs_error=r.max_abs_error,
+        skipped_reason=skipped,
+        error="" if skipped else r.error[:500],
+        tier=req.tier,
+        batch=round(r.tokens_per_s * r.median_ms / 1e3) if r.median_ms > 0 else 0,
+        weights_bytes=r.weights_bytes,
+    )
+    return records.baseline_compared(state.compilation_id, payload)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kiln.agent_runner import records
 from kiln.agent_runner.compilation import CompilationRunner
 from kiln.agent_runner.ledger_access import LedgerPool
-from kiln.agent_runner.snapshot import Snapshot
+from kiln.agent_runner.snapshot import EXPERIMENT_TYPES, Snapshot
 from kiln.common.errors import NotFound
 from kiln.v1 import compiler_pb2, ledger_pb2
 
@@ -29,16 +29,21 @@ async def compilation_events(
 async def compilation_snapshot(
     ledger: LedgerPool, compilation_id: str, runner: CompilationRunner | None = None
 ) -> compiler_pb2.Compilation:
-    """The compilation now: its stream folded; the best candidate's recipe and measurement
-    from its experiment's stream; the counters from the live runner when it runs in this
+    """The compilation now: its stream folded; the per-agent usage from its experiments'
+    events (the ledger's global log after its submission); the best candidate's recipe and
+    measurement from its experiment's stream; the counters from the live runner when it runs in this
     process, else from the compilations projection (which may lag by a moment).
 
     Raises:
         InvalidArgument, NotFound: as :func:`compilation_events`.
     """
     snap = Snapshot(compilation_id)
-    for event in await compilation_events(ledger, compilation_id):
+    events = await compilation_events(ledger, compilation_id)
+    for event in events:
         snap.apply(event)
+    async for event in ledger.system.read_all(events[0].position - 1, types=EXPERIMENT_TYPES):
+        if snap.belongs(event):  # per-agent usage (kiln.agent_runner.usage)
+            snap.count_usage(event)
     wanted = {snap.message.best.experiment_id} if snap.message.HasField("best") else set()
     if snap.message.HasField("baseline"):
         wanted.add(snap.baseline_experiment_id)

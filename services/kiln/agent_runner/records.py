@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from kiln.common.errors import InvalidArgument
 from kiln.events.types import (
+    BaselineCompared,
     BaselineMeasured,
     BestCandidateImproved,
     Budget,
@@ -101,6 +102,7 @@ def submitted(
     wall_seconds: float,
     max_experiments: int,
     agents: list[str],
+    baselines: list[str] | None = None,
 ) -> NewEvent:
     """``CompilationSubmitted`` (a random event id: a second submission is a conflict)."""
     payload = CompilationSubmitted(
@@ -110,6 +112,7 @@ def submitted(
         workload=workload,
         budget=Budget(wall_seconds=wall_seconds, max_experiments=max_experiments),
         agents=agents,
+        baselines=list(baselines or []),
     )
     return _event(payload, str(uuid.uuid4()), compilation_id)
 
@@ -183,15 +186,24 @@ def ended(compilation_id: str, status: EndStatus, reason: str) -> NewEvent:
 
 
 def experiment_requested(
-    compilation_id: str, experiment_id: str, candidate: Candidate, tier: Tier, agent: str
+    compilation_id: str,
+    experiment_id: str,
+    candidate: Candidate,
+    tier: Tier,
+    agent: str,
+    profile: bool = False,
+    baseline: str = "",
 ) -> NewEvent:
-    """``ExperimentRequested`` (appended with expected version: no stream)."""
+    """``ExperimentRequested`` (appended with expected version: no stream); ``profile`` asks
+    the engine for the per-op profile."""
     payload = ExperimentRequested(
         compilation_id=compilation_id,
         candidate_id=candidate.id,
         candidate=candidate.canonical(),
         tier=tier,
         agent=agent,
+        profile=profile,
+        baseline=baseline,
     )
     return _event(payload, _event_id(experiment_id, "requested"), compilation_id)
 
@@ -223,3 +235,8 @@ def experiment_unanswered(
         error=error,
     )
     return _event(payload, _event_id(experiment_id, "unanswered"), compilation_id)
+
+
+def baseline_compared(compilation_id: str, payload: BaselineCompared) -> NewEvent:
+    """``BaselineCompared`` (one per compilation and baseline name)."""
+    return _event(payload, _event_id(compilation_id, "compared", payload.name), compilation_id)

@@ -6,7 +6,7 @@ asked. Bad input is refused before anything is appended:
 - INVALID_ARGUMENT: no workload or model config; a config that is not JSON or names an
   unsupported architecture; a bad dtype; a missing or malformed traffic shape; an empty
   hardware name; a budget that is missing, not a number > 0, or over 30 days; an unknown agent;
-  a malformed compilation id;
+  an unknown baseline; a malformed compilation id;
 - NOT_FOUND: unknown hardware; a weights directory that does not exist; an unknown compilation
   (Get, Watch, Cancel);
 - ALREADY_EXISTS: a compilation id used before;
@@ -30,6 +30,7 @@ from kiln.agent_runner.snapshot import NAME_BY_STATUS, Snapshot, from_row
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.watch import watch
 from kiln.agent_runner.workload import validate_workload
+from kiln.baselines.names import validate_baselines
 from kiln.common.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument
 from kiln.common.identity import current_call
 from kiln.v1 import compiler_pb2, compiler_pb2_grpc
@@ -57,6 +58,7 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
         valid = validate_workload(request.workload if request.HasField("workload") else None)
         budget = validate_budget(request.budget if request.HasField("budget") else None)
         agents = validate_agents(list(request.agents))
+        baselines = validate_baselines(list(request.baselines), valid.hardware)
         cid = request.compilation_id or records.new_compilation_id()
         records.check_compilation_id(cid)
         app, stream = self._app, records.compilation_stream(cid)
@@ -72,6 +74,7 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
                 wall_seconds=budget.wall_seconds,
                 max_experiments=budget.max_experiments,
                 agents=agents,
+                baselines=baselines,
             )
             client = app.ledger.client(team)
             try:

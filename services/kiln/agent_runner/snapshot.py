@@ -4,7 +4,8 @@
 ``ExperimentCompleted`` events of its experiments, in global order, the way the ledger's
 compilations projection does (status pending -> running -> succeeded | cancelled | failed;
 counters count completed experiments, failures those whose status is not ok), plus the plan,
-baseline and best candidate as messages. ``TierAgreement`` has no field of its own in the
+baseline and best candidate as messages, the per-agent usage and the best-so-far curve
+(:mod:`kiln.agent_runner.usage`). ``TierAgreement`` has no field of its own in the
 message: Watch sends it as an event, and a succeeded compilation's reason ends with it.
 :func:`from_row` turns a compilations projection row into a summary ``Compilation`` (List).
 """
@@ -20,6 +21,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from kiln.agent_runner.experiment import event_data, experiment_id_of
 from kiln.agent_runner.records import compilation_stream
+from kiln.agent_runner.usage import UsageBook, curve_point
 from kiln.agent_runner.workload import workload_from_json
 from kiln.events.types import is_counted, is_failure
 from kiln.v1 import common_pb2, compiler_pb2, ledger_pb2
@@ -41,6 +43,7 @@ COMPILATION_TYPES = (
     "CompilationSubmitted",
     "CompilationPlanned",
     "BaselineMeasured",
+    "BaselineCompared",
     "BestCandidateImproved",
     "TierAgreement",
     "CompilationCancelRequested",
@@ -119,6 +122,8 @@ class Snapshot:
         self._candidates: dict[str, common_pb2.Candidate] = {}
         self._measurements: dict[str, common_pb2.Measurement] = {}
         self._baseline_id = ""
+        self.usage = UsageBook()
+        """Per-agent usage (:mod:`kiln.agent_runner.usage`), mirrored in ``agent_usage``."""
 
     def belongs(self, event: ledger_pb2.RecordedEvent) -> bool:
         """True when ``event`` is part of this compilation's story."""
@@ -161,6 +166,7 @@ class Snapshot:
             self._set_baseline(d)
         elif t == "BestCandidateImproved":
             self._set_best(d, event)
+            self._add_progress(d, event)
         elif t == "CompilationCancelRequested":
             m.reason = d.get("reason", "")
         elif t == "CompilationEnded":
@@ -168,10 +174,12 @@ class Snapshot:
             m.reason = d.get("reason", "") or m.reason
         elif t == "ExperimentRequested":
             self.learn(event)
+            self.count_usage(event)
         elif t == "ExperimentCompleted":
             m.experiments_done += int(is_counted(str(d.get("status"))))
             m.failures += int(is_failure(str(d.get("status"))))
             self.learn(event)
+            self.count_usage(event)
         m.updated_at.CopyFrom(event.recorded_at)
 
     def learn(self, event: ledger_pb2.RecordedEvent) -> None:
@@ -191,7 +199,50 @@ class Snapshot:
         if m.HasField("baseline") and eid in self._measurements and self._baseline_id == eid:
             m.baseline.CopyFrom(self._measurements[eid])
 
+    def count_usage(self, event: ledger_pb2.RecordedEvent) -> None:
+        """Fold an experiment event into the per-agent usage (each experiment once) and
+        refresh ``agent_usage``."""
+        eid = experiment_id_of(event)
+        if eid is None:
+            return
+        d = event_data(event)
+        if event.type == "ExperimentRequested":
+            self.usage.request(eid, str(d.get("agent", "")))
+        elif event.type == "ExperimentCompleted":
+            self.usage.complete(eid, d)
+        else:
+            return
+        del self.message.agent_usage[:]
+        self.message.agent_usage.extend(
+            compiler_pb2.AgentUsage(
+                agent=u.agent,
+                experiments=u.experiments,
+                ok=u.ok,
+                failed=u.failed,
+                device_seconds=u.device_s,
+                best_tokens_per_s=u.best_tokens_per_s,
+            )
+            for u in self.usage.rows()
+        )
+
     # ------------------------------------------------------------------ helpers
+    def _add_progress(self, d: dict[str, Any], event: ledger_pb2.RecordedEvent) -> None:
+        m = self.message
+        submitted = m.created_at.ToDatetime() if m.HasField("created_at") else None
+        recorded = event.recorded_at.ToDatetime()
+        p = curve_point(d, recorded, submitted or recorded)
+        m.progress.append(
+            compiler_pb2.ProgressPoint(
+                elapsed_s=p.elapsed_s,
+                experiments=p.experiments,
+                device_s=p.device_s,
+                tokens_per_s=p.tokens_per_s,
+                speedup=p.speedup,
+                candidate_id=p.candidate_id,
+                experiment_id=p.experiment_id,
+            )
+        )
+
     def _running(self) -> None:
         if self.message.status == compiler_pb2.COMPILATION_STATUS_PENDING:
             self.message.status = compiler_pb2.COMPILATION_STATUS_RUNNING

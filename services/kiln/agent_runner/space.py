@@ -9,7 +9,14 @@ For the CPU target a point of the space picks
   (transform ``Transform("threads", {"n": "<n>"})``);
 - ``torch_compile``: off or ``Transform("torch_compile", {"mode": "default"})``;
 - on GPU targets (anything but ``cpu``), ``cuda_graph``: off or ``Transform("cuda_graph")``
-  (the decode step captured as one CUDA graph).
+  (the decode step captured as one CUDA graph); ``fused_decode``: off or on
+  (:mod:`kiln.engine_pool.fused_decode`: the decode step as a chain of fused Triton kernels), with
+  one *parameter dimension* per kernel parameter (``fused_decode.block_k``, ...: unset = the
+  kernels' own default for the shape), which only matter when the transform is on; and a second
+  ``torch_compile`` mode, ``max-autotune-no-cudagraphs``.
+
+Op implementations that run only on some devices (Triton kernels: CUDA) are offered only on
+targets of those devices.
 
 Ops the model never calls (``moe`` in a dense model, ``mlp`` in a model whose every layer is
 MoE) are left out for that compilation (:meth:`CandidateSpace.without_ops`, :func:`unused_ops`):
@@ -33,6 +40,24 @@ OP_PREFIX = "op:"
 THREADS = "threads"
 TORCH_COMPILE = "torch_compile"
 CUDA_GRAPH = "cuda_graph"
+FUSED_DECODE = "fused_decode"
+PARAM_SEP = "."
+"""``transform.param``: the name of a transform-parameter dimension."""
+
+FUSED_DECODE_PARAMS: dict[str, tuple[str, ...]] = {
+    "block_k": ("256", "512", "1024"),
+    "num_warps": ("2", "4", "8"),
+    "o_block_n": ("4", "8", "16", "32"),
+    "gate_up_block_n": ("4", "8", "16", "32"),
+    "down_block_n": ("4", "8", "16", "32"),
+    "down_split_k": ("1", "2", "4"),
+    "qkv_block": ("4", "8", "16", "32"),
+    "lm_block_n": ("16", "32", "64", "128"),
+    "split_s": ("32", "64", "128", "256", "512"),
+    "fused_combine": ("0", "1"),
+}
+"""The ``fused_decode`` kernel parameters agents may set, with the values offered (strings, as
+candidates carry them); unset means the kernels' default for the shape."""
 
 Value = str | None
 """A dimension's value: an implementation name, a transform parameter, or None (off)."""
@@ -50,19 +75,27 @@ class Dimension:
         """The op name of an op dimension, else None."""
         return self.name[len(OP_PREFIX) :] if self.name.startswith(OP_PREFIX) else None
 
+    @property
+    def parameter_of(self) -> tuple[str, str] | None:
+        """``(transform, param)`` of a transform-parameter dimension, else None."""
+        if self.op is not None or PARAM_SEP not in self.name:
+            return None
+        transform, param = self.name.split(PARAM_SEP, 1)
+        return transform, param
+
 
 def _transform(name: str, value: str) -> Transform:
     if name == THREADS:
         return Transform.of(THREADS, n=value)
     if name == TORCH_COMPILE:
         return Transform.of(TORCH_COMPILE, mode=value)
-    if name == CUDA_GRAPH:
-        return Transform.of(CUDA_GRAPH)
+    if name in (CUDA_GRAPH, FUSED_DECODE):
+        return Transform.of(name)
     raise ValueError(f"unknown transform dimension {name!r}")
 
 
 def _transform_value(t: Transform) -> Value:
-    if t.name == CUDA_GRAPH:
+    if t.name in (CUDA_GRAPH, FUSED_DECODE):
         return "on"
     return t.param("n") if t.name == THREADS else t.param("mode", "default")
 
@@ -99,18 +132,26 @@ class CandidateSpace:
         return n
 
     def candidate(self, assignment: dict[str, Value]) -> Candidate:
-        """The candidate of a point (dimension name -> value; missing = default)."""
+        """The candidate of a point (dimension name -> value; missing = default). A
+        transform-parameter value counts only when its transform is on."""
         ops: dict[str, str] = {}
-        transforms: list[Transform] = []
+        transforms: dict[str, Transform] = {}
+        params: dict[str, dict[str, str]] = {}
         for d in self.dims:
             value = assignment.get(d.name)
             if value is None:
                 continue
             if d.op is not None:
                 ops[d.op] = value
+            elif (of := d.parameter_of) is not None:
+                params.setdefault(of[0], {})[of[1]] = value
             else:
-                transforms.append(_transform(d.name, value))
-        return Candidate.make(ops, transforms)
+                transforms[d.name] = _transform(d.name, value)
+        for name, extra in params.items():
+            if name in transforms:
+                base = dict(transforms[name].params)
+                transforms[name] = Transform.of(name, **{**base, **extra})
+        return Candidate.make(ops, list(transforms.values()))
 
     def assignment(self, candidate: Candidate) -> dict[str, Value]:
         """The point of a candidate (its parts outside the space are ignored)."""
@@ -121,6 +162,9 @@ class CandidateSpace:
             if d.op is not None:
                 impl = ops.get(d.op)
                 point[d.name] = None if impl in (None, REFERENCE) else impl
+            elif (of := d.parameter_of) is not None:
+                t = transforms.get(of[0])
+                point[d.name] = None if t is None else (t.param(of[1]) or None)
             else:
                 t = transforms.get(d.name)
                 point[d.name] = None if t is None else _transform_value(t)
@@ -150,7 +194,7 @@ class CandidateSpace:
                 if value == point[d.name]:
                     continue
                 c = self.candidate({**point, d.name: value})
-                if not c.is_reference:
+                if not c.is_reference and c != candidate:  # a parameter of a transform that is off
                     out.append((d.name, value, c))
         return out
 
@@ -167,8 +211,9 @@ def thread_counts(cpus: int | None = None) -> tuple[int, ...]:
     return tuple(sorted(counts))
 
 
-def op_dimensions() -> list[Dimension]:
-    """One dimension per op with a non-lossy alternative to ``reference`` (imports kiln.ops)."""
+def op_dimensions(device_type: str | None = None) -> list[Dimension]:
+    """One dimension per op with a non-lossy alternative to ``reference`` that runs on
+    ``device_type`` (``"cpu"``, ``"cuda"``; None: every device) (imports kiln.ops)."""
     import kiln.ops  # noqa: F401  (registers the built-in implementations)
     from kiln.ops import registry
 
@@ -177,7 +222,9 @@ def op_dimensions() -> list[Dimension]:
         alternatives = [
             name
             for name in registry.implementations(op)
-            if name != REFERENCE and not registry.get(op, name).lossy
+            if name != REFERENCE
+            and not registry.get(op, name).lossy
+            and (device_type is None or registry.get(op, name).runs_on(device_type))
         ]
         if alternatives:
             dims.append(Dimension(OP_PREFIX + op, (None, *alternatives)))
@@ -185,19 +232,28 @@ def op_dimensions() -> list[Dimension]:
 
 
 def space_for(hardware: str, cpus: int | None = None) -> CandidateSpace:
-    """The space for a hardware target: op implementations and ``torch_compile`` everywhere,
-    plus ``threads`` on ``cpu`` and ``cuda_graph`` elsewhere (see the comment for the order)."""
+    """The space for a hardware target: op implementations that run on its device and
+    ``torch_compile`` everywhere, plus ``threads`` on ``cpu``, and ``cuda_graph``,
+    ``fused_decode`` with its kernel parameters elsewhere (see the comment for the order)."""
     # Order = the order of the coordinate agent's single moves: the cheap move with the largest
     # expected effect first (threads on a CPU, a CUDA graph on a GPU: on the H200 it took
-    # Llama-3.2-1B batch-1 decode from 14.8 to 3.3 ms a step, benchmarks/RESULTS.md), op
-    # implementations next, torch_compile (seconds to minutes of compilation) last.
+    # Llama-3.2-1B batch-1 decode from 14.8 to 3.3 ms a step, benchmarks/RESULTS.md), then the
+    # fused decode kernels, op implementations next, kernel parameters, torch_compile (seconds
+    # to minutes of compilation) last.
     cpu = hardware.strip().lower() == "cpu"
-    first = (
-        [Dimension(THREADS, (None, *(str(n) for n in thread_counts(cpus))))]
-        if cpu
-        else [Dimension(CUDA_GRAPH, (None, "on"))]
-    )
-    return CandidateSpace([*first, *op_dimensions(), Dimension(TORCH_COMPILE, (None, "default"))])
+    if cpu:
+        first = [Dimension(THREADS, (None, *(str(n) for n in thread_counts(cpus))))]
+        ops, tuning = op_dimensions("cpu"), []
+        modes: tuple[Value, ...] = (None, "default")
+    else:
+        first = [Dimension(CUDA_GRAPH, (None, "on")), Dimension(FUSED_DECODE, (None, "on"))]
+        ops = op_dimensions("cuda")
+        tuning = [
+            Dimension(FUSED_DECODE + PARAM_SEP + param, (None, *values))
+            for param, values in FUSED_DECODE_PARAMS.items()
+        ]
+        modes = (None, "default", "max-autotune-no-cudagraphs")
+    return CandidateSpace([*first, *ops, *tuning, Dimension(TORCH_COMPILE, modes)])
 
 
 def unused_ops(config: ModelConfig) -> frozenset[str]:

@@ -56,6 +56,8 @@ class CompilationState:
         workload: the submitted workload (with its key).
         wall_seconds, max_experiments: the budget (0 experiments = no limit).
         agents: agent names asked for (empty = the default set).
+        baselines: baselines of :mod:`kiln.baselines` to measure beside the search.
+        compared: baseline names with a ``BaselineCompared`` recorded.
         submitted_at: ledger time of the submission (the wall budget's origin).
         submitted_position: global position of the submission.
         version: the stream's last version folded.
@@ -85,6 +87,8 @@ class CompilationState:
     end_status: str | None = None
     end_reason: str = ""
     experiments: dict[str, ExperimentRecord] = field(default_factory=dict)
+    baselines: list[str] = field(default_factory=list)
+    compared: set[str] = field(default_factory=set)
 
     @property
     def workload_key(self) -> str:
@@ -120,6 +124,7 @@ class CompilationState:
             submitted_at=recorded_at(first),
             submitted_position=first.position,
             version=first.stream_version,
+            baselines=list(d.get("baselines", [])),
         )
         for event in events[1:]:
             state.apply(event)
@@ -151,6 +156,8 @@ class CompilationState:
                 float(d["median_ms"]),
                 float(d["speedup"]),
             )
+        elif event_type == "BaselineCompared":
+            self.compared.add(str(d["name"]))
         elif event_type == "TierAgreement":
             rho = d.get("rho")
             self.tier_agreement = (int(d["n"]), None if rho is None else float(rho))

@@ -10,11 +10,13 @@ import typer
 
 from kiln.cli.compile_view import STATUS_NAMES, summary_table
 from kiln.cli.context import service_addr, settings_for
+from kiln.cli.curve import curve
 from kiln.cli.render import console
 from kiln.common.errors import from_rpc_error
 from kiln.v1 import compiler_pb2, compiler_pb2_grpc
 
 app = typer.Typer(help="List and show compilations.", no_args_is_help=True)
+app.command()(curve)
 
 _STATUS_BY_NAME = {name: value for value, name in STATUS_NAMES.items()}
 

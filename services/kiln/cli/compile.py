@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,14 +15,16 @@ import typer
 from google.protobuf.json_format import MessageToDict
 from rich.live import Live
 
+from kiln.baselines.table import Comparison
 from kiln.cli.budget import parse_duration_s
-from kiln.cli.compile_view import ENDED, CompileView, summary_table
+from kiln.cli.compile_view import ENDED, CompileView, comparison_table, summary_table
 from kiln.cli.context import service_addr, settings_for
 from kiln.cli.errors import CliError, err_console
 from kiln.cli.render import console
 from kiln.common.errors import Unavailable, from_rpc_error
 from kiln.common.settings import KilnSettings
 from kiln.v1 import common_pb2, compiler_pb2, compiler_pb2_grpc
+from kiln.workloads.candidate import REFERENCE_CANDIDATE
 
 EXIT_BY_STATUS = {
     compiler_pb2.COMPILATION_STATUS_SUCCEEDED: 0,
@@ -39,9 +42,14 @@ def build_request(
     max_experiments: int,
     compilation_id: str,
     agents: list[str],
+    batch: int = 0,
+    baselines: list[str] | None = None,
 ) -> compiler_pb2.SubmitRequest:
     """The SubmitRequest for these files, read and checked here so that a missing file or a
-    malformed trace is reported before anything is sent.
+    malformed trace is reported before anything is sent. ``batch`` > 0 replaces the decode batch
+    the trace's concurrency gives (the traffic shape's operating point; ISL/OSL stay the
+    trace's). ``baselines``: names of :mod:`kiln.baselines` to measure beside the search
+    (empty: the hardware's default; ``["none"]``: none).
 
     Raises:
         CliError: a missing or unreadable file, an unsupported architecture, a malformed trace.
@@ -62,6 +70,8 @@ def build_request(
         raise CliError(f"traffic trace {traffic} does not exist") from None
     except (OSError, TraceError) as exc:
         raise CliError(str(exc)) from None
+    if batch > 0:
+        shape = dataclasses.replace(shape, batch_size=batch)
     return compiler_pb2.SubmitRequest(
         compilation_id=compilation_id,
         workload=common_pb2.Workload(
@@ -71,14 +81,20 @@ def build_request(
         ),
         budget=common_pb2.Budget(wall_seconds=budget_s, max_experiments=max_experiments),
         agents=agents,
+        baselines=baselines or [],
     )
 
 
 async def submit_and_watch(
-    settings: KilnSettings, request: compiler_pb2.SubmitRequest, detach: bool, as_json: bool
+    settings: KilnSettings,
+    request: compiler_pb2.SubmitRequest,
+    detach: bool,
+    as_json: bool,
+    comparison: Comparison | None = None,
 ) -> compiler_pb2.Compilation:
     """Submit, then (unless ``detach``) follow Watch until the compilation ends; returns the
-    last snapshot. gRPC failures arrive as KilnError subclasses."""
+    last snapshot; ``comparison`` (when given) folds every event for the baselines table.
+    gRPC failures arrive as KilnError subclasses."""
     from kiln.common.client import team_channel
 
     addr = service_addr(settings, "agent-runner")
@@ -97,6 +113,9 @@ async def submit_and_watch(
             with _live(view, enabled=not as_json) as refresh:
                 async for event in watch:
                     view.update(event)
+                    if comparison is not None:
+                        detail = MessageToDict(event.detail) if event.HasField("detail") else {}
+                        comparison.update(event.type, detail)
                     if as_json:
                         print(json.dumps(_event_json(event)), flush=True)
                     refresh()
@@ -156,6 +175,20 @@ def compile(
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Watch events as JSON lines.")] = False,
+    batch: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Decode batch to optimise for (0 = from the trace's concurrency)."
+        ),
+    ] = 0,
+    baselines: Annotated[
+        str,
+        typer.Option(
+            help="Baselines measured side by side in the same run: comma-separated of "
+            "hf_eager, hf_static, hf_compile, gpt_fast, or all / none (default: all on a GPU "
+            "target, none on cpu)."
+        ),
+    ] = "",
 ) -> None:
     """Compile a model for a traffic shape on a hardware target: agents propose forward-pass
     variants, engines measure them, the fastest correct one wins. Exit 0 when it succeeded, 1
@@ -165,11 +198,21 @@ def compile(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--budget") from None
     request = build_request(
-        model, traffic, hardware, devices, budget_s, max_experiments, compilation_id, agent or []
+        model,
+        traffic,
+        hardware,
+        devices,
+        budget_s,
+        max_experiments,
+        compilation_id,
+        agent or [],
+        batch=batch,
+        baselines=_baseline_names(baselines),
     )
     settings = settings_for(ctx)
     with _one_shot(settings, enabled=one_shot):
-        final = asyncio.run(submit_and_watch(settings, request, detach, as_json))
+        comparison = Comparison(REFERENCE_CANDIDATE.id)
+        final = asyncio.run(submit_and_watch(settings, request, detach, as_json, comparison))
     if detach:
         console.print(
             f"submitted {final.compilation_id}; see it with "
@@ -178,8 +221,28 @@ def compile(
         return
     if not as_json:
         console.print(summary_table(final))
+        compared = comparison_table(comparison, final)
+        if compared is not None:
+            console.print(compared)
     if final.status in ENDED:
         raise typer.Exit(EXIT_BY_STATUS.get(final.status, 1))
+
+
+def _baseline_names(text: str) -> list[str]:
+    """``--baselines`` as names (``none`` kept, so the server measures none).
+
+    Raises:
+        typer.BadParameter: an unknown name.
+    """
+    from kiln.baselines.names import parse_names
+
+    if not text.strip():
+        return []
+    try:
+        names = parse_names(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--baselines") from None
+    return names or ["none"]
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from kiln.baselines.table import Comparison
 from kiln.v1 import common_pb2, compiler_pb2
 
 STATUS_NAMES = {
@@ -102,6 +103,11 @@ class CompileView:
             return f"{who or 'result'}: {what} → {status} {outcome}".strip()
         if kind == "BaselineMeasured":
             return f"baseline {_tps(float(d.get('tokens_per_s', 0.0)))}"
+        if kind == "BaselineCompared":
+            state = d.get("skipped_reason") or d.get("status", "?")
+            return (
+                f"compared {d.get('name', '?')}: {_tps(float(d.get('tokens_per_s', 0.0)))} {state}"
+            )
         if kind == "BestCandidateImproved":
             return (
                 f"new best {_tps(float(d.get('tokens_per_s', 0.0)))} "
@@ -158,10 +164,39 @@ class CompileView:
         return Group(*parts)
 
 
+def usage_text(u: compiler_pb2.AgentUsage) -> str:
+    """One agent's spending as one line, e.g. ``12 experiments (11 ok, 1 failed), device
+    3.4 s, best 1,234.5 tok/s``."""
+    return (
+        f"{u.experiments} experiments ({u.ok} ok, {u.failed} failed), "
+        f"device {u.device_seconds:,.1f} s, best {_tps(u.best_tokens_per_s)}"
+    )
+
+
+def time_to_95(snap: compiler_pb2.Compilation) -> float | None:
+    """Seconds from the submission until the best-so-far first reached 95 % of the final
+    best's tokens/s (:func:`kiln.agent_runner.usage.time_to_fraction`); None without a best."""
+    from kiln.agent_runner.usage import CurvePoint, time_to_fraction
+
+    points = [
+        CurvePoint(
+            p.elapsed_s,
+            p.experiments,
+            p.device_s,
+            p.tokens_per_s,
+            p.speedup,
+            p.candidate_id,
+            p.experiment_id,
+        )
+        for p in snap.progress
+    ]
+    return time_to_fraction(points, 0.95)
+
+
 def summary_table(snap: compiler_pb2.Compilation) -> Table:
     """The end-of-compilation table: baseline, best, speedup, how well the fast tier ranked
     candidates as the full tier did (the end of a succeeded compilation's reason), experiments,
-    failures, plan."""
+    failures, time to 95 % of the final best, each agent's spending, plan."""
     table = Table(
         title=f"compilation {snap.compilation_id}", title_justify="left", show_header=False
     )
@@ -191,11 +226,69 @@ def summary_table(snap: compiler_pb2.Compilation) -> Table:
         table.add_row("fast vs full", tiers)
     table.add_row("experiments", str(snap.experiments_done))
     table.add_row("failures", str(snap.failures))
+    to95 = time_to_95(snap)
+    if to95 is not None:
+        table.add_row("time to 95% of final best", f"{to95:,.0f} s")
+    for u in snap.agent_usage:
+        table.add_row(f"agent {u.agent}", usage_text(u))
     if snap.HasField("plan"):
         p = snap.plan
         table.add_row(
             "plan",
             f"tp={p.tp} ep={p.ep} dp={p.dp} pp={p.pp} dcp={p.dcp}  batch {p.batch_size}  "
             f"predicted TPOT {p.tpot_ms:.2f} ms, TTFT {p.ttft_ms:.1f} ms ({p.estimate_tier})",
+        )
+    return table
+
+
+def comparison_table(comparison: Comparison, snap: compiler_pb2.Compilation) -> Table | None:
+    """The baselines measured in the same run (:mod:`kiln.baselines`), kiln's reference and
+    kiln's best, side by side: tokens/s, ms/step, speedup over kiln's reference and the
+    fraction of the bandwidth limit (:func:`kiln.baselines.table.bandwidth_limit`, named in
+    the caption). None when the compilation compared no baseline."""
+    from kiln.baselines.table import bandwidth_limit, speedup, table_rows
+
+    if not comparison.baselines:
+        return None
+    best_tps = best_ms = 0.0
+    best_tier = ""
+    if snap.HasField("best"):
+        m = snap.best.measurement
+        best_tps, best_ms = m.tokens_per_s, m.timing.median_ms
+        best_tier = {common_pb2.TIER_FAST: "fast", common_pb2.TIER_FULL: "full"}.get(m.tier, "")
+    rows = table_rows(comparison, best_tps, best_ms, best_tier)
+    reference = comparison.reference()
+    limit = bandwidth_limit(
+        snap.workload.hardware.name, comparison.weights_bytes(), comparison.batch()
+    )
+    caption = (
+        f"bandwidth limit {limit.describe()}"
+        if limit
+        else "bandwidth limit unknown (no weights bytes or hardware entry)"
+    )
+    table = Table(
+        "",
+        "tok/s",
+        "ms/step",
+        "vs kiln ref",
+        "of bw limit",
+        "tier",
+        "",
+        title="baselines measured in the same run",
+        title_justify="left",
+        caption=caption,
+        caption_justify="left",
+    )
+    for row in rows:
+        gain = speedup(row, reference)
+        frac = row.tokens_per_s / limit.tokens_per_s if limit and row.tokens_per_s else None
+        table.add_row(
+            row.label,
+            f"{row.tokens_per_s:,.1f}" if row.tokens_per_s else "-",
+            f"{row.median_ms:.2f}" if row.median_ms else "-",
+            f"{gain:.2f}x" if gain is not None else "-",
+            f"{frac:.0%}" if frac is not None else "-",
+            row.tier,
+            row.note,
         )
     return table

@@ -12,6 +12,7 @@ from kiln.cli import compilations, health, ledger, migrate, serve, up
 from kiln.cli.compile import compile as compile_command
 from kiln.cli.context import CliState
 from kiln.cli.errors import KilnGroup
+from kiln.cli.export import export as export_command
 
 app = typer.Typer(
     name="kiln",
@@ -48,6 +49,7 @@ app.command()(serve.serve)
 app.command()(migrate.migrate)
 app.command()(health.health)
 app.command("compile")(compile_command)
+app.command("export")(export_command)
 app.add_typer(compilations.app, name="compilations")
 app.add_typer(ledger.app, name="ledger")
 

@@ -92,6 +92,11 @@ class ExperimentWork(BaseModel):
             ``preserving_proto_field_name=True``).
         deadline_s: seconds the candidate may take (load, check and measure) before it is
             TIMED_OUT and its engine restarted.
+        profile: also profile one extra eager decode step per op (``ExperimentCompleted.op_ms``;
+            :mod:`kiln.engine_pool.op_profile`).
+        baseline: measure this baseline of :mod:`kiln.baselines` (``hf_eager``,
+            ``hf_static``, ``hf_compile``, ``gpt_fast``) in the engine instead of the candidate;
+            "" for a normal experiment (``RunRequest.baseline``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -103,6 +108,8 @@ class ExperimentWork(BaseModel):
     candidate: dict[str, Any]
     workload: dict[str, Any]
     deadline_s: float = Field(gt=0, le=3600)
+    profile: bool = False
+    baseline: str = Field(default="", max_length=64)
 
     @property
     def device_kind(self) -> str:

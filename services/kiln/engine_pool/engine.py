@@ -76,6 +76,7 @@ from kiln.engine_pool.device_memory import (
     peak_allocated,
     reset_peak,
 )
+from kiln.engine_pool.environment import environment
 from kiln.engine_pool.integrity import (
     AttributeSnapshot,
     HarnessFingerprint,
@@ -83,6 +84,7 @@ from kiln.engine_pool.integrity import (
     ThreadWatch,
 )
 from kiln.engine_pool.measurement import Measurement, MemoryUsage, Timing
+from kiln.engine_pool.op_profile import profile_decode_step, profile_fields
 from kiln.engine_pool.reload import RegistrySnapshot, forget_sources, load_code_modules
 from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.spec import EngineSpec
@@ -241,7 +243,7 @@ class Engine:
 
     def _warm(self) -> None:
         """A decode step at the traffic shape and a check prefill, with the reference ops and
-        then with each built-in non-lossy alternative, so first-use costs (allocator, kernel
+        then with each built-in non-lossy alternative that runs on this device, so first-use costs (allocator, kernel
         selection, loading cuDNN / flash-attention kernels, cuBLAS handles: about 0.9 s for
         the first SDPA call on an H200) and the built-in derived weight layouts (fused QKV,
         gate/up) belong to the build, not to the first experiment that uses them. An
@@ -254,11 +256,14 @@ class Engine:
         self.shape_reference.decode_step(tokens)
         self.reference.prefill(prompt)
         self._at_context()
+        kind = self.device.type
         alternatives = {
             op: [
                 n
                 for n in registry.implementations(op)
-                if n != REFERENCE and not registry.get(op, n).lossy
+                if n != REFERENCE
+                and not registry.get(op, n).lossy
+                and registry.get(op, n).runs_on(kind)  # Triton kernels only where they compile
             ]
             for op in registry.ops()
         }
@@ -326,8 +331,25 @@ class Engine:
         Never raises for a candidate's fault: it is a CRASHED / REJECTED / INCORRECT
         measurement. Raises only what the worker should die of (KeyboardInterrupt).
         """
-        base: dict[str, Any] = {"engine_id": self.engine_id, "tier": self.spec.tier}
+        started = time.perf_counter()
+        base: dict[str, Any] = {
+            "engine_id": self.engine_id,
+            "tier": self.spec.tier,
+            "environment": {
+                **environment(self.spec.device),
+                "dtype": str(self.dtype).removeprefix("torch."),
+            },
+            "batch_size": self.spec.batch_size,
+            "context_len": self.spec.context_len,
+        }
         reset_peak(self.device)
+        if request.baseline:  # a baseline of kiln.baselines instead of the candidate
+            from kiln.baselines.in_engine import measure_baseline
+
+            self._collect = True  # its models and compiled graphs: collected after the reply
+            result = measure_baseline(self, request, base)
+            result.device_ms = (time.perf_counter() - started) * 1e3
+            return result
         try:
             candidate = Candidate.from_canonical(request.candidate)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -350,6 +372,7 @@ class Engine:
         if problem:
             result.restart_engine = True
             result.notes.append(f"engine restarts after this experiment: {problem}")
+        result.device_ms = (time.perf_counter() - started) * 1e3
         return result
 
     def _attempt(
@@ -519,6 +542,14 @@ class Engine:
                     f"prefill timed: {spec.batch_size} prompts of {spec.context_len} tokens, "
                     f"{request.prefill_repeats} times after one untimed"
                 )
+            profiled = profile_fields(  # after the timed steps: it cannot change them
+                request.profile,
+                lambda: profile_decode_step(
+                    self.model, self._shape_token(request.seed), self._at_context, self.dtype
+                ),
+                notes,
+                phases,
+            )
         except RejectedCandidate as exc:
             return Measurement.failed("rejected", f"{phase}: {exc}", phases_ms=phases, **base)
         except OutsideWork as exc:
@@ -554,6 +585,7 @@ class Engine:
             memory=self.memory(),
             phases_ms=phases,
             notes=notes,
+            **profiled,
             **base,
         )
 

@@ -78,6 +78,15 @@ class Measurement:
         candidate_id: the content id of the candidate measured.
         phases_ms: wall time per phase (load, bind, graph_capture, compile, check, measure,
             verify), ms.
+        device_ms: the engine's busy time for the experiment, ms: :meth:`Engine.run` from
+            start to the engine put back (phases plus fingerprinting, restore, memory reading).
+        environment: versions measured with (:mod:`kiln.engine_pool.environment`).
+        batch_size, context_len: the operating point measured at (sequences, tokens; after a
+            CUDA engine fitted the batch to free memory); 0 when unknown.
+        op_ms: per-op profile of one extra eager decode step (op name -> ms per step, summed
+            over layers; :mod:`kiln.engine_pool.op_profile`); empty unless asked for.
+        op_profile_shape: the operating point of ``op_ms`` (layers, batch_size, context_len,
+            dtype_bytes).
         notes: clamps and defaults applied, check seed, transforms applied, in words.
         restart_engine: the worker asks to be restarted after replying (its state may be
             damaged: weights modified, registry not restorable); never sent over the wire.
@@ -96,6 +105,12 @@ class Measurement:
     tier: str = "fast"
     candidate_id: str = ""
     phases_ms: dict[str, float] = field(default_factory=dict)
+    device_ms: float = 0.0
+    environment: dict[str, str] = field(default_factory=dict)
+    batch_size: int = 0
+    context_len: int = 0
+    op_ms: dict[str, float] = field(default_factory=dict)
+    op_profile_shape: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     restart_engine: bool = False
 

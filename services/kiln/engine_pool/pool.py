@@ -205,6 +205,8 @@ class EnginePool:
             measure_budget_s=self.settings.measure_budget_s,
             verify_timed_steps=self.settings.verify_timed_steps,
             prefill_repeats=self.settings.prefill_repeats,
+            profile=work.profile,
+            baseline=work.baseline,
         )
         task = asyncio.create_task(
             self._run(slot, spec, work.model_key, request, work.deadline_s, candidate.id)

@@ -122,6 +122,12 @@ def completed_payload(work: ExperimentWork, m: Measurement) -> dict[str, Any]:
         prefill_median_ms=m.prefill.median_ms if m.prefill else 0.0,
         prefill_tokens_per_s=m.prefill_tokens_per_s,
         phases_ms={k: round(v, 3) for k, v in m.phases_ms.items()},
+        device_ms=round(m.device_ms, 3),
+        environment=dict(m.environment),
+        batch_size=m.batch_size,
+        context_len=m.context_len,
+        op_ms={k: round(v, 4) for k, v in m.op_ms.items()},
+        op_profile_shape=dict(m.op_profile_shape),
     )
     return event.model_dump(mode="json")
 

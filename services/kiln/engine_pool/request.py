@@ -40,6 +40,12 @@ class RunRequest:
             :class:`kiln.engine_pool.check.TimedOutputs`); each costs one reference decode step.
         prefill_repeats: timed prefills of ``batch_size`` prompts of ``context_len`` tokens after
             the decode timing (0: none).
+        profile: after everything else, time each op of one extra eager decode step at the
+            traffic shape (:mod:`kiln.engine_pool.op_profile`; ``Measurement.op_ms``).
+        baseline: instead of the candidate, measure this baseline of :mod:`kiln.baselines`
+            (``hf_eager``, ``hf_static``, ``hf_compile``, ``gpt_fast``) in the engine's process
+            at its operating point, on its weights (``warmup`` and ``repeats`` steps); "" for a
+            normal experiment.
     """
 
     experiment_id: str
@@ -51,6 +57,8 @@ class RunRequest:
     seed: int = field(default_factory=lambda: secrets.randbits(62))
     verify_timed_steps: int = 1
     prefill_repeats: int = 0
+    profile: bool = False
+    baseline: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the pipe."""

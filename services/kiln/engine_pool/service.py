@@ -6,7 +6,9 @@ measurement with a non-OK status; bad input is INVALID_ARGUMENT:
 
 - no ``experiment``, no ``experiment.workload`` or an empty ``workload.model.config_json``;
 - an architecture kiln cannot parse or build, an unknown dtype, missing weights;
-- ``deadline_s`` outside ``0..3600`` (0 = ``KILN_ENGINE_DEFAULT_DEADLINE_S``).
+- ``deadline_s`` outside ``0..3600`` (0 = ``KILN_ENGINE_DEFAULT_DEADLINE_S``);
+- a ``baseline`` that is not one of :data:`kiln.baselines.names.BASELINE_NAMES` (a known one
+  is measured in the engine instead of the candidate: :mod:`kiln.baselines.in_engine`).
 
 ``experiment.tier`` unspecified means fast. The clamps and defaults applied to the traffic
 shape (``Measurement`` has no field for them) come back as trailing metadata
@@ -30,6 +32,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import ValidationError
 
+from kiln.baselines.names import BASELINE_NAMES
 from kiln.common.errors import InvalidArgument
 from kiln.common.identity import current_call
 from kiln.common.work import ExperimentWork
@@ -87,6 +90,8 @@ def measurement_to_proto(m: Measurement) -> common_pb2.Measurement:
         msg.prefill.CopyFrom(timing_to_proto(m.prefill))
         msg.prefill_tokens_per_s = m.prefill_tokens_per_s
     msg.phases_ms.update(m.phases_ms)
+    msg.op_ms.update(m.op_ms)
+    msg.op_profile_shape.update(m.op_profile_shape)
     return msg
 
 
@@ -182,6 +187,11 @@ def work_from_request(
     deadline = request.deadline_s or default_deadline_s
     if not (math.isfinite(deadline) and 0 < deadline <= 3600):
         raise InvalidArgument(f"deadline_s {request.deadline_s!r} is outside (0, 3600] seconds")
+    baseline = request.baseline.strip().lower()
+    if baseline and baseline not in BASELINE_NAMES:
+        raise InvalidArgument(
+            f"baseline {request.baseline!r} is unknown; known: {', '.join(BASELINE_NAMES)}"
+        )
     candidate = Candidate.from_proto(exp.candidate)
     workload: dict[str, Any] = MessageToDict(exp.workload, preserving_proto_field_name=True)
     try:
@@ -193,6 +203,8 @@ def work_from_request(
             candidate=candidate.canonical(),
             workload=workload,
             deadline_s=deadline,
+            profile=request.profile,
+            baseline=baseline,
         )
     except ValidationError as exc:
         raise InvalidArgument(f"invalid experiment: {exc.errors()[0]['msg']}") from None

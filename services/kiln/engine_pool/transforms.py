@@ -9,6 +9,11 @@ Known transforms (parameter values are strings, as candidates carry them):
   (``T == 1``) runs through ``torch.compile``; prefill stays eager. Compilation happens on the
   first decode call, i.e. in the engine's warm-up (the ``compile`` phase).
 
+- ``fused_decode``: kernel parameters (:data:`kiln.engine_pool.fused_decode.PARAMS`) — the decode
+  step as a chain of fused Triton kernels (:mod:`kiln.engine_pool.fused_decode`); dense
+  Llama-shaped models on a CUDA engine. Applied after the other transforms and before
+  ``cuda_graph``, which then captures the fused step.
+
 - ``cuda_graph``: no parameters — the decode step at the traffic shape captured as one CUDA
   graph and replayed (:mod:`kiln.engine_pool.cuda_graph`); CUDA engines only. Applied last,
   whatever its place in the list, so it captures the other transforms' forward (a
@@ -26,12 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.engine_pool import cuda_graph
+from kiln.engine_pool import cuda_graph, fused_decode
+from kiln.ops.kernels.runtime import KernelUnavailableError
 from kiln.workloads.candidate import Transform
 from kiln.workloads.models import DecoderModel
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-KNOWN_TRANSFORMS = ("threads", "torch_compile", "cuda_graph")
+KNOWN_TRANSFORMS = ("threads", "torch_compile", "fused_decode", "cuda_graph")
 
 
 class RejectedCandidate(ValueError):
@@ -113,6 +119,16 @@ def _torch_compile(t: Transform, model: DecoderModel, applied: AppliedTransforms
     applied.notes.append(f"torch_compile: mode={mode}, fullgraph={fullgraph} (decode step)")
 
 
+def _fused_decode(t: Transform, model: DecoderModel, applied: AppliedTransforms) -> None:
+    try:
+        undo = fused_decode.install(model, dict(t.params))
+    except (fused_decode.FusedDecodeUnsupported, KernelUnavailableError) as exc:
+        raise RejectedCandidate(str(exc)) from None
+    applied.undo.append(undo)
+    params = ", ".join(f"{k}={v}" for k, v in t.params) or "kernel defaults"
+    applied.notes.append(f"fused_decode: {params}")
+
+
 def apply_transforms(model: DecoderModel, transforms: Sequence[Transform]) -> AppliedTransforms:
     """Apply ``transforms`` to ``model`` (already bound to the candidate's ops).
 
@@ -123,12 +139,15 @@ def apply_transforms(model: DecoderModel, transforms: Sequence[Transform]) -> Ap
     """
     applied = AppliedTransforms()
     graphed = False
+    fused: Transform | None = None
     try:
         for t in transforms:
             if t.name == "threads":
                 _threads(t, applied)
             elif t.name == "torch_compile":
                 _torch_compile(t, model, applied)
+            elif t.name == "fused_decode":
+                fused = t
             elif t.name == "cuda_graph":
                 _params(t, ())
                 if model.cache.lengths.device.type != "cuda":
@@ -138,6 +157,8 @@ def apply_transforms(model: DecoderModel, transforms: Sequence[Transform]) -> Ap
                 raise RejectedCandidate(
                     f"unknown transform {t.name!r} (known: {', '.join(KNOWN_TRANSFORMS)})"
                 )
+        if fused is not None:
+            _fused_decode(fused, model, applied)
         if graphed:
             graph, undo = cuda_graph.install(model)
             applied.undo.append(undo)

@@ -61,6 +61,11 @@ class CompilationSubmitted(EventSchema):
     workload: dict[str, Any] = Field(description="The kiln.v1.Workload message as JSON.")
     budget: Budget
     agents: list[str] = Field(default_factory=list)
+    baselines: list[str] = Field(
+        default_factory=list,
+        description="Baselines of kiln.baselines to measure beside the search "
+        "(hf_eager, hf_static, hf_compile, gpt_fast); empty = none.",
+    )
 
 
 class CompilationPlanned(EventSchema):
@@ -84,6 +89,34 @@ class BaselineMeasured(EventSchema):
     median_ms: float = Field(ge=0)
 
 
+class BaselineCompared(EventSchema):
+    """A baseline of :mod:`kiln.baselines` (transformers eager, static cache, compiled; a
+    gpt-fast-style model) measured on the full-tier engine beside the search, for comparison
+    only: never a candidate and never a best. ``correct`` is the baseline's own check against
+    kiln's reference forward (``max_abs_error``); ``skipped_reason`` says why it did not run
+    (e.g. "transformers not installed"); ``error`` why it failed. ``batch`` is the decode batch
+    of its operating point (tokens_per_s = batch / median), ``weights_bytes`` the engine's
+    weights (for the bandwidth limit)."""
+
+    event_type = "BaselineCompared"
+    category = "compilation"
+
+    name: str = Field(min_length=1)
+    experiment_id: str
+    status: ExperimentStatus
+    correct: bool = False
+    tokens_per_s: float = Field(0.0, ge=0)
+    median_ms: float = Field(0.0, ge=0)
+    p10_ms: float = Field(0.0, ge=0)
+    p90_ms: float = Field(0.0, ge=0)
+    max_abs_error: float = Field(0.0, ge=0)
+    skipped_reason: str = ""
+    error: str = ""
+    tier: Tier = "full"
+    batch: int = Field(0, ge=0)
+    weights_bytes: int = Field(0, ge=0, le=2**62)
+
+
 class BestCandidateImproved(EventSchema):
     """A correct candidate beat the best so far. The agent runner records it only for a
     candidate confirmed on the full tier (``tier`` "full"), with ``speedup`` over the reference
@@ -99,6 +132,13 @@ class BestCandidateImproved(EventSchema):
     median_ms: float = Field(ge=0)
     speedup: float = Field(ge=0)
     tier: Tier
+    elapsed_s: float = Field(
+        default=0.0, ge=0, description="Seconds from the submission to the confirming result."
+    )
+    experiments: int = Field(default=0, ge=0, description="Experiments completed by then.")
+    device_s: float = Field(
+        default=0.0, ge=0, description="Engine busy seconds spent by then (all agents)."
+    )
 
 
 class TierPoint(EventSchema):
@@ -155,6 +195,16 @@ class ExperimentRequested(EventSchema):
     candidate: dict[str, Any] = Field(description="The kiln.v1.Candidate message as JSON.")
     tier: Tier
     agent: str
+    profile: bool = Field(
+        default=False,
+        description="The per-op profile was asked for (ExperimentCompleted.op_ms).",
+    )
+    baseline: str = Field(
+        default="",
+        description="A baseline of kiln.baselines measured instead of the candidate (agent "
+        "compare:<name>); never a candidate, a reference or a best. Empty for a normal "
+        "experiment.",
+    )
 
 
 class ExperimentCompleted(EventSchema):
@@ -182,3 +232,33 @@ class ExperimentCompleted(EventSchema):
     prefill_median_ms: float = Field(default=0.0, ge=0)
     prefill_tokens_per_s: float = Field(default=0.0, ge=0)
     phases_ms: dict[str, float] = Field(default_factory=dict)
+    device_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="Engine busy time of the experiment, ms: from the request's arrival in the "
+        "engine to the engine being put back (the phases plus fingerprinting and restore); 0 "
+        "when the engine did not report it (old events, the runner's time-outs).",
+    )
+    environment: dict[str, str] = Field(
+        default_factory=dict,
+        description="Versions the engine measured with (kiln, torch, triton, cuda, gpu, python).",
+    )
+    batch_size: int = Field(
+        default=0,
+        ge=0,
+        description="Decode batch measured at (sequences; a CUDA engine may have lowered the "
+        "traffic's batch to fit free memory); 0 in events written before it was recorded.",
+    )
+    context_len: int = Field(
+        default=0, ge=0, description="Context measured at (tokens); 0 when not recorded."
+    )
+    op_ms: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per-op profile of one extra eager decode step at the traffic shape: op name "
+        "-> ms per step, summed over the layers held; empty unless the request asked for it "
+        "(kiln.engine_pool.op_profile).",
+    )
+    op_profile_shape: dict[str, int] = Field(
+        default_factory=dict,
+        description="The operating point of op_ms: layers, batch_size, context_len, dtype_bytes.",
+    )

@@ -88,6 +88,8 @@ class OpImpl:
         lossy: True when it changes results beyond dtype rounding (quantization); engines only
             use lossy implementations when a candidate opts in, and report them.
         derived: the weight transform it needs, or None to take the base params.
+        devices: the device types it runs on (``("cuda",)`` for a Triton kernel), or None for
+            every device; search spaces offer it only on those devices.
     """
 
     op: str
@@ -95,6 +97,11 @@ class OpImpl:
     fn: Callable[..., Any]
     lossy: bool = False
     derived: Derivation | None = None
+    devices: tuple[str, ...] | None = None
+
+    def runs_on(self, device_type: str) -> bool:
+        """True when the implementation runs on ``device_type`` (``"cpu"``, ``"cuda"``)."""
+        return self.devices is None or device_type in self.devices
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -116,6 +123,7 @@ def register(
     *,
     lossy: bool = False,
     derived: Derivation | None = None,
+    devices: tuple[str, ...] | None = None,
     replace: bool = False,
 ) -> Callable[[F], F]:
     """Decorator registering ``fn`` as implementation ``impl`` of ``op``; returns ``fn`` unchanged.
@@ -134,7 +142,7 @@ def register(
         )
 
     def decorate(fn: F) -> F:
-        impls[impl] = OpImpl(op=op, name=impl, fn=fn, lossy=lossy, derived=derived)
+        impls[impl] = OpImpl(op=op, name=impl, fn=fn, lossy=lossy, derived=derived, devices=devices)
         return fn
 
     return decorate

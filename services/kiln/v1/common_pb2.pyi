@@ -508,6 +508,46 @@ class Measurement(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class OpMsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class OpProfileShapeEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     STATUS_FIELD_NUMBER: _builtins.int
     CORRECT_FIELD_NUMBER: _builtins.int
     MAX_ABS_ERROR_FIELD_NUMBER: _builtins.int
@@ -520,6 +560,8 @@ class Measurement(_message.Message):
     PREFILL_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     PHASES_MS_FIELD_NUMBER: _builtins.int
+    OP_MS_FIELD_NUMBER: _builtins.int
+    OP_PROFILE_SHAPE_FIELD_NUMBER: _builtins.int
     status: Global___ExperimentStatus.ValueType
     correct: _builtins.bool
     max_abs_error: _builtins.float
@@ -546,6 +588,21 @@ class Measurement(_message.Message):
         verify, prefill), ms.
         """
 
+    @_builtins.property
+    def op_ms(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Per-op profile of one extra eager decode step at the traffic shape, asked for with
+        RunExperimentRequest.profile: op name (embedding, rms_norm, qkv_proj, rope, attention,
+        o_proj, mlp, moe, lm_head, sampler) -> ms per step, summed over the layers held. Empty
+        unless profiled. Field numbers from 20 leave room for other additions.
+        """
+
+    @_builtins.property
+    def op_profile_shape(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """The operating point of op_ms: layers (decoder layers held), batch_size, context_len
+        (tokens in the KV cache), dtype_bytes (bytes per weight / KV element). Empty unless
+        profiled.
+        """
+
     def __init__(
         self,
         *,
@@ -561,10 +618,12 @@ class Measurement(_message.Message):
         prefill: Global___Timing | None = ...,
         prefill_tokens_per_s: _builtins.float = ...,
         phases_ms: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        op_ms: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        op_profile_shape: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory", "prefill", b"prefill", "timing", b"timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["correct", b"correct", "engine_id", b"engine_id", "error", b"error", "max_abs_error", b"max_abs_error", "memory", b"memory", "phases_ms", b"phases_ms", "prefill", b"prefill", "prefill_tokens_per_s", b"prefill_tokens_per_s", "status", b"status", "tier", b"tier", "timing", b"timing", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["correct", b"correct", "engine_id", b"engine_id", "error", b"error", "max_abs_error", b"max_abs_error", "memory", b"memory", "op_ms", b"op_ms", "op_profile_shape", b"op_profile_shape", "phases_ms", b"phases_ms", "prefill", b"prefill", "prefill_tokens_per_s", b"prefill_tokens_per_s", "status", b"status", "tier", b"tier", "timing", b"timing", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

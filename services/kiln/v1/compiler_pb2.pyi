@@ -53,6 +53,7 @@ class SubmitRequest(_message.Message):
     WORKLOAD_FIELD_NUMBER: _builtins.int
     BUDGET_FIELD_NUMBER: _builtins.int
     AGENTS_FIELD_NUMBER: _builtins.int
+    BASELINES_FIELD_NUMBER: _builtins.int
     compilation_id: _builtins.str
     """Optional client-chosen id; empty means the server assigns one."""
     @_builtins.property
@@ -63,6 +64,14 @@ class SubmitRequest(_message.Message):
     def agents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Agent names to run; empty means the default set."""
 
+    @_builtins.property
+    def baselines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Baselines to measure beside the search on the full-tier engine (kiln.baselines: hf_eager,
+        hf_static, hf_compile, gpt_fast, or "all"); recorded as BaselineCompared events, never a
+        candidate. Empty means the hardware's default (all four on a GPU target, none on cpu);
+        "none" means none.
+        """
+
     def __init__(
         self,
         *,
@@ -70,10 +79,11 @@ class SubmitRequest(_message.Message):
         workload: _common_pb2.Workload | None = ...,
         budget: _common_pb2.Budget | None = ...,
         agents: _abc.Iterable[_builtins.str] | None = ...,
+        baselines: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "budget", b"budget", "compilation_id", b"compilation_id", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "baselines", b"baselines", "budget", b"budget", "compilation_id", b"compilation_id", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -96,6 +106,8 @@ class Compilation(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    AGENT_USAGE_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     compilation_id: _builtins.str
     team: _builtins.str
     status: Global___CompilationStatus.ValueType
@@ -117,6 +129,14 @@ class Compilation(_message.Message):
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def agent_usage(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentUsage]:
+        """What each agent spent (kiln.agent_runner.usage): "baseline" and "confirm" are the runner's."""
+
+    @_builtins.property
+    def progress(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProgressPoint]:
+        """The best-so-far over time, one point per BestCandidateImproved, oldest first."""
+
     def __init__(
         self,
         *,
@@ -133,14 +153,96 @@ class Compilation(_message.Message):
         created_at: _timestamp_pb2.Timestamp | None = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         reason: _builtins.str = ...,
+        agent_usage: _abc.Iterable[Global___AgentUsage] | None = ...,
+        progress: _abc.Iterable[Global___ProgressPoint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "best", b"best", "budget", b"budget", "created_at", b"created_at", "plan", b"plan", "updated_at", b"updated_at", "workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "best", b"best", "budget", b"budget", "compilation_id", b"compilation_id", "created_at", b"created_at", "experiments_done", b"experiments_done", "failures", b"failures", "plan", b"plan", "reason", b"reason", "status", b"status", "team", b"team", "updated_at", b"updated_at", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_usage", b"agent_usage", "baseline", b"baseline", "best", b"best", "budget", b"budget", "compilation_id", b"compilation_id", "created_at", b"created_at", "experiments_done", b"experiments_done", "failures", b"failures", "plan", b"plan", "progress", b"progress", "reason", b"reason", "status", b"status", "team", b"team", "updated_at", b"updated_at", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Compilation: _TypeAlias = Compilation  # noqa: Y015
+
+@_typing.final
+class AgentUsage(_message.Message):
+    """One agent's experiments and engine busy time in a compilation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    EXPERIMENTS_FIELD_NUMBER: _builtins.int
+    OK_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    DEVICE_SECONDS_FIELD_NUMBER: _builtins.int
+    BEST_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    agent: _builtins.str
+    experiments: _builtins.int
+    """Completed experiments (cancelled ones excluded)."""
+    ok: _builtins.int
+    failed: _builtins.int
+    device_seconds: _builtins.float
+    """Engine busy seconds of its experiments (ExperimentCompleted.device_ms)."""
+    best_tokens_per_s: _builtins.float
+    """Most tokens/s among its correct results (0 without one)."""
+    def __init__(
+        self,
+        *,
+        agent: _builtins.str = ...,
+        experiments: _builtins.int = ...,
+        ok: _builtins.int = ...,
+        failed: _builtins.int = ...,
+        device_seconds: _builtins.float = ...,
+        best_tokens_per_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "best_tokens_per_s", b"best_tokens_per_s", "device_seconds", b"device_seconds", "experiments", b"experiments", "failed", b"failed", "ok", b"ok"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentUsage: _TypeAlias = AgentUsage  # noqa: Y015
+
+@_typing.final
+class ProgressPoint(_message.Message):
+    """The best-so-far after one BestCandidateImproved."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ELAPSED_S_FIELD_NUMBER: _builtins.int
+    EXPERIMENTS_FIELD_NUMBER: _builtins.int
+    DEVICE_S_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    SPEEDUP_FIELD_NUMBER: _builtins.int
+    CANDIDATE_ID_FIELD_NUMBER: _builtins.int
+    EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
+    elapsed_s: _builtins.float
+    """Seconds from the submission."""
+    experiments: _builtins.int
+    """Experiments completed and engine busy seconds spent by then (0 for older events)."""
+    device_s: _builtins.float
+    tokens_per_s: _builtins.float
+    speedup: _builtins.float
+    candidate_id: _builtins.str
+    experiment_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        elapsed_s: _builtins.float = ...,
+        experiments: _builtins.int = ...,
+        device_s: _builtins.float = ...,
+        tokens_per_s: _builtins.float = ...,
+        speedup: _builtins.float = ...,
+        candidate_id: _builtins.str = ...,
+        experiment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_id", b"candidate_id", "device_s", b"device_s", "elapsed_s", b"elapsed_s", "experiment_id", b"experiment_id", "experiments", b"experiments", "speedup", b"speedup", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProgressPoint: _TypeAlias = ProgressPoint  # noqa: Y015
 
 @_typing.final
 class CompilationEvent(_message.Message):

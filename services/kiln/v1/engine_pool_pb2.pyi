@@ -308,8 +308,19 @@ class RunExperimentRequest(_message.Message):
 
     EXPERIMENT_FIELD_NUMBER: _builtins.int
     DEADLINE_S_FIELD_NUMBER: _builtins.int
+    PROFILE_FIELD_NUMBER: _builtins.int
+    BASELINE_FIELD_NUMBER: _builtins.int
     deadline_s: _builtins.float
     """Seconds the candidate may run before it is TIMED_OUT."""
+    profile: _builtins.bool
+    """Also time each op of one extra eager decode step at the traffic shape (after the timed
+    steps; it does not change them): Measurement.op_ms.
+    """
+    baseline: _builtins.str
+    """Measure this baseline of kiln.baselines (hf_eager, hf_static, hf_compile, gpt_fast) in the
+    engine's process at its operating point and on its weights instead of the candidate (which
+    is then ignored); empty for a normal experiment. Field numbers from 10 leave room.
+    """
     @_builtins.property
     def experiment(self) -> _common_pb2.Experiment: ...
     def __init__(
@@ -317,10 +328,12 @@ class RunExperimentRequest(_message.Message):
         *,
         experiment: _common_pb2.Experiment | None = ...,
         deadline_s: _builtins.float = ...,
+        profile: _builtins.bool = ...,
+        baseline: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["experiment", b"experiment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "experiment", b"experiment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "deadline_s", b"deadline_s", "experiment", b"experiment", "profile", b"profile"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,7 +1,10 @@
 """Search agents: strategies that propose candidates and coordinate only through the board."""
 
 from kiln.agent_runner.agents.base import Agent, Lab, Outcome, Proposal
+from kiln.agent_runner.agents.combiner import CombinerAgent
 from kiln.agent_runner.agents.coordinate import CoordinateAgent
+from kiln.agent_runner.agents.optuna_search import OptunaAgent
+from kiln.agent_runner.agents.profiler import ProfilerAgent
 from kiln.agent_runner.agents.random_search import RandomSearchAgent
 from kiln.agent_runner.agents.registry import (
     AGENT_KINDS,
@@ -16,9 +19,12 @@ __all__ = [
     "DEFAULT_AGENTS",
     "Agent",
     "BoardView",
+    "CombinerAgent",
     "CoordinateAgent",
     "Lab",
+    "OptunaAgent",
     "Outcome",
+    "ProfilerAgent",
     "Proposal",
     "RandomSearchAgent",
     "Seen",

@@ -66,10 +66,14 @@ class Lab(Protocol):
     def release(self) -> None:
         """Give back a slot that was not used."""
 
-    async def measure(self, candidate: Candidate, agent: str) -> Outcome | None:
+    async def measure(
+        self, candidate: Candidate, agent: str, *, profile: bool = False
+    ) -> Outcome | None:
         """Request an experiment for a reserved slot (on the fast tier, once any full-tier
         confirmation under way is done) and wait for its result; None (slot released) when the
-        candidate was already requested in this compilation."""
+        candidate was already requested in this compilation. ``profile`` asks the engine for
+        the per-op profile (``ExperimentCompleted.op_ms``); the loop passes it only for agents
+        with ``wants_profiles``."""
 
 
 class Agent(ABC):
@@ -83,6 +87,9 @@ class Agent(ABC):
     kind: ClassVar[str]
     idle_timeout_s: ClassVar[float] = 600.0
     """With nothing to propose, how long to wait for another agent's result (seconds)."""
+    wants_profiles: ClassVar[bool] = False
+    """Ask the engine for the per-op profile of every candidate this agent measures (one extra
+    eager decode step each; the result body's ``op_ms``)."""
 
     def __init__(self, name: str, seed: int) -> None:
         self.name = name
@@ -95,6 +102,11 @@ class Agent(ABC):
         """The next candidate to try (not claimed per ``view``, not tried by this agent), or
         None when the strategy has nothing left."""
 
+    async def next_proposal(self, view: BoardView, lab: Lab) -> Proposal | None:
+        """The loop's hook for the next proposal; strategies that must await (an LLM call, the
+        board's result bodies) override it. The default is :meth:`propose` on ``lab.space``."""
+        return self.propose(view, lab.space)
+
     async def run(self, lab: Lab) -> int:
         """Propose, claim, measure and report until done; returns the experiments measured.
 
@@ -105,7 +117,7 @@ class Agent(ABC):
         await view.start()
         try:
             while True:
-                proposal = self.propose(view, lab.space)
+                proposal = await self.next_proposal(view, lab)
                 if proposal is None:
                     # Results still to come from other agents may open new moves.
                     if view.in_flight and await view.wait_for_result(self.idle_timeout_s):
@@ -137,12 +149,24 @@ class Agent(ABC):
             self.name,
             {**body, "why": proposal.why, "text": candidate.describe()},
         )
-        outcome = await lab.measure(candidate, self.name)
+        if self.wants_profiles:
+            outcome = await lab.measure(candidate, self.name, profile=True)
+        else:
+            outcome = await lab.measure(candidate, self.name)
         if outcome is None:
             return True
         self.measured += 1
         result = outcome.completed.result
-        view.record(Seen(candidate, result.tokens_per_s, outcome.completed.ok, self.name))
+        view.record(
+            Seen(
+                candidate,
+                result.tokens_per_s,
+                outcome.completed.ok,
+                self.name,
+                dict(result.op_ms),
+                dict(result.op_profile_shape),
+            )
+        )
         await lab.board.post_result(
             cid,
             candidate.id,

@@ -7,18 +7,34 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kiln.agent_runner.agents.base import Agent
+from kiln.agent_runner.agents.combiner import CombinerAgent
 from kiln.agent_runner.agents.coordinate import CoordinateAgent
+from kiln.agent_runner.agents.llm import LLMAgent, require_llm
+from kiln.agent_runner.agents.optuna_search import OptunaAgent
+from kiln.agent_runner.agents.profiler import ProfilerAgent
 from kiln.agent_runner.agents.random_search import RandomSearchAgent
 from kiln.common.errors import InvalidArgument
 
 AGENT_KINDS: dict[str, type[Agent]] = {
     CoordinateAgent.kind: CoordinateAgent,
     RandomSearchAgent.kind: RandomSearchAgent,
+    LLMAgent.kind: LLMAgent,
+    OptunaAgent.kind: OptunaAgent,
+    ProfilerAgent.kind: ProfilerAgent,
+    CombinerAgent.kind: CombinerAgent,
 }
-"""Known agent kinds: ``coordinate`` (greedy coordinate descent), ``random`` (random search)."""
+"""Known agent kinds: ``coordinate`` (greedy coordinate descent), ``random`` (random search),
+``llm`` (code-writing LLM; refused unless ``KILN_LLM_URL`` is set, never in the default set),
+``optuna`` (TPE over the space, its study in the ledger's Postgres, learning from every result
+on the board), ``profiler`` (attacks the op furthest above its memory roofline, from the
+engine's per-op profiles), ``combiner`` (composes the best single moves others found)."""
 
-DEFAULT_AGENTS: tuple[str, ...] = ("coordinate", "random")
-"""The agents a compilation runs when the request names none."""
+DEFAULT_AGENTS: tuple[str, ...] = ("coordinate", "optuna", "profiler", "combiner")
+"""The agents a compilation runs when the request names none: a local climber
+(``coordinate``), a global model-based searcher (``optuna``), a profile-guided one
+(``profiler``, which needs the engine's per-op profiles: the runner profiles the baseline)
+and one that composes what the others found (``combiner``). ``random`` stays available by
+name."""
 
 MAX_AGENTS = 16
 
@@ -27,8 +43,8 @@ def validate_agents(names: Sequence[str]) -> list[str]:
     """The agent kinds to run (the default set for an empty list).
 
     Raises:
-        InvalidArgument: an unknown kind (the message lists the known ones) or more than
-            ``MAX_AGENTS``.
+        InvalidArgument: an unknown kind (the message lists the known ones), more than
+            ``MAX_AGENTS``, or ``llm`` while ``KILN_LLM_URL`` is unset.
     """
     kinds = [n.strip() for n in names] or list(DEFAULT_AGENTS)
     unknown = sorted({k for k in kinds if k not in AGENT_KINDS})
@@ -37,6 +53,8 @@ def validate_agents(names: Sequence[str]) -> list[str]:
             f"unknown agent(s) {', '.join(map(repr, unknown))}: known agents are "
             f"{', '.join(sorted(AGENT_KINDS))}"
         )
+    if LLMAgent.kind in kinds:
+        require_llm()
     if len(kinds) > MAX_AGENTS:
         raise InvalidArgument(f"at most {MAX_AGENTS} agents per compilation, got {len(kinds)}")
     return kinds

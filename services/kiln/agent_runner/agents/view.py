@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
@@ -25,12 +25,16 @@ log = get_logger("kiln.agent_runner.view")
 @dataclass(frozen=True)
 class Seen:
     """A result posted on the board: the candidate, tokens/s, whether it was measured correct
-    (status ok and correct), and who posted it."""
+    (status ok and correct), who posted it, and its per-op profile when it has one (``op_ms``:
+    op name -> ms per decode step summed over layers; ``op_profile_shape``: layers,
+    batch_size, context_len, dtype_bytes; both empty when not profiled)."""
 
     candidate: Candidate
     tokens_per_s: float
     ok: bool
     agent: str
+    op_ms: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
+    op_profile_shape: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
 
 
 def result_body(candidate: Candidate, summary: dict[str, Any], speedup: float | None) -> dict:
@@ -45,8 +49,11 @@ def seen_from_post(post: BoardPost) -> Seen | None:
     try:
         candidate = Candidate.from_canonical(body["candidate"])
         ok = body.get("status") == "ok" and bool(body.get("correct"))
-        return Seen(candidate, float(body.get("tokens_per_s") or 0.0), ok, post.agent)
-    except (KeyError, TypeError, ValueError):
+        op_ms = {str(k): float(v) for k, v in (body.get("op_ms") or {}).items()}
+        shape = {str(k): int(v) for k, v in (body.get("op_profile_shape") or {}).items()}
+        tps = float(body.get("tokens_per_s") or 0.0)
+        return Seen(candidate, tps, ok, post.agent, op_ms, shape)
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
 
 
@@ -78,6 +85,11 @@ class BoardView:
                 self.results[post.candidate_id] = seen
                 self.claimed.add(post.candidate_id)
                 self._changed.set()
+
+    @property
+    def compilation_id(self) -> str:
+        """The compilation this view follows."""
+        return self._cid
 
     @property
     def in_flight(self) -> set[str]:

@@ -1,0 +1,248 @@
+"""The code-writing agent (kind ``llm``): an LLM behind an OpenAI-compatible endpoint writes op
+implementations as code modules. Off unless ``KILN_LLM_URL`` is set.
+
+Each proposal picks a target op — the op dimensions of the space in turn, or, once result
+bodies carry a per-op profile (``op_ms``), the op with the largest time per attempt made on it
+(``ms / (1 + attempts)``) — asks the LLM for a faster implementation (prompt:
+:mod:`kiln.agent_runner.llm.prompt`), validates the reply
+(:mod:`kiln.agent_runner.llm.parse`) and proposes the best candidate so far with
+``ops[op] = <new implementation>`` and the module added (replacing an earlier LLM module of the
+same op). The engine's correctness gate judges the code like any other candidate.
+
+An unusable reply (no code, wrong op, disallowed import, a module tried before) or an endpoint
+that stays unavailable is logged and posted on the board as an idea note (candidate id
+``llm-note-<hash>``, body ``{"note", "op", "reason", "excerpt"}``), and the agent asks again,
+showing the LLM why; after ``KILN_LLM_MAX_BAD_REPLIES`` in a row, or at once when the endpoint
+refuses the request (4xx: a bad key or model), it stops proposing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kiln.agent_runner.agents.base import Agent, Lab, Proposal
+from kiln.agent_runner.agents.view import BoardView
+from kiln.agent_runner.config import LLMSettings
+from kiln.agent_runner.llm.client import ChatClient
+from kiln.agent_runner.llm.errors import LLMError, LLMReplyError, LLMRequestError
+from kiln.agent_runner.llm.history import op_profile
+from kiln.agent_runner.llm.parse import ParsedModule, parse_completion, triton_available
+from kiln.agent_runner.llm.prompt import WorkloadFacts, build_messages
+from kiln.agent_runner.space import CandidateSpace
+from kiln.common.errors import InvalidArgument
+from kiln.common.logging import get_logger
+from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
+
+log = get_logger("kiln.agent_runner.llm_agent")
+
+MAX_NOTES = 5
+"""Rejected-reply reasons the agent keeps showing the LLM."""
+WHY_CHARS = 1500
+"""Longest ``why`` of a proposal (the model's explanation), characters."""
+
+
+def require_llm(settings: LLMSettings | None = None) -> LLMSettings:
+    """The LLM settings (``settings``, else from ``KILN_LLM_*``) when the adapter is on.
+
+    Raises:
+        InvalidArgument: ``KILN_LLM_URL`` is unset; the message says how to enable it.
+    """
+    settings = settings if settings is not None else LLMSettings()
+    if not (settings.url or "").strip():
+        raise InvalidArgument(
+            "agent 'llm' is off: set KILN_LLM_URL on the agent runner to an OpenAI-compatible "
+            "endpoint (e.g. http://127.0.0.1:8000/v1), with KILN_LLM_MODEL and, if the server "
+            "needs one, KILN_LLM_API_KEY"
+        )
+    return settings
+
+
+def workload_facts(lab: object) -> WorkloadFacts:
+    """Hardware and model facts of ``lab``'s workload: its ``workload`` attribute, or its
+    ``state.workload`` (the runner's :class:`CompilationRunner`), a ``kiln.v1.Workload``; empty
+    facts when it has neither."""
+    workload: Any = getattr(lab, "workload", None)
+    if workload is None:
+        workload = getattr(getattr(lab, "state", None), "workload", None)
+    if workload is None:
+        return WorkloadFacts()
+    try:
+        return WorkloadFacts(
+            hardware=str(workload.hardware.name),
+            model=str(workload.model.name),
+            batch=int(workload.traffic.batch_size) or None,
+            context=int(workload.traffic.context_len) or None,
+            dtype=str(workload.model.dtype),
+        )
+    except (AttributeError, TypeError, ValueError):
+        return WorkloadFacts()
+
+
+def target_ops(space: CandidateSpace) -> list[str]:
+    """The ops the space varies, in its order."""
+    return [d.op for d in space.dims if d.op is not None]
+
+
+def with_module(base: Candidate, parsed: ParsedModule) -> Candidate:
+    """``base`` with ``ops[op] = impl`` and the module added (an earlier LLM module of the same
+    op, named ``llm_<op>_...``, is dropped)."""
+    ops = {**dict(base.ops), parsed.op: parsed.impl}
+    prefix = f"llm_{parsed.op}_"
+    modules = [m for m in base.code_modules if not m.name.startswith(prefix)]
+    return Candidate.make(ops, list(base.transforms), [*modules, parsed.module], base.lossy)
+
+
+class LLMAgent(Agent):
+    """Asks an LLM for op implementations (see the module docs).
+
+    Args:
+        name, seed: as :class:`Agent`.
+        settings: the endpoint; None = from ``KILN_LLM_*``.
+        client: a ready client (tests); None = one built from ``settings`` on first use and
+            closed when :meth:`run` ends.
+
+    Raises:
+        InvalidArgument: the adapter is off (``KILN_LLM_URL`` unset).
+    """
+
+    kind = "llm"
+    wants_profiles = True  # op_ms on its results steers the next target op
+
+    def __init__(
+        self,
+        name: str,
+        seed: int,
+        settings: LLMSettings | None = None,
+        *,
+        client: ChatClient | None = None,
+    ) -> None:
+        super().__init__(name, seed)
+        self.settings = require_llm(settings)
+        self._client = client
+        self._own_client = client is None
+        self._attempts: Counter[str] = Counter()
+        self._notes: list[str] = []
+        self.bad_in_row = 0
+        self.stopped = False
+
+    def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
+        """Unused: this agent proposes through :meth:`next_proposal` (it awaits the LLM)."""
+        return None
+
+    def client(self) -> ChatClient:
+        """The chat client (built from the settings on first use)."""
+        if self._client is None:
+            s = self.settings
+            self._client = ChatClient(
+                s.url or "",
+                s.model,
+                api_key=s.api_key.get_secret_value() if s.api_key else None,
+                timeout_s=s.timeout_s,
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                attempts=s.attempts,
+                backoff_s=s.backoff_s,
+            )
+        return self._client
+
+    async def run(self, lab: Lab) -> int:
+        """:meth:`Agent.run`, closing the client it built at the end."""
+        try:
+            return await super().run(lab)
+        finally:
+            if self._own_client and self._client is not None:
+                await self._client.close()
+                self._client = None
+
+    def pick_op(self, targets: Sequence[str], op_ms: Mapping[str, float]) -> str:
+        """The next target: the largest ``op_ms / (1 + attempts)`` when the profile covers a
+        target, else the least-asked op (round-robin in the space's order)."""
+        profiled = any(op_ms.get(op, 0.0) > 0 for op in targets)
+
+        def score(op: str) -> tuple[float, int]:
+            ms = op_ms.get(op, 0.0) if profiled else 1.0
+            return (-ms / (1 + self._attempts[op]), targets.index(op))
+
+        return min(targets, key=score)
+
+    async def next_proposal(self, view: BoardView, lab: Lab) -> Proposal | None:
+        """Ask the LLM until a reply makes a new candidate, at most ``max_bad_replies`` in a
+        row; None once stopped (see the module docs) or when the experiment budget is spent
+        (checked by taking and giving back a slot before asking).
+
+        Raises:
+            nats.errors.Error: the board cannot be read.
+        """
+        targets = target_ops(lab.space)
+        if self.stopped or not targets:
+            return None
+        if not lab.reserve():  # no slot left: do not pay for a completion nobody measures
+            return None
+        lab.release()
+        facts = workload_facts(lab)
+        triton = facts.hardware.strip().lower() not in ("", "cpu") and triton_available()
+        while self.bad_in_row < self.settings.max_bad_replies:
+            posts = await lab.board.history(lab.compilation_id, kinds=["result"])
+            bodies = [p.body for p in posts]
+            op = self.pick_op(targets, op_profile(bodies))
+            self._attempts[op] += 1
+            messages = build_messages(
+                op,
+                facts=facts,
+                results=bodies,
+                notes=self._notes,
+                history_chars=self.settings.history_chars,
+                triton=triton,
+            )
+            text = ""
+            try:
+                completion = await self.client().complete(messages)
+                text = completion.text
+                parsed = parse_completion(text, op, triton=triton)
+                proposal = self._proposal(view, parsed, completion.model)
+            except LLMRequestError as exc:
+                log.error("llm agent stops: the endpoint refused", agent=self.name, error=str(exc))
+                await self._note(lab, op, exc.message, text)
+                self.stopped = True
+                return None
+            except LLMError as exc:
+                self.bad_in_row += 1
+                log.warning(
+                    "llm reply unusable",
+                    agent=self.name,
+                    op=op,
+                    error=exc.message,
+                    in_a_row=self.bad_in_row,
+                )
+                if isinstance(exc, LLMReplyError):  # shown to the LLM on its next try
+                    self._notes = [*self._notes, f"{op}: {exc.message}"][-MAX_NOTES:]
+                await self._note(lab, op, exc.message, text)
+                continue
+            self.bad_in_row = 0
+            return proposal
+        log.warning("llm agent stops: too many unusable replies", agent=self.name)
+        self.stopped = True
+        return None
+
+    def _proposal(self, view: BoardView, parsed: ParsedModule, model: str) -> Proposal:
+        ranked = view.ranked()
+        base = ranked[0].candidate if ranked else REFERENCE_CANDIDATE
+        candidate = with_module(base, parsed)
+        if candidate.id in view.claimed or candidate.id in self.tried:
+            raise LLMReplyError(f"the module for {parsed.op} is one tried before; write another")
+        why = f"LLM {model} wrote {parsed.op}={parsed.impl} on {base.describe()}"
+        if parsed.explanation:
+            why += f": {parsed.explanation}"
+        return Proposal(candidate, why[:WHY_CHARS])
+
+    async def _note(self, lab: Lab, op: str, reason: str, text: str) -> None:
+        """Post a rejected reply on the board as an idea note (best effort: failures logged)."""
+        digest = hashlib.sha256(f"{self.name}:{op}:{reason}:{text}".encode()).hexdigest()[:16]
+        body = {"note": "rejected LLM reply", "op": op, "reason": reason, "excerpt": text[:400]}
+        try:
+            await lab.board.post_idea(lab.compilation_id, f"llm-note-{digest}", self.name, body)
+        except Exception as exc:
+            log.warning("llm note not posted", agent=self.name, error=str(exc))

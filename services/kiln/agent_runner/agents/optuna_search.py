@@ -1,0 +1,279 @@
+"""Model-based search: optuna's TPE sampler over the candidate space, its study in Postgres.
+
+Every dimension of the :class:`~kiln.agent_runner.space.CandidateSpace` is one categorical
+parameter (its name, its values; op, transform and transform-parameter dimensions alike), so a
+trial's params are a point of the space. The study maximizes tokens/s; an incorrect or failed
+candidate is a FAIL trial (TPE leaves those out of its model).
+
+- **Learning from everyone**: results on the board that this agent did not ask for (other
+  agents', the baseline) become completed trials (``study.add_trial``), so TPE models the whole
+  compilation's history, not only its own trials.
+- **No duplicates**: a sampled point that is the reference, claimed on the board, already in the
+  study or already tried is told FAIL (user attr ``skipped``) and the sampler asked again, at
+  most :attr:`OptunaAgent.max_asks` times; then the first free point in the space's order is
+  enqueued and asked for, so the agent still covers the space. None when no point is free.
+- **Storage** (:func:`resolve_storage`): the ledger's Postgres (``RDBStorage``), in its own
+  schema, by default; ``KILN_OPTUNA_STORAGE`` overrides it (another URL, or ``memory``).
+  The study is named ``kiln-<compilation id>-<agent name>`` and loaded if it exists, so a
+  restarted runner resumes it: trials asked but never told are matched to their candidate's
+  result when it shows on the board.
+- **Blocking calls**: optuna's storage calls are synchronous (a few Postgres round trips per
+  trial), so the loop runs each proposal, board folding included, in a worker thread
+  (``asyncio.to_thread``) on a copy of the board view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import optuna
+import sqlalchemy
+from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.trial import TrialState, create_trial
+
+from kiln.agent_runner.agents.base import Agent, Lab, Proposal
+from kiln.agent_runner.agents.view import BoardView, Seen
+from kiln.agent_runner.config import OptunaSettings
+from kiln.agent_runner.space import CandidateSpace
+from kiln.common.logging import get_logger
+from kiln.common.settings import load_settings
+from kiln.workloads.candidate import Candidate
+
+log = get_logger("kiln.agent_runner.optuna")
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+MEMORY = "memory"
+_MEMORY_NAMES = {MEMORY, "in-memory", ":memory:"}
+MAX_FALLBACK_SCAN = 100_000
+"""Points of the space scanned for a free one when the sampler keeps repeating itself."""
+
+_storages: dict[tuple[str, str], optuna.storages.BaseStorage] = {}
+_storages_lock = threading.Lock()
+
+
+def sync_url(url: str) -> str:
+    """``url`` with a synchronous driver optuna can use: ``postgresql+asyncpg`` and a bare
+    ``postgresql`` become ``postgresql+psycopg`` (psycopg 3, kiln's driver)."""
+    if url.startswith("postgresql+asyncpg://"):
+        return "postgresql+psycopg://" + url[len("postgresql+asyncpg://") :]
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def resolve_storage(explicit: str | None = None) -> str | None:
+    """The SQLAlchemy URL of the studies, or None for an in-memory study.
+
+    Order: ``explicit``; ``KILN_OPTUNA_STORAGE``; the ledger's database (``KILN_DATABASE_URL``,
+    or the embedded default's as ``kiln up`` recorded it); else in memory (logged: a restarted
+    runner then starts the study afresh). ``memory`` (or ``in-memory``) asks for memory.
+    """
+    url = explicit or OptunaSettings().storage
+    if url is None:
+        url = load_settings().with_embedded_endpoints().database_url
+        if not url:
+            log.info("optuna studies in memory: no KILN_OPTUNA_STORAGE and no database known")
+            return None
+    if url.strip().lower() in _MEMORY_NAMES:
+        return None
+    return sync_url(url.strip())
+
+
+def open_storage(url: str | None, schema: str | None = None) -> optuna.storages.BaseStorage:
+    """The storage at ``url`` (None: in memory), one per (url, schema) in this process.
+
+    On Postgres the tables live in ``schema`` (default ``KILN_OPTUNA_DB_SCHEMA``, ``optuna``),
+    created if missing, via the connection's ``search_path``: optuna keeps its own
+    ``alembic_version`` table, which must not meet the ledger's in ``public``.
+
+    Raises:
+        sqlalchemy.exc.SQLAlchemyError: the database is unreachable or refuses.
+    """
+    if url is None:
+        return optuna.storages.InMemoryStorage()
+    schema = schema or OptunaSettings().db_schema
+    key = (url, schema)
+    with _storages_lock:
+        storage = _storages.get(key)
+        if storage is None:
+            storage = _storages[key] = _rdb_storage(url, schema)
+        return storage
+
+
+def _rdb_storage(url: str, schema: str) -> optuna.storages.RDBStorage:
+    if not url.startswith("postgresql"):
+        return optuna.storages.RDBStorage(url)
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            exists = conn.execute(
+                sqlalchemy.text("SELECT 1 FROM pg_namespace WHERE nspname = :s"), {"s": schema}
+            ).first()
+            if exists is None:
+                try:
+                    conn.execute(sqlalchemy.text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+                except sqlalchemy.exc.IntegrityError:
+                    pass  # another process created it at the same moment
+    finally:
+        engine.dispose()
+    kwargs: dict[str, Any] = {
+        "connect_args": {"options": f"-csearch_path={schema}"},
+        "pool_pre_ping": True,
+    }
+    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+
+
+def study_name(compilation_id: str, agent: str) -> str:
+    """``kiln-<compilation id>-<agent name>``: one study per agent of a compilation."""
+    return f"kiln-{compilation_id}-{agent}"
+
+
+class OptunaAgent(Agent):
+    """TPE over the candidate space, learning from every result on the board (module docs).
+
+    Args:
+        name, seed: as :class:`~kiln.agent_runner.agents.base.Agent` (the seed seeds TPE).
+        storage: the study's SQLAlchemy URL or ``memory``; None = :func:`resolve_storage`.
+        schema: its Postgres schema; None = ``KILN_OPTUNA_DB_SCHEMA``.
+    """
+
+    kind = "optuna"
+    max_asks: ClassVar[int] = 16
+    """Sampler asks per proposal before falling back to the first free point."""
+
+    def __init__(
+        self, name: str, seed: int, storage: str | None = None, schema: str | None = None
+    ) -> None:
+        super().__init__(name, seed)
+        self._storage_arg = storage
+        self._schema = schema
+        self._study: optuna.Study | None = None
+        self._pending: dict[str, int] = {}
+        """Candidate id -> trial number asked and not told yet."""
+        self._known: set[str] = set()
+        """Candidate ids whose trial is finished in the study."""
+
+    # ------------------------------------------------------------------ the loop's hooks
+    async def next_proposal(self, view: BoardView, lab: Lab) -> Proposal | None:
+        """:meth:`propose` in a worker thread, on a copy of the view (optuna blocks)."""
+        cid, claimed, results = view.compilation_id, set(view.claimed), dict(view.results)
+        return await asyncio.to_thread(self._propose, cid, claimed, results, lab.space)
+
+    def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
+        """Fold the board's new results into the study, then ask TPE for a free point.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError: the study's database failed.
+        """
+        return self._propose(view.compilation_id, set(view.claimed), dict(view.results), space)
+
+    @property
+    def study(self) -> optuna.Study | None:
+        """The study (None before the first proposal)."""
+        return self._study
+
+    # ------------------------------------------------------------------ internals
+    def _open(self, compilation_id: str) -> optuna.Study:
+        if self._study is None:
+            url = resolve_storage(self._storage_arg)
+            study = optuna.create_study(
+                study_name=study_name(compilation_id, self.name),
+                storage=open_storage(url, self._schema),
+                sampler=optuna.samplers.TPESampler(seed=self.seed % 2**32),
+                direction="maximize",
+                load_if_exists=True,
+            )
+            for t in study.get_trials(deepcopy=False):
+                cid = t.user_attrs.get("candidate_id")
+                if not cid:
+                    continue
+                if t.state == TrialState.RUNNING:
+                    self._pending[cid] = t.number
+                else:
+                    self._known.add(cid)
+            if study.trials:
+                log.info("optuna study resumed", agent=self.name, trials=len(study.trials))
+            self._study = study
+        return self._study
+
+    def _propose(
+        self,
+        compilation_id: str,
+        claimed: set[str],
+        results: Mapping[str, Seen],
+        space: CandidateSpace,
+    ) -> Proposal | None:
+        study = self._open(compilation_id)
+        dists: dict[str, BaseDistribution] = {
+            d.name: CategoricalDistribution(d.values) for d in space.dims
+        }
+        self._fold(study, results, space, dists)
+        for cid in [c for c in self._pending if c not in claimed and c not in self.tried]:
+            study.tell(self._pending.pop(cid), state=TrialState.FAIL)  # asked, never claimed
+            self._known.add(cid)
+        taken = claimed | self.tried | self._known | self._pending.keys()
+        for _ in range(self.max_asks):
+            trial = study.ask(dists)
+            candidate = space.candidate(trial.params)
+            if candidate.is_reference or candidate.id in taken:
+                trial.set_user_attr("skipped", "reference" if candidate.is_reference else "taken")
+                study.tell(trial, state=TrialState.FAIL)
+                continue
+            return self._proposal(trial, candidate, "TPE")
+        free = self._first_free(space, taken)
+        if free is None:
+            return None
+        study.enqueue_trial(space.assignment(free))
+        trial = study.ask(dists)
+        return self._proposal(trial, space.candidate(trial.params), "first free point")
+
+    def _proposal(self, trial: optuna.Trial, candidate: Candidate, how: str) -> Proposal:
+        trial.set_user_attr("candidate_id", candidate.id)
+        self._pending[candidate.id] = trial.number
+        done = len(self._known)
+        why = f"optuna {how} (seed {self.seed}), trial {trial.number}, {done} results modelled"
+        return Proposal(candidate, why)
+
+    def _fold(
+        self,
+        study: optuna.Study,
+        results: Mapping[str, Seen],
+        space: CandidateSpace,
+        dists: dict[str, BaseDistribution],
+    ) -> None:
+        """Tell this agent's trials their results; add everyone else's as finished trials."""
+        for cid, seen in results.items():
+            if cid in self._known:
+                continue
+            self._known.add(cid)
+            value = seen.tokens_per_s if seen.ok and seen.tokens_per_s > 0 else None
+            number = self._pending.pop(cid, None)
+            if number is not None:
+                if value is None:
+                    study.tell(number, state=TrialState.FAIL)
+                else:
+                    study.tell(number, value)
+                continue
+            if not space.contains(seen.candidate):
+                continue
+            study.add_trial(
+                create_trial(
+                    params=space.assignment(seen.candidate),
+                    distributions=dists,
+                    value=value,
+                    state=TrialState.COMPLETE if value is not None else TrialState.FAIL,
+                    user_attrs={"candidate_id": cid, "agent": seen.agent},
+                )
+            )
+
+    @staticmethod
+    def _first_free(space: CandidateSpace, taken: set[str]) -> Candidate | None:
+        for i, candidate in enumerate(space):
+            if i >= MAX_FALLBACK_SCAN:
+                return None
+            if candidate.id not in taken:
+                return candidate
+        return None

@@ -1,0 +1,163 @@
+"""Profile-guided search: attack the op whose measured time is furthest above its roofline.
+
+Every candidate this agent measures is profiled by the engine (``wants_profiles``: one extra
+eager decode step timed per op, ``op_ms`` in the result), and so is the runner's baseline. From
+the newest leader that has a profile (the fastest correct result with ``op_ms``) it computes
+each op's gap = measured ms − roofline ms (:mod:`kiln.agent_runner.op_roofline`: the bytes
+the op must read at that profile's operating point over the hardware target's achievable
+memory bandwidth) and ranks ops by gap, largest first. It then proposes the top op's untried
+alternatives on top of the best candidate so far (the fastest correct result, profiled or
+not); when that op's alternatives are used up (claimed or tried), the next op. A new leader
+with a profile re-ranks the ops at the next proposal. Ops without an alternative in the space
+are skipped. Without any profile on the board, or without the workload (a Lab that has no
+``workload``), it has nothing to propose.
+
+The hardware target's bandwidth comes from the cost model's catalogue
+(:mod:`kiln.cost_model.hardware`; ``cpu`` is its assumed 20 GB/s). A target the catalogue does
+not know falls back to the ``cpu`` entry (logged): the ranking then still follows the
+measured times, with every roofline scaled alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.agent_runner.agents.base import Agent, Lab, Proposal
+from kiln.agent_runner.agents.view import BoardView, Seen
+from kiln.agent_runner.op_roofline import bandwidth_bytes_per_s, op_bytes, roofline_ms
+from kiln.agent_runner.space import OP_PREFIX, CandidateSpace
+from kiln.common.errors import NotFound
+from kiln.common.logging import get_logger
+from kiln.workloads.candidate import REFERENCE_CANDIDATE
+from kiln.workloads.config import ModelConfig, parse_config
+
+log = get_logger("kiln.agent_runner.profiler")
+
+
+@dataclass(frozen=True)
+class OpGap:
+    """One op of a profile: measured and roofline ms per decode step, and their difference."""
+
+    op: str
+    measured_ms: float
+    roofline_ms: float
+
+    @property
+    def gap_ms(self) -> float:
+        """Measured − roofline, ms (negative when the op beats the modelled floor)."""
+        return self.measured_ms - self.roofline_ms
+
+
+def rank_gaps(
+    op_ms: dict[str, float], shape: dict[str, int], config: ModelConfig, bandwidth: float
+) -> list[OpGap]:
+    """Ops of a profile, largest gap first (ties by op name).
+
+    Args:
+        op_ms: op -> measured ms per decode step (the engine's ``op_ms``).
+        shape: its operating point: ``layers``, ``batch_size``, ``context_len``,
+            ``dtype_bytes`` (the engine's ``op_profile_shape``).
+        config: the model's architecture.
+        bandwidth: achievable memory bandwidth, bytes/s.
+
+    Raises:
+        KeyError: ``shape`` lacks a field. ValueError: see
+            :func:`~kiln.agent_runner.op_roofline.op_bytes`.
+    """
+    floor = roofline_ms(
+        op_bytes(
+            config,
+            layers=shape["layers"],
+            batch_size=shape["batch_size"],
+            context_len=shape["context_len"],
+            dtype_bytes=shape["dtype_bytes"],
+        ),
+        bandwidth,
+    )
+    gaps = [OpGap(op, ms, floor.get(op, 0.0)) for op, ms in op_ms.items()]
+    return sorted(gaps, key=lambda g: (-g.gap_ms, g.op))
+
+
+class ProfilerAgent(Agent):
+    """Largest roofline gap first (see the module docs)."""
+
+    kind = "profiler"
+    wants_profiles = True
+
+    def __init__(self, name: str, seed: int) -> None:
+        super().__init__(name, seed)
+        self.config: ModelConfig | None = None
+        self.bandwidth: float = 0.0
+        self._ranked: list[OpGap] = []
+        self._ranked_for: str | None = None
+        """Candidate id of the profile the ranking comes from."""
+
+    def configure(self, config: ModelConfig, hardware: str) -> None:
+        """Set the model and the hardware target (the loop does it from ``lab.workload``)."""
+        self.config = config
+        try:
+            self.bandwidth, _ = bandwidth_bytes_per_s(hardware)
+        except NotFound:
+            log.warning("unknown hardware: the cpu entry's bandwidth stands in", hardware=hardware)
+            self.bandwidth, _ = bandwidth_bytes_per_s("cpu")
+
+    async def next_proposal(self, view: BoardView, lab: Lab) -> Proposal | None:
+        """Configure from the Lab's workload on first use, then :meth:`propose`."""
+        if self.config is None:
+            workload: Any = getattr(lab, "workload", None)
+            if workload is None:
+                log.warning("profiler: the lab has no workload; nothing to propose")
+                return None
+            model = workload.model
+            config = parse_config(json.loads(model.config_json), model.name or "model")
+            self.configure(config, workload.hardware.name or "cpu")
+        return self.propose(view, lab.space)
+
+    def ranking(self, view: BoardView) -> list[OpGap]:
+        """The gap ranking of the fastest correct result with a profile (recomputed when a
+        new one leads); empty without a profile or before :meth:`configure`."""
+        if self.config is None:
+            return []
+        profiled = [s for s in view.ranked() if s.op_ms and s.op_profile_shape]
+        if not profiled:
+            return []
+        lead = profiled[0]
+        if lead.candidate.id != self._ranked_for:
+            self._ranked = rank_gaps(lead.op_ms, lead.op_profile_shape, self.config, self.bandwidth)
+            self._ranked_for = lead.candidate.id
+            top = ", ".join(f"{g.op} {g.gap_ms:.3g} ms" for g in self._ranked[:3])
+            log.info("profiler re-ranked ops", agent=self.name, lead=lead.candidate.id, top=top)
+        return self._ranked
+
+    def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
+        """The first unclaimed, untried alternative of the op with the largest gap, on top of
+        the best candidate so far."""
+        ranked = self.ranking(view)
+        if not ranked:
+            return None
+        best = view.ranked()[0] if view.ranked() else Seen(REFERENCE_CANDIDATE, 0.0, True, "")
+        point = space.assignment(best.candidate)
+        dims = {d.op: d for d in space.dims if d.op is not None}
+        for gap in ranked:
+            dim = dims.get(gap.op)
+            if dim is None:
+                continue
+            for value in dim.values:
+                if value == point[dim.name]:
+                    continue
+                candidate = space.candidate({**point, dim.name: value})
+                if (
+                    candidate.is_reference
+                    or candidate.id in view.claimed
+                    or candidate.id in self.tried
+                ):
+                    continue
+                why = (
+                    f"op {gap.op}: measured {gap.measured_ms:.4g} ms/step vs roofline "
+                    f"{gap.roofline_ms:.4g} ms/step (gap {gap.gap_ms:.4g} ms); on "
+                    f"{best.candidate.describe()}: {OP_PREFIX}{gap.op} -> {value or 'reference'}"
+                )
+                return Proposal(candidate, why)
+        return None

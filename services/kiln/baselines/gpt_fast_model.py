@@ -1,0 +1,156 @@
+"""A compact gpt-fast-style Llama (after github.com/pytorch-labs/gpt-fast ``model.py``).
+
+As gpt-fast builds it: fused ``wqkv`` ``[(Hq + 2 Hkv) D, H]`` and fused gate/up ``w13``
+``[2 I, H]`` weights, a static KV cache per layer ``[B, Hkv, S, D]`` updated with
+``index_copy_`` at the step's positions, RMSNorm, RoPE from tables precomputed at build, SDPA
+with a boolean causal mask row per position (K/V heads repeated for GQA), all in one
+``nn.Module``. One difference: RoPE rotates halves (``rotate_half``, transformers' and kiln's
+layout) rather than gpt-fast's interleaved complex pairs, so kiln's (Hugging Face-named) weights
+load without gpt-fast's Q/K row permutation. Llama only (no q/k norms, no biases, dense MLP).
+
+Weights are copied from a kiln :class:`~kiln.workloads.weights.WeightStore` (the fused layouts
+are new tensors; the norms and the embedding are shared).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.ops.rope import inv_freq
+from kiln.workloads.config import ModelConfig
+from kiln.workloads.weights import LM_HEAD, WeightStore
+
+Tensor = torch.Tensor
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` computed in float32, cast back (Llama's
+    ``LlamaRMSNorm``). ``x``: ``[..., H]``; ``weight``: ``[H]``."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate halves of ``x`` ``[B, h, T, D]`` by ``cos``/``sin`` ``[T, D/2]`` float32
+    (rotation in float32, result in ``x.dtype``)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    c, s = cos[None, None], sin[None, None]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class Block(nn.Module):
+    """One decoder layer with its KV cache buffers."""
+
+    k_cache: Tensor
+    v_cache: Tensor
+
+    def __init__(
+        self, config: ModelConfig, store: WeightStore, i: int, batch: int, max_len: int
+    ) -> None:
+        super().__init__()
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        self.hq, self.hkv, self.d = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.eps = config.rms_norm_eps
+        self.wqkv = torch.cat(
+            [store[a + "q_proj.weight"], store[a + "k_proj.weight"], store[a + "v_proj.weight"]]
+        )
+        self.wo = store[a + "o_proj.weight"]
+        self.w13 = torch.cat([store[p + "mlp.gate_proj.weight"], store[p + "mlp.up_proj.weight"]])
+        self.w2 = store[p + "mlp.down_proj.weight"]
+        self.attention_norm = store[p + "input_layernorm.weight"]
+        self.ffn_norm = store[p + "post_attention_layernorm.weight"]
+        like = self.wo
+        shape = (batch, self.hkv, max_len, self.d)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=like.dtype, device=like.device))
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=like.dtype, device=like.device))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+        """``x [B, T, H]`` at positions ``pos [T]`` int64; ``mask [1, 1, T, S]`` bool."""
+        b, t, _ = x.shape
+        h = rms_norm(x, self.attention_norm, self.eps)
+        q, k, v = F.linear(h, self.wqkv).split(
+            [self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1
+        )
+        q = q.view(b, t, self.hq, self.d).transpose(1, 2)
+        k = k.view(b, t, self.hkv, self.d).transpose(1, 2)
+        v = v.view(b, t, self.hkv, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        rep = self.hq // self.hkv
+        keys = self.k_cache.repeat_interleave(rep, dim=1)
+        values = self.v_cache.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        x = x + F.linear(y.transpose(1, 2).reshape(b, t, self.hq * self.d), self.wo)
+        h = rms_norm(x, self.ffn_norm, self.eps)
+        gate, up = F.linear(h, self.w13).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w2)
+
+
+class GptFastLlama(nn.Module):
+    """The model: embedding, blocks, final norm, LM head; static caches of ``batch`` x
+    ``max_len``.
+
+    Args:
+        config: a Llama config (all layers built).
+        store: kiln's weights (HF names).
+        batch: cache batch (sequences). max_len: cache slots per sequence.
+
+    Raises:
+        ValueError: not a dense Llama (q/k norms, biases or experts).
+    """
+
+    cos: Tensor
+    sin: Tensor
+    causal_mask: Tensor
+
+    def __init__(self, config: ModelConfig, store: WeightStore, batch: int, max_len: int) -> None:
+        super().__init__()
+        if config.model_type != "llama" or config.is_moe or config.attention_bias:
+            raise ValueError(
+                f"the gpt-fast baseline builds dense Llama models, not {config.model_type!r}"
+            )
+        self.eps = config.rms_norm_eps
+        self.tok_embeddings = store["model.embed_tokens.weight"]
+        self.output = store[LM_HEAD]
+        self.norm = store["model.norm.weight"]
+        self.layers = nn.ModuleList(
+            Block(config, store, i, batch, max_len) for i in range(config.num_hidden_layers)
+        )
+        freq = inv_freq(config, self.output.device)
+        angles = torch.arange(max_len, device=freq.device, dtype=torch.float32)[:, None] * freq
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+        causal = torch.ones(max_len, max_len, dtype=torch.bool, device=freq.device)
+        self.register_buffer("causal_mask", torch.tril(causal))
+
+    def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
+        """Logits ``[B, T, V]`` (model dtype) of tokens ``idx [B, T]`` int64 at positions
+        ``input_pos [T]`` int64; writes their K/V into the caches."""
+        mask = self.causal_mask[None, None, input_pos]
+        cos, sin = self.cos[input_pos], self.sin[input_pos]
+        x = F.embedding(idx, self.tok_embeddings)
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos, mask)
+        return F.linear(rms_norm(x, self.norm, self.eps), self.output)
+
+
+def decode_one_token(model: GptFastLlama, x: Tensor, input_pos: Tensor) -> Tensor:
+    """One decode step: ``x [B, 1]`` int64 at ``input_pos [1]`` int64 → ``[B, V]`` float32
+    logits (gpt-fast's compile boundary)."""
+    return model(x, input_pos)[:, -1].float()
+
+
+def prefill(model: GptFastLlama, x: Tensor) -> Tensor:
+    """The prompt ``x [B, T]`` int64 from position 0 → last position's ``[B, V]`` logits."""
+    pos = torch.arange(x.shape[1], device=x.device)
+    return model(x, pos)[:, -1].float()

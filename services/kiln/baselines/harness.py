@@ -1,0 +1,298 @@
+"""What every baseline shares: the operating point, kiln's weights and reference logits, the
+sanity check, the timed decode loop and freeing device memory.
+
+Protocol of one baseline run (:func:`measure`):
+
+1. kiln's seeded random weights for the config (:func:`kiln.workloads.weights.seeded_random`,
+   the engines' weights for the same seed), or the weights given;
+2. a seeded random prompt ``[batch, context]`` and first decode token ``[batch, 1]``;
+3. kiln's reference forward (reference ops) prefills the prompt and runs the decode step:
+   ``[batch, V]`` float32 logits, kept; its model is dropped before the baseline builds;
+4. the baseline builds its model, prefills the same prompt, and runs its first decode step on
+   the same token (compilation lands here: untimed); its logits are compared with the
+   reference's: ``max |baseline - reference| <= rtol x max |reference|``, rtol by dtype as the
+   engines check candidates (:data:`kiln.engine_pool.check.RTOL`);
+5. ``warmup`` more untimed decode steps, then ``steps`` timed ones, each on a pre-drawn token at
+   the next position (the cache grows by one token per step: ``context + 1 + warmup + steps``
+   slots), timed as the engines time (:func:`kiln.engine_pool.timing.timer_for`: CUDA events up
+   to a device-wide synchronize, ``perf_counter`` on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.baselines.result import BaselineResult
+from kiln.engine_pool.check import RTOL
+from kiln.engine_pool.timing import summarize, timer_for
+from kiln.workloads.config import ModelConfig
+from kiln.workloads.models import build_model
+from kiln.workloads.weights import WeightStore, seeded_random
+
+Tensor = torch.Tensor
+
+
+class SkipBaseline(Exception):
+    """The baseline cannot run here (a missing package, an unsupported architecture); the
+    message is its ``skipped_reason``."""
+
+
+@dataclass
+class OperatingPoint:
+    """Where a baseline is measured and on what.
+
+    Attributes:
+        config: the architecture (all its layers are built).
+        batch: sequences decoded together.
+        context: prompt tokens prefilled before the first decode step.
+        device, dtype: of weights, activations and cache.
+        seed: of the weights (when drawn here) and of the prompt and decode tokens.
+        steps: timed decode steps; warmup: untimed decode steps after the checked one.
+        weights: kiln's weights (drawn from ``seed`` when None).
+        prompt: ``[batch, context]`` int64; tokens: ``[1 + warmup + steps, batch, 1]`` int64
+            (the checked step's token first); both on ``device``.
+    """
+
+    config: ModelConfig
+    batch: int
+    context: int
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+    steps: int
+    warmup: int
+    weights: WeightStore
+    prompt: Tensor = field(init=False)
+    tokens: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.context < 1 or self.steps < 1 or self.warmup < 0:
+            raise ValueError(
+                f"batch {self.batch}, context {self.context}, steps {self.steps}: expected "
+                f"positive numbers and warmup >= 0 (got {self.warmup})"
+            )
+        g = torch.Generator().manual_seed(self.seed + 11)
+        vocab = self.config.vocab_size
+        self.prompt = torch.randint(vocab, (self.batch, self.context), generator=g).to(self.device)
+        n = 1 + self.warmup + self.steps
+        self.tokens = torch.randint(vocab, (n, self.batch, 1), generator=g).to(self.device)
+
+    @property
+    def cache_len(self) -> int:
+        """KV slots per sequence a baseline needs: the prompt plus every decode step."""
+        return self.context + 1 + self.warmup + self.steps
+
+    def position(self, step: int) -> int:
+        """The position of decode step ``step`` (0 = the checked one): ``context + step``."""
+        return self.context + step
+
+
+def operating_point(
+    config: ModelConfig,
+    *,
+    batch: int,
+    context: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    seed: int,
+    steps: int,
+    warmup: int,
+    weights: WeightStore | None = None,
+) -> OperatingPoint:
+    """An :class:`OperatingPoint`, drawing kiln's seeded weights when none are given.
+
+    Raises:
+        ValueError: non-positive batch, context or steps, or negative warmup.
+        kiln.workloads.weights.WeightError: a layout kiln cannot draw (MLA, shared experts).
+    """
+    dev = torch.device(device)
+    store = weights if weights is not None else seeded_random(config, dtype, dev, seed)
+    return OperatingPoint(config, batch, context, dev, dtype, seed, steps, warmup, store)
+
+
+def reference_logits(point: OperatingPoint) -> Tensor:
+    """kiln's reference forward on the point's weights: prefill the prompt, one decode step on
+    the first token. Returns ``[batch, V]`` float32 logits (the model and its cache are dropped).
+    """
+    model = build_model(
+        point.config,
+        weights=point.weights,
+        dtype=point.dtype,
+        device=point.device,
+        max_batch=point.batch,
+        max_seq_len=point.context + 1,
+    )
+    model.prefill(point.prompt)
+    logits = model.decode_step(point.tokens[0]).float().clone()
+    del model
+    return logits
+
+
+def compare(got: Tensor, want: Tensor, dtype: torch.dtype) -> tuple[bool, float, float]:
+    """``(correct, max_abs_error, tolerance)`` of ``got`` vs ``want`` (``[batch, V]``), with
+    ``tolerance = RTOL[dtype] x max |want|`` (the engines' rule,
+    :data:`kiln.engine_pool.check.RTOL`). Non-finite values are an error of ``inf``.
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    if got.shape != want.shape:
+        raise ValueError(f"logits of shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+    got = got.float()
+    tolerance = RTOL[dtype] * float(want.abs().max())
+    if not bool(torch.isfinite(got).all()):
+        return False, math.inf, tolerance
+    err = float((got - want).abs().max())
+    return err <= tolerance, err, tolerance
+
+
+def free(device: torch.device) -> None:
+    """Collect garbage and give cached device memory back (after a baseline, so the engine
+    that ran it has its memory again)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class Runner:
+    """What a baseline supplies to :func:`measure`.
+
+    Attributes:
+        prefill: ``prompt [batch, context] -> None``: fills the baseline's cache.
+        step: ``(token [batch, 1], position int) -> logits [batch, V]`` (any float dtype): one
+            decode step at ``position``.
+        notes: what it built, in words.
+    """
+
+    prefill: Callable[[Tensor], None]
+    step: Callable[[Tensor, int], Tensor]
+    notes: list[str] = field(default_factory=list)
+
+
+def measure(
+    name: str, point: OperatingPoint, build: Callable[[OperatingPoint], Runner]
+) -> BaselineResult:
+    """Run one baseline through the protocol of the module docstring.
+
+    Args:
+        name: the baseline's name (reported).
+        point: the operating point.
+        build: makes the baseline's model and caches (called after the reference is dropped).
+
+    Returns:
+        The result: timings, the check's verdict and error, notes. A baseline that raises
+        :class:`SkipBaseline` is *skipped*; any other exception is reported in ``error``
+        (the result is then neither correct nor measured). Device memory is freed either way.
+    """
+    batch, context = point.batch, point.context
+    notes = [
+        f"operating point: batch {point.batch}, context {point.context} tokens, "
+        f"{point.config.num_hidden_layers} layers, {str(point.dtype).removeprefix('torch.')} "
+        f"on {point.device}"
+    ]
+    runner: Runner | None = None
+    try:
+        want = reference_logits(point)
+        free(point.device)
+        t0 = time.perf_counter()
+        runner = build(point)
+        notes += runner.notes
+        with torch.no_grad():
+            runner.prefill(point.prompt)
+            first = runner.step(point.tokens[0], point.position(0)).float().clone()
+            correct, err, tol = compare(first, want, point.dtype)
+            for i in range(1, 1 + point.warmup):
+                runner.step(point.tokens[i], point.position(i))
+            timer = timer_for(point.device)
+            timer.sync()
+            notes.append(
+                f"build, prefill, checked step and {point.warmup} warm-up step(s): "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
+            samples = []
+            step = runner.step
+            for i in range(1 + point.warmup, 1 + point.warmup + point.steps):
+                call = functools.partial(step, point.tokens[i], point.position(i))
+                samples.append(timer.time_ms(call))
+            del step, call
+    except SkipBaseline as exc:
+        return BaselineResult.skipped(name, str(exc), notes=notes, batch=batch, context=context)
+    except Exception as exc:
+        return BaselineResult(
+            name=name,
+            error=f"{type(exc).__name__}: {exc}",
+            notes=notes,
+            batch=batch,
+            context=context,
+        )
+    finally:
+        runner = None  # drop the baseline's model and caches before freeing
+        free(point.device)
+    timing = summarize(samples, point.warmup)
+    if not correct:
+        notes.append(
+            f"INCORRECT: first decode step differs from kiln's reference by {err:.4g} "
+            f"(tolerance {tol:.4g})"
+        )
+    return BaselineResult(
+        name=name,
+        tokens_per_s=point.batch / (timing.median_ms / 1e3) if timing.median_ms > 0 else 0.0,
+        median_ms=timing.median_ms,
+        p10_ms=timing.p10_ms,
+        p90_ms=timing.p90_ms,
+        steps=len(samples),
+        notes=notes,
+        correct=correct,
+        max_abs_error=err,
+        tolerance=tol,
+        batch=batch,
+        context=context,
+    )
+
+
+def run_baseline(
+    name: str,
+    build: Callable[[OperatingPoint], Runner],
+    config: ModelConfig,
+    *,
+    batch: int,
+    context: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    seed: int,
+    steps: int,
+    warmup: int,
+    weights: WeightStore | None = None,
+    precheck: Callable[[ModelConfig], None] | None = None,
+) -> BaselineResult:
+    """:func:`operating_point` then :func:`measure`; ``precheck(config)`` runs first and may
+    raise :class:`SkipBaseline` (e.g. transformers missing) before any weight is drawn.
+
+    Raises:
+        ValueError: a bad operating point (see :class:`OperatingPoint`).
+    """
+    if precheck is not None:
+        try:
+            precheck(config)
+        except SkipBaseline as exc:
+            return BaselineResult.skipped(name, str(exc), batch=batch, context=context)
+    point = operating_point(
+        config,
+        batch=batch,
+        context=context,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        steps=steps,
+        warmup=warmup,
+        weights=weights,
+    )
+    return measure(name, point, build)

@@ -1,0 +1,135 @@
+"""transformers, imported lazily, and kiln's weights in a transformers model.
+
+transformers is a dev dependency: :func:`load_transformers` raises
+:class:`~kiln.baselines.harness.SkipBaseline` ("transformers not installed") without it. The
+call convention of a causal LM's ``forward`` changed across versions (``past_key_values`` then
+``cache``; ``cache_position`` dropped in favour of ``position_ids``), so :class:`HfCall` reads
+the installed model's signature.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kiln.baselines.harness import OperatingPoint, SkipBaseline
+
+Tensor = torch.Tensor
+HF_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral")
+"""Architectures whose transformers parameter names kiln's weight store uses."""
+
+
+def load_transformers() -> ModuleType:
+    """The transformers module.
+
+    Raises:
+        SkipBaseline: transformers is not installed.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise SkipBaseline("transformers not installed") from None
+    return transformers
+
+
+def hf_model(point: OperatingPoint) -> Any:
+    """A transformers ``AutoModelForCausalLM`` of the point's config (all layers), built on the
+    point's device in its dtype, eval mode, with kiln's weights copied in (``strict``: every
+    parameter named the same; a tied LM head shares the embedding).
+
+    Raises:
+        SkipBaseline: no transformers, or an architecture kiln's names do not map.
+        RuntimeError: the state dict does not match (names or shapes).
+    """
+    transformers = load_transformers()
+    config = point.config
+    if config.model_type not in HF_MODEL_TYPES:
+        raise SkipBaseline(f"transformers baseline of {config.model_type!r} not supported")
+    raw = dict(config.raw)
+    raw.pop("model_type", None)
+    raw.pop("torch_dtype", None)
+    raw.pop("dtype", None)
+    raw["num_hidden_layers"] = config.num_hidden_layers  # a truncated config (fast tier)
+    hf_config = transformers.AutoConfig.for_model(config.model_type, **raw)
+    with torch.device(point.device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=point.dtype)
+    model.eval()
+    with torch.no_grad():
+        model.load_state_dict(dict(point.weights.items()), strict=True)
+    return model
+
+
+@dataclass
+class HfCall:
+    """How to call the installed transformers' ``forward`` with a cache.
+
+    Attributes:
+        cache_key: ``"cache"`` (transformers >= 5.2x) or ``"past_key_values"``.
+        cache_position: whether ``forward`` takes ``cache_position``.
+    """
+
+    cache_key: str
+    cache_position: bool
+
+    @staticmethod
+    def of(model: Any) -> HfCall:
+        """Read ``model.forward``'s and its decoder's signatures."""
+        outer = inspect.signature(model.forward).parameters
+        inner = inspect.signature(model.model.forward).parameters
+        key = "cache" if "cache" in outer else "past_key_values"
+        return HfCall(key, "cache_position" in outer or "cache_position" in inner)
+
+    def kwargs(self, cache: Any, start: int, length: int, batch: int, device: torch.device) -> dict:
+        """Keyword arguments of a forward over ``length`` tokens from position ``start``:
+        the cache, ``position_ids [batch, length]`` and (when taken) ``cache_position
+        [length]``, all int64 on ``device``."""
+        positions = torch.arange(start, start + length, device=device)
+        out: dict[str, Any] = {
+            self.cache_key: cache,
+            "use_cache": True,
+            "position_ids": positions[None].expand(batch, length),
+        }
+        if self.cache_position:
+            out["cache_position"] = positions
+        return out
+
+
+def static_cache(transformers: ModuleType, model: Any, point: OperatingPoint) -> Any:
+    """A ``StaticCache`` of ``point.cache_len`` slots for ``point.batch`` sequences, in the
+    model's dtype on its device, whichever constructor the installed version has
+    (``StaticCache(config=..., max_cache_len=...)`` in transformers 5; older ones also take
+    ``max_batch_size``, ``device`` and ``dtype``)."""
+    cls = transformers.StaticCache
+    params = inspect.signature(cls.__init__).parameters
+    kwargs: dict[str, Any] = {"config": model.config, "max_cache_len": point.cache_len}
+    optional = {
+        "max_batch_size": point.batch,
+        "batch_size": point.batch,
+        "device": point.device,
+        "dtype": point.dtype,
+    }
+    kwargs.update({k: v for k, v in optional.items() if k in params})
+    return cls(**kwargs)
+
+
+def versions() -> str:
+    """``torch X, transformers Y`` (for notes)."""
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except ImportError:
+        tf = "not installed"
+    return f"torch {torch.__version__}, transformers {tf}"
+
+
+def precheck(config: Any) -> None:
+    """Raise :class:`SkipBaseline` when transformers is missing or ``config``'s architecture
+    has no transformers counterpart here (before any weight is drawn)."""
+    load_transformers()
+    if config.model_type not in HF_MODEL_TYPES:
+        raise SkipBaseline(f"transformers baseline of {config.model_type!r} not supported")

@@ -1,0 +1,123 @@
+"""A baseline measured inside a persistent engine's process (``RunRequest.baseline``).
+
+The engine pool answers a baseline request on the engine of the experiment's tier: the baseline
+runs in that process, on its device, at its operating point (``batch_size``, ``context_len``,
+the layers it holds, its dtype) and on the engine's own weights
+(:attr:`kiln.engine_pool.engine.Engine.weights`, read-only: transformers copies them, the
+gpt-fast model fuses copies and shares the rest), so baselines, kiln's reference and kiln's
+candidates are measured on the same weights, device and timer. What the baseline allocates is
+dropped and the device cache emptied before the reply; the engine then verifies its weights are
+unchanged (else it asks for a restart), so its next experiment starts from the state it had.
+
+Outcome as a :class:`~kiln.engine_pool.measurement.Measurement`: measured → ``ok`` with
+``correct`` from the baseline's own check against kiln's reference (``max_abs_error`` its
+error); skipped (transformers not installed, an architecture it cannot build) → ``rejected``
+with ``skipped: <reason>``; an exception → ``crashed``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+
+from kiln.baselines.names import BASELINE_CANDIDATE_PREFIX, BASELINE_NAMES, SKIPPED_PREFIX
+from kiln.baselines.result import BaselineResult
+from kiln.baselines.runner import run_named
+from kiln.engine_pool.measurement import Measurement, MemoryUsage, Timing
+from kiln.engine_pool.request import RunRequest
+from kiln.engine_pool.spec import EngineSpec
+from kiln.workloads.config import ModelConfig
+from kiln.workloads.weights import WeightStore
+
+
+class EngineLike(Protocol):
+    """What this module reads of :class:`kiln.engine_pool.engine.Engine`."""
+
+    spec: EngineSpec
+    device: torch.device
+    dtype: torch.dtype
+    weights: WeightStore
+
+    @property
+    def model(self) -> Any: ...
+
+    def weights_intact(self) -> bool: ...
+
+    def memory(self) -> MemoryUsage: ...
+
+
+def to_measurement(result: BaselineResult, base: dict[str, Any]) -> Measurement:
+    """A baseline's result as an experiment's measurement (see the module docstring).
+
+    Args:
+        result: what the baseline reported.
+        base: fields every measurement of the engine carries (engine_id, tier, ...).
+    """
+    notes = [f"baseline {result.name}", *result.notes]
+    base = {**base, "candidate_id": BASELINE_CANDIDATE_PREFIX + result.name}
+    if result.skipped_reason:
+        return Measurement.failed(
+            "rejected", SKIPPED_PREFIX + result.skipped_reason, notes=notes, **base
+        )
+    if result.error or result.median_ms <= 0:
+        return Measurement.failed(
+            "crashed", f"baseline {result.name}: {result.error or 'no timing'}", notes=notes, **base
+        )
+    err = result.max_abs_error if math.isfinite(result.max_abs_error) else math.inf
+    return Measurement(
+        status="ok",
+        correct=result.correct,
+        max_abs_error=err,
+        timing=Timing(
+            median_ms=result.median_ms,
+            p10_ms=result.p10_ms,
+            p90_ms=result.p90_ms,
+            warmup_runs=0,
+        ),
+        tokens_per_s=result.tokens_per_s,
+        notes=notes,
+        error="" if result.correct else f"baseline {result.name} differs from kiln's reference",
+        **base,
+    )
+
+
+def measure_baseline(engine: EngineLike, request: RunRequest, base: dict[str, Any]) -> Measurement:
+    """Run ``request.baseline`` in ``engine``'s process (see the module docstring).
+
+    Args:
+        engine: the built engine (its model config, operating point, device, dtype, weights).
+        request: the experiment; ``warmup`` and ``repeats`` give the baseline's untimed and
+            timed decode steps, ``seed`` its prompt and tokens.
+        base: fields every measurement of the engine carries.
+
+    Returns:
+        The measurement; ``restart_engine`` set when the engine's weights changed.
+    """
+    if request.baseline not in BASELINE_NAMES:
+        return Measurement.failed(
+            "rejected",
+            f"unknown baseline {request.baseline!r}; known: {', '.join(BASELINE_NAMES)}",
+            **base,
+        )
+    spec = engine.spec
+    config: ModelConfig = engine.model.config  # the layers this engine holds
+    result = run_named(
+        request.baseline,
+        config,
+        batch=spec.batch_size,
+        context=spec.context_len,
+        device=engine.device,
+        dtype=engine.dtype,
+        seed=request.seed,
+        steps=max(1, request.repeats),
+        warmup=max(0, request.warmup),
+        weights=engine.weights,
+    )
+    out = to_measurement(result, base)
+    out.memory = engine.memory()
+    if not engine.weights_intact():
+        out.restart_engine = True
+        out.notes.append("engine restarts after this baseline: its weights changed")
+    return out

@@ -1,0 +1,45 @@
+"""``kiln export COMPILATION_ID --out DIR [--candidate ID]``: write the artifact of a
+compilation's best (full-tier confirmed) candidate (:mod:`kiln.export.from_ledger`); load it
+with ``kiln.load_optimized(DIR)`` or re-time it with ``python -m kiln.export.reproduce DIR``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kiln.cli.errors import CliError
+from kiln.cli.render import console
+
+
+def export(
+    ctx: typer.Context,
+    compilation_id: Annotated[str, typer.Argument(help="The compilation's id.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory to write (new or empty).")],
+    candidate: Annotated[
+        str | None,
+        typer.Option(
+            "--candidate",
+            help="A candidate id confirmed on the full tier (default: the compilation's best).",
+        ),
+    ] = None,
+) -> None:
+    """Export a compilation's winner as a standalone artifact directory."""
+    from kiln.cli.ledger import run_with_ledger
+    from kiln.export.from_ledger import ExportError, export_compilation
+
+    try:
+        path, manifest = run_with_ledger(
+            ctx, lambda c: export_compilation(c, compilation_id, out, candidate_id=candidate)
+        )
+    except ExportError as exc:
+        raise CliError(str(exc)) from None
+    m = manifest.measured
+    console.print(
+        f"wrote {path}: candidate {manifest.candidate_id[:16]}, "
+        f"{m.tokens_per_s:,.1f} tokens/s ({m.tier} tier)"
+        + (f", {m.speedup:.2f}x" if m.speedup else ""),
+        markup=False,
+        highlight=False,
+    )

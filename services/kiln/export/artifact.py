@@ -1,0 +1,214 @@
+"""The export artifact: a directory that holds everything needed to rebuild and re-time a
+compilation's winning candidate outside kiln's services.
+
+Layout::
+
+    manifest.json        Manifest (schema_version, candidate, operating point, weights source,
+                         measured figures, versions measured with)
+    candidate.json       the candidate's canonical JSON (ops, transforms with their parameters,
+                         code modules with their source, lossy)
+    model_config.json    the model's config.json (as the workload sent it)
+    code/NN_NAME.py      each code module's source, for reading (candidate.json is what loads)
+
+:func:`write_artifact` writes it, :func:`read_artifact` reads and checks it: a bad manifest, a
+candidate whose content does not match its id, or a missing file is an :class:`ArtifactError`
+whose message says what is wrong. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kiln.workloads.candidate import Candidate
+
+SCHEMA_VERSION: Literal[1] = 1
+MANIFEST = "manifest.json"
+CANDIDATE = "candidate.json"
+MODEL_CONFIG = "model_config.json"
+CODE_DIR = "code"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
+
+
+class ArtifactError(ValueError):
+    """An artifact directory that cannot be used; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WeightsSource(_Strict):
+    """Where the weights come from: ``seeded_random`` (``seed``; what random-weight engines
+    draw, :func:`kiln.workloads.weights.seeded_random`) or ``safetensors`` (``path``, a local
+    directory of ``*.safetensors`` with HF names)."""
+
+    kind: Literal["seeded_random", "safetensors"]
+    seed: int = Field(default=0, ge=0)
+    path: str | None = None
+
+
+class OperatingPoint(_Strict):
+    """The traffic shape's operating point the candidate was measured at, and the model's
+    extent: decode ``batch_size`` sequences at ``context_len`` tokens, ``layers`` of
+    ``total_layers`` decoder layers, weights/activations/cache in ``dtype`` on a ``device``
+    type; ``expert_zipf_exponent`` is the MoE expert-load skew imposed on random routers."""
+
+    batch_size: int = Field(ge=1)
+    context_len: int = Field(ge=1)
+    layers: int = Field(ge=1)
+    total_layers: int = Field(ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"]
+    device: str = Field(min_length=1)
+    expert_zipf_exponent: float = Field(default=0.0, ge=0)
+
+
+class Measured(_Strict):
+    """The figures the engine recorded: decode tokens/s (``batch_size / median``), the median,
+    p10 and p90 step in ms, the tier, the hardware target's name, the engine and the
+    experiment."""
+
+    tokens_per_s: float = Field(gt=0)
+    median_ms: float = Field(gt=0)
+    p10_ms: float = Field(default=0.0, ge=0)
+    p90_ms: float = Field(default=0.0, ge=0)
+    max_abs_error: float = Field(default=0.0, ge=0)
+    tier: Literal["fast", "full"]
+    hardware: str = ""
+    engine_id: str = ""
+    compilation_id: str = ""
+    experiment_id: str = ""
+    speedup: float = Field(default=0.0, ge=0)
+
+
+class Manifest(_Strict):
+    """``manifest.json`` (schema version :data:`SCHEMA_VERSION`)."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    model_name: str = Field(min_length=1)
+    candidate_id: str = Field(min_length=1)
+    lossy: bool = False
+    operating_point: OperatingPoint
+    weights: WeightsSource
+    measured: Measured
+    environment: dict[str, str] = Field(default_factory=dict)
+    code_module_files: list[str] = Field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """An artifact read back: its manifest, candidate and model config (a JSON object)."""
+
+    path: Path
+    manifest: Manifest
+    candidate: Candidate
+    model_config: dict[str, Any]
+
+
+def _errors(file: str, exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:6]:
+        where = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        parts.append(f"{where}: {err['msg']}")
+    return f"{file}: " + "; ".join(parts)
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise ArtifactError(f"{path.name} is missing in {path.parent}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path.name} is not valid JSON: {exc}") from None
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """``out_dir`` as a path when it does not exist or is an empty directory.
+
+    Raises:
+        ArtifactError: it exists and is not an empty directory.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ArtifactError(f"{out} exists and is not an empty directory")
+    return out
+
+
+def write_artifact(
+    out_dir: str | Path,
+    manifest: Manifest,
+    candidate: Candidate,
+    model_config: dict[str, Any],
+) -> Path:
+    """Write the artifact into ``out_dir`` (created; it must not exist or be empty).
+
+    Raises:
+        ArtifactError: ``out_dir`` exists and is not an empty directory; the candidate's id
+            differs from ``manifest.candidate_id``.
+    """
+    out = check_out_dir(out_dir)
+    if candidate.id != manifest.candidate_id:
+        raise ArtifactError(
+            f"the candidate's id {candidate.id} differs from the manifest's {manifest.candidate_id}"
+        )
+    files = []
+    code = out / CODE_DIR
+    for i, module in enumerate(candidate.code_modules):
+        name = f"{CODE_DIR}/{i:02d}_{_UNSAFE.sub('_', module.name)}.py"
+        files.append(name)
+    manifest = manifest.model_copy(update={"code_module_files": files})
+    out.mkdir(parents=True, exist_ok=True)
+    if candidate.code_modules:
+        code.mkdir()
+    for name, module in zip(files, candidate.code_modules, strict=True):
+        (out / name).write_text(module.source, encoding="utf-8")
+    (out / CANDIDATE).write_text(json.dumps(candidate.canonical(), indent=2) + "\n")
+    (out / MODEL_CONFIG).write_text(json.dumps(model_config, indent=2) + "\n")
+    (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+    return out
+
+
+def read_artifact(path: str | Path) -> Artifact:
+    """Read and check an artifact directory.
+
+    Raises:
+        ArtifactError: not a directory; a file missing or not JSON; the manifest invalid
+            (each wrong field named); an unsupported schema version; a malformed candidate or
+            one whose content id differs from the manifest's ``candidate_id``; a model config
+            that is not a JSON object.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ArtifactError(f"{root} is not an artifact directory")
+    raw = _read_json(root / MANIFEST)
+    if not isinstance(raw, dict):
+        raise ArtifactError(f"{MANIFEST}: expected a JSON object, got {type(raw).__name__}")
+    version = raw.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{MANIFEST}: schema_version {version!r} is not supported (this kiln reads "
+            f"{SCHEMA_VERSION})"
+        )
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as exc:
+        raise ArtifactError(_errors(MANIFEST, exc)) from None
+    body = _read_json(root / CANDIDATE)
+    try:
+        candidate = Candidate.from_canonical(body)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ArtifactError(f"{CANDIDATE}: not a candidate ({exc!r})") from None
+    if candidate.id != manifest.candidate_id:
+        raise ArtifactError(
+            f"{CANDIDATE}: its content id {candidate.id} differs from the manifest's "
+            f"candidate_id {manifest.candidate_id} (edited by hand?)"
+        )
+    config = _read_json(root / MODEL_CONFIG)
+    if not isinstance(config, dict):
+        raise ArtifactError(f"{MODEL_CONFIG}: expected a JSON object")
+    return Artifact(root, manifest, candidate, config)

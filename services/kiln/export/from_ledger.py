@@ -1,0 +1,214 @@
+"""The artifact of a compilation's winner, from its events in the ledger.
+
+The winner is the compilation's last ``BestCandidateImproved`` (a candidate confirmed on the
+full tier), or a given candidate's correct full-tier experiment. The manifest takes:
+
+- the candidate from the experiment's ``ExperimentRequested``;
+- the figures, engine and versions from its ``ExperimentCompleted``;
+- the model config, weights source (seed or safetensors directory) and operating point from
+  the submitted workload, derived as the engine pool derives its engines
+  (:meth:`kiln.engine_pool.spec.EngineSpec.from_workload` with the engine settings of this
+  environment, ``KILN_ENGINE_*``) unless the experiment recorded the batch and context it was
+  measured at (``ExperimentCompleted.batch_size``/``context_len``, which also carry a CUDA
+  engine's fit of the batch to free memory), which win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kiln.agent_runner import records
+from kiln.agent_runner.experiment import Completed, Requested, event_data
+from kiln.agent_runner.snapshot import EXPERIMENT_TYPES
+from kiln.agent_runner.state import CompilationState
+from kiln.agent_runner.workload import workload_to_json
+from kiln.common.errors import NotFound
+from kiln.engine_pool.spec import EngineLimits, EngineSpec
+from kiln.export.artifact import (
+    ArtifactError,
+    Manifest,
+    Measured,
+    OperatingPoint,
+    WeightsSource,
+    check_out_dir,
+    write_artifact,
+)
+
+if TYPE_CHECKING:
+    from kiln.ledger.client import LedgerClient
+
+
+class ExportError(ValueError):
+    """The compilation cannot be exported (unknown, no confirmed best, unknown candidate);
+    the message says which."""
+
+
+@dataclass(frozen=True)
+class Winner:
+    """A confirmed full-tier experiment: its request, its completion and its speedup."""
+
+    requested: Requested
+    completed: Completed
+    speedup: float
+
+
+def engine_limits() -> EngineLimits:
+    """The engine settings of this environment (``KILN_ENGINE_*``), as an engine pool here
+    would derive its engines; the defaults when the settings cannot be read."""
+    try:
+        from kiln.engine_pool.settings import EngineSettings
+
+        return EngineSettings().limits()
+    except Exception:
+        return EngineLimits()
+
+
+def manifest_for(
+    state: CompilationState, winner: Winner, limits: EngineLimits
+) -> tuple[Manifest, dict[str, object]]:
+    """The manifest and model config of ``winner`` in ``state``'s compilation.
+
+    Raises:
+        ExportError: the experiment did not measure correct with tokens/s > 0, or its
+            workload cannot be built.
+    """
+    from kiln.engine_pool.spec import SpecError
+
+    result = winner.completed.result
+    if not winner.completed.ok or result.tokens_per_s <= 0 or result.median_ms <= 0:
+        raise ExportError(
+            f"experiment {winner.requested.experiment_id} did not measure correct ({result.status})"
+        )
+    try:
+        spec = EngineSpec.from_workload(workload_to_json(state.workload), result.tier, limits)
+    except SpecError as exc:
+        raise ExportError(f"the compilation's workload cannot be built: {exc}") from None
+    candidate = winner.requested.candidate
+    weights = (
+        WeightsSource(kind="safetensors", path=spec.weights_dir)
+        if spec.weights_dir
+        else WeightsSource(kind="seeded_random", seed=spec.seed)
+    )
+    manifest = Manifest(
+        model_name=spec.model_name,
+        candidate_id=candidate.id,
+        lossy=candidate.lossy,
+        operating_point=OperatingPoint(
+            # What the engine measured at when it says so (it may have fitted the batch to the
+            # device), else what this host's engine settings derive from the workload.
+            batch_size=result.batch_size or spec.batch_size,
+            context_len=result.context_len or spec.context_len,
+            layers=spec.layers,
+            total_layers=spec.total_layers,
+            dtype=result.environment.get("dtype") or spec.dtype,  # type: ignore[arg-type]
+            device=result.environment.get("device") or spec.device.split(":")[0],
+            expert_zipf_exponent=spec.expert_zipf_exponent,
+        ),
+        weights=weights,
+        measured=Measured(
+            tokens_per_s=result.tokens_per_s,
+            median_ms=result.median_ms,
+            p10_ms=result.p10_ms,
+            p90_ms=result.p90_ms,
+            max_abs_error=result.max_abs_error,
+            tier=result.tier,
+            hardware=state.workload.hardware.name,
+            engine_id=result.engine_id,
+            compilation_id=state.compilation_id,
+            experiment_id=winner.requested.experiment_id,
+            speedup=winner.speedup,
+        ),
+        environment=dict(result.environment),
+    )
+    return manifest, dict(spec.config)
+
+
+async def _experiment(client: LedgerClient, experiment_id: str) -> tuple[Requested, Completed]:
+    events = await client.read_stream(records.experiment_stream(experiment_id))
+    req = next((Requested.from_event(e) for e in events if e.type == "ExperimentRequested"), None)
+    done = next((Completed.from_event(e) for e in events if e.type == "ExperimentCompleted"), None)
+    if req is None or done is None:
+        raise ExportError(f"experiment {experiment_id} has not completed")
+    return req, done
+
+
+async def find_winner(
+    client: LedgerClient, state: CompilationState, candidate_id: str | None
+) -> Winner:
+    """The compilation's best (``candidate_id`` None) or ``candidate_id``'s fastest correct
+    full-tier experiment.
+
+    Raises:
+        ExportError: no confirmed best yet; the candidate has no correct full-tier experiment.
+    """
+    if candidate_id is None:
+        if state.best is None:
+            raise ExportError(
+                f"compilation {state.compilation_id} has no confirmed best candidate yet "
+                "(none beat the reference on the full tier)"
+            )
+        req, done = await _experiment(client, state.best.experiment_id)
+        return Winner(req, done, state.best.speedup)
+    found: dict[str, str] = {}
+    async for event in client.read_all(state.submitted_position - 1, types=EXPERIMENT_TYPES):
+        d = event_data(event)
+        if d.get("compilation_id") != state.compilation_id:
+            continue
+        if event.type == "ExperimentRequested" and d.get("candidate_id") == candidate_id:
+            found[Requested.from_event(event).experiment_id] = str(d.get("tier"))
+    best: Winner | None = None
+    for eid, tier in found.items():
+        if tier != "full":
+            continue
+        try:
+            req, done = await _experiment(client, eid)
+        except ExportError:
+            continue
+        if done.ok and (
+            best is None or done.result.tokens_per_s > best.completed.result.tokens_per_s
+        ):
+            speedup = state.best.speedup if state.best and state.best.experiment_id == eid else 0.0
+            best = Winner(req, done, speedup)
+    if best is None:
+        where = "measured" if found else "requested"
+        raise ExportError(
+            f"candidate {candidate_id} was not {where} correct on the full tier in compilation "
+            f"{state.compilation_id}"
+        )
+    return best
+
+
+async def export_compilation(
+    client: LedgerClient,
+    compilation_id: str,
+    out_dir: str | Path,
+    *,
+    candidate_id: str | None = None,
+    limits: EngineLimits | None = None,
+) -> tuple[Path, Manifest]:
+    """Write the artifact of a compilation's winner into ``out_dir``.
+
+    Raises:
+        ExportError: unknown compilation; no confirmed best; the candidate was not measured
+            correct on the full tier; ``out_dir`` exists and is not empty.
+        InvalidArgument: a malformed compilation id.
+    """
+    try:
+        out = check_out_dir(out_dir)
+    except ArtifactError as exc:
+        raise ExportError(str(exc)) from None
+    records.check_compilation_id(compilation_id)
+    try:
+        events = await client.read_stream(records.compilation_stream(compilation_id))
+    except NotFound:
+        raise ExportError(f"no compilation {compilation_id!r}") from None
+    state = CompilationState.from_events(events)
+    winner = await find_winner(client, state, candidate_id)
+    manifest, config = manifest_for(state, winner, limits or engine_limits())
+    try:
+        write_artifact(out, manifest, winner.requested.candidate, config)
+    except ArtifactError as exc:
+        raise ExportError(str(exc)) from None
+    return out, manifest

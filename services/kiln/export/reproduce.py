@@ -1,0 +1,193 @@
+"""``python -m kiln.export.reproduce ARTIFACT [--device cuda:0] [--json PATH]``: re-time an
+exported winner in a fresh process and check it against the reference forward.
+
+1. Load it (:func:`kiln.export.load.load_optimized`).
+2. Check: at the operating point, the optimized decode step against the reference-ops model's
+   on the same weights and cache state; then a prefill of fresh right-padded prompts and a
+   decode step, optimized then reference (:class:`kiln.engine_pool.check.CheckInputs`),
+   outputs poisoned between calls, compared with the engine's tolerance rules
+   (:func:`kiln.engine_pool.check.compare`, ``RTOL`` by dtype, ``LOSSY_RTOL`` for lossy).
+3. Time ``--warmup`` untimed then ``--repeats`` decode steps at the operating point, each from
+   ``context_len`` tokens, with the engine's timer (:func:`kiln.engine_pool.timing.timer_for`:
+   ``perf_counter`` on CPU, CUDA events to a device-wide sync on CUDA); tokens/s =
+   ``batch_size / median_s`` as the engine derives it.
+
+Prints recorded vs measured tokens/s, their ratio, the max error and the verdict. Exit status:
+0 correct, 1 outputs differ beyond tolerance, 2 the artifact cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Reproduction:
+    """What a reproduction found.
+
+    Attributes:
+        recorded_tokens_per_s, measured_tokens_per_s: the manifest's and this run's, tokens/s.
+        ratio: measured / recorded.
+        median_ms, p10_ms, p90_ms: this run's decode step, ms.
+        max_abs_error: largest ``|optimized - reference|`` over the checked logits.
+        tolerance: the absolute bound applied.
+        correct: within tolerance.
+        reason: why not (empty when correct).
+        device: where it ran.
+    """
+
+    recorded_tokens_per_s: float
+    measured_tokens_per_s: float
+    ratio: float
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    max_abs_error: float
+    tolerance: float
+    correct: bool
+    reason: str
+    device: str
+
+
+def reproduce(
+    artifact: str | Path,
+    *,
+    device: str | None = None,
+    weights: str | None = None,
+    warmup: int = 3,
+    repeats: int = 20,
+    seed: int = 0,
+) -> Reproduction:
+    """Load, check and time an artifact (see the module docstring).
+
+    Raises:
+        kiln.export.artifact.ArtifactError: a bad artifact; ValueError: ``repeats`` < 1.
+    """
+    import torch
+
+    from kiln.engine_pool.check import (
+        LOSSY_RTOL,
+        RTOL,
+        CheckInputs,
+        OutputGuard,
+        compare,
+        run_steps,
+    )
+    from kiln.engine_pool.timing import summarize, timer_for
+    from kiln.export.load import load_optimized
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    opt = load_optimized(artifact, device=device, weights=weights)
+    try:
+        m = opt.artifact.manifest
+        rtol = LOSSY_RTOL if m.lossy else RTOL[opt.dtype]
+        vocab = opt.model.config.vocab_size
+        g = torch.Generator().manual_seed(seed)
+        token = torch.randint(vocab, (opt.batch_size, 1), generator=g).to(opt.device)
+        guard, ref_guard = OutputGuard(set()), OutputGuard(set())
+        opt.at_operating_point()
+        got = run_steps([functools.partial(opt.decode_step, token)], guard)
+        opt.at_operating_point()
+        want = run_steps([functools.partial(opt.reference.decode_step, token)], ref_guard)
+        verdict = compare(got, want, rtol)
+        if verdict.correct:
+            inputs = CheckInputs.draw(
+                seed + 1,
+                batch=min(2, opt.batch_size),
+                prompt_len=max(1, min(16, opt.context_len)),
+                steps=1,
+                vocab=vocab,
+                device=opt.device,
+            )
+
+            def calls(model: object) -> list[functools.partial[object]]:
+                fns = [functools.partial(model.prefill, inputs.tokens, inputs.seq_lens)]  # type: ignore[attr-defined]
+                fns += [functools.partial(model.decode_step, s) for s in inputs.decode]  # type: ignore[attr-defined]
+                return fns
+
+            at_shape = verdict
+            verdict = compare(
+                run_steps(calls(opt), guard), run_steps(calls(opt.reference), ref_guard), rtol
+            )
+            if verdict.correct:
+                worst = max(verdict.max_abs_error, at_shape.max_abs_error)
+                verdict = type(verdict)(True, worst, verdict.tolerance)
+        guard.poison()
+        opt.fill_operating_point()
+        timer = timer_for(opt.device)
+        steps = torch.randint(vocab, (warmup + repeats, opt.batch_size, 1), generator=g)
+        steps = steps.to(opt.device)
+        samples = []
+        for i in range(warmup + repeats):
+            opt.at_operating_point()
+            ms = timer.time_ms(functools.partial(opt.decode_step, steps[i]))
+            if i >= warmup:
+                samples.append(ms)
+        timing = summarize(samples, warmup)
+        measured = opt.batch_size / (timing.median_ms / 1e3) if timing.median_ms else 0.0
+        recorded = m.measured.tokens_per_s
+        return Reproduction(
+            recorded_tokens_per_s=recorded,
+            measured_tokens_per_s=measured,
+            ratio=measured / recorded if recorded else 0.0,
+            median_ms=timing.median_ms,
+            p10_ms=timing.p10_ms,
+            p90_ms=timing.p90_ms,
+            max_abs_error=verdict.max_abs_error,
+            tolerance=verdict.tolerance,
+            correct=verdict.correct,
+            reason=verdict.reason,
+            device=str(opt.device),
+        )
+    finally:
+        opt.release()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status (0 correct, 1 incorrect, 2 bad artifact)."""
+    from kiln.export.artifact import ArtifactError
+
+    parser = argparse.ArgumentParser(
+        prog="python -m kiln.export.reproduce",
+        description="Re-time an exported kiln winner and check it against the reference.",
+    )
+    parser.add_argument("artifact", help="the artifact directory (kiln export)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: recorded)")
+    parser.add_argument("--weights", default=None, help="a local safetensors directory")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the figures here")
+    parser.add_argument("--repeats", type=int, default=20, help="timed decode steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    args = parser.parse_args(argv)
+    try:
+        r = reproduce(
+            args.artifact,
+            device=args.device,
+            weights=args.weights,
+            warmup=args.warmup,
+            repeats=args.repeats,
+        )
+    except (ArtifactError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    verdict = "correct" if r.correct else f"INCORRECT: {r.reason}"
+    print(f"recorded  {r.recorded_tokens_per_s:,.1f} tokens/s")
+    print(
+        f"measured  {r.measured_tokens_per_s:,.1f} tokens/s on {r.device} "
+        f"(median {r.median_ms:.3f} ms, p10 {r.p10_ms:.3f}, p90 {r.p90_ms:.3f})"
+    )
+    print(f"ratio     {r.ratio:.2f}")
+    print(f"max error {r.max_abs_error:.3g} (tolerance {r.tolerance:.3g})")
+    print(f"verdict   {verdict}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(asdict(r), indent=2) + "\n")
+    return 0 if r.correct else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,459 @@
+"""Decode attention (one query token per sequence) over a static KV cache: split-KV
+flash-decoding in two Triton kernels.
+
+Stage 1 runs one program per (sequence, KV head, split of ``split_s`` cache positions). It handles
+*all* query heads of that KV head's group, so each K/V tile is read from memory once for the
+group (grouped-query attention), and keeps an online softmax (Milakov & Gimelshein 2018; Dao et
+al. 2022, FlashAttention) in float32: running max ``m``, running sum ``l`` and ``acc [group, D]``.
+It writes these partials; stage 2 (one program per (sequence, query head)) combines the splits by
+log-sum-exp. The split count is ``cdiv(S_max, split_s)``, fixed by the cache length, never by the
+current sequence length, so a CUDA graph captured once stays valid as sequences grow: programs
+whose split starts past ``seq_lens[b]`` write an empty partial (``m = -inf``, ``l = 0``).
+Flash-decoding: Dao, Haziza, Massa, Sizov 2023 (https://crfm.stanford.edu/2023/10/12/flashdecoding.html);
+the grouped stage 1 follows vLLM's ``triton_decode_attention`` (``_fwd_grouped_kernel_stage1``).
+
+Import this module only after setting ``TRITON_INTERPRET`` when running on CPU: Triton decides
+between compiling and interpreting when ``@triton.jit`` decorates the kernels (module import).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.ops.kernels import runtime
+from kiln.ops.kernels.rounding import cast, emulate_rounding
+
+Tensor = torch.Tensor
+
+#: log2(e): the kernels use ``exp2`` with scores pre-multiplied by it.
+LOG2E = 1.4426950408889634
+_WARPS = (1, 2, 4, 8, 16)
+_MMA_MIN = 16  # tl.dot needs every dimension >= 16
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """Launch configuration of :func:`decode_attention` (explicit: no autotuning at call time, so
+    calls are CUDA-graph capturable).
+
+    Attributes:
+        split_s: cache positions per stage-1 program (a power of two, a multiple of ``block_s``);
+            splits = ``cdiv(S_max, split_s)``.
+        block_s: positions per inner iteration (a power of two >= 16).
+        num_warps: warps per stage-1 program (1, 2, 4, 8 or 16).
+        use_dot: scores and ``p @ v`` via ``tl.dot`` (tensor cores; the group padded to 16 rows)
+            when True, via broadcast-multiply-sum when False; None picks ``tl.dot`` when the
+            group has >= 16 query heads.
+        fused_combine: combine the splits in stage 1 instead of a second kernel: each program
+            counts itself done on a per-(sequence, KV head) counter (an acquire-release atomic)
+            and the last one of its group combines (the "last block reduces" pattern of
+            split-K GEMMs, e.g. CUTLASS's serial split-K and Triton's stream-K tutorial). One
+            launch a layer instead of two: at decode the second launch costs more than its
+            work. The counters are zeroed once per cache shape and reset by the combining
+            program, so the call stays CUDA-graph capturable.
+
+    Raises:
+        ValueError: a value outside those ranges.
+    """
+
+    split_s: int = 256
+    block_s: int = 64
+    num_warps: int = 4
+    use_dot: bool | None = None
+    fused_combine: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_pow2(self.block_s) or self.block_s < _MMA_MIN:
+            raise ValueError(f"block_s must be a power of two >= 16, got {self.block_s}")
+        if not _is_pow2(self.split_s) or self.split_s < self.block_s:
+            raise ValueError(
+                f"split_s must be a power of two >= block_s ({self.block_s}), got {self.split_s}"
+            )
+        if self.num_warps not in _WARPS:
+            raise ValueError(f"num_warps must be one of {_WARPS}, got {self.num_warps}")
+
+
+@triton.jit
+def _stage1(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    seq_lens_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    num_kv_heads,
+    num_splits,
+    cache_len,
+    qk_scale,
+    counter_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLIT_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (bh // num_kv_heads).to(tl.int64)
+    kvh = bh % num_kv_heads
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    start = split * SPLIT_S
+    end = tl.minimum(tl.minimum(start + SPLIT_S, seq_len), cache_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = k_ptr + b * stride_kb + kvh * stride_kh + offs_d[None, :] * stride_kd
+    v_base = v_ptr + b * stride_vb + kvh * stride_vh + offs_d[None, :] * stride_vd
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    # Splits past the sequence (or the cache) do no work and write the empty partial.
+    # A constant trip count with masks (not range(start, end)): the interpreter cannot
+    # loop over tensor bounds, and the compiled loop unrolls/pipelines better.
+    if start < end:
+        for it in range(0, SPLIT_S // BLOCK_S):
+            pos = start + it * BLOCK_S + offs_s
+            mask_s = pos < end
+            kv_mask = mask_s[:, None] & mask_d[None, :]
+            k = tl.load(k_base + pos[:, None] * stride_ks, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + pos[:, None] * stride_vs, mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            if USE_DOT:
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            else:
+                scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            scores = tl.where(mask_s[None, :], scores * qk_scale, float("-inf"))
+            # The first iteration has a valid position (start < end), so m_new is finite
+            # from then on; fully masked later iterations leave the state unchanged.
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if USE_DOT:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+    rows = (b * num_kv_heads * GROUP + heads) * num_splits + split
+    tl.store(m_ptr + rows, m_i, mask=mask_g)
+    tl.store(l_ptr + rows, l_i, mask=mask_g)
+    tl.store(
+        acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+        acc,
+        mask=mask_g[:, None] & mask_d[None, :],
+    )
+    if FUSED_COMBINE:
+        # Release our partials, count ourselves in; the last program of the group combines.
+        done = tl.atomic_add(counter_ptr + bh, 1, sem="acq_rel")
+        if done == NUM_SPLITS - 1:
+            for g in tl.static_range(GROUP):
+                head = kvh * GROUP + g
+                _combine_row(
+                    m_ptr,
+                    l_ptr,
+                    acc_ptr,
+                    out_ptr,
+                    (b * num_kv_heads * GROUP + head) * NUM_SPLITS,
+                    b * stride_ob + head * stride_oh,
+                    stride_od,
+                    NUM_SPLITS,
+                    HEAD_DIM,
+                    D_PAD,
+                    BLOCK_SPLITS,
+                    EMULATE,
+                )
+            tl.atomic_xchg(counter_ptr + bh, 0)
+
+
+@triton.jit
+def _combine_row(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    base,
+    out_offset,
+    stride_od,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """Combine one (sequence, query head)'s split partials by log-sum-exp and store the row.
+    Loads bypass L1 (``.cg``): partials written by other programs are read after an acquire."""
+    offs_c = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    m_vec = tl.full([BLOCK_SPLITS], float("-inf"), tl.float32)
+    for c in range(0, NUM_SPLITS, BLOCK_SPLITS):
+        idx = c + offs_c
+        m = tl.load(
+            m_ptr + base + idx, mask=idx < NUM_SPLITS, other=float("-inf"), cache_modifier=".cg"
+        )
+        m_vec = tl.maximum(m_vec, m)
+    m_max = tl.max(m_vec, axis=0)
+    l_vec = tl.zeros([BLOCK_SPLITS], tl.float32)
+    acc = tl.zeros([BLOCK_SPLITS, D_PAD], tl.float32)
+    for c in range(0, NUM_SPLITS, BLOCK_SPLITS):
+        idx = c + offs_c
+        mask_c = idx < NUM_SPLITS
+        m = tl.load(m_ptr + base + idx, mask=mask_c, other=float("-inf"), cache_modifier=".cg")
+        ell = tl.load(l_ptr + base + idx, mask=mask_c, other=0.0, cache_modifier=".cg")
+        a = tl.load(
+            acc_ptr + (base + idx)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=mask_c[:, None] & mask_d[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        # Empty splits (m = -inf) weigh 0; so does everything when the row is empty.
+        w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+        l_vec += w * ell
+        acc += w[:, None] * a
+    total = tl.sum(l_vec, axis=0)
+    out = tl.sum(acc, axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + out_offset + offs_d * stride_od,
+        cast(out, out_ptr.dtype.element_ty, EMULATE),
+        mask=mask_d,
+    )
+
+
+@triton.jit
+def _stage2(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    num_heads,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    b = row // num_heads
+    h = row % num_heads
+    _combine_row(
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        out_ptr,
+        row.to(tl.int64) * NUM_SPLITS,
+        b * stride_ob + h * stride_oh,
+        stride_od,
+        NUM_SPLITS,
+        HEAD_DIM,
+        D_PAD,
+        BLOCK_SPLITS,
+        EMULATE,
+    )
+
+
+def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(
+            f"expected q [B, Hq, D] and caches [B, Hkv, S, D], got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    b, hq, d = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
+        raise ValueError(
+            f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q "
+            f"{tuple(q.shape)}"
+        )
+    if hq % k_cache.shape[1]:
+        raise ValueError(f"query heads {hq} are not a multiple of KV heads {k_cache.shape[1]}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if seq_lens.shape != (b,) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be [B={b}] int64, got {tuple(seq_lens.shape)}")
+    devices = {t.device for t in (q, k_cache, v_cache, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"tensors on different devices: {sorted(map(str, devices))}")
+
+
+def decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float,
+    config: DecodeAttentionConfig | None = None,
+) -> Tensor:
+    """Attention of each sequence's single decode query over its first ``seq_lens[b]`` cache
+    slots (the causal mask adds nothing at decode: the query sits at position ``seq_lens[b]-1``).
+
+    Args:
+        q: ``[B, Hq, D]`` (model dtype), the decode token of each sequence.
+        k_cache, v_cache: ``[B, Hkv, S, D]`` in q's dtype; any strides (a view of the first B
+            rows of a ``[max_batch, ...]`` buffer is fine). Query head h reads KV head
+            ``h // (Hq // Hkv)``.
+        seq_lens: ``[B]`` int64 on q's device, valid slots per sequence including this step's
+            (written already); values in ``[1, S]`` (larger ones are clamped to S; 0 gives a
+            zero output row).
+        scale: score multiplier (``D ** -0.5``).
+        config: launch configuration (default :class:`DecodeAttentionConfig`).
+
+    Returns:
+        ``[B, Hq, D]`` in q's dtype; softmax and accumulation in float32.
+
+    Raises:
+        ValueError: inconsistent shapes, dtypes or devices.
+        KernelUnavailableError: no CUDA device and no ``TRITON_INTERPRET=1``.
+    """
+    _check(q, k_cache, v_cache, seq_lens)
+    runtime.require(q.device)
+    config = config or DecodeAttentionConfig()
+    b, hq, d = q.shape
+    hkv, cache_len = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    use_dot = config.use_dot if config.use_dot is not None else group >= _MMA_MIN
+    group_pad = triton.next_power_of_2(group)
+    d_pad = triton.next_power_of_2(d)
+    if use_dot:
+        group_pad, d_pad = max(group_pad, _MMA_MIN), max(d_pad, _MMA_MIN)
+    splits = triton.cdiv(cache_len, config.split_s)
+    block_splits = min(triton.next_power_of_2(splits), 64)
+    emulate = emulate_rounding(q.dtype)
+    m = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    ell = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    acc = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    counters = _counters(q.device, b * hkv) if config.fused_combine else m
+    _stage1[(b * hkv, splits)](
+        q,
+        k_cache,
+        v_cache,
+        seq_lens,
+        m,
+        ell,
+        acc,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        hkv,
+        splits,
+        cache_len,
+        scale * LOG2E,
+        counters,
+        out,
+        *out.stride(),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        SPLIT_S=config.split_s,
+        BLOCK_S=config.block_s,
+        USE_DOT=use_dot,
+        # The interpreter has no bfloat16 arithmetic (numpy): upcast the tiles there.
+        UPCAST=runtime.interpreting(),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FUSED_COMBINE=config.fused_combine,
+        NUM_SPLITS=splits,
+        BLOCK_SPLITS=block_splits,
+        EMULATE=emulate,
+        num_warps=config.num_warps,
+    )
+    if config.fused_combine:
+        return out
+    _stage2[(b * hq,)](
+        m,
+        ell,
+        acc,
+        out,
+        *out.stride(),
+        hq,
+        NUM_SPLITS=splits,
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        BLOCK_SPLITS=block_splits,
+        EMULATE=emulate,
+        num_warps=4 if d_pad >= 128 else 2,
+    )
+    return out
+
+
+_COUNTERS: dict[tuple[str, int], Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> Tensor:
+    """``[n]`` int32 zeros on ``device``, one per (sequence, KV head), kept between calls (the
+    combining program resets its counter to 0), so a captured CUDA graph reuses them."""
+    key = (str(device), n)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def decode_attention_reference(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, *, scale: float
+) -> Tensor:
+    """Plain-PyTorch :func:`decode_attention`: float32 ``softmax(q k^T * scale) v`` over the
+    first ``seq_lens[b]`` slots. Same arguments and result (``[B, Hq, D]`` in q's dtype).
+
+    Raises:
+        ValueError: inconsistent shapes, dtypes or devices.
+    """
+    _check(q, k_cache, v_cache, seq_lens)
+    b, hq, d = q.shape
+    hkv, cache_len = k_cache.shape[1], k_cache.shape[2]
+    qg = q.float().reshape(b, hkv, hq // hkv, d)
+    scores = torch.matmul(qg, k_cache.float().transpose(-1, -2)) * scale  # [B, Hkv, G, S]
+    valid = torch.arange(cache_len, device=q.device)[None, :] < seq_lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v_cache.float()).reshape(b, hq, d).to(q.dtype)

@@ -1,0 +1,366 @@
+"""RMS norm + fused QKV projection + RoPE + KV-cache write for one decode step, in one kernel.
+
+Program ``(h, j)`` owns head ``h`` of the fused ``[(Hq + 2Hkv) * D, K]`` weight (q heads, then
+k heads, then v heads) and a block of ``block_n`` rotation pairs ``i`` of it: weight rows
+``h*D + i`` and ``h*D + i + D/2``. RoPE ("rotate half": pairs ``i`` and ``i + D/2``) then needs no
+exchange between programs, and splitting each head's ``D/2`` pairs over several programs gives
+enough programs for 132 SMs (Llama-3.2-1B: 48 heads x 32 pairs / 4 = 384 programs). q heads are
+rotated and returned; k heads are rotated and v heads copied into the static KV cache
+(``[max_batch, Hkv, S, D]``) at each sequence's position, read on the device (no host sync, so
+the step stays CUDA-graph capturable).
+
+Rounding follows kiln's reference chain: ``rms_norm`` reference, ``F.linear`` rounded to the
+model dtype, rotation in float32 (``x1*cos - x2*sin``, ``x2*cos + x1*sin``) cast to the model
+dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kiln.ops import rms_norm as rms_norm_op
+from kiln.ops.kernels import runtime
+from kiln.ops.kernels.gemv import (
+    DEFAULT_SMS,
+    TILE_BUDGET,
+    GemvConfig,
+    _gemv_tiles,
+    _round,
+    _row_rstd,
+    alloc_output,
+    check_interpreter,
+    check_vector,
+    check_weight,
+    check_x,
+)
+
+Tensor = torch.Tensor
+
+
+def default_qkv_rope_config(
+    num_heads: int, num_kv_heads: int, head_dim: int, k: int, *, sms: int = DEFAULT_SMS
+) -> GemvConfig:
+    """Launch configuration of :func:`rms_norm_qkv_rope`: ``block_n`` rotation pairs per
+    program, the largest power of two <= 16 (and <= D/2) that gives at least ``2 * sms``
+    programs over the ``Hq + 2Hkv`` heads; ``block_k`` fills :data:`TILE_BUDGET` for the two
+    ``[block_n, block_k]`` tiles. Llama-3.2-1B: ``block_n=4, block_k=2048`` (384 programs).
+
+    Raises:
+        ValueError: a non-positive size or an odd ``head_dim``.
+    """
+    if min(num_heads, num_kv_heads, head_dim, k) < 1 or head_dim % 2:
+        raise ValueError(
+            f"need positive sizes and an even head_dim, got Hq={num_heads}, Hkv={num_kv_heads}, "
+            f"D={head_dim}, K={k}"
+        )
+    heads, half = num_heads + 2 * num_kv_heads, head_dim // 2
+    block_n = min(16, triton.next_power_of_2(half))
+    while block_n > 1 and heads * triton.cdiv(half, block_n) < 2 * sms:
+        block_n //= 2
+    # Twice the GEMV tile budget: measured best on an H200 (block_k 2048 for Llama-3.2-1B, 100 µs
+    # for 16 layers against 106 at 1024; benchmarks/fused_decode_profile.py --sweep).
+    block_k = max(16, min(triton.next_power_of_2(k), 2 * TILE_BUDGET // (2 * block_n)))
+    return GemvConfig(block_n=block_n, block_k=block_k)
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    x_ptr,
+    stride_xm,
+    w_ptr,
+    stride_wn,
+    nw_ptr,
+    eps,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    pos_ptr,
+    q_ptr,
+    stride_qb,
+    kc_ptr,
+    vc_ptr,
+    stride_cb,
+    stride_ch,
+    stride_cp,
+    K: tl.constexpr,
+    M: tl.constexpr,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """Program ``(h, j)``: pairs ``i = j*BLOCK_N ..`` of head ``h`` for all M sequences."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    HALF: tl.constexpr = D // 2
+    h = tl.program_id(0)
+    offs_i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i_mask = offs_i < HALF
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rows = h * D + offs_i
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if HAS_NORM:
+        rstd = _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M, BLOCK_R)
+    acc_1, acc_2 = _gemv_tiles(
+        x_ptr,
+        stride_xm,
+        w_ptr,
+        stride_wn,
+        rows,
+        rows + HALF,
+        i_mask,
+        0,
+        K,
+        K,
+        nw_ptr,
+        rstd,
+        M,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        HAS_NORM,
+        True,
+        EMULATE_RNE,
+    )
+    x1 = _round(acc_1, DTYPE, EMULATE_RNE)
+    x2 = _round(acc_2, DTYPE, EMULATE_RNE)
+    mask = m_mask[:, None] & i_mask[None, :]
+    is_q = h < HQ
+    is_k = (h >= HQ) & (h < HQ + HKV)
+    is_v = h >= HQ + HKV
+    pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    cs_off = pos[:, None] * stride_cs + offs_i[None, :]
+    rope_mask = mask & (h < HQ + HKV)
+    c = tl.load(cos_ptr + cs_off, mask=rope_mask, other=1.0)
+    s = tl.load(sin_ptr + cs_off, mask=rope_mask, other=0.0)
+    o1 = tl.where(is_v, x1, _round(x1 * c - x2 * s, DTYPE, EMULATE_RNE))
+    o2 = tl.where(is_v, x2, _round(x2 * c + x1 * s, DTYPE, EMULATE_RNE))
+    o1 = o1.to(DTYPE)
+    o2 = o2.to(DTYPE)
+    q_off = offs_m[:, None] * stride_qb + h * D + offs_i[None, :]
+    tl.store(q_ptr + q_off, o1, mask=mask & is_q)
+    tl.store(q_ptr + q_off + HALF, o2, mask=mask & is_q)
+    kv_head = tl.where(is_k, h - HQ, tl.where(is_v, h - HQ - HKV, 0)).to(tl.int64)
+    c_off = (
+        offs_m[:, None].to(tl.int64) * stride_cb
+        + kv_head * stride_ch
+        + pos[:, None] * stride_cp
+        + offs_i[None, :]
+    )
+    tl.store(kc_ptr + c_off, o1, mask=mask & is_k)
+    tl.store(kc_ptr + c_off + HALF, o2, mask=mask & is_k)
+    tl.store(vc_ptr + c_off, o1, mask=mask & is_v)
+    tl.store(vc_ptr + c_off + HALF, o2, mask=mask & is_v)
+
+
+def _check_cache(cache: Tensor, name: str, x: Tensor, num_kv_heads: int, head_dim: int) -> None:
+    if cache.dim() != 4 or cache.shape[1] != num_kv_heads or cache.shape[3] != head_dim:
+        raise ValueError(
+            f"{name} must be [max_batch, {num_kv_heads}, S, {head_dim}], got {tuple(cache.shape)}"
+        )
+    if cache.shape[0] < x.shape[0]:
+        raise ValueError(f"{name} holds {cache.shape[0]} sequences, the batch has {x.shape[0]}")
+    if cache.dtype != x.dtype or cache.device != x.device:
+        raise ValueError(f"{name} must be {x.dtype} on {x.device}")
+    if not cache.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_inputs(
+    x: Tensor,
+    norm_weight: Tensor | None,
+    qkv_weight: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> Tensor:
+    x = check_x(x)
+    check_weight(qkv_weight, x, "qkv_weight")
+    if min(num_heads, num_kv_heads, head_dim) < 1 or head_dim % 2:
+        raise ValueError(
+            f"need positive head counts and an even head_dim, got Hq={num_heads}, "
+            f"Hkv={num_kv_heads}, D={head_dim}"
+        )
+    rows = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv_weight.shape[0] != rows:
+        raise ValueError(f"qkv_weight has {qkv_weight.shape[0]} rows; (Hq + 2*Hkv) * D = {rows}")
+    if norm_weight is not None:
+        check_vector(norm_weight, x.shape[1], x, "norm_weight")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 2 or t.shape[1] != head_dim // 2 or t.dtype != torch.float32:
+            raise ValueError(
+                f"{name} must be float32 [P, {head_dim // 2}], got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.device != x.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous on {x.device}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    if tuple(positions.shape) != (x.shape[0],) or positions.dtype != torch.int64:
+        raise ValueError(
+            f"positions must be int64 [{x.shape[0]}], got {positions.dtype} "
+            f"{tuple(positions.shape)}"
+        )
+    if positions.device != x.device:
+        raise ValueError(f"positions must be on {x.device}")
+    _check_cache(k_cache, "k_cache", x, num_kv_heads, head_dim)
+    _check_cache(v_cache, "v_cache", x, num_kv_heads, head_dim)
+    return x
+
+
+def rms_norm_qkv_rope(
+    x: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    qkv_weight: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    config: GemvConfig | None = None,
+    qkv_bias: Tensor | None = None,
+) -> Tensor:
+    """One decode step's attention prologue: ``rms_norm`` -> fused QKV GEMV -> RoPE of q and k
+    -> k and v written into the cache.
+
+    Args:
+        x: ``[B, K]`` residual stream, ``1 <= B <= MAX_M``, model dtype.
+        norm_weight: ``[K]`` input-norm scale (``x.dtype``), or None to use ``x`` as is.
+        eps: the norm's epsilon (ignored without ``norm_weight``).
+        qkv_weight: ``[(Hq + 2*Hkv) * D, K]`` = ``cat(q_weight, k_weight, v_weight)``
+            (``kiln.ops.qkv_proj.fuse_qkv``), contiguous, ``x.dtype``.
+        cos, sin: ``[P, D/2]`` float32 tables of ``p * inv_freq`` (``kiln.ops.rope``'s
+            ``cos_sin_table``).
+        positions: ``[B]`` int64 on the device: this step's token position per sequence (each
+            ``< P`` and ``< S``; not checked, a host check would sync).
+        k_cache, v_cache: ``[max_batch, Hkv, S, D]`` contiguous, ``x.dtype``, ``max_batch >= B``;
+            row ``b`` receives ``k/v[b, h]`` at ``[b, h, positions[b], :]`` (in place).
+        num_heads, num_kv_heads, head_dim: Hq, Hkv, D (D even).
+        config: ``block_n`` = rotation pairs per program, ``block_k``, ``num_warps``,
+            ``num_stages``; default :func:`default_qkv_rope_config`. ``split_k`` must be 1.
+        qkv_bias: must be None (biased QKV, e.g. Qwen2, is not supported).
+
+    Returns:
+        q ``[B, Hq, D]`` rotated, ``x.dtype``; a new tensor.
+
+    Raises:
+        ValueError: shape/dtype/device mismatches, ``B > MAX_M``, ``split_k > 1``, or a bias.
+        kiln.ops.kernels.runtime.KernelUnavailableError: Triton cannot run on ``x.device``.
+    """
+    if qkv_bias is not None:
+        raise ValueError("rms_norm_qkv_rope does not support a QKV bias")
+    x = _check_inputs(
+        x,
+        norm_weight,
+        qkv_weight,
+        cos,
+        sin,
+        positions,
+        k_cache,
+        v_cache,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    )
+    cfg = config or default_qkv_rope_config(num_heads, num_kv_heads, head_dim, x.shape[1])
+    if cfg.split_k != 1:
+        raise ValueError("rms_norm_qkv_rope needs split_k == 1 (RoPE needs whole dot products)")
+    runtime.require(x.device)
+    b, k = x.shape
+    block_m = triton.next_power_of_2(b)
+    block_r = max(16, min(triton.next_power_of_2(k), 4096 // block_m))
+    q = alloc_output((b, num_heads, head_dim), x.dtype, x.device)
+    grid = (num_heads + 2 * num_kv_heads, triton.cdiv(head_dim // 2, cfg.block_n))
+    _qkv_rope_kernel[grid](
+        x,
+        x.stride(0),
+        qkv_weight,
+        qkv_weight.stride(0),
+        x if norm_weight is None else norm_weight,
+        float(eps),
+        cos,
+        sin,
+        cos.stride(0),
+        positions,
+        q,
+        q.stride(0),
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        K=k,
+        M=b,
+        HQ=num_heads,
+        HKV=num_kv_heads,
+        D=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_R=block_r,
+        HAS_NORM=norm_weight is not None,
+        EMULATE_RNE=check_interpreter(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return q
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE in float32, cast back (as ``kiln.ops.rope``): ``x [..., D]``,
+    ``cos``/``sin`` broadcastable to ``[..., D/2]``."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rms_norm_qkv_rope_reference(
+    x: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    qkv_weight: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    config: GemvConfig | None = None,
+    qkv_bias: Tensor | None = None,
+) -> Tensor:
+    """Plain PyTorch :func:`rms_norm_qkv_rope`, same side effects on the caches: kiln's
+    ``rms_norm`` reference, ``F.linear`` on the fused weight, the ``rope`` ``cos_sin_cache``
+    rotation, then the cache write of ``StaticKVCache.write``. ``config`` is ignored."""
+    del config
+    h = x if norm_weight is None else rms_norm_op.reference(x, weight=norm_weight, eps=eps)[0]
+    qkv = F.linear(h, qkv_weight, qkv_bias)
+    q, k, v = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+    )
+    c, s = cos[positions][:, None], sin[positions][:, None]  # [B, 1, D/2]
+    q = _rotate(q.unflatten(-1, (num_heads, head_dim)), c, s)
+    k = _rotate(k.unflatten(-1, (num_kv_heads, head_dim)), c, s)
+    rows = torch.arange(x.shape[0], device=x.device)
+    k_cache[rows, :, positions] = k
+    v_cache[rows, :, positions] = v.unflatten(-1, (num_kv_heads, head_dim))
+    return q

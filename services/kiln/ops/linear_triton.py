@@ -1,0 +1,139 @@
+"""Triton GEMV implementations of the projection ops for small-batch decode (CUDA only).
+
+At decode (``T == 1``) with at most :data:`MAX_M` sequences every projection is a
+matrix-vector product; these implementations run :mod:`kiln.ops.kernels.gemv` there and fall
+back to the plain-PyTorch path for prefill (``T > 1``) or larger batches. Registered:
+
+- ``qkv_proj`` ``triton_gemv`` (fused QKV weight): same outputs as ``qkv_proj fused``.
+- ``o_proj`` ``triton_gemv``.
+- ``mlp`` ``triton_gate_up`` (fused gate_up weight): gate/up GEMV with a SiLU·mul epilogue,
+  then the down GEMV; falls back to ``mlp fused_gate_up``.
+- ``lm_head`` ``triton_gemv``: logits rounded to the model dtype, returned as float32.
+
+The kernel modules import Triton, so they are imported on first call, not with :mod:`kiln.ops`
+(``TRITON_INTERPRET=1`` must be set before Triton's first import to run them on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops import lm_head as lm_head_op
+from kiln.ops import mlp as mlp_op
+from kiln.ops import o_proj as o_proj_op
+from kiln.ops import qkv_proj as qkv_proj_op
+from kiln.ops.registry import register
+
+Tensor = torch.Tensor
+
+#: Largest decode batch the GEMV path takes (``kiln.ops.kernels.gemv.MAX_M``; kept here so
+#: importing this module does not import Triton).
+MAX_M = 16
+IMPL = "triton_gemv"
+
+
+def _decode_rows(x: Tensor) -> bool:
+    """True when ``x [B, T, ...]`` is a decode step the GEMV kernels take (T == 1, B <= MAX_M)."""
+    return x.shape[1] == 1 and 1 <= x.shape[0] <= MAX_M
+
+
+@register("qkv_proj", IMPL, derived=qkv_proj_op.FUSED_QKV, devices=("cuda",))
+def qkv_proj_gemv(
+    x: Tensor,
+    *,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``qkv_proj`` on the fused ``[(Hq+2Hkv)*D, H]`` weight; one GEMV at decode.
+
+    Args:
+        x: ``[B, T, H]`` (model dtype).
+
+    Returns:
+        ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]``, ``v [B, Hkv, T, D]`` views, ``x.dtype``.
+    """
+    if not _decode_rows(x):
+        return qkv_proj_op.fused(
+            x,
+            qkv_weight=qkv_weight,
+            qkv_bias=qkv_bias,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        )
+    from kiln.ops.kernels.gemv import gemv
+
+    b = x.shape[0]
+    qkv = gemv(x.reshape(b, x.shape[-1]), qkv_weight, bias=qkv_bias).view(b, 1, -1)
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    q, k, v = qkv.split(sizes, dim=-1)
+    return (
+        q.unflatten(-1, (num_heads, head_dim)).transpose(1, 2),
+        k.unflatten(-1, (num_kv_heads, head_dim)).transpose(1, 2),
+        v.unflatten(-1, (num_kv_heads, head_dim)).transpose(1, 2),
+    )
+
+
+@register("o_proj", IMPL, devices=("cuda",))
+def o_proj_gemv(attn: Tensor, *, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``o_proj``: ``merge_heads(attn) @ weight.T + bias``; one GEMV at decode.
+
+    Args:
+        attn: ``[B, Hq, T, D]`` (model dtype).
+
+    Returns:
+        ``[B, T, H]`` in ``attn.dtype``.
+    """
+    b, _, t, _ = attn.shape
+    if t != 1 or not 1 <= b <= MAX_M:
+        return o_proj_op.reference(attn, weight=weight, bias=bias)
+    from kiln.ops.kernels.gemv import gemv
+
+    return gemv(attn.reshape(b, -1), weight, bias=bias).view(b, 1, -1)
+
+
+@register("mlp", "triton_gate_up", derived=mlp_op.FUSED_GATE_UP, devices=("cuda",))
+def mlp_gate_up_gemv(x: Tensor, *, gate_up_weight: Tensor, down_weight: Tensor) -> Tensor:
+    """``mlp`` at decode: gate/up GEMV with the SiLU·mul epilogue (no ``[B, 2I]``
+    intermediate), then the down GEMV. Same contract as ``mlp reference``.
+
+    Args:
+        x: ``[B, T, H]`` (model dtype).
+
+    Returns:
+        ``[B, T, H]`` in ``x.dtype``.
+    """
+    if not _decode_rows(x):
+        return mlp_op.fused_gate_up(x, gate_up_weight=gate_up_weight, down_weight=down_weight)
+    from kiln.ops.kernels.gemv import gemv
+    from kiln.ops.kernels.norm_gemv import gate_up_silu
+
+    b = x.shape[0]
+    h = gate_up_silu(x.reshape(b, x.shape[-1]), gate_up_weight)
+    return gemv(h, down_weight).view(b, 1, -1)
+
+
+@register("lm_head", IMPL, devices=("cuda",))
+def lm_head_gemv(x: Tensor, *, weight: Tensor) -> Tensor:
+    """``lm_head``: ``F.linear(x, weight)`` in the model dtype, as float32; one GEMV when
+    ``x`` has at most :data:`MAX_M` rows.
+
+    Args:
+        x: ``[..., H]`` (model dtype).
+
+    Returns:
+        ``[..., V]`` float32.
+    """
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 1 <= rows <= MAX_M:
+        return lm_head_op.reference(x, weight=weight)
+    from kiln.ops.kernels.gemv import gemv
+
+    out = gemv(x.reshape(rows, x.shape[-1]), weight, out_dtype=torch.float32)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+__all__ = ["MAX_M", "lm_head_gemv", "mlp_gate_up_gemv", "o_proj_gemv", "qkv_proj_gemv"]

@@ -1,0 +1,175 @@
+"""``kiln export`` against compilations in the real ledger (in-process ledger server over
+gRPC, real PostgreSQL), then the artifact loaded and checked against the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+from typer.testing import CliRunner
+
+import kiln
+from kiln.cli.main import app
+from kiln.common.server import serve
+from kiln.common.settings import KilnSettings
+from kiln.engine_pool.environment import environment
+from kiln.export.artifact import read_artifact
+from kiln.ledger.app import LedgerApp
+from kiln.ledger.client import LedgerClient
+from kiln.ledger.model import NewEvent
+from kiln.workloads.candidate import Candidate
+from tests.unit.engine_testing import HANDWRITTEN_MLP, tiny_workload
+
+from .events_factory import new_id
+
+pytestmark = pytest.mark.integration
+
+WINNER = Candidate.make({"mlp": "handwritten", "qkv_proj": "fused"}, code_modules=[HANDWRITTEN_MLP])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest_asyncio.fixture(scope="module")
+async def ledger_addr(settings: KilnSettings) -> AsyncIterator[str]:
+    addr = f"127.0.0.1:{_free_port()}"
+    cfg = settings.model_copy(update={"metrics_port": 0, "grace_period_s": 1.0})
+    started = asyncio.Event()
+    task = asyncio.create_task(
+        serve(LedgerApp(cfg), cfg, listen=addr, started=started, handle_signals=False)
+    )
+    await asyncio.wait_for(started.wait(), 20)
+    yield addr
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def _compilation(client: LedgerClient, *, best: bool) -> tuple[str, str]:
+    cid, eid = new_id(), new_id()
+    workload = {**tiny_workload(batch=2, context=24), "workload_key": "wk-tiny"}
+    await client.append(
+        f"compilation-{cid}",
+        [
+            NewEvent(
+                "CompilationSubmitted",
+                {
+                    "workload_key": "wk-tiny",
+                    "model_name": "tiny-llama",
+                    "hardware": "cpu",
+                    "workload": workload,
+                    "budget": {"wall_seconds": 60},
+                },
+            )
+        ],
+        "no_stream",
+    )
+    common = {"compilation_id": cid, "candidate_id": WINNER.id}
+    await client.append(
+        f"experiment-{eid}",
+        [
+            NewEvent(
+                "ExperimentRequested",
+                {**common, "candidate": WINNER.canonical(), "tier": "full", "agent": "confirm"},
+            ),
+            NewEvent(
+                "ExperimentCompleted",
+                {
+                    **common,
+                    "status": "ok",
+                    "correct": True,
+                    "median_ms": 4.0,
+                    "p10_ms": 3.9,
+                    "p90_ms": 4.2,
+                    "tokens_per_s": 500.0,
+                    "tier": "full",
+                    "engine_id": "cpu-engine-1",
+                    "device_ms": 900.0,
+                    "environment": environment("cpu"),
+                },
+            ),
+        ],
+    )
+    if best:
+        await client.append(
+            f"compilation-{cid}",
+            [
+                NewEvent(
+                    "BestCandidateImproved",
+                    {
+                        "workload_key": "wk-tiny",
+                        "experiment_id": eid,
+                        "candidate_id": WINNER.id,
+                        "tokens_per_s": 500.0,
+                        "median_ms": 4.0,
+                        "speedup": 1.25,
+                        "tier": "full",
+                        "elapsed_s": 12.0,
+                        "experiments": 3,
+                        "device_s": 2.5,
+                    },
+                )
+            ],
+        )
+    return cid, eid
+
+
+async def _kiln(addr: str, *args: str) -> tuple[int, str]:
+    runner = CliRunner()
+    result = await asyncio.to_thread(
+        runner.invoke, app, ["--team", "search", "--ledger-addr", addr, *args]
+    )
+    return result.exit_code, result.output
+
+
+async def test_export_writes_a_loadable_artifact(ledger_addr: str, tmp_path: Path) -> None:
+    async with LedgerClient(ledger_addr, team="search") as client:
+        cid, eid = await _compilation(client, best=True)
+    out = tmp_path / "art"
+    code, text = await _kiln(ledger_addr, "export", cid, "--out", str(out))
+    assert code == 0, text
+    assert "500.0 tokens/s" in text
+    art = read_artifact(out)
+    m = art.manifest
+    assert art.candidate == WINNER
+    assert m.measured.experiment_id == eid and m.measured.engine_id == "cpu-engine-1"
+    assert m.measured.speedup == 1.25 and m.measured.p90_ms == 4.2
+    assert (m.operating_point.batch_size, m.operating_point.context_len) == (2, 24)
+    assert m.operating_point.layers == 3 and m.operating_point.dtype == "float32"
+    assert m.weights.kind == "seeded_random" and m.weights.seed == 7
+    assert m.environment == environment("cpu")
+    opt = kiln.load_optimized(out)
+    try:
+        token = torch.tensor([[3], [9]])
+        got = opt.decode_step(token)
+        opt.at_operating_point()
+        torch.testing.assert_close(got, opt.reference.decode_step(token), rtol=1e-4, atol=1e-4)
+    finally:
+        opt.release()
+    code, text = await _kiln(ledger_addr, "export", cid, "--out", str(out))
+    assert code != 0 and "exists and is not an empty directory" in text
+    code, text = await _kiln(
+        ledger_addr, "export", cid, "--out", str(tmp_path / "b"), "--candidate", WINNER.id
+    )
+    assert code == 0, text
+    code, text = await _kiln(
+        ledger_addr, "export", cid, "--out", str(tmp_path / "c"), "--candidate", "f" * 64
+    )
+    assert code != 0 and "was not requested correct on the full tier" in text
+
+
+async def test_export_errors(ledger_addr: str, tmp_path: Path) -> None:
+    async with LedgerClient(ledger_addr, team="search") as client:
+        cid, _ = await _compilation(client, best=False)
+    code, text = await _kiln(ledger_addr, "export", cid, "--out", str(tmp_path / "a"))
+    assert code != 0 and "has no confirmed best candidate yet" in text
+    code, text = await _kiln(ledger_addr, "export", "nope" + new_id(), "--out", str(tmp_path))
+    assert code != 0 and "no compilation" in text
