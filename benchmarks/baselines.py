@@ -30,13 +30,18 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kiln.baselines.harness import OperatingPoint, Runner, measure, operating_point
+from kiln.baselines.harness import (
+    OperatingPoint,
+    Runner,
+    measure,
+    operating_point,
+    reference_model,
+)
 from kiln.baselines.names import BASELINE_NAMES, parse_names
 from kiln.baselines.result import BaselineResult
 from kiln.baselines.runner import run_named
 from kiln.baselines.table import bandwidth_limit
 from kiln.workloads.config import load_config
-from kiln.workloads.models import build_model
 
 
 def shared_data() -> Path:
@@ -47,14 +52,7 @@ def shared_data() -> Path:
 
 def kiln_reference(point: OperatingPoint) -> Runner:
     """kiln's ``DecoderModel`` with reference ops over the point's weights, as a runner."""
-    model = build_model(
-        point.config,
-        weights=point.weights,
-        dtype=point.dtype,
-        device=point.device,
-        max_batch=point.batch,
-        max_seq_len=point.cache_len,
-    )
+    model = reference_model(point, point.cache_len)
 
     def prefill(prompt: torch.Tensor) -> None:
         model.prefill(prompt)
@@ -98,36 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers:
         config = config.with_layers(args.layers)
     dtype = getattr(torch, args.dtype)
-    point = operating_point(
-        config,
-        batch=args.batch,
-        context=args.context,
-        device=args.device,
-        dtype=dtype,
-        seed=args.seed,
-        steps=args.steps,
-        warmup=args.warmup,
-    )
+    at: dict[str, Any] = {  # the operating point, of every row
+        "batch": args.batch,
+        "context": args.context,
+        "device": args.device,
+        "dtype": dtype,
+        "seed": args.seed,
+        "steps": args.steps,
+        "warmup": args.warmup,
+    }
+    point = operating_point(config, **at)
     weights_bytes = point.weights.nbytes()
     options: dict[str, Any] = {"compile_mode": None} if args.no_compile else {}
     results: list[BaselineResult] = []
     for name in names:
         extra = options if name in ("hf_compile", "gpt_fast") else {}
-        results.append(
-            run_named(
-                name,
-                config,
-                batch=args.batch,
-                context=args.context,
-                device=args.device,
-                dtype=dtype,
-                seed=args.seed,
-                steps=args.steps,
-                warmup=args.warmup,
-                weights=point.weights,
-                **extra,
-            )
-        )
+        results.append(run_named(name, config, **at, weights=point.weights, **extra))
     results.append(measure("kiln_reference", point, kiln_reference))
     limit = bandwidth_limit(args.hardware, weights_bytes, args.batch)
     reference = results[-1].tokens_per_s

@@ -41,8 +41,8 @@ def test_messages_carry_contract_reference_source_history_facts_and_profile() ->
     assert system["role"] == "system" and user["role"] == "user"
     s, u = system["content"], user["content"]
     assert '@register("rms_norm", "<name>", replace=True)' in s
-    assert "reference, fused_residual" in s  # taken names
-    assert "kiln.ops, math, torch, typing" in s and "triton" not in s
+    assert "reference, fused_residual" in s  # taken names (Triton-backed ones too)
+    assert "Import only kiln.ops, math, torch, typing." in s  # no triton in the allow-list
     assert "single ```python fenced block" in s
     assert registry.OPS["rms_norm"] in u
     assert inspect.getsource(registry.get("rms_norm").fn) in u
@@ -59,7 +59,7 @@ def test_messages_carry_contract_reference_source_history_facts_and_profile() ->
 
 def test_triton_is_offered_only_when_allowed() -> None:
     system, _ = build_messages("mlp", facts=FACTS, triton=True)
-    assert "triton" in system["content"]
+    assert "Import only kiln.ops, math, torch, triton, typing." in system["content"]
 
 
 def test_without_results_or_profile() -> None:

@@ -179,12 +179,15 @@ def hf_block(family: str, p: dict[str, Any], dtype: torch.dtype) -> Any:
 def test_reference_is_transformers_sparse_moe_block(
     family: str, top_k: int, norm: bool, dtype: torch.dtype
 ) -> None:
-    """Same weights, same inputs: equal to transformers' eager block, bit for bit on CPU (the
-    router-weight rounding differs between the families and shows in bfloat16)."""
+    """Same weights, same inputs: equal to transformers' eager block — bit for bit in bfloat16
+    on CPU (the router-weight rounding differs between the families and shows there), within
+    float32 rounding in float32 (transformers 5.24 sums the experts in another order: 4e-8
+    apart)."""
     torch.manual_seed(7)
     p = moe_params(8, 64, 48, top_k, dtype, norm=norm, round_weights=family == "qwen3_moe")
     x = randn(2, 9, 64, dtype=dtype)
     with torch.no_grad():
         want = hf_block(family, p, dtype)(x)
     got = get("moe", "reference")(x, **p)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    exact = dtype != torch.float32
+    torch.testing.assert_close(got, want, atol=0 if exact else 1e-6, rtol=0 if exact else 1e-5)

@@ -1,5 +1,6 @@
 """What every baseline shares: the operating point, kiln's weights and reference logits, the
-sanity check, the timed decode loop and freeing device memory.
+sanity check, the timed decode loop, freeing device memory, and each baseline module's ``run``
+(:class:`Baseline`, :class:`CompiledBaseline`: the module supplies only its build function).
 
 Protocol of one baseline run (:func:`measure`):
 
@@ -26,6 +27,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,10 +35,12 @@ from kiln.baselines.result import BaselineResult
 from kiln.engine_pool.check import RTOL
 from kiln.engine_pool.timing import summarize, timer_for
 from kiln.workloads.config import ModelConfig
-from kiln.workloads.models import build_model
+from kiln.workloads.models import DecoderModel, build_model
 from kiln.workloads.weights import WeightStore, seeded_random
 
 Tensor = torch.Tensor
+COMPILE_MODE = "reduce-overhead"
+"""The default ``torch.compile`` mode of the compiled baselines (CUDA graphs on CUDA)."""
 
 
 class SkipBaseline(Exception):
@@ -117,18 +121,24 @@ def operating_point(
     return OperatingPoint(config, batch, context, dev, dtype, seed, steps, warmup, store)
 
 
-def reference_logits(point: OperatingPoint) -> Tensor:
-    """kiln's reference forward on the point's weights: prefill the prompt, one decode step on
-    the first token. Returns ``[batch, V]`` float32 logits (the model and its cache are dropped).
-    """
-    model = build_model(
+def reference_model(point: OperatingPoint, max_seq_len: int) -> DecoderModel:
+    """kiln's ``DecoderModel`` with reference ops over the point's weights, in its dtype on its
+    device, with a cache of ``max_seq_len`` slots for ``point.batch`` sequences."""
+    return build_model(
         point.config,
         weights=point.weights,
         dtype=point.dtype,
         device=point.device,
         max_batch=point.batch,
-        max_seq_len=point.context + 1,
+        max_seq_len=max_seq_len,
     )
+
+
+def reference_logits(point: OperatingPoint) -> Tensor:
+    """kiln's reference forward on the point's weights: prefill the prompt, one decode step on
+    the first token. Returns ``[batch, V]`` float32 logits (the model and its cache are dropped).
+    """
+    model = reference_model(point, point.context + 1)
     model.prefill(point.prompt)
     logits = model.decode_step(point.tokens[0]).float().clone()
     del model
@@ -177,9 +187,23 @@ class Runner:
     notes: list[str] = field(default_factory=list)
 
 
-def measure(
-    name: str, point: OperatingPoint, build: Callable[[OperatingPoint], Runner]
-) -> BaselineResult:
+Build = Callable[[OperatingPoint], Runner]
+"""A baseline's build function: makes its model and caches for the point."""
+
+
+def compiled(
+    fn: Callable[..., Any], compile_mode: str | None, label: str, purpose: str = ""
+) -> tuple[Callable[..., Any], str]:
+    """``(fn compiled, how in words)``: ``torch.compile(fn, mode=compile_mode, fullgraph=True)``,
+    or ``fn`` itself ("eager (no compile)") when ``compile_mode`` is None or empty. ``label``
+    names ``fn`` in the words, ``purpose`` follows them (e.g. ``" for decode"``)."""
+    if not compile_mode:
+        return fn, "eager (no compile)"
+    how = f"torch.compile({label}, mode={compile_mode!r}, fullgraph=True){purpose}"
+    return torch.compile(fn, mode=compile_mode, fullgraph=True), how
+
+
+def measure(name: str, point: OperatingPoint, build: Build) -> BaselineResult:
     """Run one baseline through the protocol of the module docstring.
 
     Args:
@@ -260,7 +284,7 @@ def measure(
 
 def run_baseline(
     name: str,
-    build: Callable[[OperatingPoint], Runner],
+    build: Build,
     config: ModelConfig,
     *,
     batch: int,
@@ -296,3 +320,140 @@ def run_baseline(
         weights=weights,
     )
     return measure(name, point, build)
+
+
+RUN_DOC = """Measure {measures} (see the module docstring).
+
+Args:
+    config: the architecture (all layers built).
+    batch, context: the operating point (sequences; prompt tokens prefilled).
+    device, dtype: where and in what precision.
+    seed: of the weights (when not given) and of the prompt and tokens.
+    steps, warmup: timed and untimed decode steps.
+    weights: kiln's weights to use (drawn from ``seed`` when None).{option}
+
+Returns:
+    The result; *skipped* {skipped}.
+
+Raises:
+    ValueError: non-positive batch, context or steps.
+"""
+
+
+class Baseline:
+    """A baseline module's ``run(config, *, batch, context, device, dtype, seed, steps, warmup,
+    weights=None) -> BaselineResult``: :func:`run_baseline` with the module's name, build
+    function and precheck.
+
+    Args:
+        name: the baseline's name (reported).
+        build: its build function.
+        precheck: see :func:`run_baseline`.
+        measures: what it measures, in words (the first line of its docstring).
+        skipped: when it is skipped, in words (its docstring's ``Returns``).
+        option: more of its docstring's ``Args`` (lines starting with a newline).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        build: Build,
+        *,
+        precheck: Callable[[ModelConfig], None] | None = None,
+        measures: str,
+        skipped: str,
+        option: str = "",
+    ) -> None:
+        self.name = name
+        self.build = build
+        self.precheck = precheck
+        self.__doc__ = RUN_DOC.format(measures=measures, option=option, skipped=skipped)
+
+    def __call__(
+        self,
+        config: ModelConfig,
+        *,
+        batch: int,
+        context: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        seed: int,
+        steps: int,
+        warmup: int,
+        weights: WeightStore | None = None,
+    ) -> BaselineResult:
+        return run_baseline(
+            self.name,
+            self.build,
+            config,
+            batch=batch,
+            context=context,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            steps=steps,
+            warmup=warmup,
+            weights=weights,
+            precheck=self.precheck,
+        )
+
+
+class CompiledBaseline(Baseline):
+    """A compiled baseline module's ``run(..., weights=None, compile_mode=COMPILE_MODE)``: as
+    :class:`Baseline`, building with ``builder(compile_mode)``.
+
+    Args:
+        builder: ``compile_mode -> build function`` (None: eager).
+        compiles: what ``compile_mode`` compiles, in words (its docstring's ``Args``).
+        name, precheck, measures, skipped: as :class:`Baseline`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        builder: Callable[[str | None], Build],
+        *,
+        precheck: Callable[[ModelConfig], None] | None = None,
+        measures: str,
+        skipped: str,
+        compiles: str,
+    ) -> None:
+        option = f"\n    compile_mode: ``torch.compile`` mode of {compiles}; None runs it eager."
+        super().__init__(
+            name,
+            builder(COMPILE_MODE),
+            precheck=precheck,
+            measures=measures,
+            skipped=skipped,
+            option=option,
+        )
+        self.builder = builder
+
+    def __call__(
+        self,
+        config: ModelConfig,
+        *,
+        batch: int,
+        context: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        seed: int,
+        steps: int,
+        warmup: int,
+        weights: WeightStore | None = None,
+        compile_mode: str | None = COMPILE_MODE,
+    ) -> BaselineResult:
+        return run_baseline(
+            self.name,
+            self.builder(compile_mode),
+            config,
+            batch=batch,
+            context=context,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            steps=steps,
+            warmup=warmup,
+            weights=weights,
+            precheck=self.precheck,
+        )

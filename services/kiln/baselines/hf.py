@@ -10,17 +10,20 @@ the installed model's signature.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from kiln.baselines.harness import OperatingPoint, SkipBaseline
+from kiln.baselines.harness import OperatingPoint, Runner, SkipBaseline
 
 Tensor = torch.Tensor
 HF_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral")
 """Architectures whose transformers parameter names kiln's weight store uses."""
+SKIPPED = '("transformers not installed") without transformers'
+"""When a transformers baseline is skipped, in words (its ``run`` docstring)."""
 
 
 def load_transformers() -> ModuleType:
@@ -114,6 +117,44 @@ def static_cache(transformers: ModuleType, model: Any, point: OperatingPoint) ->
     }
     kwargs.update({k: v for k, v in optional.items() if k in params})
     return cls(**kwargs)
+
+
+def runner(
+    point: OperatingPoint,
+    call: HfCall,
+    cache: Callable[[], Any],
+    prefill: Callable[..., Any],
+    decode: Callable[..., Any],
+    note: str,
+    *,
+    clone: bool = False,
+) -> Runner:
+    """A transformers model as a :class:`~kiln.baselines.harness.Runner`.
+
+    Args:
+        point: the operating point (batch, device).
+        call: the installed forward's call convention.
+        cache: makes the cache at each prefill (a fresh one, or the same pre-allocated one).
+        prefill: the forward that prefills the prompt ``[batch, context]`` from position 0.
+        decode: the forward of one decode step (``token [batch, 1]`` at its position).
+        note: what was built, in words.
+        clone: clone each step's logits (a CUDA graph's replay overwrites the last ones).
+
+    The runner's step returns the last position's logits ``[batch, V]``.
+    """
+    caches: list[Any] = []
+
+    def prefill_prompt(prompt: Tensor) -> None:
+        caches[:] = [cache()]
+        b, t = prompt.shape
+        prefill(prompt, **call.kwargs(caches[0], 0, t, b, point.device))
+
+    def step(token: Tensor, position: int) -> Tensor:
+        kw = call.kwargs(caches[0], position, 1, point.batch, point.device)
+        logits: Tensor = decode(token, **kw).logits[:, -1]
+        return logits.clone() if clone else logits
+
+    return Runner(prefill_prompt, step, [note])
 
 
 def versions() -> str:

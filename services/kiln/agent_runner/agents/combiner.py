@@ -75,6 +75,11 @@ def compositions(moves: list[Move]) -> list[tuple[Move, ...]]:
     )
 
 
+QUIET_POLL_S = 1.0
+"""While waiting for a first result, how often the combiner checks that experiment slots are
+left (seconds): a compilation whose budget is spent must not wait for it."""
+
+
 class CombinerAgent(Agent):
     """Compose other agents' best moves (see the module docs)."""
 
@@ -85,12 +90,19 @@ class CombinerAgent(Agent):
 
     async def next_proposal(self, view: BoardView, lab: Lab) -> Proposal | None:
         """:meth:`propose`; with nothing to propose and nothing in flight, wait for results."""
+        waited = 0.0
         while True:
             proposal = self.propose(view, lab.space)
             if proposal is not None or view.in_flight:
                 return proposal  # None: the shared loop waits for the results in flight
-            if not await view.wait_for_result(self.quiet_s):
+            if not lab.reserve():
+                return None  # the experiment budget is spent: no result will come to compose
+            lab.release()
+            if waited >= self.quiet_s:
                 return None
+            step = min(QUIET_POLL_S, self.quiet_s - waited)
+            if not await view.wait_for_result(step):
+                waited += step
 
     def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
         """The best-predicted composition of the top moves nobody claimed."""
