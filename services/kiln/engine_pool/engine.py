@@ -245,9 +245,10 @@ class Engine:
         """A decode step at the traffic shape and a check prefill, with the reference ops and
         then with each built-in non-lossy alternative that runs on this device, so first-use
         costs (allocator, kernel selection, loading cuDNN / flash-attention kernels, cuBLAS
-        handles: about 0.9 s for the first SDPA call on an H200; Triton's compilation) and the built-in derived weight layouts (fused QKV,
-        gate/up) belong to the build, not to the first experiment that uses them. An
-        alternative that fails here is noted in :attr:`warm_notes` and left to its experiments.
+        handles: about 0.9 s for the first SDPA call on an H200; Triton's compilation) and the
+        built-in derived weight layouts (fused QKV, gate/up) belong to the build, not to the
+        first experiment that uses them. An alternative that fails here is noted in
+        :attr:`warm_notes` and left to its experiments.
         """
         tokens = torch.zeros((self.spec.batch_size, 1), dtype=torch.int64, device=self.device)
         prompt = torch.zeros(
