@@ -163,7 +163,11 @@ def compile(
         str, typer.Option("--id", help="Choose the compilation id (default: assigned).")
     ] = "",
     agent: Annotated[
-        list[str] | None, typer.Option("--agent", help="Agents to run (default: all).")
+        list[str] | None,
+        typer.Option(
+            "--agent",
+            help="Agents to run (default: coordinate, optuna, profiler, combiner).",
+        ),
     ] = None,
     detach: Annotated[bool, typer.Option(help="Submit and return without watching.")] = False,
     one_shot: Annotated[
