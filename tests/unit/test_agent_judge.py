@@ -242,6 +242,42 @@ def test_interleaved_references_cancel_the_drift_of_the_host() -> None:
     assert judgement(state, *_full(state, C, 230.0)) is None  # 1.53x < 1.6x
 
 
+def _gpu_state(baseline: float) -> CompilationState:
+    state = _state(baseline=baseline)
+    state.workload.hardware.name = "h200"
+    return state
+
+
+def test_on_a_gpu_the_best_is_ranked_by_its_own_tokens_per_s() -> None:
+    """The H200 case (benchmarks/RESULTS.md, issue 5): the eager reference next to B is slower
+    than the one next to A, so B's speedup is higher although B decodes fewer tokens/s."""
+    state = _gpu_state(baseline=100.0)
+    _add(state, A, "random", 150.0)
+    _full(state, REF, 65.0)
+    _apply(state, judgement(state, *_full(state, A, 1037.0)))  # 16x
+    assert state.best is not None and state.best.candidate_id == A.id
+    _add(state, B, "random", 160.0)
+    _full(state, REF, 41.8)
+    assert judgement(state, *_full(state, B, 956.8)) is None  # 22.9x, but slower than A
+    _add(state, C, "random", 170.0)
+    _full(state, REF, 80.0)
+    event = judgement(state, *_full(state, C, 1100.0))  # 13.75x, and faster than A
+    assert event is not None and isinstance(event.data, dict)
+    assert event.data["tokens_per_s"] == 1100.0
+    assert event.data["speedup"] == pytest.approx(13.75)
+
+
+def test_on_a_cpu_the_best_is_ranked_by_speedup() -> None:
+    state = _state(baseline=100.0)
+    state.workload.hardware.name = "cpu"
+    _add(state, A, "random", 150.0)
+    _full(state, REF, 200.0)
+    _apply(state, judgement(state, *_full(state, A, 300.0)))  # 1.5x
+    _add(state, B, "random", 160.0)
+    _full(state, REF, 400.0)
+    assert judgement(state, *_full(state, B, 500.0)) is None  # more tokens/s, only 1.25x
+
+
 def test_no_best_from_a_confirmation_that_is_slower_incorrect_or_has_no_reference() -> None:
     state = _state(baseline=100.0)
     _full(state, REF, 50.0)
