@@ -4,7 +4,6 @@ gRPC, real PostgreSQL), then the artifact loaded and checked against the referen
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,7 +14,6 @@ from typer.testing import CliRunner
 
 import kiln
 from kiln.cli.main import app
-from kiln.common.server import serve
 from kiln.common.settings import KilnSettings
 from kiln.engine_pool.environment import environment
 from kiln.export.artifact import read_artifact
@@ -26,27 +24,17 @@ from kiln.workloads.candidate import Candidate
 from tests.unit.engine_testing import HANDWRITTEN_MLP, tiny_workload
 
 from .events_factory import new_id
+from .serving import serve_in_task
 
 pytestmark = pytest.mark.integration
 
 WINNER = Candidate.make({"mlp": "handwritten", "qkv_proj": "fused"}, code_modules=[HANDWRITTEN_MLP])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest_asyncio.fixture(scope="module")
 async def ledger_addr(settings: KilnSettings) -> AsyncIterator[str]:
-    addr = f"127.0.0.1:{_free_port()}"
     cfg = settings.model_copy(update={"metrics_port": 0, "grace_period_s": 1.0})
-    started = asyncio.Event()
-    task = asyncio.create_task(
-        serve(LedgerApp(cfg), cfg, listen=addr, started=started, handle_signals=False)
-    )
-    await asyncio.wait_for(started.wait(), 20)
+    task, addr = await serve_in_task(LedgerApp(cfg), cfg)
     yield addr
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

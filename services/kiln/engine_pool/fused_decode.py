@@ -184,7 +184,14 @@ class FusedDecode:
 
     def __init__(self, model: DecoderModel, params: Mapping[str, str]) -> None:
         runtime.require(model.cache.lengths.device)
-        from kiln.ops.kernels import gemv, qkv_rope
+        from kiln.ops.kernels import decode_attention, gemv, norm_gemv, qkv_rope
+
+        # The kernels, imported once here (Triton decides compiled vs interpreted at import):
+        # the step below runs them without a lookup per call.
+        self._qkv_rope = qkv_rope.rms_norm_qkv_rope
+        self._attention = decode_attention.decode_attention
+        self._gemv = gemv.gemv
+        self._norm_gemv = norm_gemv.rms_norm_gemv
 
         self.model = model
         self.params = _int_params(params)
@@ -273,11 +280,8 @@ class FusedDecode:
         return self._step(tokens, cache)
 
     def _step(self, tokens: Tensor, cache: Any) -> Tensor:
-        from kiln.ops.kernels.decode_attention import decode_attention
-        from kiln.ops.kernels.gemv import gemv
-        from kiln.ops.kernels.norm_gemv import rms_norm_gemv
-        from kiln.ops.kernels.qkv_rope import rms_norm_qkv_rope
-
+        rms_norm_qkv_rope, decode_attention = self._qkv_rope, self._attention
+        gemv, rms_norm_gemv = self._gemv, self._norm_gemv
         positions, seq_lens = cache.next_positions()
         b = tokens.shape[0]
         s = self.model.ops.embedding(tokens)[:, 0]  # [B, H] residual stream

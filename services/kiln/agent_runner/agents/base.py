@@ -76,6 +76,16 @@ class Lab(Protocol):
         with ``wants_profiles``."""
 
 
+def slot_left(lab: Lab) -> bool:
+    """Whether the compilation has an experiment slot left, without keeping it (a strategy
+    checks this before paying for work only a measurement would use: an LLM completion, a
+    wait for results to compose)."""
+    if not lab.reserve():
+        return False
+    lab.release()
+    return True
+
+
 class Agent(ABC):
     """A search strategy with the shared loop.
 

@@ -21,7 +21,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from kiln.agent_runner.agents.base import Agent, Lab, Proposal
+from kiln.agent_runner.agents.base import Agent, Lab, Proposal, slot_left
 from kiln.agent_runner.agents.view import BoardView
 from kiln.agent_runner.space import CandidateSpace, Value
 
@@ -95,9 +95,8 @@ class CombinerAgent(Agent):
             proposal = self.propose(view, lab.space)
             if proposal is not None or view.in_flight:
                 return proposal  # None: the shared loop waits for the results in flight
-            if not lab.reserve():
+            if not slot_left(lab):
                 return None  # the experiment budget is spent: no result will come to compose
-            lab.release()
             if waited >= self.quiet_s:
                 return None
             step = min(QUIET_POLL_S, self.quiet_s - waited)

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kiln.agent_runner.agents.base import Agent, Lab, Proposal
+from kiln.agent_runner.agents.base import Agent, Lab, Proposal, slot_left
 from kiln.agent_runner.agents.view import BoardView
 from kiln.agent_runner.config import LLMSettings
 from kiln.agent_runner.llm.client import ChatClient
@@ -179,9 +179,8 @@ class LLMAgent(Agent):
         targets = target_ops(lab.space)
         if self.stopped or not targets:
             return None
-        if not lab.reserve():  # no slot left: do not pay for a completion nobody measures
+        if not slot_left(lab):  # do not pay for a completion nobody measures
             return None
-        lab.release()
         facts = workload_facts(lab)
         triton = facts.hardware.strip().lower() not in ("", "cpu") and triton_available()
         while self.bad_in_row < self.settings.max_bad_replies:
