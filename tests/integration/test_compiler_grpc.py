@@ -161,8 +161,10 @@ async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
 
 
 RESUME_AGENTS = ["coordinate", "random"]
-"""Agents of the restart tests: deterministic proposals, so the runs they check always contain
-a confirmed best (the default set's optuna/combiner timing varies with the machine's load)."""
+"""Agents of the restart tests: simple proposals, so the runs they check are short and easy to
+follow (the default set's optuna/combiner timing varies with the machine's load). Whether a
+leader beats the reference on the full tier still depends on timing, so these tests check that
+every best there is is sound, not that one exists."""
 
 
 def _request(stack: Stack, wall_s: float, max_experiments: int, **kw: Any) -> Any:
@@ -534,10 +536,8 @@ async def test_restart_resumes_the_open_compilation(stack: Stack) -> None:
     assert len(requests) == 14
     types = Counter(e.type for e in story)
     assert types["CompilationPlanned"] == types["BaselineMeasured"] == 1
-    bests = [
-        json.loads(e.data)["experiment_id"] for e in story if e.type == "BestCandidateImproved"
-    ]
-    assert len(bests) == len(set(bests)) >= 1
+    bests = [b["experiment_id"] for b in _check_bests(story)]
+    assert len(bests) == len(set(bests))
     (measured,) = [r for r in requests if r["candidate_id"] == orphan.id]
     assert measured["agent"] == "random"
 
@@ -582,14 +582,25 @@ async def test_restart_finishes_a_confirmation_under_way(stack: Stack) -> None:
     story = await _story(stack.ledger, cid)
     requests = _check_experiments_settled(story)
     assert len(requests) == 12
-    assert _check_bests(story)
+    # Whether the leader beats the reference on the full tier depends on which candidate led
+    # when the gate closed (the fake engine's full tier has its own +-6 %); any best there is
+    # must be a sound full-tier confirmation.
+    _check_bests(story)
     # The reference requested before the stop was measured (not requested again) and the
-    # leader it was for came next on the full tier.
+    # leader it was for came next on the full tier and was measured too.
+    full_streams = [
+        e.stream_id
+        for e in story
+        if e.type == "ExperimentRequested" and json.loads(e.data)["tier"] == "full"
+    ]
     full = [r for r in requests if r["tier"] == "full"]
     assert full[0]["candidate_id"] == REFERENCE_CANDIDATE.id
     assert full[1]["candidate_id"] != REFERENCE_CANDIDATE.id
+    assert full_streams[0] == ref_stream
     (ref_done,) = [json.loads(e.data) for e in story if e.stream_id == ref_stream][1:]
     assert ref_done["status"] == "ok"
+    (leader_done,) = [json.loads(e.data) for e in story if e.stream_id == full_streams[1]][1:]
+    assert leader_done["status"] == "ok" and leader_done["tier"] == "full"
 
 
 async def test_unreachable_cost_model_fails_the_compilation(stack: Stack) -> None:
