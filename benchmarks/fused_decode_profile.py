@@ -42,11 +42,17 @@ PARAM_SETS: list[dict[str, str]] = [
     {"block_k": "1024"},
     {"o_block_n": "2", "down_block_n": "2"},
     {"gate_up_block_n": "8", "lm_block_n": "32"},
+    {"pdl": "1"},
+    {"pdl": "2"},
+    {"pdl": "2", "fused_combine": "1"},
 ]
 
 
-def graph_time_us(fn: Callable[[], object], repeats: int) -> float:
-    """Median µs of one replay of ``fn`` captured as a CUDA graph (after 2 eager warm-ups)."""
+def graph_time_us(
+    fn: Callable[[], object], repeats: int, keep: list[torch.Tensor] | None = None
+) -> float:
+    """Median µs of one replay of ``fn`` captured as a CUDA graph (after 2 eager warm-ups);
+    with ``keep``, the captured output after the last replay is appended to it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -55,7 +61,7 @@ def graph_time_us(fn: Callable[[], object], repeats: int) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        result = fn()
     for _ in range(3):
         graph.replay()
     samples = []
@@ -66,6 +72,8 @@ def graph_time_us(fn: Callable[[], object], repeats: int) -> float:
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3)
+    if keep is not None and isinstance(result, torch.Tensor):
+        keep.append(result.clone())
     return statistics.median(samples)
 
 
@@ -182,20 +190,29 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     tokens = torch.randint(0, config.vocab_size, (args.batch, 1), device=dev)
     out = []
-    for params in PARAM_SETS:
+    first: list[torch.Tensor] = []
+    for params in json.loads(args.params) if args.params else PARAM_SETS:
         fd = FusedDecode(model, params)
         saved = model.cache.state()
-        step_us = graph_time_us(lambda fd=fd: fd._step(tokens, model.cache), args.repeats)
+        logits: list[torch.Tensor] = []
+        step_us = graph_time_us(
+            lambda fd=fd: fd._step(tokens, model.cache), args.repeats, keep=logits
+        )
         model.cache.restore_state(saved)
+        first = first or logits
+        # Same replays from the same cache state: rounding differences only, where the kernels'
+        # blocks differ; none at all where only the launch (pdl) differs.
+        diff = (logits[0] - first[0]).abs().max().item()
         row: dict[str, Any] = {
             "params": params,
             "step_us": step_us,
             "tokens_per_s": args.batch * 1e6 / step_us,
             "fraction_of_limit": limit_us / step_us,
+            "max_abs_diff_vs_first": diff,
             "families": {},
         }
         total = 0.0
-        for name, (fn, nbytes) in families(fd, args.batch).items():
+        for name, (fn, nbytes) in families(fd, args.batch).items() if args.families else []:
             us = graph_time_us(fn, args.repeats)
             model.cache.restore_state(saved)
             total += us
@@ -210,7 +227,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         label = ",".join(f"{k}={v}" for k, v in params.items()) or "defaults"
         print(
             f"\n[{label}] step {step_us:.0f} us = {row['tokens_per_s']:.0f} tok/s "
-            f"({row['fraction_of_limit']:.1%} of limit); families sum {total:.0f} us"
+            f"({row['fraction_of_limit']:.1%} of limit); families sum {total:.0f} us; "
+            f"max |logits - first set's| {diff:.3g}"
         )
         for name, f in row["families"].items():
             print(
@@ -224,7 +242,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         label = ",".join(f"{k}={v}" for k, v in r["params"].items()) or "defaults"
         print(
             f"{r['step_us']:8.0f} us {r['tokens_per_s']:7.0f} tok/s "
-            f"{r['fraction_of_limit']:6.1%}  {label}"
+            f"{r['fraction_of_limit']:6.1%}  diff {r['max_abs_diff_vs_first']:.2g}  {label}"
         )
     return out
 
@@ -295,6 +313,12 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s")
     parser.add_argument("--sweep", action="store_true", help="per-family launch grid")
+    parser.add_argument(
+        "--params", default="", help='JSON list of parameter sets, e.g. \'[{}, {"pdl": "2"}]\''
+    )
+    parser.add_argument(
+        "--no-families", dest="families", action="store_false", help="time whole steps only"
+    )
     parser.add_argument("--json", default="")
     cli = parser.parse_args()
     if not torch.cuda.is_available():

@@ -86,7 +86,7 @@ def test_kernel_parameters_change_nothing_but_speed() -> None:
     other.cache = copy.deepcopy(fused.cache)
     step = torch.randint(0, SMALL["vocab_size"], (2, 1), generator=gen)
     undo_a = install(fused, {})
-    undo_b = install(other, {"block_k": "256", "num_warps": "2", "o_block_n": "4"})
+    undo_b = install(other, {"block_k": "256", "num_warps": "2", "o_block_n": "4", "pdl": "2"})
     try:
         a, b = fused.decode_step(step), other.decode_step(step)
     finally:
@@ -111,6 +111,7 @@ def test_prefill_and_other_shapes_take_the_bound_ops() -> None:
         ({"block_q": "4"}, "unknown parameter"),
         ({"block_k": "big"}, "not an integer"),
         ({"num_warps": "0"}, "must be positive"),
+        ({"pdl": "3"}, "pdl=3 is not 0, 1 or 2"),
     ],
 )
 def test_bad_parameters_are_rejected_with_the_reason(params: dict, message: str) -> None:

@@ -59,6 +59,7 @@ def test_matches_reference(batch: int, group: int, head_dim: int, dtype: torch.d
     [
         DecodeAttentionConfig(split_s=16, block_s=16, use_dot=True),
         DecodeAttentionConfig(split_s=64, block_s=32, use_dot=False),
+        DecodeAttentionConfig(split_s=16, block_s=16, pdl=2),  # no PDL here: ordinary launch
         DecodeAttentionConfig(split_s=128, block_s=64, num_warps=8),  # one split
         DecodeAttentionConfig(split_s=16, block_s=16, fused_combine=True),
         DecodeAttentionConfig(split_s=32, block_s=16, use_dot=True, fused_combine=True),
@@ -114,7 +115,13 @@ def test_nan_output_never_passes() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"split_s": 48}, {"block_s": 8}, {"split_s": 32, "block_s": 64}, {"num_warps": 3}],
+    [
+        {"split_s": 48},
+        {"block_s": 8},
+        {"split_s": 32, "block_s": 64},
+        {"num_warps": 3},
+        {"pdl": 3},
+    ],
 )
 def test_config_validation(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError):

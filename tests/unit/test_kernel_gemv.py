@@ -40,6 +40,8 @@ CASES = [
     (3, 45, 130, G.GemvConfig(block_n=16, block_k=32, split_k=3)),
     (5, 20, 70, None),
     (2, 33, 64, G.GemvConfig(block_n=32, block_k=16, split_k=2, num_warps=2)),
+    # PDL asked for where there is none (the interpreter): an ordinary launch, same result
+    (2, 40, 90, G.GemvConfig(block_n=8, block_k=32, split_k=2, pdl=2)),
 ]
 
 
@@ -102,6 +104,8 @@ def test_nan_in_a_row_propagates_to_that_row_only() -> None:
         {"num_warps": 3},
         {"num_stages": 0},
         {"block_n": 1.0},
+        {"pdl": 3},
+        {"pdl": -1},
     ],
 )
 def test_config_validation(kwargs: dict[str, object]) -> None:
@@ -151,3 +155,12 @@ def test_bad_inputs_raise_clear_errors() -> None:
         G.gemv(x, w, residual=_rand(2, 7, dtype=torch.float32))
     with pytest.raises(ValueError, match="2-D"):
         G.gemv(x[None], w)
+
+
+def test_pdl_launch_mode_falls_back_where_there_is_no_pdl() -> None:
+    from kiln.ops.kernels.pdl import launch_mode, pdl_options
+
+    assert [launch_mode(p, torch.device("cpu")) for p in (0, 1, 2)] == [0, 0, 0]
+    assert pdl_options(0) == {} and pdl_options(2) == {"launch_pdl": True}
+    with pytest.raises(ValueError, match="pdl must be 0, 1 or 2"):
+        launch_mode(3, torch.device("cpu"))

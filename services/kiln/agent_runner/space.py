@@ -55,6 +55,7 @@ FUSED_DECODE_PARAMS: dict[str, tuple[str, ...]] = {
     "lm_block_n": ("16", "32", "64", "128"),
     "split_s": ("32", "64", "128", "256", "512"),
     "fused_combine": ("0", "1"),
+    "pdl": ("0", "1", "2"),
 }
 """The ``fused_decode`` kernel parameters agents may set, with the values offered (strings, as
 candidates carry them); unset means the kernels' default for the shape."""

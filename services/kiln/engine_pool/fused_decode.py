@@ -26,7 +26,9 @@ Parameters (strings, as candidates carry them; unset = the kernels' default for 
 ``down_block_n``, ``down_split_k``, ``lm_block_n`` (output rows per program of each product),
 ``qkv_block`` (rotary pairs per program of the QKV kernel), ``split_s`` (cache positions per
 attention split), ``fused_combine`` (1: the attention splits are combined by the last program
-of each group instead of a second kernel; 0: two kernels).
+of each group instead of a second kernel; 0: two kernels), ``pdl`` (programmatic dependent
+launch of every kernel of the chain, :mod:`kiln.ops.kernels.pdl`: 0 off, 1 wait then release
+the next kernel, 2 release then wait; Hopper and later only, ignored elsewhere).
 
 Applies to dense decoders whose layers are Llama-shaped (no Q/K norms, no projection biases, no
 experts); other models, batches over :data:`kiln.ops.kernels.gemv.MAX_M`, and steps of more than
@@ -62,8 +64,14 @@ PARAMS = (
     "qkv_block",
     "split_s",
     "fused_combine",
+    "pdl",
 )
 """The transform's parameters (see the module docs)."""
+
+
+PDL_MODES = 3
+"""Values of ``pdl`` (= :data:`kiln.ops.kernels.pdl.PDL_MODES`; not imported here, since that
+module imports Triton, which this one leaves to :class:`FusedDecode`)."""
 
 
 class FusedDecodeUnsupported(ValueError):
@@ -86,6 +94,9 @@ def _int_params(params: Mapping[str, str]) -> dict[str, int]:
         if key == "fused_combine":
             if value not in (0, 1):
                 raise FusedDecodeUnsupported(f"fused_decode: fused_combine={value} is not 0 or 1")
+        elif key == "pdl":
+            if value not in range(PDL_MODES):
+                raise FusedDecodeUnsupported(f"fused_decode: pdl={value} is not 0, 1 or 2")
         elif value < 1:
             raise FusedDecodeUnsupported(f"fused_decode: {key}={value} must be positive")
         out[key] = value
@@ -239,6 +250,8 @@ class FusedDecode:
             changes["num_warps"] = p["num_warps"]
         if "fused_combine" in p:
             changes["fused_combine"] = bool(p["fused_combine"])
+        if "pdl" in p:
+            changes["pdl"] = p["pdl"]
         try:
             attention = replace(attention, **changes)
         except ValueError as exc:
@@ -252,7 +265,7 @@ class FusedDecode:
             changes["block_n"] = block_n
         if split_k is not None:
             changes["split_k"] = split_k
-        for key in ("block_k", "num_warps"):
+        for key in ("block_k", "num_warps", "pdl"):
             if key in self.params:
                 changes[key] = self.params[key]
         try:

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.kernels import runtime
+from kiln.ops.kernels.pdl import PDL_MODES, launch_mode, pdl_enter, pdl_options
 from kiln.ops.kernels.rounding import cast, emulate_rounding
 
 Tensor = torch.Tensor
@@ -59,6 +60,10 @@ class DecodeAttentionConfig:
             launch a layer instead of two: at decode the second launch costs more than its
             work. The counters are zeroed once per cache shape and reset by the combining
             program, so the call stays CUDA-graph capturable.
+        pdl: programmatic dependent launch of both kernels (:mod:`kiln.ops.kernels.pdl`; 0
+            off, 1 or 2; ignored where the device has none). Every program waits for the
+            previous kernel before its first load, so only the launch and the next kernel's
+            start overlap.
 
     Raises:
         ValueError: a value outside those ranges.
@@ -69,6 +74,7 @@ class DecodeAttentionConfig:
     num_warps: int = 4
     use_dot: bool | None = None
     fused_combine: bool = False
+    pdl: int = 0
 
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_s) or self.block_s < _MMA_MIN:
@@ -79,6 +85,8 @@ class DecodeAttentionConfig:
             )
         if self.num_warps not in _WARPS:
             raise ValueError(f"num_warps must be one of {_WARPS}, got {self.num_warps}")
+        if self.pdl not in range(PDL_MODES):
+            raise ValueError(f"pdl must be 0, 1 or 2, got {self.pdl}")
 
 
 @triton.jit
@@ -123,7 +131,9 @@ def _stage1(
     NUM_SPLITS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     EMULATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // num_kv_heads).to(tl.int64)
@@ -282,7 +292,9 @@ def _stage2(
     D_PAD: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     EMULATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     b = row // num_heads
     h = row % num_heads
@@ -374,6 +386,7 @@ def decode_attention(
     acc = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     counters = _counters(q.device, b * hkv) if config.fused_combine else m
+    pdl = launch_mode(config.pdl, q.device)
     _stage1[(b * hkv, splits)](
         q,
         k_cache,
@@ -406,7 +419,9 @@ def decode_attention(
         NUM_SPLITS=splits,
         BLOCK_SPLITS=block_splits,
         EMULATE=emulate,
+        PDL=pdl,
         num_warps=config.num_warps,
+        **pdl_options(pdl),
     )
     if config.fused_combine:
         return out
@@ -422,7 +437,9 @@ def decode_attention(
         D_PAD=d_pad,
         BLOCK_SPLITS=block_splits,
         EMULATE=emulate,
+        PDL=pdl,
         num_warps=4 if d_pad >= 128 else 2,
+        **pdl_options(pdl),
     )
     return out
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.kernels import runtime
+from kiln.ops.kernels.pdl import PDL_MODES, launch_mode, pdl_enter, pdl_options
 
 Tensor = torch.Tensor
 
@@ -77,6 +78,15 @@ class GemvConfig:
         num_stages: software-pipelining depth of the K loop (1..8). Default 1: the default
             configs cover K = 2048 in one chunk, and latency is hidden by the many resident
             programs; the benchmark sweeps it.
+        pdl: programmatic dependent launch (CUDA compute capability >= 9.0; ignored where
+            :func:`kiln.ops.kernels.runtime.pdl_available` is False). 0: off, an ordinary
+            launch. 1 and 2: the kernel may start while the previous kernel in the stream is
+            still running; each program first issues the loads of its first weight chunk
+            (weights are never written by a previous kernel), then waits for the previous
+            kernel (``griddepcontrol.wait``) before it reads anything else or writes anything.
+            1 lets the *next* kernel launch once every program of this one has passed that
+            wait; 2 lets it launch as soon as every program of this one has started. See
+            :func:`kiln.ops.kernels.pdl.pdl_enter`.
 
     Raises:
         ValueError: a field out of range or not a power of two (the message names it).
@@ -87,6 +97,7 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 1
+    pdl: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -95,6 +106,7 @@ class GemvConfig:
             ("split_k", self.split_k, 1, 64, False),
             ("num_warps", self.num_warps, 1, 16, True),
             ("num_stages", self.num_stages, 1, 8, False),
+            ("pdl", self.pdl, 0, PDL_MODES - 1, False),
         ]
         for name, value, lo, hi, pow2 in checks:
             if not isinstance(value, int) or isinstance(value, bool):
@@ -187,6 +199,45 @@ def _row_rstd(
 
 
 @triton.jit
+def _chunk_fma(
+    acc_a,
+    acc_b,
+    w_a,
+    w_b,
+    x_ptr,
+    stride_xm,
+    offs_k,
+    k_mask,
+    nw_ptr,
+    rstd,
+    M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PAIRED: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """``acc += x[:M, offs_k] @ w.T`` for one K chunk of loaded weight tiles (``w_b`` too when
+    ``PAIRED``); ``x`` RMS-normed on the fly with ``rstd`` and ``nw_ptr`` when ``HAS_NORM``."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    wa = w_a.to(tl.float32)
+    wb = w_b.to(tl.float32)
+    if HAS_NORM:
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    for m in tl.static_range(M):
+        xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            r = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+            xv = _round(xv * r, DTYPE, EMULATE_RNE)
+            xv = _round(nw * xv, DTYPE, EMULATE_RNE)
+        hit = offs_m[:, None] == m
+        acc_a += tl.where(hit, tl.sum(wa * xv[None, :], axis=1)[None, :], 0.0)
+        if PAIRED:
+            acc_b += tl.where(hit, tl.sum(wb * xv[None, :], axis=1)[None, :], 0.0)
+    return acc_a, acc_b
+
+
+@triton.jit
 def _gemv_tiles(
     x_ptr,
     stride_xm,
@@ -199,48 +250,61 @@ def _gemv_tiles(
     K_LEN: tl.constexpr,
     K: tl.constexpr,
     nw_ptr,
-    rstd,
+    eps,
     M: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     HAS_NORM: tl.constexpr,
     PAIRED: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Float32 ``[BLOCK_M, BLOCK_N]`` partial products of ``x[:M, k_lo:k_lo + K_LEN]``
-    (RMS-normed with ``rstd`` and ``nw_ptr`` when ``HAS_NORM``) with weight rows ``rows_a`` (and
-    ``rows_b`` when ``PAIRED``; else the second result is zeros). Each weight tile is loaded
-    once and used for every row of ``x``; columns at or past K are masked off."""
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    offs_m = tl.arange(0, BLOCK_M)
+    (RMS-normed over all K with ``eps`` and ``nw_ptr`` when ``HAS_NORM``) with weight rows
+    ``rows_a`` (and ``rows_b`` when ``PAIRED``; else the second result is zeros). Each weight
+    tile is loaded once and used for every row of ``x``; columns at or past K are masked off.
+
+    The first chunk's weight loads are issued before :func:`pdl_enter`, so under programmatic
+    dependent launch they stream while the previous kernel finishes; ``x`` and the norm
+    statistics are read after it."""
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     base_a = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn
     base_b = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn
-    for k0 in range(0, K_LEN, BLOCK_K):
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w_mask = row_mask[:, None] & k_mask[None, :]
+    w_a = tl.load(base_a + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    w_b = w_a
+    if PAIRED:
+        w_b = tl.load(
+            base_b + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
+        )
+    pdl_enter(PDL)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if HAS_NORM:
+        rstd = _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M, BLOCK_R)
+    acc_a, acc_b = _chunk_fma(
+        acc_a, acc_b, w_a, w_b, x_ptr, stride_xm, offs_k, k_mask, nw_ptr, rstd,
+        M, BLOCK_M, HAS_NORM, PAIRED, EMULATE_RNE,
+    )  # fmt: skip
+    for k0 in range(BLOCK_K, K_LEN, BLOCK_K):
         offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w_mask = row_mask[:, None] & k_mask[None, :]
         w_a = tl.load(
             base_a + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
-        ).to(tl.float32)
+        )
         if PAIRED:
             w_b = tl.load(
                 base_b + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
-            ).to(tl.float32)
-        if HAS_NORM:
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        for m in tl.static_range(M):
-            xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            if HAS_NORM:
-                r = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-                xv = _round(xv * r, DTYPE, EMULATE_RNE)
-                xv = _round(nw * xv, DTYPE, EMULATE_RNE)
-            hit = offs_m[:, None] == m
-            acc_a += tl.where(hit, tl.sum(w_a * xv[None, :], axis=1)[None, :], 0.0)
-            if PAIRED:
-                acc_b += tl.where(hit, tl.sum(w_b * xv[None, :], axis=1)[None, :], 0.0)
+            )
+        acc_a, acc_b = _chunk_fma(
+            acc_a, acc_b, w_a, w_b, x_ptr, stride_xm, offs_k, k_mask, nw_ptr, rstd,
+            M, BLOCK_M, HAS_NORM, PAIRED, EMULATE_RNE,
+        )  # fmt: skip
     return acc_a, acc_b
 
 
@@ -284,6 +348,7 @@ def _gemv_kernel(
     HAS_RES: tl.constexpr,
     SPLIT: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``(i, s)``: output columns ``i*BLOCK_N ..`` (of N; with ``SILU_MUL`` the weight
     has 2N rows: gate rows n, up rows N + n), K range ``[s*K_PER_SPLIT, (s+1)*K_PER_SPLIT)``.
@@ -296,30 +361,10 @@ def _gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     k_lo = pid_k * K_PER_SPLIT
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if HAS_NORM:
-        rstd = _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M, BLOCK_R)
     acc_a, acc_b = _gemv_tiles(
-        x_ptr,
-        stride_xm,
-        w_ptr,
-        stride_wn,
-        offs_n,
-        offs_n + N,
-        n_mask,
-        k_lo,
-        K_PER_SPLIT,
-        K,
-        nw_ptr,
-        rstd,
-        M,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        HAS_NORM,
-        SILU_MUL,
-        EMULATE_RNE,
-    )
+        x_ptr, stride_xm, w_ptr, stride_wn, offs_n, offs_n + N, n_mask, k_lo, K_PER_SPLIT, K,
+        nw_ptr, eps, M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, HAS_NORM, SILU_MUL, EMULATE_RNE, PDL,
+    )  # fmt: skip
     mask = (offs_m[:, None] < M) & n_mask[None, :]
     if SPLIT:
         ws = ws_ptr + offs_m[:, None] * stride_wsm + offs_n[None, :]
@@ -361,9 +406,11 @@ def _finalize_kernel(
     HAS_RES: tl.constexpr,
     SILU_MUL: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Split-K epilogue, program ``(m, j)``: ``out[m, j*BLOCK ..]`` from the float32 workspace
     (bias, rounding to DTYPE, residual; or SiLU-and-multiply of its gate|up halves)."""
+    pdl_enter(PDL)
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -503,6 +550,7 @@ def launch(
     if split > 1:
         ws = torch.zeros((m, n_out * (2 if silu_mul else 1)), dtype=torch.float32, device=x.device)
     dummy = x  # stands in for absent optional pointers (never dereferenced)
+    pdl = launch_mode(config.pdl, x.device)
     grid = (triton.cdiv(n_out, config.block_n), split)
     _gemv_kernel[grid](
         x,
@@ -532,8 +580,10 @@ def launch(
         HAS_RES=residual is not None,
         SPLIT=ws is not None,
         EMULATE_RNE=interp,
+        PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_options(pdl),
     )
     if ws is not None:
         _finalize_kernel[(m, triton.cdiv(n_out, _FINALIZE_BLOCK))](
@@ -551,7 +601,9 @@ def launch(
             HAS_RES=residual is not None,
             SILU_MUL=silu_mul,
             EMULATE_RNE=interp,
+            PDL=pdl,
             num_warps=4,
+            **pdl_options(pdl),
         )
     return out
 

@@ -29,13 +29,13 @@ from kiln.ops.kernels.gemv import (
     GemvConfig,
     _gemv_tiles,
     _round,
-    _row_rstd,
     alloc_output,
     check_interpreter,
     check_vector,
     check_weight,
     check_x,
 )
+from kiln.ops.kernels.pdl import launch_mode, pdl_options
 
 Tensor = torch.Tensor
 
@@ -96,8 +96,10 @@ def _qkv_rope_kernel(
     BLOCK_R: tl.constexpr,
     HAS_NORM: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Program ``(h, j)``: pairs ``i = j*BLOCK_N ..`` of head ``h`` for all M sequences."""
+    """Program ``(h, j)``: pairs ``i = j*BLOCK_N ..`` of head ``h`` for all M sequences (PDL:
+    :func:`kiln.ops.kernels.gemv.pdl_enter`, after the first weight chunk's loads)."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
     h = tl.program_id(0)
@@ -106,30 +108,10 @@ def _qkv_rope_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     rows = h * D + offs_i
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if HAS_NORM:
-        rstd = _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M, BLOCK_R)
     acc_1, acc_2 = _gemv_tiles(
-        x_ptr,
-        stride_xm,
-        w_ptr,
-        stride_wn,
-        rows,
-        rows + HALF,
-        i_mask,
-        0,
-        K,
-        K,
-        nw_ptr,
-        rstd,
-        M,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        HAS_NORM,
-        True,
-        EMULATE_RNE,
-    )
+        x_ptr, stride_xm, w_ptr, stride_wn, rows, rows + HALF, i_mask, 0, K, K, nw_ptr, eps,
+        M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, HAS_NORM, True, EMULATE_RNE, PDL,
+    )  # fmt: skip
     x1 = _round(acc_1, DTYPE, EMULATE_RNE)
     x2 = _round(acc_2, DTYPE, EMULATE_RNE)
     mask = m_mask[:, None] & i_mask[None, :]
@@ -254,7 +236,7 @@ def rms_norm_qkv_rope(
             row ``b`` receives ``k/v[b, h]`` at ``[b, h, positions[b], :]`` (in place).
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D (D even).
         config: ``block_n`` = rotation pairs per program, ``block_k``, ``num_warps``,
-            ``num_stages``; default :func:`default_qkv_rope_config`. ``split_k`` must be 1.
+            ``num_stages``, ``pdl``; default :func:`default_qkv_rope_config`. ``split_k`` must be 1.
         qkv_bias: must be None (biased QKV, e.g. Qwen2, is not supported).
 
     Returns:
@@ -287,6 +269,7 @@ def rms_norm_qkv_rope(
     block_m = triton.next_power_of_2(b)
     block_r = max(16, min(triton.next_power_of_2(k), 4096 // block_m))
     q = alloc_output((b, num_heads, head_dim), x.dtype, x.device)
+    pdl = launch_mode(cfg.pdl, x.device)
     grid = (num_heads + 2 * num_kv_heads, triton.cdiv(head_dim // 2, cfg.block_n))
     _qkv_rope_kernel[grid](
         x,
@@ -317,8 +300,10 @@ def rms_norm_qkv_rope(
         BLOCK_R=block_r,
         HAS_NORM=norm_weight is not None,
         EMULATE_RNE=check_interpreter(),
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_options(pdl),
     )
     return q
 

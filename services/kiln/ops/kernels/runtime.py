@@ -51,3 +51,25 @@ def require(device: torch.device | str) -> None:
         raise KernelUnavailableError(
             f"Triton kernels need a CUDA device or TRITON_INTERPRET=1; tensors are on {device}"
         )
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    major, _ = torch.cuda.get_device_capability(index)
+    if major < 9:
+        return False
+    import triton.language as tl
+
+    return hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
+
+
+def pdl_available(device: torch.device | str) -> bool:
+    """True when kernels launched on ``device`` can use programmatic dependent launch: compiled
+    Triton (not the interpreter) with ``griddepcontrol`` support, on a CUDA device of compute
+    capability >= 9.0 (Hopper; CUDA Programming Guide, "Programmatic Dependent Launch"). Kernels
+    asked for PDL elsewhere launch the ordinary way."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or interpreting() or not has_triton():
+        return False
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return _pdl_capable(index)
