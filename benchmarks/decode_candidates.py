@@ -55,22 +55,27 @@ FUSED_DECODE_GRID: list[dict[str, str]] = [
     {"down_split_k": "2"},
     {"lm_block_n": "64"},
     {"split_s": "128"},
+    {"pdl": "0"},  # no programmatic dependent launch (the default is 2)
 ]
 
 
-def candidates(device: str) -> list[tuple[str, Candidate]]:
-    """The candidates to measure, reference first."""
+def candidates(
+    device: str, grid: list[dict[str, str]] | None = None, ops: bool = True
+) -> list[tuple[str, Candidate]]:
+    """The candidates to measure, reference first: with ``ops``, the op-level moves; then
+    ``fused_decode`` over ``grid`` (default :data:`FUSED_DECODE_GRID`)."""
     out = [("reference", Candidate())]
     if not device.startswith("cuda"):
         return [*out, ("fused ops", Candidate.make(FUSED_OPS))]
     graph = Transform("cuda_graph")
-    out += [
-        ("cuda_graph", Candidate.make({}, [graph])),
-        ("fused ops + cuda_graph", Candidate.make(FUSED_OPS, [graph])),
-        ("triton ops + cuda_graph", Candidate.make(TRITON_OPS, [graph])),
-        ("fused_decode (no graph)", Candidate.make({}, [Transform("fused_decode")])),
-    ]
-    for params in FUSED_DECODE_GRID:
+    if ops:
+        out += [
+            ("cuda_graph", Candidate.make({}, [graph])),
+            ("fused ops + cuda_graph", Candidate.make(FUSED_OPS, [graph])),
+            ("triton ops + cuda_graph", Candidate.make(TRITON_OPS, [graph])),
+            ("fused_decode (no graph)", Candidate.make({}, [Transform("fused_decode")])),
+        ]
+    for params in FUSED_DECODE_GRID if grid is None else grid:
         label = "fused_decode + cuda_graph" + (
             " " + ",".join(f"{k}={v}" for k, v in params.items()) if params else ""
         )
@@ -96,7 +101,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             f"weights {weights / 1e9:.3f} GB -> bandwidth limit {limit_ms:.3f} ms/step = "
             f"{spec.batch_size * 1e3 / limit_ms:,.0f} tokens/s at {args.bandwidth / 1e12:.2f} TB/s"
         )
-        for label, cand in candidates(spec.device):
+        grid = json.loads(args.grid) if args.grid else None
+        for label, cand in candidates(spec.device, grid, ops=args.ops):
             t0 = time.perf_counter()
             m = await engine.run(
                 request_for(label, cand, settings), deadline_s=600, candidate_id=cand.id
@@ -144,6 +150,12 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=1, help="decode batch (0 = the trace's)")
     parser.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s")
     parser.add_argument("--json", default="", help="write the full results to this file")
+    parser.add_argument(
+        "--grid", default="", help="JSON list of fused_decode parameter sets (default: built in)"
+    )
+    parser.add_argument(
+        "--no-ops", dest="ops", action="store_false", help="skip the op-level candidates"
+    )
     if not MODEL.is_file() or not TRACE.is_file():
         sys.exit(f"needs {MODEL} and {TRACE}")
     cli = parser.parse_args()

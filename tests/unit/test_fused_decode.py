@@ -86,13 +86,30 @@ def test_kernel_parameters_change_nothing_but_speed() -> None:
     other.cache = copy.deepcopy(fused.cache)
     step = torch.randint(0, SMALL["vocab_size"], (2, 1), generator=gen)
     undo_a = install(fused, {})
-    undo_b = install(other, {"block_k": "256", "num_warps": "2", "o_block_n": "4", "pdl": "2"})
+    undo_b = install(other, {"block_k": "256", "num_warps": "2", "o_block_n": "4", "pdl": "0"})
     try:
         a, b = fused.decode_step(step), other.decode_step(step)
     finally:
         undo_a()
         undo_b()
     assert (a - b).abs().max().item() <= 1e-4
+
+
+def test_pdl_defaults_to_the_measured_mode_on_every_kernel() -> None:
+    from kiln.engine_pool.fused_decode import DEFAULT_PDL, FusedDecode
+
+    _, model, _ = _pair(torch.float32, 1, prompt=3, seed=2)
+    for params, want in (({}, DEFAULT_PDL), ({"pdl": "0"}, 0), ({"pdl": "1"}, 1)):
+        fused = FusedDecode(model, params)
+        configs = [
+            fused.qkv_config,
+            fused.attention_config,
+            fused.o_config,
+            fused.gate_up_config,
+            fused.down_config,
+            fused.lm_config,
+        ]
+        assert [c.pdl for c in configs] == [want] * 6, params
 
 
 def test_prefill_and_other_shapes_take_the_bound_ops() -> None:

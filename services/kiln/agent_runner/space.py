@@ -55,10 +55,11 @@ FUSED_DECODE_PARAMS: dict[str, tuple[str, ...]] = {
     "lm_block_n": ("16", "32", "64", "128"),
     "split_s": ("32", "64", "128", "256", "512"),
     "fused_combine": ("0", "1"),
-    "pdl": ("0", "1", "2"),
+    "pdl": ("0", "1"),
 }
 """The ``fused_decode`` kernel parameters agents may set, with the values offered (strings, as
-candidates carry them); unset means the kernels' default for the shape."""
+candidates carry them); unset means the kernels' default for the shape (``pdl``: 2, see
+:data:`kiln.engine_pool.fused_decode.DEFAULT_PDL`)."""
 
 Value = str | None
 """A dimension's value: an implementation name, a transform parameter, or None (off)."""

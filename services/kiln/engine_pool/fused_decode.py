@@ -28,7 +28,8 @@ Parameters (strings, as candidates carry them; unset = the kernels' default for 
 attention split), ``fused_combine`` (1: the attention splits are combined by the last program
 of each group instead of a second kernel; 0: two kernels), ``pdl`` (programmatic dependent
 launch of every kernel of the chain, :mod:`kiln.ops.kernels.pdl`: 0 off, 1 wait then release
-the next kernel, 2 release then wait; Hopper and later only, ignored elsewhere).
+the next kernel, 2 release then wait; default :data:`DEFAULT_PDL`; Hopper and later only,
+ignored elsewhere).
 
 Applies to dense decoders whose layers are Llama-shaped (no Q/K norms, no projection biases, no
 experts); other models, batches over :data:`kiln.ops.kernels.gemv.MAX_M`, and steps of more than
@@ -72,6 +73,12 @@ PARAMS = (
 PDL_MODES = 3
 """Values of ``pdl`` (= :data:`kiln.ops.kernels.pdl.PDL_MODES`; not imported here, since that
 module imports Triton, which this one leaves to :class:`FusedDecode`)."""
+DEFAULT_PDL = 2
+"""``pdl`` when a candidate leaves it unset: release the next kernel at entry, then wait.
+Measured on an H200 (Llama-3.2-1B, batch 1, context 1,085, step in a CUDA graph): 858 µs a
+step against 926-929 without PDL and 896 with mode 1 (``benchmarks/fused_decode_profile.py``);
+through the engine, 0.909-0.920 ms against 0.973-0.986 (``benchmarks/decode_candidates.py``;
+benchmarks/RESULTS.md)."""
 
 
 class FusedDecodeUnsupported(ValueError):
@@ -250,8 +257,7 @@ class FusedDecode:
             changes["num_warps"] = p["num_warps"]
         if "fused_combine" in p:
             changes["fused_combine"] = bool(p["fused_combine"])
-        if "pdl" in p:
-            changes["pdl"] = p["pdl"]
+        changes["pdl"] = p.get("pdl", DEFAULT_PDL)
         try:
             attention = replace(attention, **changes)
         except ValueError as exc:
@@ -265,7 +271,8 @@ class FusedDecode:
             changes["block_n"] = block_n
         if split_k is not None:
             changes["split_k"] = split_k
-        for key in ("block_k", "num_warps", "pdl"):
+        changes["pdl"] = self.params.get("pdl", DEFAULT_PDL)
+        for key in ("block_k", "num_warps"):
             if key in self.params:
                 changes[key] = self.params[key]
         try:
