@@ -299,7 +299,7 @@ def sweep(model: Any, out: list[dict[str, Any]], args: argparse.Namespace) -> No
     print("\n=== best launch parameters per family (in-graph, all layers) ===")
     print("gemv: block_n,block_k,num_warps; attention: split_s,block_s,num_warps,fused_combine")
     for name, (us, label) in best.items():
-        default = out[0]["families"][name]["us"]
+        default = out[0]["families"].get(name, {}).get("us", float("nan"))
         print(f"  {name:32s} {us:8.1f} us (defaults {default:8.1f} us)  {label}")
 
 
