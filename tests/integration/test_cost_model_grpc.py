@@ -152,3 +152,15 @@ async def test_unknown_hardware_is_not_found(stub: cost_model_pb2_grpc.CostModel
         )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "b200, cpu, h100, h200" in (err.value.details() or "")
+
+
+async def test_plan_lowers_the_batch_until_the_kv_cache_fits_and_says_so(
+    stub: cost_model_pb2_grpc.CostModelStub,
+) -> None:
+    workload = _workload("qwen3-0.6b", hardware="cpu", batch=32)
+    workload.traffic.context_len = 16_384
+    reply = await stub.Plan(cost_model_pb2.PlanRequest(workload=workload), timeout=10)
+    (plan,) = reply.plans
+    assert 1 <= plan.batch_size < 32 and plan.feasible
+    assert plan.note.startswith(f"batch lowered from 32 to {plan.batch_size}")
+    assert plan.memory_bytes_per_device <= 0.9 * 16e9

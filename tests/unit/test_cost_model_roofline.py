@@ -125,6 +125,37 @@ def test_cpu_target_is_one_small_device() -> None:
 
 
 @needs_models
+def test_cpu_devices_have_no_link_so_plans_span_one() -> None:
+    cfg = model("llama-3.2-1b")
+    cpu = get_hardware("cpu")
+    result = plan_workload(cfg, cpu, OperatingPoint(batch_size=1, isl=64, context_len=1), 8)
+    assert [e.plan for e in result.feasible] == [Parallelism()]
+    multi = [(e, reason) for e, reason in result.pruned if e.plan.devices > 1]
+    assert multi and all("interconnect: cpu has no link" in reason for _, reason in multi)
+
+
+@needs_models
+def test_batch_is_lowered_until_the_kv_cache_fits() -> None:
+    cfg = model("qwen3-0.6b")
+    cpu = get_hardware("cpu")
+    point = OperatingPoint(batch_size=32, isl=16_384, context_len=16_384)
+    result = plan_workload(cfg, cpu, point)
+    (best,) = result.feasible
+    limit = 0.9 * cpu.memory_bytes
+    assert best.memory_bytes_per_device <= limit < estimate(
+        cfg, cpu, OperatingPoint(2 * best.point.batch_size, 16_384, context_len=16_384),
+        Parallelism(),
+    ).memory_bytes_per_device  # fmt: skip
+    assert 1 <= best.point.batch_size < 32
+    assert result.batch_note.startswith(f"batch lowered from 32 to {best.point.batch_size}")
+    # Weights alone over the memory: no batch rescues it, and nothing says otherwise.
+    moe = plan_workload(model("qwen3-30b-a3b"), cpu, point)
+    assert not moe.feasible and moe.batch_note == ""
+    # A batch that fits is left alone.
+    assert plan_workload(cfg, cpu, OperatingPoint(1, 64, context_len=1)).batch_note == ""
+
+
+@needs_models
 @pytest.mark.parametrize("file", sorted(p.name for p in MODELS.glob("*.json")))
 def test_shards_at_tp1_add_up_to_the_parameter_count(file: str) -> None:
     import json

@@ -236,7 +236,8 @@ def summary_table(snap: compiler_pb2.Compilation) -> Table:
         table.add_row(
             "plan",
             f"tp={p.tp} ep={p.ep} dp={p.dp} pp={p.pp} dcp={p.dcp}  batch {p.batch_size}  "
-            f"predicted TPOT {p.tpot_ms:.2f} ms, TTFT {p.ttft_ms:.1f} ms ({p.estimate_tier})",
+            f"predicted TPOT {p.tpot_ms:.2f} ms, TTFT {p.ttft_ms:.1f} ms ({p.estimate_tier})"
+            + (f"; {p.note}" if p.note else ""),
         )
     return table
 

@@ -17,9 +17,13 @@ Pruning (every reason that applies is reported, joined by "; "):
 - ``dcp``: ``dcp`` must divide ``tp / min(tp, kv heads)``;
 - ``topology``: TP, EP and DCP groups stay inside one node's NVLink domain
   (``max_devices_per_node``); PP and DP may span nodes;
+- ``interconnect``: a plan over several devices of a target whose catalogue entry has no link
+  between them (``cpu``);
 - ``memory``: weights + KV + workspace > ``MEMORY_FRACTION`` × device memory (the rest is left
   to the CUDA context, allocator fragmentation and graphs, as vLLM's default
-  ``gpu_memory_utilization = 0.9``).
+  ``gpu_memory_utilization = 0.9``); when every plan fails on memory alone at the traffic's
+  batch, the batch is halved until one fits (:func:`plan_workload`);
+- ``estimate``: a TPOT or TTFT that is not finite.
 
 Objective: a latency-bound operating point (batch ≤ ``LATENCY_BOUND_BATCH``) ranks by TPOT,
 ties to fewer devices (extra DP replicas do not lower TPOT); a throughput-bound one ranks by
@@ -28,7 +32,8 @@ output tokens/s per occupied device, ties to more total tokens/s, then lower TPO
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from kiln.cost_model.hardware import Hardware
 from kiln.cost_model.roofline import Estimate, OperatingPoint, estimate
@@ -74,6 +79,11 @@ def static_reasons(
         return ["plan: every degree must be at least 1"]
     if plan.devices > num_devices:
         r.append(f"devices: tp×pp×dp = {plan.devices} devices, the target has {num_devices}")
+    if plan.devices > 1 and hw.interconnect_bandwidth_bytes_per_s <= 0:
+        r.append(
+            f"interconnect: {hw.name} has no link between devices in the catalogue "
+            f"({hw.interconnect}), so a plan spans one device"
+        )
     if cfg.num_attention_heads % tp:
         r.append(f"heads: {cfg.num_attention_heads} attention heads not divisible by tp={tp}")
     kvh = cfg.num_key_value_heads
@@ -143,6 +153,8 @@ def evaluate(
     mem = memory_reason(est, hw)
     if mem:
         reasons.append(mem)
+    if not reasons and not all(math.isfinite(v) for v in (est.tpot_ms, est.ttft_ms)):
+        reasons.append(f"estimate: TPOT {est.tpot_ms} ms, TTFT {est.ttft_ms} ms are not finite")
     return est, "; ".join(reasons)
 
 
@@ -160,11 +172,13 @@ def objective(point: OperatingPoint) -> str:
 
 @dataclass(frozen=True)
 class PlanResult:
-    """Feasible estimates best first, pruned ones with their reasons, and the objective."""
+    """Feasible estimates best first, pruned ones with their reasons, the objective, and
+    ``batch_note``: why the batch planned for is below the traffic's ("" when it is not)."""
 
     feasible: list[Estimate]
     pruned: list[tuple[Estimate, str]]
     objective: str
+    batch_note: str = ""
 
 
 def plan_workload(
@@ -176,7 +190,42 @@ def plan_workload(
     act_dtype: str = "bfloat16",
 ) -> PlanResult:
     """Cost every candidate plan of ``cfg`` on ``num_devices`` (default
-    ``hw.max_devices_per_node``) of ``hw`` at ``point``; rank the feasible ones."""
+    ``hw.max_devices_per_node``) of ``hw`` at ``point``; rank the feasible ones.
+
+    When no plan fits in memory at the traffic's batch but some plan would at a smaller one,
+    the batch is halved until one fits and the result is the plan set at that batch, with a
+    ``batch_note`` (a server admits only as many concurrent sequences as its KV cache holds,
+    as vLLM's scheduler does with its block pool). Plans infeasible for other reasons (heads,
+    devices, topology) are never rescued this way."""
+    result = _plan_at(cfg, hw, point, num_devices, weight_dtype, act_dtype)
+    batch = point.batch_size
+    while not result.feasible and batch > 1 and _memory_only(result):
+        batch //= 2
+        smaller = replace(point, batch_size=batch)
+        lowered = _plan_at(cfg, hw, smaller, num_devices, weight_dtype, act_dtype)
+        if lowered.feasible:
+            note = (
+                f"batch lowered from {point.batch_size} to {batch}: the KV cache of "
+                f"{point.batch_size} sequences of {point.context_len} tokens does not fit "
+                f"in {hw.name} memory with any plan"
+            )
+            return replace(lowered, batch_note=note)
+    return result
+
+
+def _memory_only(result: PlanResult) -> bool:
+    """True when some pruned plan failed on memory alone (a smaller batch may rescue it)."""
+    return any(reason.startswith("memory:") and ";" not in reason for _, reason in result.pruned)
+
+
+def _plan_at(
+    cfg: ModelConfig,
+    hw: Hardware,
+    point: OperatingPoint,
+    num_devices: int | None,
+    weight_dtype: str,
+    act_dtype: str,
+) -> PlanResult:
     n = num_devices or hw.max_devices_per_node
     feasible: list[Estimate] = []
     pruned: list[tuple[Estimate, str]] = []

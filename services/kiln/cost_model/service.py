@@ -104,8 +104,9 @@ def _hardware(workload: common_pb2.Workload) -> tuple[Hardware, int]:
     return hw, workload.hardware.num_devices or hw.max_devices_per_node
 
 
-def to_proto(est: Estimate, reason: str = "") -> common_pb2.ParallelismPlan:
-    """The wire form of an estimate (memory rounded to whole bytes)."""
+def to_proto(est: Estimate, reason: str = "", note: str = "") -> common_pb2.ParallelismPlan:
+    """The wire form of an estimate (memory rounded to whole bytes); ``note`` says why its
+    operating point departs from the workload's."""
     p = est.plan
     return common_pb2.ParallelismPlan(
         tp=p.tp,
@@ -121,6 +122,7 @@ def to_proto(est: Estimate, reason: str = "") -> common_pb2.ParallelismPlan:
         estimate_tier=ESTIMATE_TIER,
         feasible=not reason,
         infeasible_reason=reason,
+        note=note,
     )
 
 
@@ -165,9 +167,10 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
             feasible=len(result.feasible),
             pruned=len(result.pruned),
             defaults=notes,
+            batch_note=result.batch_note or None,
         )
         return cost_model_pb2.PlanResponse(
-            plans=[to_proto(e) for e in feasible],
+            plans=[to_proto(e, note=result.batch_note) for e in feasible],
             pruned=[to_proto(e, reason) for e, reason in result.pruned],
             hardware_source=hw.source_summary(),
         )

@@ -687,6 +687,7 @@ class ParallelismPlan(_message.Message):
     ESTIMATE_TIER_FIELD_NUMBER: _builtins.int
     FEASIBLE_FIELD_NUMBER: _builtins.int
     INFEASIBLE_REASON_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
     tp: _builtins.int
     ep: _builtins.int
     dp: _builtins.int
@@ -702,6 +703,10 @@ class ParallelismPlan(_message.Message):
     feasible: _builtins.bool
     infeasible_reason: _builtins.str
     """Why an infeasible plan was pruned (memory, head or expert divisibility)."""
+    note: _builtins.str
+    """Why the plan's operating point departs from the workload's, e.g. the batch lowered until
+    the KV cache fits in memory; empty when it does not.
+    """
     def __init__(
         self,
         *,
@@ -718,10 +723,11 @@ class ParallelismPlan(_message.Message):
         estimate_tier: _builtins.str = ...,
         feasible: _builtins.bool = ...,
         infeasible_reason: _builtins.str = ...,
+        note: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "dcp", b"dcp", "dp", b"dp", "ep", b"ep", "estimate_tier", b"estimate_tier", "feasible", b"feasible", "infeasible_reason", b"infeasible_reason", "memory_bytes_per_device", b"memory_bytes_per_device", "pp", b"pp", "throughput_tokens_per_s", b"throughput_tokens_per_s", "tp", b"tp", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "dcp", b"dcp", "dp", b"dp", "ep", b"ep", "estimate_tier", b"estimate_tier", "feasible", b"feasible", "infeasible_reason", b"infeasible_reason", "memory_bytes_per_device", b"memory_bytes_per_device", "note", b"note", "pp", b"pp", "throughput_tokens_per_s", b"throughput_tokens_per_s", "tp", b"tp", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
