@@ -171,3 +171,11 @@ def test_cpu_engines_leave_a_core_to_the_services() -> None:
     assert cpu_threads("3", cores=2) == 3
     with pytest.raises(ValueError, match="KILN_ENGINE_THREADS"):
         cpu_threads("0", cores=2)
+
+
+def test_full_tier_confirmations_time_more_steps() -> None:
+    settings = EngineSettings()
+    assert settings.min_repeats_for("fast") == settings.min_repeats == 5
+    assert settings.min_repeats_for("full") == 10
+    assert EngineSettings(min_repeats=12).min_repeats_for("full") == 12  # the larger applies
+    assert EngineSettings(repeats=8).min_repeats_for("full") == 8  # capped by repeats

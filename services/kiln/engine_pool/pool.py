@@ -201,7 +201,7 @@ class EnginePool:
             candidate=candidate.canonical(),
             warmup=self.settings.warmup,
             repeats=self.settings.repeats,
-            min_repeats=min(self.settings.min_repeats, self.settings.repeats),
+            min_repeats=self.settings.min_repeats_for(spec.tier),
             measure_budget_s=self.settings.measure_budget_s,
             verify_timed_steps=self.settings.verify_timed_steps,
             prefill_repeats=self.settings.prefill_repeats,

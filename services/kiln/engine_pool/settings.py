@@ -22,6 +22,7 @@ CUDA_DEFAULTS: dict[str, Any] = {
     "warmup": 2,
     "repeats": 200,
     "min_repeats": 10,
+    "full_min_repeats": 10,
     "measure_budget_s": 0.01,
     "prefill_repeats": 3,
 }
@@ -87,6 +88,15 @@ class EngineSettings(BaseSettings):
     )
     repeats: int = Field(default=20, ge=1, description="Timed decode steps at most.")
     min_repeats: int = Field(default=5, ge=1, description="Timed decode steps at least.")
+    full_min_repeats: int = Field(
+        default=10,
+        ge=1,
+        description="Timed decode steps at least on the full tier, where confirmations are "
+        "judged by whether the candidate's p10-p90 band clears the reference's "
+        "(kiln.agent_runner.judge.distinguishable): with 5 steps one slow outlier moves the p90 "
+        "most of the way to itself, with 10 a tenth of the way. The larger of this and "
+        "min_repeats applies there.",
+    )
     measure_budget_s: float = Field(
         default=0.5,
         ge=0,
@@ -116,6 +126,12 @@ class EngineSettings(BaseSettings):
         le=3600,
         description="Deadline of a RunExperiment call that sets none, s.",
     )
+
+    def min_repeats_for(self, tier: str) -> int:
+        """Timed decode steps at least for an experiment on ``tier`` ("fast" or "full"),
+        capped by ``repeats``."""
+        least = max(self.min_repeats, self.full_min_repeats) if tier == "full" else self.min_repeats
+        return min(least, self.repeats)
 
     # --- the work queue -------------------------------------------------------------------
     consume: bool = Field(
