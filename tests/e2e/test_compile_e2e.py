@@ -271,6 +271,10 @@ async def test_kiln_compile_cli_end_to_end(deployment: Deployment, tmp_path: Pat
     assert proc.returncode == 0, err.decode()[-2000:] + text
     assert "succeeded" in text and "baseline" in text and "experiments" in text
     assert "fast vs full" in text  # the tier agreement, at the end of `kiln compile`
+    # stderr is a pipe, not a terminal: progress comes as one plain line per event.
+    progress = err.decode()
+    assert re.search(r"^\[\s*\d+\.\d s\] baseline \d", progress, re.M), progress[-2000:]
+    assert re.search(r"^\[\s*\d+\.\d s\] ended: succeeded", progress, re.M), progress[-2000:]
     match = re.search(r"compilation ([0-9a-f]{32})", text)
     assert match, text
     shown = await asyncio.create_subprocess_exec(

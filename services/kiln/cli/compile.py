@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
@@ -131,8 +132,19 @@ async def submit_and_watch(
 
 @contextlib.contextmanager
 def _live(view: CompileView, enabled: bool) -> Iterator[Callable[[], None]]:
+    """The progress display: a redrawn panel on a terminal; elsewhere (a log file, CI) one
+    plain line per event, with the seconds since the watch began."""
     if not enabled:
         yield lambda: None
+        return
+    if not err_console.is_terminal:
+
+        def log_line() -> None:
+            if view.latest:
+                elapsed = time.monotonic() - view.started
+                err_console.print(f"[{elapsed:6.1f} s] {view.latest}", markup=False)
+
+        yield log_line
         return
     with Live(view, console=err_console, refresh_per_second=4, transient=True) as live:
         yield live.refresh

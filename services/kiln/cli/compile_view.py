@@ -72,6 +72,8 @@ class CompileView:
     recent: list[str] = field(default_factory=list)
     proposals: dict[str, tuple[str, str]] = field(default_factory=dict)
     """candidate id -> (agent, description), so a result names what it measured."""
+    latest: str = ""
+    """The line of the last event folded in ("" when it had none)."""
 
     def update(self, event: compiler_pb2.CompilationEvent) -> None:
         """Fold one Watch event into the view."""
@@ -79,6 +81,7 @@ class CompileView:
             self.snapshot = event.snapshot
         detail = MessageToDict(event.detail) if event.HasField("detail") else {}
         line = self._line(event.type, detail)
+        self.latest = line
         if line:
             self.recent = [*self.recent[-5:], line]
 
