@@ -5,6 +5,7 @@ a traceback (set ``KILN_DEBUG=1`` to get the traceback of an unexpected error). 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import grpc
@@ -81,7 +82,7 @@ def _setting_problem(err: Any) -> str:
 
 class KilnGroup(TyperGroup):
     """The root command group: turns any exception a command raises into :func:`print_error`
-    and exit status 1 (130 on Ctrl-C)."""
+    and exit status 1 (130 on Ctrl-C; 141, silently, when stdout's reader closed the pipe)."""
 
     def invoke(self, ctx: Any) -> Any:
         """Run the command, reporting failures as one line."""
@@ -91,6 +92,13 @@ class KilnGroup(TyperGroup):
             raise  # exits, and usage errors that typer prints itself
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
+        except BrokenPipeError:
+            # The reader went away (``kiln ... | head``): stop quietly. Later writes (the
+            # interpreter's flush at exit) go to devnull, as the Python docs advise (signal
+            # module, "Note on SIGPIPE").
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            raise typer.Exit(141) from None
         except Exception as exc:
             if os.environ.get("KILN_DEBUG") and not isinstance(exc, CliError | KilnError):
                 raise
