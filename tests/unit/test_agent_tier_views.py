@@ -73,9 +73,15 @@ def test_the_summary_shows_tiers_and_the_agreement_apart_from_the_reason() -> No
     assert "1.30x over the reference measured next to it on the full tier" in text
     snap.ClearField("best")
     snap.reason = "enough"
+    snap.experiments_done = 10
     text = _text(summary_table(snap))
     assert "no candidate beat the reference on the full tier" in text
     assert "fast vs full" not in text and "succeeded (enough)" in text
+    # Failed before measuring anything (no plan, say): no claim about candidates.
+    snap.experiments_done = 0
+    snap.status = compiler_pb2.COMPILATION_STATUS_FAILED
+    text = _text(summary_table(snap))
+    assert "none: nothing was measured" in text and "beat the reference" not in text
 
 
 def _best(position: int, tps: float, tier: str) -> StoredEvent:

@@ -223,6 +223,8 @@ def summary_table(snap: compiler_pb2.Compilation) -> Table:
         )
         table.add_row("speedup", f"{snap.best.speedup:.2f}x{over}")
         table.add_row("best candidate", describe_candidate(snap.best.candidate))
+    elif snap.experiments_done == 0:
+        table.add_row("best", "none: nothing was measured")
     else:
         table.add_row("best", "no candidate beat the reference on the full tier")
     if cut:
