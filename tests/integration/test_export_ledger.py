@@ -20,7 +20,7 @@ from kiln.export.artifact import read_artifact
 from kiln.ledger.app import LedgerApp
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
-from kiln.workloads.candidate import Candidate
+from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 from tests.unit.engine_testing import HANDWRITTEN_MLP, tiny_workload
 
 from .events_factory import new_id
@@ -41,7 +41,11 @@ async def ledger_addr(settings: KilnSettings) -> AsyncIterator[str]:
         await task
 
 
-async def _compilation(client: LedgerClient, *, best: bool) -> tuple[str, str]:
+async def _compilation(
+    client: LedgerClient, *, best: bool, reference_tps: float = 0.0
+) -> tuple[str, str]:
+    """A compilation whose candidate WINNER measured 500 tokens/s on the full tier (after a
+    full-tier reference measurement at ``reference_tps``, when given)."""
     cid, eid = new_id(), new_id()
     workload = {**tiny_workload(batch=2, context=24), "workload_key": "wk-tiny"}
     await client.append(
@@ -60,6 +64,33 @@ async def _compilation(client: LedgerClient, *, best: bool) -> tuple[str, str]:
         ],
         "no_stream",
     )
+    if reference_tps:
+        ref = {"compilation_id": cid, "candidate_id": REFERENCE_CANDIDATE.id}
+        await client.append(
+            f"experiment-{new_id()}",
+            [
+                NewEvent(
+                    "ExperimentRequested",
+                    {
+                        **ref,
+                        "candidate": REFERENCE_CANDIDATE.canonical(),
+                        "tier": "full",
+                        "agent": "confirm",
+                    },
+                ),
+                NewEvent(
+                    "ExperimentCompleted",
+                    {
+                        **ref,
+                        "status": "ok",
+                        "correct": True,
+                        "tokens_per_s": reference_tps,
+                        "tier": "full",
+                        "engine_id": "cpu-engine-1",
+                    },
+                ),
+            ],
+        )
     common = {"compilation_id": cid, "candidate_id": WINNER.id}
     await client.append(
         f"experiment-{eid}",
@@ -152,6 +183,20 @@ async def test_export_writes_a_loadable_artifact(ledger_addr: str, tmp_path: Pat
         ledger_addr, "export", cid, "--out", str(tmp_path / "c"), "--candidate", "f" * 64
     )
     assert code != 0 and "was not requested correct on the full tier" in text
+
+
+async def test_export_of_a_named_candidate_records_its_speedup_over_the_adjacent_reference(
+    ledger_addr: str, tmp_path: Path
+) -> None:
+    async with LedgerClient(ledger_addr, team="search") as client:
+        cid, eid = await _compilation(client, best=False, reference_tps=400.0)
+    out = tmp_path / "named"
+    code, text = await _kiln(
+        ledger_addr, "export", cid, "--out", str(out), "--candidate", WINNER.id
+    )
+    assert code == 0, text
+    measured = read_artifact(out).manifest.measured
+    assert measured.experiment_id == eid and measured.speedup == pytest.approx(500.0 / 400.0)
 
 
 async def test_export_errors(ledger_addr: str, tmp_path: Path) -> None:
