@@ -188,3 +188,26 @@ def test_reproduce_reports_a_bad_artifact(tmp_path: Path) -> None:
     done = _reproduce(tmp_path / "missing")
     assert done.returncode == 2
     assert "is not an artifact directory" in done.stderr
+
+
+def test_reproduce_flags_a_noisy_timing() -> None:
+    from kiln.export.reproduce import Reproduction, report_lines
+
+    quiet = Reproduction(
+        recorded_tokens_per_s=31.4,
+        measured_tokens_per_s=30.0,
+        ratio=30.0 / 31.4,
+        median_ms=266.7,
+        p10_ms=250.0,
+        p90_ms=290.0,
+        max_abs_error=0.01,
+        tolerance=0.1,
+        correct=True,
+        reason="",
+        device="cpu",
+    )
+    assert not any(line.startswith("note") for line in report_lines(quiet))
+    assert "verdict   correct" in report_lines(quiet)
+    noisy = Reproduction(**{**quiet.__dict__, "p10_ms": 378.0, "p90_ms": 1617.0})
+    (note,) = [line for line in report_lines(noisy) if line.startswith("note")]
+    assert "noisy timing: p10-p90 spans 465% of the median" in note
