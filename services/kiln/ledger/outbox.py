@@ -47,6 +47,8 @@ from kiln.ledger.tables import events, outbox
 log = structlog.get_logger(__name__)
 
 NOTIFY_CHANNEL: Final = "kiln_outbox"
+IDLE_POLL_STEPS: Final = 3
+"""Doublings of the poll interval while the outbox stays empty (0.2 s -> 1.6 s by default)."""
 """The channel the append transaction notifies (payload: its last position)."""
 LOCK_KEY: Final = 0x6B696C6E_6F757462
 """``pg_try_advisory_lock`` key electing the one publisher per database ("kilnoutb")."""
@@ -114,7 +116,10 @@ class OutboxPublisher:
         js: a JetStream context; the events stream must exist
             (:func:`kiln.common.nats.ensure_streams`).
         prefix: the subject prefix (``settings.subject_prefix``).
-        poll_interval_s: longest wait for a NOTIFY before looking at the outbox anyway, seconds.
+        poll_interval_s: longest wait for a NOTIFY before looking at the outbox anyway, seconds;
+            doubled after each pass that found nothing, up to :data:`IDLE_POLL_STEPS`
+            doublings (every append NOTIFYs, so the poll only catches a missed notification,
+            and an idle ledger need not query its outbox five times a second).
         lock_retry_s: how often a non-leader tries to become leader, seconds.
         ack_timeout_s: longest wait for one PubAck, seconds.
         max_backoff_s: longest pause after a failed pass (NATS or database down), seconds.
@@ -367,7 +372,7 @@ class OutboxPublisher:
         LEADER.set(1)
         log.info("outbox.leader", stream=self._stream)
         self._watermark = None  # another leader may have published since we last looked
-        failures = 0
+        failures = idle = 0
         while not stop.is_set():
             try:
                 n = await self.publish_pending(batch)
@@ -377,15 +382,17 @@ class OutboxPublisher:
                 log.warning("outbox.pass_failed", error=str(exc), failures=failures)
                 await _wait(stop, self._backoff(failures))
                 continue
+            idle = idle + 1 if n == 0 else 0
             if n < batch:
-                await self._wait_notify(pg, stop)
+                timeout = self._poll_interval_s * 2 ** min(idle, IDLE_POLL_STEPS)
+                await self._wait_notify(pg, stop, timeout)
 
-    async def _wait_notify(self, pg: Any, stop: asyncio.Event) -> None:
-        """Return on a NOTIFY, on ``stop`` or after the poll interval; raises if the session
-        died (so the caller steps down)."""
+    async def _wait_notify(self, pg: Any, stop: asyncio.Event, timeout_s: float) -> None:
+        """Return on a NOTIFY, on ``stop`` or after ``timeout_s``; raises if the session died
+        (so the caller steps down)."""
 
         async def notified() -> None:
-            gen = pg.notifies(timeout=self._poll_interval_s, stop_after=1)
+            gen = pg.notifies(timeout=timeout_s, stop_after=1)
             async with contextlib.aclosing(gen):
                 async for _ in gen:
                     break
