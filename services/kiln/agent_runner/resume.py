@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kiln.agent_runner import records
-from kiln.agent_runner.experiment import Completed, Requested, event_data, experiment_id_of
+from kiln.agent_runner.experiment import event_data
 from kiln.agent_runner.ledger_access import LedgerPool
-from kiln.agent_runner.state import CompilationState, ExperimentRecord
+from kiln.agent_runner.state import CompilationState
 from kiln.board import BoardPost
 from kiln.common.logging import get_logger
 from kiln.workloads.candidate import Candidate
@@ -87,15 +87,8 @@ async def load_open_states(ledger: LedgerPool, ids: list[str]) -> list[Compilati
         stream_prefix=records.EXPERIMENT_PREFIX,
     ):
         owner = states.get(str(event_data(event).get("compilation_id", "")))
-        eid = experiment_id_of(event)
-        if owner is None or eid is None:
-            continue
-        if event.type == "ExperimentRequested":
-            owner.experiments[eid] = ExperimentRecord(Requested.from_event(event))
-        else:
-            record = owner.experiments.get(eid)
-            if record is not None and record.completed is None:
-                record.completed = Completed.from_event(event)
+        if owner is not None:
+            owner.apply_experiment(event)
     return list(states.values())
 
 

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from kiln.agent_runner.experiment import Completed, Requested, event_data, recorded_at
+from kiln.agent_runner.experiment import (
+    Completed,
+    Requested,
+    event_data,
+    experiment_id_of,
+    recorded_at,
+)
 from kiln.agent_runner.records import COMPILATION_PREFIX, stream_suffix
 from kiln.agent_runner.workload import workload_from_json
 from kiln.v1 import common_pb2, ledger_pb2
@@ -133,6 +139,20 @@ class CompilationState:
     def apply(self, event: ledger_pb2.RecordedEvent) -> None:
         """Fold one later event of the stream (versions already folded are ignored)."""
         self.apply_data(event.type, event_data(event), event.stream_version)
+
+    def apply_experiment(self, event: ledger_pb2.RecordedEvent) -> None:
+        """Fold one of this compilation's ``ExperimentRequested`` / ``ExperimentCompleted``
+        events (read from its experiment stream) into :attr:`experiments`; a completion
+        without its request, or after the first, is ignored."""
+        eid = experiment_id_of(event)
+        if eid is None:
+            return
+        if event.type == "ExperimentRequested":
+            self.experiments[eid] = ExperimentRecord(Requested.from_event(event))
+        elif event.type == "ExperimentCompleted":
+            record = self.experiments.get(eid)
+            if record is not None and record.completed is None:
+                record.completed = Completed.from_event(event)
 
     def apply_data(self, event_type: str, d: dict[str, Any], version: int) -> None:
         """Fold an event given by type, payload and stream version (e.g. one just appended)."""

@@ -70,9 +70,6 @@ PARAMS = (
 """The transform's parameters (see the module docs)."""
 
 
-PDL_MODES = 3
-"""Values of ``pdl`` (= :data:`kiln.ops.kernels.pdl.PDL_MODES`; not imported here, since that
-module imports Triton, which this one leaves to :class:`FusedDecode`)."""
 DEFAULT_PDL = 2
 """``pdl`` when a candidate leaves it unset: release the next kernel at entry, then wait.
 Measured on an H200 (Llama-3.2-1B, batch 1, context 1,085, step in a CUDA graph): 858 µs a
@@ -102,7 +99,7 @@ def _int_params(params: Mapping[str, str]) -> dict[str, int]:
             if value not in (0, 1):
                 raise FusedDecodeUnsupported(f"fused_decode: fused_combine={value} is not 0 or 1")
         elif key == "pdl":
-            if value not in range(PDL_MODES):
+            if value not in range(runtime.PDL_MODES):
                 raise FusedDecodeUnsupported(f"fused_decode: pdl={value} is not 0, 1 or 2")
         elif value < 1:
             raise FusedDecodeUnsupported(f"fused_decode: {key}={value} must be positive")
@@ -213,6 +210,7 @@ class FusedDecode:
 
         self.model = model
         self.params = _int_params(params)
+        self.pdl: int = self.params.get("pdl", DEFAULT_PDL)
         self._eager: Callable[[Tensor], Tensor] = model.decode_step
         self.layers = _layers(model)
         rope = _derived(model, model.slots.layers[0].rope, COS_SIN_TABLE)
@@ -257,7 +255,7 @@ class FusedDecode:
             changes["num_warps"] = p["num_warps"]
         if "fused_combine" in p:
             changes["fused_combine"] = bool(p["fused_combine"])
-        changes["pdl"] = p.get("pdl", DEFAULT_PDL)
+        changes["pdl"] = self.pdl
         try:
             attention = replace(attention, **changes)
         except ValueError as exc:
@@ -271,7 +269,7 @@ class FusedDecode:
             changes["block_n"] = block_n
         if split_k is not None:
             changes["split_k"] = split_k
-        changes["pdl"] = self.params.get("pdl", DEFAULT_PDL)
+        changes["pdl"] = self.pdl
         for key in ("block_k", "num_warps"):
             if key in self.params:
                 changes[key] = self.params[key]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from kiln.agent_runner import records
 from kiln.agent_runner.experiment import Completed, Requested, event_data
 from kiln.agent_runner.judge import CONFIRM_TIER
+from kiln.agent_runner.judge import speedup as judge_speedup
 from kiln.agent_runner.snapshot import EXPERIMENT_TYPES
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.workload import workload_to_json
@@ -36,7 +37,6 @@ from kiln.export.artifact import (
     check_out_dir,
     write_artifact,
 )
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
 
 if TYPE_CHECKING:
     from kiln.ledger.client import LedgerClient
@@ -153,44 +153,22 @@ async def find_winner(
             )
         req, done = await _experiment(client, state.best.experiment_id)
         return Winner(req, done, state.best.speedup)
-    found: dict[str, str] = {}
-    full_refs: set[str] = set()  # the reference's full-tier experiments
-    ref_done: list[tuple[int, float]] = []  # (position, tokens/s) of those measured correct
-    async for event in client.read_all(state.submitted_position - 1, types=EXPERIMENT_TYPES):
-        d = event_data(event)
-        if d.get("compilation_id") != state.compilation_id:
-            continue
-        if event.type == "ExperimentRequested":
-            eid = Requested.from_event(event).experiment_id
-            if d.get("candidate_id") == candidate_id:
-                found[eid] = str(d.get("tier"))
-            if d.get("candidate_id") == REFERENCE_CANDIDATE.id and d.get("tier") == CONFIRM_TIER:
-                full_refs.add(eid)
-        elif event.stream_id.removeprefix("experiment-") in full_refs:
-            done = Completed.from_event(event)
-            if done.ok and done.result.tokens_per_s > 0:
-                ref_done.append((done.position, done.result.tokens_per_s))
-
-    def adjacent_speedup(done: Completed) -> float:
-        """Over the reference's correct full-tier measurement completed last before it, as
-        the judge's (:func:`kiln.agent_runner.judge.full_reference`); 0.0 when none."""
-        earlier = [tps for position, tps in ref_done if position < done.position]
-        return done.result.tokens_per_s / earlier[-1] if earlier else 0.0
-
+    async for event in client.read_all(
+        state.submitted_position - 1,
+        types=EXPERIMENT_TYPES,
+        stream_prefix=records.EXPERIMENT_PREFIX,
+    ):
+        if event_data(event).get("compilation_id") == state.compilation_id:
+            state.apply_experiment(event)
+    found = [r for r in state.experiments.values() if r.requested.candidate.id == candidate_id]
     best: Winner | None = None
-    for eid, tier in found.items():
-        if tier != "full":
+    for record in found:
+        result = record.completed
+        if record.requested.tier != CONFIRM_TIER or result is None or not result.ok:
             continue
-        try:
-            req, done = await _experiment(client, eid)
-        except ExportError:
-            continue
-        if done.ok and (
-            best is None or done.result.tokens_per_s > best.completed.result.tokens_per_s
-        ):
-            recorded = state.best is not None and state.best.experiment_id == eid
-            gain = state.best.speedup if recorded and state.best else adjacent_speedup(done)
-            best = Winner(req, done, gain)
+        if best is None or result.result.tokens_per_s > best.completed.result.tokens_per_s:
+            # over the reference measured last before it on the full tier, as the judge has it
+            best = Winner(record.requested, result, judge_speedup(state, result) or 0.0)
     if best is None:
         where = "measured" if found else "requested"
         raise ExportError(

@@ -19,8 +19,7 @@ import triton.language as tl
 
 from kiln.ops.kernels import runtime
 
-PDL_MODES = 3
-"""Modes a kernel config's ``pdl`` takes: 0 off, 1 wait then release, 2 release then wait."""
+PDL_MODES = runtime.PDL_MODES
 
 
 @triton.jit

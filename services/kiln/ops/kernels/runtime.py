@@ -53,6 +53,11 @@ def require(device: torch.device | str) -> None:
         )
 
 
+PDL_MODES = 3
+"""Programmatic-dependent-launch modes a kernel config's ``pdl`` takes: 0 off, 1 wait then
+release the next kernel, 2 release then wait (:mod:`kiln.ops.kernels.pdl`)."""
+
+
 @functools.cache
 def _pdl_capable(index: int) -> bool:
     major, _ = torch.cuda.get_device_capability(index)
