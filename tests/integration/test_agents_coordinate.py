@@ -85,6 +85,9 @@ class SyntheticLab:
     def reserve(self) -> bool:
         return self.budget.reserve()
 
+    async def acquire(self) -> bool:
+        return await self.budget.acquire()
+
     def release(self) -> None:
         self.budget.release()
 

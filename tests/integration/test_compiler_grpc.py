@@ -533,7 +533,7 @@ async def test_restart_resumes_the_open_compilation(stack: Stack) -> None:
     assert events[-1].detail["status"] == "succeeded", events[-1].detail
     story = await _story(stack.ledger, cid, events[0].position - 1)
     requests = _check_experiments_settled(story)
-    assert len(requests) == 14
+    assert len(requests) == 14, (events[-1].detail, [(r["agent"], r["tier"]) for r in requests])
     types = Counter(e.type for e in story)
     assert types["CompilationPlanned"] == types["BaselineMeasured"] == 1
     bests = [b["experiment_id"] for b in _check_bests(story)]

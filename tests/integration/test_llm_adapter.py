@@ -159,6 +159,9 @@ class OneSpaceLab:
         self.slots -= 1
         return True
 
+    async def acquire(self) -> bool:
+        return self.reserve()
+
     def release(self) -> None:
         self.slots += 1
 
@@ -343,6 +346,9 @@ class MeasuringLab(OneSpaceLab):
 
     def reserve(self) -> bool:
         return self.budget.reserve()
+
+    async def acquire(self) -> bool:
+        return await self.budget.acquire()
 
     def release(self) -> None:
         self.budget.release()

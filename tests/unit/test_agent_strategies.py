@@ -180,6 +180,9 @@ class _Lab:
     def reserve(self) -> bool:
         return self.budget.reserve()
 
+    async def acquire(self) -> bool:
+        return await self.budget.acquire()
+
     def release(self) -> None:
         self.budget.release()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -159,3 +160,28 @@ def test_budget_slots() -> None:
     assert b.spent and not b.reserve()
     unlimited = ExperimentBudget(limit=0)
     assert all(unlimited.reserve() for _ in range(100)) and not unlimited.spent
+
+
+async def test_acquire_waits_for_a_reserved_slot_given_back() -> None:
+    b = ExperimentBudget(limit=2)
+    assert b.reserve() and b.reserve()  # every slot reserved, none completed
+    waiting = asyncio.create_task(b.acquire())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # a reservation may be given back: wait, do not give up
+    b.release()  # e.g. the other agent lost its claim
+    assert await asyncio.wait_for(waiting, 1)
+    assert b.in_flight == 2
+
+
+async def test_acquire_gives_up_once_the_budget_is_spent() -> None:
+    b = ExperimentBudget(limit=2)
+    assert b.reserve() and b.reserve()
+    waiting = asyncio.create_task(b.acquire())
+    await asyncio.sleep(0.01)
+    b.complete()
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # one experiment still in flight might fail to be requested
+    b.complete()
+    assert await asyncio.wait_for(waiting, 1) is False
+    assert b.spent and b.in_flight == 0
+    assert await ExperimentBudget(limit=0).acquire()  # no limit

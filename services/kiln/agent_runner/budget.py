@@ -11,8 +11,9 @@ A compilation stops when either limit is reached:
 
 from __future__ import annotations
 
+import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from kiln.common.errors import InvalidArgument
@@ -57,6 +58,7 @@ class ExperimentBudget:
     limit: int
     completed: int = 0
     in_flight: int = 0
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 
     def reserve(self) -> bool:
         """Take a slot for one more experiment; False when the limit is reached."""
@@ -65,14 +67,32 @@ class ExperimentBudget:
         self.in_flight += 1
         return True
 
+    async def acquire(self) -> bool:
+        """Take a slot, waiting while the limit is reached only by reservations that may yet be
+        given back (a claim lost to another agent, a confirmation that needed fewer
+        experiments); False once the completed experiments reach the limit.
+
+        Without the wait, an agent that found every slot reserved for a moment (another agent
+        between its reservation and a lost claim) stopped for good, and a compilation could
+        end one experiment short of its budget with "nothing left to propose".
+        """
+        while not self.reserve():
+            if self.spent:
+                return False
+            self._changed.clear()
+            await self._changed.wait()
+        return True
+
     def release(self) -> None:
         """Give back a reserved slot that was not used (e.g. the claim was lost)."""
         self.in_flight = max(0, self.in_flight - 1)
+        self._changed.set()
 
     def complete(self) -> None:
         """A reserved experiment completed."""
         self.in_flight = max(0, self.in_flight - 1)
         self.completed += 1
+        self._changed.set()
 
     @property
     def spent(self) -> bool:

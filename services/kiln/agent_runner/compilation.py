@@ -196,6 +196,17 @@ class CompilationRunner:
         compilation is stopping."""
         return not self._stop.is_set() and self._budget.reserve()
 
+    async def acquire(self) -> bool:
+        """Take an experiment slot for an agent, waiting while the last slots are only
+        reserved (:meth:`ExperimentBudget.acquire`); False once the budget is spent or the
+        compilation is stopping."""
+        if self._stop.is_set() or not await self._budget.acquire():
+            return False
+        if self._stop.is_set():
+            self._budget.release()
+            return False
+        return True
+
     def release(self) -> None:
         """Give back an unused slot."""
         self._budget.release()
@@ -536,6 +547,7 @@ class CompilationRunner:
             if confirmation_due(self.state) is None:
                 if self._agents_done:
                     return
+                self._release_confirm_slots()  # agents waiting for a slot may take them
                 self._gate.set()
                 await self._confirm_wanted.wait()
                 continue

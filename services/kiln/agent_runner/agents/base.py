@@ -60,8 +60,10 @@ class Lab(Protocol):
     def board(self) -> Board:
         """The message board."""
 
-    def reserve(self) -> bool:
-        """Take an experiment slot; False when the experiment budget is spent."""
+    async def acquire(self) -> bool:
+        """Take an experiment slot, waiting while every slot left is reserved by work that
+        may give it back; False once the experiment budget is spent or the compilation
+        stops."""
 
     def release(self) -> None:
         """Give back a slot that was not used."""
@@ -76,11 +78,11 @@ class Lab(Protocol):
         with ``wants_profiles``."""
 
 
-def slot_left(lab: Lab) -> bool:
+async def slot_left(lab: Lab) -> bool:
     """Whether the compilation has an experiment slot left, without keeping it (a strategy
     checks this before paying for work only a measurement would use: an LLM completion, a
-    wait for results to compose)."""
-    if not lab.reserve():
+    wait for results to compose); waits while the last slots are only reserved."""
+    if not await lab.acquire():
         return False
     lab.release()
     return True
@@ -145,7 +147,7 @@ class Agent(ABC):
         """One candidate; False when no experiment slot is left."""
         candidate, cid = proposal.candidate, lab.compilation_id
         self.tried.add(candidate.id)
-        if not lab.reserve():
+        if not await lab.acquire():
             return False
         body = {"candidate": candidate.canonical()}
         if not await lab.board.claim(cid, candidate.id, self.name, body):

@@ -95,7 +95,7 @@ class CombinerAgent(Agent):
             proposal = self.propose(view, lab.space)
             if proposal is not None or view.in_flight:
                 return proposal  # None: the shared loop waits for the results in flight
-            if not slot_left(lab):
+            if not await slot_left(lab):
                 return None  # the experiment budget is spent: no result will come to compose
             if waited >= self.quiet_s:
                 return None

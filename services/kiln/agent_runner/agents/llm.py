@@ -179,7 +179,7 @@ class LLMAgent(Agent):
         targets = target_ops(lab.space)
         if self.stopped or not targets:
             return None
-        if not slot_left(lab):  # do not pay for a completion nobody measures
+        if not await slot_left(lab):  # do not pay for a completion nobody measures
             return None
         facts = workload_facts(lab)
         triton = facts.hardware.strip().lower() not in ("", "cpu") and triton_available()
