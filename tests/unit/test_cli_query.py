@@ -89,3 +89,29 @@ def test_narrow_terminal_leaves_out_trailing_columns_not_rows() -> None:
     assert 1 < len(narrow.columns) < len(wide.columns)
     assert narrow.columns[0].header == "compilation_id"
     assert "updated_at" in hidden and narrow.row_count == 2
+
+
+def test_replay_table_says_what_was_applied() -> None:
+    from rich.console import Console
+
+    from kiln.cli.render import replay_table
+    from kiln.v1 import ledger_pb2
+
+    response = ledger_pb2.ReplayResponse(
+        checkpoint_position=9,
+        events_replayed=9,
+        projections=[
+            ledger_pb2.ProjectionReplay(
+                name="compilations", rows_live=2, rows_rebuilt=2, equal=True
+            ),
+            ledger_pb2.ProjectionReplay(name="experiments", rows_live=3, rows_rebuilt=4),
+            ledger_pb2.ProjectionReplay(name="bests", rows_live=1, rows_rebuilt=2, applied=True),
+        ],
+    )
+    console = Console(width=120, record=True)
+    console.print(replay_table(response))
+    lines = console.export_text().splitlines()
+    row = {line.split()[1]: line for line in lines if line.startswith("│ ")}
+    assert "not needed" in row["compilations"]
+    assert row["experiments"].split("│")[-2].strip() == "no"
+    assert row["bests"].split("│")[-2].strip() == "yes"

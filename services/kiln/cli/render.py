@@ -227,15 +227,19 @@ def _mark(ok: bool) -> Text:
 
 
 def replay_table(response: Any) -> Table:
-    """A table of a ReplayResponse: per projection, rows live/rebuilt and whether equal."""
+    """A table of a ReplayResponse: per projection, rows live/rebuilt, whether equal, and
+    whether the rebuilt rows replaced the live ones ("yes"; "no" for a difference left as it
+    was; "not needed" when equal)."""
     table = Table("projection", "rows live", "rows rebuilt", "equal", "applied")
     for proj in response.projections:
+        if proj.applied:
+            applied = Text("yes", style="green")
+        elif proj.equal:
+            applied = Text("not needed", style="dim")
+        else:
+            applied = Text("no", style="red")
         table.add_row(
-            proj.name,
-            str(proj.rows_live),
-            str(proj.rows_rebuilt),
-            _mark(proj.equal),
-            "yes" if proj.applied else "",
+            proj.name, str(proj.rows_live), str(proj.rows_rebuilt), _mark(proj.equal), applied
         )
     table.title = (
         f"replay of {response.events_replayed} events up to position "
