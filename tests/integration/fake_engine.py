@@ -63,6 +63,11 @@ def throughput(candidate: dict[str, Any], tier: str = "fast") -> tuple[float, bo
     return tps, correct
 
 
+FAKE_BATCH = 8
+FAKE_CONTEXT = 512
+"""The operating point every fake measurement reports (a CPU engine's default caps)."""
+
+
 class FakeEngine:
     """Consumes ``{prefix}.work.experiments.*.fast.*`` with ``workers`` concurrent workers and
     ``{prefix}.work.experiments.*.full.*`` with one.
@@ -140,6 +145,8 @@ class FakeEngine:
             "engine_id": "fake-0",
             "tier": work.tier,
             "error": "" if correct else "max |error| 0.5 over tolerance",
+            "batch_size": FAKE_BATCH,  # as a CPU engine caps the traffic's batch and context
+            "context_len": FAKE_CONTEXT,
         }
         client = self._clients.get(work.team)
         if client is None:

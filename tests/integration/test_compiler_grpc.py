@@ -39,7 +39,7 @@ from kiln.ledger.client import LedgerClient
 from kiln.v1 import common_pb2, compiler_pb2, compiler_pb2_grpc, ledger_pb2
 from kiln.workloads.candidate import REFERENCE_CANDIDATE
 
-from .fake_engine import FakeEngine
+from .fake_engine import FAKE_BATCH, FAKE_CONTEXT, FakeEngine
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 MODELS = DATA / "models"
@@ -122,6 +122,7 @@ async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
             "subject_prefix": prefix,
             "ledger_addr": ledger_addr,
             "cost_model_addr": cost_addr,
+            "agent_runner_addr": runner_addr,
             "metrics_port": 0,
             "grace_period_s": 1.0,
         }
@@ -302,6 +303,17 @@ async def test_compilation_runs_agents_to_the_experiment_budget(stack: Stack) ->
     assert snap.best.candidate.candidate_id == bests[-1]["candidate_id"]
     assert snap.best.candidate.ops or snap.best.candidate.transforms
     assert snap.baseline.tokens_per_s == pytest.approx(baseline)
+    # The speedup is over the full-tier reference measured next to the best, which the
+    # message carries (the baseline is the fast-tier reference: not comparable).
+    ref = snap.best.reference
+    assert snap.best.reference_experiment_id and ref.tier == common_pb2.TIER_FULL
+    assert ref.tokens_per_s > 0 and ref.timing.median_ms > 0
+    assert snap.best.speedup == pytest.approx(snap.best.measurement.tokens_per_s / ref.tokens_per_s)
+    # Where the engine measured: its own operating point, not the traffic's batch 30.
+    assert (snap.best.measurement.batch_size, snap.best.measurement.context_len) == (
+        FAKE_BATCH,
+        FAKE_CONTEXT,
+    )
 
     # Claims: no candidate measured twice; several default agents contributed; the budget held.
     story = await _story(stack.ledger, cid, events[0].position - 1)
@@ -329,6 +341,7 @@ async def test_compilation_runs_agents_to_the_experiment_budget(stack: Stack) ->
     # Get, List and a resumed Watch agree.
     got = await stack.stub.Get(compiler_pb2.GetRequest(compilation_id=cid), timeout=10)
     assert got.best.experiment_id == snap.best.experiment_id
+    assert got.best.reference == snap.best.reference
     assert got.status == compiler_pb2.COMPILATION_STATUS_SUCCEEDED
     listed: list[compiler_pb2.Compilation] = []
     for _ in range(100):  # List reads the ledger's projection, which follows within moments
@@ -474,6 +487,25 @@ async def test_cancel_ends_a_running_compilation(stack: Stack) -> None:
     submitted = await stack.stub.Submit(_request(stack, 60.0, 0), timeout=10)
     cid = submitted.compilation_id
     await _watch(stack.stub, cid, until="BaselineMeasured")
+    # Another team may read it (audit) but not cancel it.
+    runner_addr = stack.settings.agent_runner_addr
+    async with team_channel(runner_addr, "other-team") as channel:
+        other = compiler_pb2_grpc.CompilerStub(channel)
+        seen = await other.Get(compiler_pb2.GetRequest(compilation_id=cid), timeout=10)
+        assert seen.team == TEAM
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await other.Cancel(compiler_pb2.CancelRequest(compilation_id=cid), timeout=10)
+        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert f"belongs to team {TEAM!r}" in (denied.value.details() or "")
+        everyone = await other.List(compiler_pb2.ListRequest(team="*", limit=1000), timeout=10)
+        assert cid in {c.compilation_id for c in everyone.compilations}
+        own = await other.List(compiler_pb2.ListRequest(), timeout=10)
+        assert cid not in {c.compilation_id for c in own.compilations}
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await other.List(compiler_pb2.ListRequest(team="Not A Team"), timeout=10)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "ListRequest.team" in (bad.value.details() or "")
+    assert not any(e.type == "CompilationCancelRequested" for e in await _story(stack.ledger, cid))
     cancelled = await stack.stub.Cancel(
         compiler_pb2.CancelRequest(compilation_id=cid, reason="enough"), timeout=15
     )

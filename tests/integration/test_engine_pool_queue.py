@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import nats
 import pytest
 import pytest_asyncio
+from prometheus_client import REGISTRY
 
 from kiln.common.nats import delete_streams, parse_work_subject, work_stream_name
 from kiln.common.settings import KilnSettings
@@ -126,8 +127,15 @@ async def _settled(stack: Stack, handled: int, subject: str | None = None) -> bo
     )
 
 
+def _sample(name: str, **labels: str) -> float:
+    """A sample of this process's Prometheus registry (the pool runs in-process), 0 if unset."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 async def test_work_is_measured_and_completed_exactly_once(stack: Stack) -> None:
     w = work(Candidate.make({"attention": "sdpa"}), team="search")
+    ok_before = _sample("kiln_engine_experiments_total", tier="fast", status="ok")
+    busy_before = _sample("kiln_engine_experiment_device_seconds_count", tier="fast")
     requested = await _requested(stack, w)
     await _publish(stack, w)
 
@@ -146,6 +154,9 @@ async def test_work_is_measured_and_completed_exactly_once(stack: Stack) -> None
     assert done.metadata.team == "search"
     assert done.metadata.causation_id == requested.event_id
     assert done.metadata.correlation_id == requested.metadata.correlation_id
+    # Counted on the pool's metrics: one more ok experiment on the fast tier, with its busy time.
+    assert _sample("kiln_engine_experiments_total", tier="fast", status="ok") == ok_before + 1
+    assert _sample("kiln_engine_experiment_device_seconds_count", tier="fast") == busy_before + 1
 
     # The same work again (another message id gets past JetStream's de-duplication).
     handled = stack.app.consumer.handled

@@ -71,6 +71,19 @@ def test_the_summary_shows_tiers_and_the_agreement_apart_from_the_reason() -> No
     assert "fast vs full" in text and "Spearman rho 0.80 over 5 candidates" in text
     assert "100.0 tok/s, fast tier" in text and "full tier)" in text
     assert "1.30x over the reference measured next to it on the full tier" in text
+    assert "measured at" not in text  # not recorded: no claim
+    snap.best.reference.tokens_per_s = 23.1
+    snap.best.measurement.batch_size, snap.best.measurement.context_len = 8, 512
+    snap.workload.traffic.batch_size, snap.workload.traffic.context_len = 30, 1085
+    text = _text(summary_table(snap))
+    assert "on the full tier (23.1 tok/s)" in text
+    assert (
+        "batch 8, context 512 tokens (the engine's limits lowered the traffic's batch 30 and "
+        "context 1,085)" in text
+    )
+    snap.workload.traffic.batch_size, snap.workload.traffic.context_len = 8, 512
+    text = _text(summary_table(snap))
+    assert "batch 8, context 512 tokens" in text and "lowered" not in text
     snap.ClearField("best")
     snap.reason = "enough"
     snap.experiments_done = 10

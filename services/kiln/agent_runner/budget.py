@@ -79,9 +79,13 @@ class ExperimentBudget:
         while not self.reserve():
             if self.spent:
                 return False
-            self._changed.clear()
-            await self._changed.wait()
+            await self.changed()
         return True
+
+    async def changed(self) -> None:
+        """Wait for the next release or completion."""
+        self._changed.clear()
+        await self._changed.wait()
 
     def release(self) -> None:
         """Give back a reserved slot that was not used (e.g. the claim was lost)."""

@@ -197,15 +197,22 @@ class CompilationRunner:
         return not self._stop.is_set() and self._budget.reserve()
 
     async def acquire(self) -> bool:
-        """Take an experiment slot for an agent, waiting while the last slots are only
-        reserved (:meth:`ExperimentBudget.acquire`); False once the budget is spent or the
+        """Take an experiment slot for an agent once no confirmation holds the gate (the
+        confirmations due get their slots first), waiting while the last slots are only
+        reserved (see :meth:`ExperimentBudget.acquire`); False once the budget is spent or the
         compilation is stopping."""
-        if self._stop.is_set() or not await self._budget.acquire():
-            return False
-        if self._stop.is_set():
-            self._budget.release()
-            return False
-        return True
+        budget = self._budget
+        while not self._stop.is_set():
+            await self._gate.wait()
+            if self._stop.is_set():
+                break
+            if self._gate.is_set() and budget.reserve():  # no await between the two checks
+                return True
+            if budget.spent:
+                break
+            if self._gate.is_set():
+                await budget.changed()
+        return False
 
     def release(self) -> None:
         """Give back an unused slot."""
@@ -621,7 +628,7 @@ class CompilationRunner:
         ]
 
     async def _measure_orphan(self, candidate: Candidate, agent: str) -> None:
-        if not self.reserve():
+        if not await self.acquire():
             return
         outcome = await self.measure(candidate, agent)
         if outcome is not None:

@@ -214,6 +214,8 @@ def judgement(state: CompilationState, req: Requested, completed: Completed) -> 
             median_ms=result.median_ms,
             speedup=gain,
             tier=CONFIRM_TIER,
+            reference_experiment_id=ref.experiment_id,
+            reference_tokens_per_s=ref.result.tokens_per_s,
         )
         return with_progress(event, state, completed)
     if req.agent == BASELINE_AGENT and req.candidate.is_reference:

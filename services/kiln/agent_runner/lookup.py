@@ -31,8 +31,9 @@ async def compilation_snapshot(
 ) -> compiler_pb2.Compilation:
     """The compilation now: its stream folded; the per-agent usage from its experiments'
     events (the ledger's global log after its submission); the best candidate's recipe and
-    measurement from its experiment's stream; the counters from the live runner when it runs in this
-    process, else from the compilations projection (which may lag by a moment).
+    measurement, and its full-tier reference's measurement, from their experiments' streams;
+    the counters from the live runner when it runs in this process, else from the compilations
+    projection (which may lag by a moment).
 
     Raises:
         InvalidArgument, NotFound: as :func:`compilation_events`.
@@ -44,7 +45,8 @@ async def compilation_snapshot(
     async for event in ledger.system.read_all(events[0].position - 1, types=EXPERIMENT_TYPES):
         if snap.belongs(event):  # per-agent usage (kiln.agent_runner.usage)
             snap.count_usage(event)
-    wanted = {snap.message.best.experiment_id} if snap.message.HasField("best") else set()
+    best = snap.message.best if snap.message.HasField("best") else None
+    wanted = {best.experiment_id, best.reference_experiment_id} if best else set()
     if snap.message.HasField("baseline"):
         wanted.add(snap.baseline_experiment_id)
     for eid in sorted(e for e in wanted if e):

@@ -151,8 +151,11 @@ def best_improved(
     median_ms: float,
     speedup: float,
     tier: Tier,
+    reference_experiment_id: str = "",
+    reference_tokens_per_s: float = 0.0,
 ) -> NewEvent:
-    """``BestCandidateImproved`` (one per experiment at most)."""
+    """``BestCandidateImproved`` (one per experiment at most); ``reference_*``: the full-tier
+    reference measurement ``speedup`` is over."""
     payload = BestCandidateImproved(
         workload_key=workload_key,
         experiment_id=experiment_id,
@@ -161,6 +164,8 @@ def best_improved(
         median_ms=median_ms,
         speedup=speedup,
         tier=tier,
+        reference_experiment_id=reference_experiment_id,
+        reference_tokens_per_s=reference_tokens_per_s,
     )
     return _event(payload, _event_id(compilation_id, "best", experiment_id), compilation_id)
 

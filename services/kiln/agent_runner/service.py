@@ -10,7 +10,14 @@ asked. Bad input is refused before anything is appended:
 - NOT_FOUND: unknown hardware; a weights directory that does not exist; an unknown compilation
   (Get, Watch, Cancel);
 - ALREADY_EXISTS: a compilation id used before;
+- PERMISSION_DENIED: cancelling another team's compilation;
 - FAILED_PRECONDITION: cancelling a compilation that has ended.
+
+Teams: the ``kiln-team`` metadata names the caller (it is a label, not authentication: kiln
+trusts the network it runs on). A compilation belongs to the team that submitted it; only that
+team may cancel it. Reads (Get, Watch, List with ``team``) cross teams, since audit and replay
+of a shared deployment's history are the point of the ledger; List's ``team`` "*" lists every
+team's.
 """
 
 from __future__ import annotations
@@ -31,13 +38,21 @@ from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.watch import watch
 from kiln.agent_runner.workload import validate_workload
 from kiln.baselines.names import validate_baselines
-from kiln.common.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument
-from kiln.common.identity import current_call
+from kiln.common.errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+)
+from kiln.common.identity import TEAM_RULE, current_call, validate_team
 from kiln.v1 import compiler_pb2, compiler_pb2_grpc
 
 if TYPE_CHECKING:
     from kiln.agent_runner.app import AgentRunnerApp
 
+ALL_TEAMS = "*"
+"""ListRequest.team that lists every team's compilations."""
 DEFAULT_LIST_LIMIT = 100
 MAX_CANCEL_CONFLICTS = 10
 MAX_LIST_LIMIT = 1000
@@ -100,10 +115,23 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
     async def List(
         self, request: compiler_pb2.ListRequest, context: Any
     ) -> compiler_pb2.ListResponse:
-        """Summaries of a team's compilations (default: the caller's), optionally of one
-        status, ordered by id, ``limit`` per page (default 100, at most 1000)."""
+        """Summaries of a team's compilations (default: the caller's; "*": every team's),
+        optionally of one status, ordered by id, ``limit`` per page (default 100, at most
+        1000).
+
+        Raises:
+            InvalidArgument: a malformed team name or an unknown status.
+        """
         team = request.team or current_call().team
-        filters = {"team": team}
+        filters: dict[str, str] = {}
+        if team != ALL_TEAMS:
+            try:
+                filters["team"] = validate_team(team)
+            except InvalidArgument:
+                raise InvalidArgument(
+                    f"malformed team {team[:80]!r} in ListRequest.team: team names must match "
+                    f"{TEAM_RULE}, or '*' for every team"
+                ) from None
         if request.status:
             name = NAME_BY_STATUS.get(request.status)
             if name is None:
@@ -129,6 +157,11 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
         client, stream = app.ledger.client(team), records.compilation_stream(cid)
         for _ in range(MAX_CANCEL_CONFLICTS):
             state = CompilationState.from_events(await compilation_events(app.ledger, cid))
+            if state.team != team:
+                raise PermissionDenied(
+                    f"compilation {cid!r} belongs to team {state.team!r}; only that team may "
+                    f"cancel it (this call is from team {team!r})"
+                )
             if state.ended:
                 raise FailedPrecondition(
                     f"compilation {cid!r} has ended already ({state.end_status})"

@@ -72,6 +72,8 @@ def measurement_from(d: dict[str, Any]) -> common_pb2.Measurement:
         error=str(d.get("error", "")),
         engine_id=str(d.get("engine_id", "")),
         tier=TIER_BY_NAME.get(str(d.get("tier")), common_pb2.TIER_UNSPECIFIED),
+        batch_size=int(d.get("batch_size", 0)),
+        context_len=int(d.get("context_len", 0)),
     )
 
 
@@ -194,8 +196,8 @@ class Snapshot:
         elif event.type == "ExperimentCompleted":
             self._measurements[eid] = measurement_from(d)
         m = self.message
-        if m.HasField("best") and m.best.experiment_id == eid:
-            self._refresh_best(eid)
+        if m.HasField("best") and eid in (m.best.experiment_id, m.best.reference_experiment_id):
+            self._refresh_best()
         if m.HasField("baseline") and eid in self._measurements and self._baseline_id == eid:
             m.baseline.CopyFrom(self._measurements[eid])
 
@@ -279,14 +281,29 @@ class Snapshot:
                 tier=TIER_BY_NAME.get(str(d.get("tier")), common_pb2.TIER_UNSPECIFIED),
             )
         )
-        self._refresh_best(d["experiment_id"])
+        ref_id = str(d.get("reference_experiment_id", ""))
+        if ref_id:
+            best.reference_experiment_id = ref_id
+            best.reference.CopyFrom(
+                common_pb2.Measurement(
+                    status=common_pb2.EXPERIMENT_STATUS_OK,
+                    correct=True,
+                    tokens_per_s=float(d.get("reference_tokens_per_s", 0.0)),
+                    tier=best.measurement.tier,
+                )
+            )
+        self._refresh_best()
 
-    def _refresh_best(self, eid: str) -> None:
+    def _refresh_best(self) -> None:
+        """Fill the best's candidate, measurement and reference from the experiments known."""
         best = self.message.best
+        eid, ref_id = best.experiment_id, best.reference_experiment_id
         if eid in self._candidates:
             best.candidate.CopyFrom(self._candidates[eid])
         if eid in self._measurements:
             best.measurement.CopyFrom(self._measurements[eid])
+        if ref_id and ref_id in self._measurements:
+            best.reference.CopyFrom(self._measurements[ref_id])
 
     def event(self, event: ledger_pb2.RecordedEvent) -> compiler_pb2.CompilationEvent:
         """The wire event for ``event`` (already folded), with a copy of the snapshot."""

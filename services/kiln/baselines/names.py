@@ -35,7 +35,8 @@ def parse_names(names: str | Iterable[str]) -> list[str]:
         for n in chosen:
             if n not in BASELINE_NAMES:
                 raise ValueError(
-                    f"unknown baseline {raw.strip()!r}; known: {', '.join(BASELINE_NAMES)}, all"
+                    f"unknown baseline {raw.strip()!r}; known: "
+                    f"{', '.join(BASELINE_NAMES)}, all, none"
                 )
             if n not in out:
                 out.append(n)

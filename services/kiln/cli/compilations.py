@@ -36,7 +36,7 @@ async def _call(ctx: typer.Context, method: str, request: object) -> object:
 @app.command("list")
 def list_(
     ctx: typer.Context,
-    team: Annotated[str, typer.Option(help="Whose (default: your team).")] = "",
+    team: Annotated[str, typer.Option(help="Whose (default: your team; '*' for every team).")] = "",
     status: Annotated[str, typer.Option(help="pending, running, succeeded, ...")] = "",
     limit: Annotated[int, typer.Option(min=0, help="At most this many (0 = server default).")] = 0,
 ) -> None:
@@ -52,7 +52,9 @@ def list_(
     # One line each, the id first and whole (it is typed back into `show`), the workload last
     # so that only it wraps on a narrow terminal.
     if not response.compilations:
-        console.print("no compilations")
+        whose = "any team" if team == "*" else f"team {team or settings_for(ctx).team!r}"
+        hint = "" if team == "*" else " (--team '*' lists every team's)"
+        console.print(f"no compilations of {whose}{hint}", markup=False)
         return
     console.print(f"{'id':<32}  {'team':<12} {'status':<10} {'exps':>5} {'speedup':>8}  workload")
     by_creation = sorted(

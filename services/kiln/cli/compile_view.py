@@ -196,6 +196,22 @@ def time_to_95(snap: compiler_pb2.Compilation) -> float | None:
     return time_to_fraction(points, 0.95)
 
 
+def operating_point_text(m: common_pb2.Measurement, traffic: common_pb2.TrafficShape) -> str:
+    """Where ``m`` was measured (batch, context), and what of the traffic shape the engine
+    lowered; "" when the measurement does not record it (events before it was recorded)."""
+    if not m.batch_size:
+        return ""
+    text = f"batch {m.batch_size}, context {m.context_len:,} tokens"
+    lowered = []
+    if traffic.batch_size and m.batch_size < traffic.batch_size:
+        lowered.append(f"batch {traffic.batch_size}")
+    if traffic.context_len and m.context_len < traffic.context_len:
+        lowered.append(f"context {traffic.context_len:,}")
+    if lowered:
+        text += f" (the engine's limits lowered the traffic's {' and '.join(lowered)})"
+    return text
+
+
 def summary_table(snap: compiler_pb2.Compilation) -> Table:
     """The end-of-compilation table: baseline, best, speedup, how well the fast tier ranked
     candidates as the full tier did (the end of a succeeded compilation's reason), experiments,
@@ -216,13 +232,16 @@ def summary_table(snap: compiler_pb2.Compilation) -> Table:
             "best",
             f"{_tps(m.tokens_per_s)}  (median {m.timing.median_ms:.2f} ms/step{_tier(m)})",
         )
-        over = (
-            " over the reference measured next to it on the full tier"
-            if m.tier == common_pb2.TIER_FULL
-            else ""
-        )
+        over = ""
+        if m.tier == common_pb2.TIER_FULL:
+            over = " over the reference measured next to it on the full tier"
+            ref = snap.best.reference.tokens_per_s
+            over += f" ({_tps(ref)})" if ref > 0 else ""
         table.add_row("speedup", f"{snap.best.speedup:.2f}x{over}")
         table.add_row("best candidate", describe_candidate(snap.best.candidate))
+        point = operating_point_text(m, snap.workload.traffic)
+        if point:
+            table.add_row("measured at", point)
     elif snap.experiments_done == 0:
         table.add_row("best", "none: nothing was measured")
     else:

@@ -56,6 +56,13 @@ class Unauthenticated(KilnError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(KilnError):
+    """The caller's team may not do this to another team's resource (e.g. cancel its
+    compilation)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ResourceExhausted(KilnError):
     """A size or rate limit was exceeded (e.g. an oversized event payload)."""
 
@@ -83,6 +90,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KilnError]] = {
         Aborted,
         FailedPrecondition,
         Unauthenticated,
+        PermissionDenied,
         ResourceExhausted,
         Unimplemented,
         Unavailable,

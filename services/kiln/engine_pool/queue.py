@@ -62,6 +62,7 @@ from kiln.common.nats import (
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
 from kiln.engine_pool.measurement import Measurement
+from kiln.engine_pool.metrics import WORK_QUEUED, record_experiment
 from kiln.engine_pool.pool import DeviceSlot, EnginePool
 from kiln.engine_pool.settings import EngineSettings
 from kiln.events.types import ExperimentCompleted
@@ -298,7 +299,16 @@ class WorkConsumer:
                 lane.queued = 0
         await self._notify()
 
+    def _export_queued(self) -> None:
+        """Set ``kiln_engine_work_queued`` per tier from the lanes' counts."""
+        per_tier: dict[str, int] = {}
+        for lane in self.lanes.values():
+            per_tier[lane.tier] = per_tier.get(lane.tier, 0) + lane.queued
+        for tier, n in per_tier.items():
+            WORK_QUEUED.labels(tier=tier).set(n)
+
     async def _notify(self) -> None:
+        self._export_queued()
         async with self._news:
             self._generation += 1
             self._news.notify_all()
@@ -441,6 +451,7 @@ class WorkConsumer:
                 await self.handle(msg, device=device)
             finally:
                 lane.queued = max(0, lane.queued - 1)
+                self._export_queued()
 
     def order(self, slot: DeviceSlot) -> list[Lane]:
         """The subjects ``slot`` fetches from, in order: those of the (tier, model) its engines
@@ -548,6 +559,7 @@ class WorkConsumer:
             await msg.term()
             return
         measurement = await self._measure(msg, work, device)
+        record_experiment(work.tier, measurement.status, measurement.device_ms)
         event = NewEvent(
             "ExperimentCompleted",
             completed_payload(work, measurement),

@@ -83,6 +83,8 @@ def measurement_to_proto(m: Measurement) -> common_pb2.Measurement:
         error=m.error,
         engine_id=m.engine_id,
         tier=_TIER.get(m.tier, common_pb2.TIER_UNSPECIFIED),
+        batch_size=m.batch_size,
+        context_len=m.context_len,
     )
     if m.timing is not None:
         msg.timing.CopyFrom(timing_to_proto(m.timing))

@@ -132,6 +132,14 @@ class BestCandidateImproved(EventSchema):
     median_ms: float = Field(ge=0)
     speedup: float = Field(ge=0)
     tier: Tier
+    reference_experiment_id: str = Field(
+        default="",
+        description="The full-tier reference experiment ``speedup`` is over (empty in events "
+        "written before it was recorded).",
+    )
+    reference_tokens_per_s: float = Field(
+        default=0.0, ge=0, description="That reference's tokens/s (0 when not recorded)."
+    )
     elapsed_s: float = Field(
         default=0.0, ge=0, description="Seconds from the submission to the confirming result."
     )

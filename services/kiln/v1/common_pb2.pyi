@@ -562,6 +562,8 @@ class Measurement(_message.Message):
     PHASES_MS_FIELD_NUMBER: _builtins.int
     OP_MS_FIELD_NUMBER: _builtins.int
     OP_PROFILE_SHAPE_FIELD_NUMBER: _builtins.int
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    CONTEXT_LEN_FIELD_NUMBER: _builtins.int
     status: Global___ExperimentStatus.ValueType
     correct: _builtins.bool
     max_abs_error: _builtins.float
@@ -574,6 +576,13 @@ class Measurement(_message.Message):
     tier: Global___Tier.ValueType
     prefill_tokens_per_s: _builtins.float
     """Prompt tokens/s of the prefill: batch x context / prefill median."""
+    batch_size: _builtins.int
+    """The operating point the engine measured at: decode batch (sequences) and context (tokens
+    in the KV cache). It can be below the workload's traffic shape when the engine clamps it
+    (CPU engines cap batch and context; a CUDA engine lowers the batch to fit free memory);
+    0 when not recorded.
+    """
+    context_len: _builtins.int
     @_builtins.property
     def timing(self) -> Global___Timing: ...
     @_builtins.property
@@ -620,10 +629,12 @@ class Measurement(_message.Message):
         phases_ms: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         op_ms: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         op_profile_shape: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        batch_size: _builtins.int = ...,
+        context_len: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory", "prefill", b"prefill", "timing", b"timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["correct", b"correct", "engine_id", b"engine_id", "error", b"error", "max_abs_error", b"max_abs_error", "memory", b"memory", "op_ms", b"op_ms", "op_profile_shape", b"op_profile_shape", "phases_ms", b"phases_ms", "prefill", b"prefill", "prefill_tokens_per_s", b"prefill_tokens_per_s", "status", b"status", "tier", b"tier", "timing", b"timing", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "context_len", b"context_len", "correct", b"correct", "engine_id", b"engine_id", "error", b"error", "max_abs_error", b"max_abs_error", "memory", b"memory", "op_ms", b"op_ms", "op_profile_shape", b"op_profile_shape", "phases_ms", b"phases_ms", "prefill", b"prefill", "prefill_tokens_per_s", b"prefill_tokens_per_s", "status", b"status", "tier", b"tier", "timing", b"timing", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -744,15 +755,26 @@ class BestCandidate(_message.Message):
     SPEEDUP_FIELD_NUMBER: _builtins.int
     EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
     FOUND_AT_FIELD_NUMBER: _builtins.int
+    REFERENCE_FIELD_NUMBER: _builtins.int
+    REFERENCE_EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
     speedup: _builtins.float
     """tokens_per_s of the best over tokens_per_s of the baseline."""
     experiment_id: _builtins.str
+    reference_experiment_id: _builtins.str
     @_builtins.property
     def candidate(self) -> Global___Candidate: ...
     @_builtins.property
     def measurement(self) -> Global___Measurement: ...
     @_builtins.property
     def found_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def reference(self) -> Global___Measurement:
+        """The full-tier reference measurement `speedup` is over: the reference forward measured on
+        the same tier next to the best (speedup = measurement.tokens_per_s /
+        reference.tokens_per_s). The compilation's `baseline` is the fast-tier reference, so its
+        tokens/s are not comparable with the best's. Unset in compilations recorded before it was.
+        """
+
     def __init__(
         self,
         *,
@@ -761,10 +783,12 @@ class BestCandidate(_message.Message):
         speedup: _builtins.float = ...,
         experiment_id: _builtins.str = ...,
         found_at: _timestamp_pb2.Timestamp | None = ...,
+        reference: Global___Measurement | None = ...,
+        reference_experiment_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["candidate", b"candidate", "found_at", b"found_at", "measurement", b"measurement"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["candidate", b"candidate", "found_at", b"found_at", "measurement", b"measurement", "reference", b"reference"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate", b"candidate", "experiment_id", b"experiment_id", "found_at", b"found_at", "measurement", b"measurement", "speedup", b"speedup"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate", b"candidate", "experiment_id", b"experiment_id", "found_at", b"found_at", "measurement", b"measurement", "reference", b"reference", "reference_experiment_id", b"reference_experiment_id", "speedup", b"speedup"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -338,7 +338,7 @@ class ListRequest(_message.Message):
     LIMIT_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     team: _builtins.str
-    """Empty = the caller's team."""
+    """Empty = the caller's team; "*" = every team."""
     status: Global___CompilationStatus.ValueType
     limit: _builtins.int
     page_token: _builtins.str

@@ -66,7 +66,8 @@ class CompilerServicer:
 
     def Submit(self, request, context):
         """Start a compilation. ALREADY_EXISTS for a reused compilation_id; INVALID_ARGUMENT for a bad
-        workload or a non-positive budget.
+        workload or a non-positive budget; NOT_FOUND for unknown hardware or a weights_dir that
+        does not exist.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,7 +93,9 @@ class CompilerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Only the team that submitted a compilation may cancel it (PERMISSION_DENIED otherwise);
+        FAILED_PRECONDITION once it has ended.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

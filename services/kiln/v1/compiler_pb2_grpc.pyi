@@ -33,26 +33,34 @@ class CompilerStub:
     def __new__(cls, channel: _aio.Channel) -> CompilerAsyncStub: ...
     Submit: _grpc.UnaryUnaryMultiCallable[_compiler_pb2.SubmitRequest, _compiler_pb2.Compilation]
     """Start a compilation. ALREADY_EXISTS for a reused compilation_id; INVALID_ARGUMENT for a bad
-    workload or a non-positive budget.
+    workload or a non-positive budget; NOT_FOUND for unknown hardware or a weights_dir that
+    does not exist.
     """
     Watch: _grpc.UnaryStreamMultiCallable[_compiler_pb2.WatchRequest, _compiler_pb2.CompilationEvent]
     """Progress events of one compilation: history first, then live until it ends."""
     Get: _grpc.UnaryUnaryMultiCallable[_compiler_pb2.GetRequest, _compiler_pb2.Compilation]
     List: _grpc.UnaryUnaryMultiCallable[_compiler_pb2.ListRequest, _compiler_pb2.ListResponse]
     Cancel: _grpc.UnaryUnaryMultiCallable[_compiler_pb2.CancelRequest, _compiler_pb2.Compilation]
+    """Only the team that submitted a compilation may cancel it (PERMISSION_DENIED otherwise);
+    FAILED_PRECONDITION once it has ended.
+    """
 
 @_typing.type_check_only
 class CompilerAsyncStub(CompilerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Submit: _aio.UnaryUnaryMultiCallable[_compiler_pb2.SubmitRequest, _compiler_pb2.Compilation]  # type: ignore[assignment]
     """Start a compilation. ALREADY_EXISTS for a reused compilation_id; INVALID_ARGUMENT for a bad
-    workload or a non-positive budget.
+    workload or a non-positive budget; NOT_FOUND for unknown hardware or a weights_dir that
+    does not exist.
     """
     Watch: _aio.UnaryStreamMultiCallable[_compiler_pb2.WatchRequest, _compiler_pb2.CompilationEvent]  # type: ignore[assignment]
     """Progress events of one compilation: history first, then live until it ends."""
     Get: _aio.UnaryUnaryMultiCallable[_compiler_pb2.GetRequest, _compiler_pb2.Compilation]  # type: ignore[assignment]
     List: _aio.UnaryUnaryMultiCallable[_compiler_pb2.ListRequest, _compiler_pb2.ListResponse]  # type: ignore[assignment]
     Cancel: _aio.UnaryUnaryMultiCallable[_compiler_pb2.CancelRequest, _compiler_pb2.Compilation]  # type: ignore[assignment]
+    """Only the team that submitted a compilation may cancel it (PERMISSION_DENIED otherwise);
+    FAILED_PRECONDITION once it has ended.
+    """
 
 class CompilerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -62,7 +70,8 @@ class CompilerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_compiler_pb2.Compilation, _abc.Awaitable[_compiler_pb2.Compilation]]:
         """Start a compilation. ALREADY_EXISTS for a reused compilation_id; INVALID_ARGUMENT for a bad
-        workload or a non-positive budget.
+        workload or a non-positive budget; NOT_FOUND for unknown hardware or a weights_dir that
+        does not exist.
         """
 
     @_abc_1.abstractmethod
@@ -92,6 +101,9 @@ class CompilerServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _compiler_pb2.CancelRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_compiler_pb2.Compilation, _abc.Awaitable[_compiler_pb2.Compilation]]: ...
+    ) -> _typing.Union[_compiler_pb2.Compilation, _abc.Awaitable[_compiler_pb2.Compilation]]:
+        """Only the team that submitted a compilation may cancel it (PERMISSION_DENIED otherwise);
+        FAILED_PRECONDITION once it has ended.
+        """
 
 def add_CompilerServicer_to_server(servicer: CompilerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
