@@ -499,6 +499,23 @@ async def test_cancel_ends_a_running_compilation(stack: Stack) -> None:
         assert f"belongs to team {TEAM!r}" in (denied.value.details() or "")
         everyone = await other.List(compiler_pb2.ListRequest(team="*", limit=1000), timeout=10)
         assert cid in {c.compilation_id for c in everyone.compilations}
+        # Paged two at a time, oldest first (ids are random: their order is not creation's).
+        paged: list[compiler_pb2.Compilation] = []
+        token = ""
+        while True:
+            reply = await other.List(
+                compiler_pb2.ListRequest(team="*", limit=2, page_token=token), timeout=10
+            )
+            paged.extend(reply.compilations)
+            token = reply.next_page_token
+            if not token:
+                break
+        assert [c.compilation_id for c in paged] == [
+            c.compilation_id for c in everyone.compilations
+        ]
+        created = [(c.created_at.ToDatetime(), c.compilation_id) for c in paged]
+        assert len(created) >= 4 and created == sorted(created)
+        assert len({when for when, _ in created}) == len(created)  # ordered by time, not id
         own = await other.List(compiler_pb2.ListRequest(), timeout=10)
         assert cid not in {c.compilation_id for c in own.compilations}
         with pytest.raises(grpc.aio.AioRpcError) as bad:

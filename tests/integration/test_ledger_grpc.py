@@ -160,7 +160,8 @@ async def test_read_all_rejects_unknown_type_filters(client: LedgerClient) -> No
 
 async def test_query_pages_types_and_filters(client: LedgerClient, ledger_addr: str) -> None:
     wk = f"wk-{new_id()}"
-    cids = sorted(new_id() for _ in range(5))
+    # Created in the reverse of id order: rows are listed (and paged) oldest first.
+    cids = sorted((new_id() for _ in range(5)), reverse=True)
     for cid in cids:
         await client.append(f"compilation-{cid}", [submitted(wk)])
     rows: list[dict] = []

@@ -116,8 +116,8 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
         self, request: compiler_pb2.ListRequest, context: Any
     ) -> compiler_pb2.ListResponse:
         """Summaries of a team's compilations (default: the caller's; "*": every team's),
-        optionally of one status, ordered by id, ``limit`` per page (default 100, at most
-        1000).
+        optionally of one status, oldest first (created_at, then id), ``limit`` per page
+        (default 100, at most 1000).
 
         Raises:
             InvalidArgument: a malformed team name or an unknown status.

@@ -40,8 +40,7 @@ def list_(
     status: Annotated[str, typer.Option(help="pending, running, succeeded, ...")] = "",
     limit: Annotated[int, typer.Option(min=0, help="At most this many (0 = server default).")] = 0,
 ) -> None:
-    """Compilations of a team, newest last (the server pages them by id; each page is shown
-    in order of creation)."""
+    """Compilations of a team, oldest first (the order the server pages them in)."""
     if status and status not in _STATUS_BY_NAME:
         raise typer.BadParameter(f"one of {', '.join(_STATUS_BY_NAME)}", param_hint="--status")
     request = compiler_pb2.ListRequest(team=team, limit=limit)
@@ -57,10 +56,7 @@ def list_(
         console.print(f"no compilations of {whose}{hint}", markup=False)
         return
     console.print(f"{'id':<32}  {'team':<12} {'status':<10} {'exps':>5} {'speedup':>8}  workload")
-    by_creation = sorted(
-        response.compilations, key=lambda c: (c.created_at.ToDatetime(), c.compilation_id)
-    )
-    for c in by_creation:
+    for c in response.compilations:
         speedup = f"{c.best.speedup:.2f}x" if c.HasField("best") else "-"
         console.print(
             f"{c.compilation_id:<32}  {c.team:<12} {STATUS_NAMES.get(c.status, '?'):<10} "

@@ -1,4 +1,6 @@
-"""Reading the projections: equality filters on columns, keyset pagination by primary key."""
+"""Reading the projections: equality filters on columns, keyset pagination in listing order:
+oldest first by the projection's creation time (``Projection.created``), ties by primary key;
+by primary key for projections without one (best candidates per workload key)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import json
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Float, Integer, Table, select
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, Integer, Table, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kiln.common.errors import InvalidArgument
@@ -55,14 +57,18 @@ def _query_id(projection: str, filters: dict[str, str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _encode_token(after: Any, query_id: str) -> str:
+def _encode_token(after: list[str], query_id: str) -> str:
     return base64.urlsafe_b64encode(json.dumps({"after": after, "q": query_id}).encode()).decode()
 
 
-def _decode_token(token: str, query_id: str) -> str:
+def _decode_token(token: str, query_id: str, width: int) -> list[str]:
+    """The last row's listing key (``width`` strings) of the page that made ``token``."""
     try:
         obj = json.loads(base64.urlsafe_b64decode(token.encode()))
-        after, token_query = str(obj["after"]), obj["q"]
+        after, token_query = obj["after"], obj["q"]
+        if not isinstance(after, list) or len(after) != width:
+            raise TypeError(after)
+        after = [str(a) for a in after]
     except (ValueError, KeyError, TypeError):
         raise InvalidArgument(f"malformed page_token {token!r}") from None
     if token_query != query_id:
@@ -78,7 +84,7 @@ async def query(
     limit: int = 1000,
     page_token: str = "",
 ) -> tuple[list[dict[str, Any]], str, int]:
-    """Rows of one projection, ordered by primary key.
+    """Rows of one projection, oldest first (see the module docs).
 
     Args:
         projection: a name from :func:`projection_names`.
@@ -109,14 +115,25 @@ async def query(
             )
         stmt = stmt.where(table.c[column] == _cast(table, column, value))
     query_id = _query_id(projection, filters)
+    order = [proj.created, key] if proj.created else [key]
+    columns = [table.c[c] for c in order]
     if page_token:
-        stmt = stmt.where(table.c[key] > _decode_token(page_token, query_id))
-    stmt = stmt.order_by(table.c[key]).limit(limit + 1)
+        after = _decode_token(page_token, query_id, len(order))
+        values = [_cast(table, c, v) for c, v in zip(order, after, strict=True)]
+        stmt = stmt.where(tuple_(*columns) > tuple_(*values))
+    stmt = stmt.order_by(*columns).limit(limit + 1)
     async with engine.connect() as conn:
         checkpoint = await read_checkpoint(conn)
         rows = [dict(r._mapping) for r in await conn.execute(stmt)]
     next_token = ""
     if len(rows) > limit:
         rows = rows[:limit]
-        next_token = _encode_token(rows[-1][key], query_id)
+        last = rows[-1]
+        next_token = _encode_token(
+            [
+                v.isoformat() if isinstance(v, datetime) else str(v)
+                for v in (last[c] for c in order)
+            ],
+            query_id,
+        )
     return rows, next_token, checkpoint

@@ -40,6 +40,7 @@ class CompilerStub:
     """Progress events of one compilation: history first, then live until it ends."""
     Get: _grpc.UnaryUnaryMultiCallable[_compiler_pb2.GetRequest, _compiler_pb2.Compilation]
     List: _grpc.UnaryUnaryMultiCallable[_compiler_pb2.ListRequest, _compiler_pb2.ListResponse]
+    """Compilations oldest first (created_at, then compilation_id), a page at a time."""
     Cancel: _grpc.UnaryUnaryMultiCallable[_compiler_pb2.CancelRequest, _compiler_pb2.Compilation]
     """Only the team that submitted a compilation may cancel it (PERMISSION_DENIED otherwise);
     FAILED_PRECONDITION once it has ended.
@@ -57,6 +58,7 @@ class CompilerAsyncStub(CompilerStub):
     """Progress events of one compilation: history first, then live until it ends."""
     Get: _aio.UnaryUnaryMultiCallable[_compiler_pb2.GetRequest, _compiler_pb2.Compilation]  # type: ignore[assignment]
     List: _aio.UnaryUnaryMultiCallable[_compiler_pb2.ListRequest, _compiler_pb2.ListResponse]  # type: ignore[assignment]
+    """Compilations oldest first (created_at, then compilation_id), a page at a time."""
     Cancel: _aio.UnaryUnaryMultiCallable[_compiler_pb2.CancelRequest, _compiler_pb2.Compilation]  # type: ignore[assignment]
     """Only the team that submitted a compilation may cancel it (PERMISSION_DENIED otherwise);
     FAILED_PRECONDITION once it has ended.
@@ -94,7 +96,8 @@ class CompilerServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _compiler_pb2.ListRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_compiler_pb2.ListResponse, _abc.Awaitable[_compiler_pb2.ListResponse]]: ...
+    ) -> _typing.Union[_compiler_pb2.ListResponse, _abc.Awaitable[_compiler_pb2.ListResponse]]:
+        """Compilations oldest first (created_at, then compilation_id), a page at a time."""
 
     @_abc_1.abstractmethod
     def Cancel(

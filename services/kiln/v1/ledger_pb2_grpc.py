@@ -91,6 +91,8 @@ class LedgerServicer:
 
     def Query(self, request, context):
         """Read a projection (compilations, experiments, best candidate per workload key).
+        Rows oldest first where the projection records a creation time (compilations:
+        created_at, experiments: requested_at), ties and other projections by primary key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,7 +43,10 @@ class LedgerStub:
     ReadAll: _grpc.UnaryStreamMultiCallable[_ledger_pb2.ReadAllRequest, _ledger_pb2.RecordedEvent]
     """Read the global order after a position; with follow, keep streaming new events."""
     Query: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.QueryRequest, _ledger_pb2.QueryResponse]
-    """Read a projection (compilations, experiments, best candidate per workload key)."""
+    """Read a projection (compilations, experiments, best candidate per workload key).
+    Rows oldest first where the projection records a creation time (compilations:
+    created_at, experiments: requested_at), ties and other projections by primary key.
+    """
     Replay: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.ReplayRequest, _ledger_pb2.ReplayResponse]
     """Rebuild projections from the events and compare with the live ones."""
 
@@ -62,7 +65,10 @@ class LedgerAsyncStub(LedgerStub):
     ReadAll: _aio.UnaryStreamMultiCallable[_ledger_pb2.ReadAllRequest, _ledger_pb2.RecordedEvent]  # type: ignore[assignment]
     """Read the global order after a position; with follow, keep streaming new events."""
     Query: _aio.UnaryUnaryMultiCallable[_ledger_pb2.QueryRequest, _ledger_pb2.QueryResponse]  # type: ignore[assignment]
-    """Read a projection (compilations, experiments, best candidate per workload key)."""
+    """Read a projection (compilations, experiments, best candidate per workload key).
+    Rows oldest first where the projection records a creation time (compilations:
+    created_at, experiments: requested_at), ties and other projections by primary key.
+    """
     Replay: _aio.UnaryUnaryMultiCallable[_ledger_pb2.ReplayRequest, _ledger_pb2.ReplayResponse]  # type: ignore[assignment]
     """Rebuild projections from the events and compare with the live ones."""
 
@@ -102,7 +108,10 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         request: _ledger_pb2.QueryRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ledger_pb2.QueryResponse, _abc.Awaitable[_ledger_pb2.QueryResponse]]:
-        """Read a projection (compilations, experiments, best candidate per workload key)."""
+        """Read a projection (compilations, experiments, best candidate per workload key).
+        Rows oldest first where the projection records a creation time (compilations:
+        created_at, experiments: requested_at), ties and other projections by primary key.
+        """
 
     @_abc_1.abstractmethod
     def Replay(

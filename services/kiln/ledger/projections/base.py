@@ -23,12 +23,14 @@ Rows = dict[str, Row]
 
 
 class Projection(ABC):
-    """One projection table: ``name``, its live ``table``, primary ``key`` column, and the event
-    types it reads (``handles``)."""
+    """One projection table: ``name``, its live ``table``, primary ``key`` column, the event
+    types it reads (``handles``) and ``created``: the column rows are listed by (a time set
+    when the row is made and never changed; None: by ``key`` alone)."""
 
     name: ClassVar[str]
     key: ClassVar[str]
     handles: ClassVar[frozenset[str]]
+    created: ClassVar[str | None] = None
 
     def __init__(self, table: Table) -> None:
         self.table = table

@@ -14,6 +14,7 @@ class CompilationsProjection(Projection):
 
     name = "compilations"
     key = "compilation_id"
+    created = "created_at"
     handles = frozenset(
         {
             "CompilationSubmitted",

@@ -11,6 +11,7 @@ class ExperimentsProjection(Projection):
 
     name = "experiments"
     key = "experiment_id"
+    created = "requested_at"
     handles = frozenset({"ExperimentRequested", "ExperimentCompleted"})
 
     def key_of(self, event: StoredEvent) -> str | None:
