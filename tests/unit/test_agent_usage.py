@@ -248,4 +248,5 @@ def test_the_snapshot_carries_agent_usage_and_progress_for_the_summary() -> None
     assert "time to 95% of final best" in cells and "30 s" in cells
     assert "agent confirm" in cells
     assert any("device 2.5 s" in c for c in cells)
+    assert any(c.endswith("best 80.0 tok/s (full tier)") for c in cells)  # confirm's tier
     assert isinstance(m, compiler_pb2.Compilation)

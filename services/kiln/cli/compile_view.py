@@ -169,11 +169,14 @@ class CompileView:
 
 def usage_text(u: compiler_pb2.AgentUsage) -> str:
     """One agent's spending as one line, e.g. ``12 experiments (11 ok, 1 failed), device
-    3.4 s, best 1,234.5 tok/s``."""
-    return (
-        f"{u.experiments} experiments ({u.ok} ok, {u.failed} failed), "
-        f"device {u.device_seconds:,.1f} s, best {_tps(u.best_tokens_per_s)}"
-    )
+    3.4 s, best 1,234.5 tok/s (fast tier)`` ("confirm" measures on the full tier, every other
+    agent on the fast tier)."""
+    from kiln.agent_runner.judge import CONFIRM_AGENT, CONFIRM_TIER, SEARCH_TIER
+
+    tier = CONFIRM_TIER if u.agent == CONFIRM_AGENT else SEARCH_TIER
+    best = f", best {_tps(u.best_tokens_per_s)} ({tier} tier)" if u.best_tokens_per_s else ""
+    spent = f"{u.experiments} experiments ({u.ok} ok, {u.failed} failed)"
+    return f"{spent}, device {u.device_seconds:,.1f} s{best}"
 
 
 def time_to_95(snap: compiler_pb2.Compilation) -> float | None:

@@ -184,7 +184,10 @@ class AgentUsage(_message.Message):
     device_seconds: _builtins.float
     """Engine busy seconds of its experiments (ExperimentCompleted.device_ms)."""
     best_tokens_per_s: _builtins.float
-    """Most tokens/s among its correct results (0 without one)."""
+    """Most tokens/s among its correct results (0 without one), on the tier it measures on: the
+    search agents and "baseline" on the fast tier (a few layers), "confirm" on the full tier,
+    so figures of different tiers are not comparable.
+    """
     def __init__(
         self,
         *,
