@@ -289,3 +289,16 @@ async def test_kiln_compile_cli_end_to_end(deployment: Deployment, tmp_path: Pat
     )  # fmt: skip
     listing, _ = await listed.communicate()
     assert listed.returncode == 0 and "tiny-llama" in listing.decode()
+    # `kiln compilations cancel`: another team may not; the owner is told it has ended.
+    for team, needle in (
+        ("someone-else", "PERMISSION_DENIED"),
+        (None, "FAILED_PRECONDITION"),
+    ):
+        env = dict(deployment.env, **({"KILN_TEAM": team} if team else {}))
+        cancel = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kiln", "compilations", "cancel", match.group(1),
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        _, cancel_err = await cancel.communicate()
+        lines = cancel_err.decode().strip().splitlines()
+        assert cancel.returncode == 1 and len(lines) == 1 and needle in lines[0], lines

@@ -154,7 +154,13 @@ async def test_work_is_measured_and_completed_exactly_once(stack: Stack) -> None
     assert done.metadata.team == "search"
     assert done.metadata.causation_id == requested.event_id
     assert done.metadata.correlation_id == requested.metadata.correlation_id
-    # Counted on the pool's metrics: one more ok experiment on the fast tier, with its busy time.
+
+    # Counted on the pool's metrics once the ledger took the answer (just after the append
+    # returns to the pool): one more ok experiment on the fast tier, with its busy time.
+    async def counted() -> bool:
+        return _sample("kiln_engine_experiments_total", tier="fast", status="ok") > ok_before
+
+    await _until(counted, 10)
     assert _sample("kiln_engine_experiments_total", tier="fast", status="ok") == ok_before + 1
     assert _sample("kiln_engine_experiment_device_seconds_count", tier="fast") == busy_before + 1
 

@@ -1,4 +1,4 @@
-"""``kiln compilations list|show``: compilations through the Compiler API."""
+"""``kiln compilations list|show|cancel|curve``: compilations through the Compiler API."""
 
 from __future__ import annotations
 
@@ -78,3 +78,22 @@ def show(
     )
     assert isinstance(response, compiler_pb2.Compilation)
     console.print(summary_table(response))
+
+
+@app.command()
+def cancel(
+    ctx: typer.Context,
+    compilation_id: Annotated[str, typer.Argument(help="The compilation's id.")],
+    reason: Annotated[str, typer.Option(help="Why (recorded in the ledger).")] = "",
+) -> None:
+    """Stop a running compilation of your team (its experiments are settled, the best so far
+    is kept). Exits 1 with one line when it belongs to another team or has ended."""
+    request = compiler_pb2.CancelRequest(compilation_id=compilation_id, reason=reason)
+    response = asyncio.run(_call(ctx, "Cancel", request))
+    assert isinstance(response, compiler_pb2.Compilation)
+    status = STATUS_NAMES.get(response.status, "?")
+    console.print(
+        f"{compilation_id}: {status}" + (f" ({response.reason})" if response.reason else ""),
+        markup=False,
+        highlight=False,
+    )

@@ -1,9 +1,11 @@
 """The engine pool's Prometheus metrics (served on the service's metrics port with the
 ``kiln_rpc_*`` ones of :mod:`kiln.common.metrics`).
 
-- ``kiln_engine_experiments_total{tier, status}``: experiments this pool measured and
-  answered, by tier (fast, full) and ``ExperimentCompleted`` status (ok, incorrect, crashed,
-  rejected, timed_out, ...);
+- ``kiln_engine_experiments_total{tier, status}``: experiments this pool measured, counted
+  once the ledger took its answer, by tier (fast, full) and ``ExperimentCompleted`` status (ok,
+  incorrect, crashed, rejected, ...); status ``answered_elsewhere`` when the experiment already
+  had its answer (the agent runner closed it, e.g. ``cancelled`` at the end of a compilation,
+  or ``timed_out``), so these counts add up to the ledger's;
 - ``kiln_engine_experiment_device_seconds{tier}``: engine busy time per experiment, seconds
   (the event's ``device_ms``: from the request's arrival in the engine to its answer);
 - ``kiln_engine_work_queued{tier}``: messages the work subjects this pool serves hold (queued
@@ -13,6 +15,9 @@
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
+
+ANSWERED_ELSEWHERE = "answered_elsewhere"
+"""Status label of an experiment measured here whose answer the ledger already held."""
 
 EXPERIMENTS = Counter(
     "kiln_engine_experiments_total",

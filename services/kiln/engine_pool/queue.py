@@ -62,7 +62,7 @@ from kiln.common.nats import (
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
 from kiln.engine_pool.measurement import Measurement
-from kiln.engine_pool.metrics import WORK_QUEUED, record_experiment
+from kiln.engine_pool.metrics import ANSWERED_ELSEWHERE, WORK_QUEUED, record_experiment
 from kiln.engine_pool.pool import DeviceSlot, EnginePool
 from kiln.engine_pool.settings import EngineSettings
 from kiln.events.types import ExperimentCompleted
@@ -559,7 +559,6 @@ class WorkConsumer:
             await msg.term()
             return
         measurement = await self._measure(msg, work, device)
-        record_experiment(work.tier, measurement.status, measurement.device_ms)
         event = NewEvent(
             "ExperimentCompleted",
             completed_payload(work, measurement),
@@ -569,8 +568,10 @@ class WorkConsumer:
         try:
             await _retrying(lambda: ledger.append(stream, [event], expected=1))
             bound.info("work.completed", status=measurement.status)
+            record_experiment(work.tier, measurement.status, measurement.device_ms)
         except (Aborted, AlreadyExists) as exc:
             bound.info("work.completed_elsewhere", detail=exc.message)
+            record_experiment(work.tier, ANSWERED_ELSEWHERE, measurement.device_ms)
         except InvalidArgument as exc:  # our payload was refused: nothing will fix it
             bound.error("work.refused_by_ledger", error=exc.message)
             await msg.term()
