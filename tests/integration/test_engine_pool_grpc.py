@@ -73,6 +73,7 @@ async def test_run_experiment_measures_on_an_engine(
     assert m.correct and m.tier == common_pb2.TIER_FAST and m.engine_id
     assert len(m.timing.samples_ms) == 3 and m.timing.median_ms > 0
     assert m.tokens_per_s == pytest.approx(4 / (m.timing.median_ms / 1e3))  # batch clamped to 4
+    assert m.batch_size == 4 and m.context_len > 0  # the operating point measured at
     assert m.memory.weights_bytes > 0 and m.memory.kv_cache_bytes > 0
     trailing = dict(await call.trailing_metadata())  # type: ignore[arg-type]
     notes = json.loads(trailing[NOTES_METADATA_KEY])

@@ -185,3 +185,14 @@ async def test_acquire_gives_up_once_the_budget_is_spent() -> None:
     assert await asyncio.wait_for(waiting, 1) is False
     assert b.spent and b.in_flight == 0
     assert await ExperimentBudget(limit=0).acquire()  # no limit
+
+
+async def test_acquire_takes_no_slot_while_the_gate_is_closed() -> None:
+    b, gate = ExperimentBudget(limit=3), asyncio.Event()
+    waiting = asyncio.create_task(b.acquire(gate))
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and b.in_flight == 0  # a confirmation holds the gate
+    assert b.reserve() and b.reserve()  # ... and takes its slots first
+    gate.set()
+    assert await asyncio.wait_for(waiting, 1)
+    assert b.in_flight == 3

@@ -67,20 +67,25 @@ class ExperimentBudget:
         self.in_flight += 1
         return True
 
-    async def acquire(self) -> bool:
+    async def acquire(self, gate: asyncio.Event | None = None) -> bool:
         """Take a slot, waiting while the limit is reached only by reservations that may yet be
         given back (a claim lost to another agent, a confirmation that needed fewer
-        experiments); False once the completed experiments reach the limit.
+        experiments), and, with ``gate``, while the gate is closed (a slot is taken only while
+        it is open); False once the completed experiments reach the limit.
 
         Without the wait, an agent that found every slot reserved for a moment (another agent
         between its reservation and a lost claim) stopped for good, and a compilation could
         end one experiment short of its budget with "nothing left to propose".
         """
-        while not self.reserve():
+        while True:
+            if gate is not None and not gate.is_set():
+                await gate.wait()
+                continue  # it may have closed again before this task ran
+            if self.reserve():
+                return True
             if self.spent:
                 return False
             await self.changed()
-        return True
 
     async def changed(self) -> None:
         """Wait for the next release or completion."""

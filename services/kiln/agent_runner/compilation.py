@@ -201,18 +201,12 @@ class CompilationRunner:
         confirmations due get their slots first), waiting while the last slots are only
         reserved (see :meth:`ExperimentBudget.acquire`); False once the budget is spent or the
         compilation is stopping."""
-        budget = self._budget
-        while not self._stop.is_set():
-            await self._gate.wait()
-            if self._stop.is_set():
-                break
-            if self._gate.is_set() and budget.reserve():  # no await between the two checks
-                return True
-            if budget.spent:
-                break
-            if self._gate.is_set():
-                await budget.changed()
-        return False
+        if self._stop.is_set() or not await self._budget.acquire(self._gate):
+            return False
+        if self._stop.is_set():  # stopped while waiting: the slot is not used
+            self._budget.release()
+            return False
+        return True
 
     def release(self) -> None:
         """Give back an unused slot."""
