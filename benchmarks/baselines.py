@@ -1,6 +1,7 @@
 """Baselines side by side: transformers eager, static cache, compiled (CUDA graphs), a
 gpt-fast-style model, and kiln's reference forward, on the same seeded weights and operating
-point, with each one's fraction of the memory-bandwidth limit.
+point, with each one's fraction of the memory-bandwidth limit (the weights plus the KV cache of
+``--batch`` sequences at ``--context`` tokens, :func:`kiln.baselines.table.bandwidth_limit`).
 
 Usage (from the repository root):
 
@@ -113,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         extra = options if name in ("hf_compile", "gpt_fast") else {}
         results.append(run_named(name, config, **at, weights=point.weights, **extra))
     results.append(measure("kiln_reference", point, kiln_reference))
-    limit = bandwidth_limit(args.hardware, weights_bytes, args.batch)
+    limit = bandwidth_limit(
+        args.hardware,
+        weights_bytes,
+        args.batch,
+        context=args.context,
+        kv_bytes_per_token=config.kv_bytes_per_token(args.dtype),  # the layers kept
+    )
     reference = results[-1].tokens_per_s
     if args.json:
         print(
@@ -127,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                     "weights_bytes": weights_bytes,
                     "bandwidth_limit_tokens_per_s": limit.tokens_per_s if limit else None,
                     "bandwidth_source": limit.source if limit else None,
+                    "bandwidth_limit": limit.describe() if limit else None,
+                    "kv_bytes_read": limit.step.kv if limit else None,
                     "results": [r.to_dict() for r in results],
                 },
                 indent=2,
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         caption=f"bandwidth limit {limit.describe()}" if limit else "",
     )
     for r in results:
-        frac = r.tokens_per_s / limit.tokens_per_s if limit and r.tokens_per_s else None
+        frac = limit.fraction(r.tokens_per_s) if limit else None
         note = r.skipped_reason or r.error or ("" if r.correct else "INCORRECT")
         table.add_row(
             r.name,

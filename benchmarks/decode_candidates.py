@@ -5,10 +5,12 @@ conversation trace's context, ``--batch`` sequences, ``--tier``), measures the r
 library's main moves (a CUDA graph over the reference, the fused PyTorch ops, the Triton op
 kernels, the ``fused_decode`` transform over a small grid of its kernel parameters) exactly as the
 engine pool measures experiments (checked against the reference, timed, a timed step verified),
-and prints decode tokens/s with the fraction of the memory-bandwidth limit: weights bytes
-(including the LM head) read once per step at ``--bandwidth`` (default 4.26 TB/s, the H200's
-measured device-to-device copy rate, tool library H200 notes). On CPU only the candidates that
-run there are measured.
+and prints decode tokens/s with the fraction of the memory-bandwidth limit: the engine's weights
+bytes (including the LM head) read once per step plus the KV cache of every sequence at the
+measured batch and context over the layers held
+(:func:`kiln.cost_model.roofline.decode_step_bytes`), at ``--bandwidth`` (default 4.26 TB/s,
+the H200's measured device-to-device copy rate, tool library H200 notes). On CPU only the
+candidates that run there are measured.
 
     python3 benchmarks/decode_candidates.py --device cuda:0 --batch 1 --json out.json
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 from engine_hot_reload import MODEL, TRACE, request_for, workload
 
+from kiln.cost_model.roofline import DecodeStepBytes, decode_step_bytes, held_kv_bytes_per_token
 from kiln.engine_pool.process import EngineProcess
 from kiln.engine_pool.settings import EngineSettings
 from kiln.engine_pool.spec import EngineSpec
@@ -83,6 +86,16 @@ def candidates(
     return out
 
 
+def step_bytes(spec: EngineSpec, weights: int, batch: int = 0, context: int = 0) -> DecodeStepBytes:
+    """What one decode step of ``spec``'s engine reads: ``weights`` bytes plus the KV cache
+    (``spec.dtype``, ``spec.layers`` held) of ``batch`` sequences at ``context`` tokens
+    (0: the spec's; a measurement says where it was measured)."""
+    kv_per_token = held_kv_bytes_per_token(spec.model_config(), spec.dtype, spec.layers)
+    return decode_step_bytes(
+        weights, batch or spec.batch_size, context or spec.context_len, kv_per_token
+    )
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     settings = EngineSettings(**({"device": args.device} if args.device else {}))
     spec = EngineSpec.from_workload(workload("", args.batch), args.tier, settings.limits())
@@ -96,10 +109,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     try:
         await engine.wait_ready()
         weights = int(engine.info.get("memory", {}).get("weights_bytes", 0))
-        limit_ms = weights / args.bandwidth * 1e3
+        at = step_bytes(spec, weights)
         print(
-            f"weights {weights / 1e9:.3f} GB -> bandwidth limit {limit_ms:.3f} ms/step = "
-            f"{spec.batch_size * 1e3 / limit_ms:,.0f} tokens/s at {args.bandwidth / 1e12:.2f} TB/s"
+            f"weights {at.weights / 1e9:.3f} GB + KV {at.kv / 1e9:.3f} GB (batch {at.batch}, "
+            f"context {at.context:,}) -> bandwidth limit {at.total / args.bandwidth * 1e3:.3f} "
+            f"ms/step = {at.limit_tokens_per_s(args.bandwidth):,.0f} tokens/s at "
+            f"{args.bandwidth / 1e12:.2f} TB/s"
         )
         grid = json.loads(args.grid) if args.grid else None
         for label, cand in candidates(spec.device, grid, ops=args.ops):
@@ -109,6 +124,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             )
             took = time.perf_counter() - t0
             median = m.timing.median_ms if m.timing else 0.0
+            limit = step_bytes(spec, weights, m.batch_size, m.context_len).limit_tokens_per_s(
+                args.bandwidth
+            )
             row = {
                 "candidate": label,
                 "recipe": cand.describe(),
@@ -119,7 +137,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 "p10_ms": m.timing.p10_ms if m.timing else 0.0,
                 "p90_ms": m.timing.p90_ms if m.timing else 0.0,
                 "tokens_per_s": m.tokens_per_s,
-                "fraction_of_limit": (limit_ms / median) if median else 0.0,
+                "limit_tokens_per_s": limit,
+                "fraction_of_limit": m.tokens_per_s / limit if limit and median else 0.0,
                 "seconds_to_result": took,
                 "phases_ms": m.phases_ms,
                 "error": m.error.splitlines()[0] if m.error else "",

@@ -1,7 +1,8 @@
 """Where a ``fused_decode`` step's time goes, kernel by kernel, inside CUDA graphs.
 
-Builds Llama-3.2-1B (random bf16 weights) on one CUDA device with its KV cache at the operating
-point (``--batch`` sequences prefilled to ``--context`` tokens), then for each parameter set of
+Builds a dense model (``--model``, default Llama-3.2-1B; random bf16 weights) on one CUDA device
+with its KV cache at the operating point (``--batch`` sequences prefilled to ``--context``
+tokens), then for each parameter set of
 the ``fused_decode`` transform:
 
 - the whole decode step captured as one CUDA graph (as the ``cuda_graph`` transform does) and
@@ -11,7 +12,10 @@ the ``fused_decode`` transform:
   not), with the bytes it must move and the fraction of ``--bandwidth``.
 
 The difference between the step and the sum of the families is what the chain costs beyond its
-kernels (the embedding, the cache-length update, gaps between different kernels).
+kernels (the embedding, the cache-length update, gaps between different kernels). A step's
+"of limit" is its time over the bandwidth limit's: the weights once plus the bf16 KV cache of
+``--batch`` sequences at ``--context`` tokens, at ``--bandwidth``
+(:func:`kiln.cost_model.roofline.decode_step_bytes`).
 
     python3 benchmarks/fused_decode_profile.py --json out.json
 """
@@ -28,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kiln.cost_model.roofline import decode_step_bytes
 from kiln.engine_pool.fused_decode import FusedDecode
 from kiln.workloads.config import load_config
 from kiln.workloads.models import build_model
@@ -101,6 +106,13 @@ def families(fd: FusedDecode, batch: int) -> dict[str, tuple[Callable[[], object
 
     def qkv() -> None:
         for i, layer in enumerate(layers):
+            if layer.q_norm is not None or layer.k_norm is not None:  # Qwen3: product, then heads
+                x = rms_norm_gemv(
+                    s, layer.input_norm, layer.input_eps, layer.qkv_weight,
+                    config=fd.qkv_gemv_config,
+                )  # fmt: skip
+                fd._prologue(i, layer, x, pos, cache)
+                continue
             rms_norm_qkv_rope(
                 s,
                 layer.input_norm,
@@ -154,7 +166,7 @@ def families(fd: FusedDecode, batch: int) -> dict[str, tuple[Callable[[], object
         return sum(getattr(layer, name).numel() * elem for layer in layers)
 
     return {
-        "norm+qkv+rope+cache": (qkv, nbytes("qkv_weight")),
+        "norm+qkv(+qk norm)+rope+cache": (qkv, nbytes("qkv_weight")),
         "attention (split-KV + combine)": (attention, kv_bytes),
         "o_proj + residual": (o_proj, nbytes("o_weight")),
         "norm+gate_up+silu": (gate_up, nbytes("gate_up_weight")),
@@ -182,10 +194,14 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         for _, t in model.weights.items()
     }
     weights = sum(storages.values())  # tied embeddings counted once
-    limit_us = weights / args.bandwidth * 1e6
+    step = decode_step_bytes(
+        weights, args.batch, args.context, config.kv_bytes_per_token("bfloat16")
+    )
+    limit_us = step.total / args.bandwidth * 1e6
     print(
         f"{config.name}: batch {args.batch}, context {args.context}; weights {weights / 1e9:.3f}"
-        f" GB -> limit {limit_us:.0f} us/step at {args.bandwidth / 1e12:.2f} TB/s"
+        f" GB + KV {step.kv / 1e9:.3f} GB -> limit {limit_us:.0f} us/step = "
+        f"{step.limit_tokens_per_s(args.bandwidth):,.0f} tok/s at {args.bandwidth / 1e12:.2f} TB/s"
     )
     tokens = torch.randint(0, config.vocab_size, (args.batch, 1), device=dev)
     out = []
@@ -194,9 +210,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         fd = FusedDecode(model, params)
         saved = model.cache.state()
         logits: list[torch.Tensor] = []
-        step_us = graph_time_us(
-            lambda fd=fd: fd._step(tokens, model.cache), args.repeats, keep=logits
-        )
+        step_us = graph_time_us(lambda fd=fd: fd(tokens), args.repeats, keep=logits)
         model.cache.restore_state(saved)
         first = first or logits
         # Same replays from the same cache state: rounding differences only, where the kernels'
@@ -211,7 +225,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
             "families": {},
         }
         total = 0.0
-        for name, (fn, nbytes) in families(fd, args.batch).items() if args.families else []:
+        split = args.families and not fd.uses_tensor_cores(args.batch)
+        for name, (fn, nbytes) in families(fd, args.batch).items() if split else []:
             us = graph_time_us(fn, args.repeats)
             model.cache.restore_state(saved)
             total += us
@@ -256,7 +271,7 @@ ATTENTION_GRID = [
     if block <= split
 ]
 FAMILY_CONFIG = {
-    "norm+qkv+rope+cache": "qkv_config",
+    "norm+qkv(+qk norm)+rope+cache": "qkv_config",
     "o_proj + residual": "o_config",
     "norm+gate_up+silu": "gate_up_config",
     "down + residual": "down_config",
@@ -273,7 +288,10 @@ def sweep(model: Any, out: list[dict[str, Any]], args: argparse.Namespace) -> No
     saved = model.cache.state()
     best: dict[str, tuple[float, str]] = {}
     rows: list[dict[str, Any]] = []
+    qk_norm = model.config.qk_norm  # the QKV product runs as a plain GEMV before the heads
     for name, attr in [*FAMILY_CONFIG.items(), ("attention (split-KV + combine)", "")]:
+        if qk_norm and attr == "qkv_config":
+            attr = "qkv_gemv_config"
         grid: list[tuple[int, ...]] = GEMV_GRID if attr else ATTENTION_GRID
         for a, b, w, *rest in grid:
             fd = FusedDecode(model, {})

@@ -14,6 +14,7 @@ from kiln.agent_runner.space import (
     TORCH_COMPILE,
     CandidateSpace,
     Dimension,
+    Exclusion,
     space_for,
     thread_counts,
     unused_ops,
@@ -99,3 +100,32 @@ def test_dimensions_are_checked() -> None:
         CandidateSpace([Dimension("threads", (None,)), Dimension("threads", (None,))])
     with pytest.raises(ValueError, match="at least one value"):
         CandidateSpace([Dimension("threads", ())])
+
+
+def test_exclusions_keep_pairs_out_of_points_moves_and_iteration() -> None:
+    space = CandidateSpace(
+        [Dimension("cuda_graph", (None, "on")), Dimension("op:moe", (None, "dense"))],
+        [Exclusion("cuda_graph", "op:moe", None, "host sync")],
+    )
+    graph = Candidate.make(transforms=[Transform.of("cuda_graph")])
+    both = Candidate.make({"moe": "dense"}, [Transform.of("cuda_graph")])
+    assert list(space) == [Candidate.make({"moe": "dense"}), both]
+    assert not space.contains(graph) and space.refusal(graph) == "host sync"
+    assert [c for _, _, c in space.neighbours(REFERENCE_CANDIDATE)] == [
+        Candidate.make({"moe": "dense"})
+    ]
+    assert space.refusal(both) is None and space.without_ops(frozenset({"moe"})).exclusions == ()
+
+
+def test_within_drops_refused_values_and_a_refused_transforms_parameters() -> None:
+    from kiln.engine_pool.support import support_for
+
+    qwen_moe = json.loads((MODELS / "qwen3-30b-a3b.json").read_text())
+    space = space_for("h200").within(support_for(qwen_moe, "cuda"))
+    names = {d.name for d in space.dims}
+    assert "fused_decode" not in names and not any(n.startswith("fused_decode.") for n in names)
+    assert "op:mlp" not in names and CUDA_GRAPH in names and space.support is not None
+    cpu = space_for("cpu").within(support_for(qwen_moe, "cpu"))
+    assert all(
+        registry.get(d.op, v).runs_on("cpu") for d in cpu.dims if d.op for v in d.values if v
+    )

@@ -65,7 +65,7 @@ from kiln.agent_runner.judge import (
 from kiln.agent_runner.ledger_access import LedgerPool
 from kiln.agent_runner.planning import choose_plan
 from kiln.agent_runner.resume import orphan_claims
-from kiln.agent_runner.space import CandidateSpace, unused_ops
+from kiln.agent_runner.space import CandidateSpace, model_space
 from kiln.agent_runner.state import CompilationState, ExperimentRecord
 from kiln.agent_runner.stream import CompilationStream
 from kiln.agent_runner.tasks import cancel_and_wait
@@ -73,11 +73,11 @@ from kiln.agent_runner.workload import workload_to_json
 from kiln.baselines.names import compare_agent
 from kiln.board import Board
 from kiln.common.logging import get_logger
+from kiln.engine_pool.support import ModelNotSupported
 from kiln.events.types import EndStatus, Tier, is_failure
 from kiln.ledger.model import NewEvent
 from kiln.v1 import common_pb2
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
-from kiln.workloads.config import parse_config
 
 log = get_logger("kiln.agent_runner.compilation")
 
@@ -168,12 +168,29 @@ class CompilationRunner:
 
     @property
     def space(self) -> CandidateSpace:
-        """The candidate space of the workload's hardware, without ops the model never calls."""
+        """The candidate space of the workload's hardware restricted to what an engine runs for
+        the model (:func:`~kiln.agent_runner.space.model_space`): agents draw only from it.
+
+        Raises:
+            Failure: kiln cannot build the model, so it has no space (the reason says why).
+        """
         if self._space is None:
-            space = self._deps.space(self.state.workload.hardware.name)
+            hardware = self.state.workload.hardware.name
             model = self.state.workload.model
-            config = parse_config(json.loads(model.config_json), model.name or "model")
-            self._space = space.without_ops(unused_ops(config))
+            try:
+                config = json.loads(model.config_json)
+                self._space = model_space(
+                    self._deps.space(hardware), config, hardware, name=model.name or "model"
+                )
+            except (ValueError, ModelNotSupported) as exc:
+                raise Failure(str(exc)) from exc
+            log.info(
+                "search space",
+                compilation=self.compilation_id,
+                dimensions=len(self._space.dims),
+                points=self._space.size,
+                refused=self._space.support.summary() if self._space.support else [],
+            )
         return self._space
 
     @property

@@ -336,8 +336,8 @@ def agreement_text(n: int, rho: float | None) -> str:
 def compared_event(state: CompilationState, req: Requested, completed: Completed) -> NewEvent:
     """The ``BaselineCompared`` of a baseline experiment (``req.baseline`` set): its tokens/s,
     timings and own correctness check, why it was skipped or failed, its operating point's
-    batch (``tokens_per_s x median_s``, as the engine derived tokens/s) and the engine's
-    weights bytes. Never a candidate, a reference or a best."""
+    batch and context (as the engine recorded them; older events: batch = ``tokens_per_s x
+    median_s``) and the engine's weights bytes. Never a candidate, a reference or a best."""
     from kiln.baselines.names import skipped_reason
 
     r = completed.result
@@ -355,7 +355,8 @@ def compared_event(state: CompilationState, req: Requested, completed: Completed
         skipped_reason=skipped,
         error="" if skipped else r.error[:500],
         tier=req.tier,
-        batch=round(r.tokens_per_s * r.median_ms / 1e3) if r.median_ms > 0 else 0,
+        batch=r.batch_size or (round(r.tokens_per_s * r.median_ms / 1e3) if r.median_ms else 0),
         weights_bytes=r.weights_bytes,
+        context=r.context_len,
     )
     return records.baseline_compared(state.compilation_id, payload)

@@ -18,23 +18,34 @@ For the CPU target a point of the space picks
 Op implementations that run only on some devices (Triton kernels: CUDA) are offered only on
 targets of those devices.
 
-Ops the model never calls (``moe`` in a dense model, ``mlp`` in a model whose every layer is
-MoE) are left out for that compilation (:meth:`CandidateSpace.without_ops`, :func:`unused_ops`):
-varying them would measure the same forward twice.
+A compilation searches :func:`model_space`: the hardware target's space restricted to what an
+engine runs for its model (:mod:`kiln.engine_pool.support`, the statement engines refuse
+candidates with): a transform that does not apply loses its dimension and its parameter
+dimensions (``fused_decode`` on MoE models), an op implementation that does not apply its value,
+an op the model never calls its dimension (``moe`` in a dense model, ``mlp`` in a model whose
+every layer is MoE: varying it would measure the same forward twice), and two values that apply
+alone but not together (``cuda_graph`` with a host-synchronising ``moe``) become an
+*exclusion*: no point holds both. The restricted space keeps the statement, so
+:meth:`CandidateSpace.refusal` also judges candidates outside its points (an LLM's code module).
 
 The all-reference point is the reference candidate: the baseline, never proposed by agents.
-Importing :mod:`kiln.ops` (to read the registry) imports torch.
+Importing :mod:`kiln.ops` (to read the registry) imports torch; importing this module does not.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from kiln.engine_pool.support import unused_ops as unused_ops  # re-exported (lives there)
 from kiln.workloads.candidate import REFERENCE, Candidate, Transform
-from kiln.workloads.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kiln.engine_pool.support import ModelSupport
+    from kiln.workloads.config import ModelConfig
 
 OP_PREFIX = "op:"
 THREADS = "threads"
@@ -45,6 +56,7 @@ PARAM_SEP = "."
 """``transform.param``: the name of a transform-parameter dimension."""
 
 FUSED_DECODE_PARAMS: dict[str, tuple[str, ...]] = {
+    "projections": ("gemv", "tensor_core"),
     "block_k": ("256", "512", "1024"),
     "num_warps": ("2", "4", "8"),
     "o_block_n": ("4", "8", "16", "32"),
@@ -59,7 +71,8 @@ FUSED_DECODE_PARAMS: dict[str, tuple[str, ...]] = {
 }
 """The ``fused_decode`` kernel parameters agents may set, with the values offered (strings, as
 candidates carry them); unset means the kernels' default for the shape (``pdl``: 2, see
-:data:`kiln.engine_pool.fused_decode.DEFAULT_PDL`)."""
+:data:`kiln.engine_pool.fused_decode.DEFAULT_PDL`; ``projections``: matrix-vector kernels below
+:data:`kiln.engine_pool.fused_decode.TENSOR_CORE_BATCH` sequences, tensor-core GEMMs from it)."""
 
 Value = str | None
 """A dimension's value: an implementation name, a transform parameter, or None (off)."""
@@ -102,32 +115,115 @@ def _transform_value(t: Transform) -> Value:
     return t.param("n") if t.name == THREADS else t.param("mode", "default")
 
 
+@dataclass(frozen=True)
+class Exclusion:
+    """No point has transform dimension ``transform`` on together with op dimension ``op_dim`` at
+    ``value`` (None: ``reference``), for ``reason``."""
+
+    transform: str
+    op_dim: str
+    value: Value
+    reason: str
+
+    def holds(self, point: dict[str, Value]) -> bool:
+        """True when ``point`` (missing dimensions at their default) has both."""
+        return point.get(self.transform) is not None and point.get(self.op_dim) == self.value
+
+
 class CandidateSpace:
-    """A finite product of dimensions; candidates are its points (content-addressed).
+    """A finite product of dimensions less its excluded points; candidates are its points
+    (content-addressed).
 
     Args:
         dims: the dimensions, each with at least one value; op dimensions start with
             ``reference`` (stored as None) and transform dimensions with None (off).
+        exclusions: value pairs no point holds.
+        support: the statement the space was restricted to (:func:`model_space`), kept to
+            judge candidates that are not points (:meth:`refusal`); None for a hardware space.
 
     Raises:
         ValueError: a dimension without values, or two with the same name.
     """
 
-    def __init__(self, dims: Sequence[Dimension]) -> None:
+    def __init__(
+        self,
+        dims: Sequence[Dimension],
+        exclusions: Sequence[Exclusion] = (),
+        support: ModelSupport | None = None,
+    ) -> None:
         names = [d.name for d in dims]
         if len(set(names)) != len(names):
             raise ValueError(f"a dimension appears twice: {names}")
         if any(not d.values for d in dims):
             raise ValueError("every dimension needs at least one value")
         self.dims = tuple(dims)
+        self.exclusions = tuple(exclusions)
+        self.support = support
 
     def without_ops(self, ops: frozenset[str]) -> CandidateSpace:
         """The same space without the dimensions of ``ops``."""
-        return CandidateSpace([d for d in self.dims if d.op not in ops])
+        dims = [d for d in self.dims if d.op not in ops]
+        return CandidateSpace(dims, self._exclusions_over(dims), self.support)
+
+    def within(self, support: ModelSupport) -> CandidateSpace:
+        """This space restricted to what ``support`` says applies (see the module docs): op
+        values and transform values it refuses removed, a dimension left with its default
+        only removed (a transform's parameter dimensions with it), conflicts as exclusions (a
+        conflict with an op's ``reference`` when the op has no dimension removes the
+        transform)."""
+        kept: list[Dimension] = []
+        for d in self.dims:
+            if d.parameter_of is not None:
+                kept.append(d)
+                continue
+            values = tuple(v for v in d.values if v is None or _refusal(support, d, v) is None)
+            if len(values) > 1 or len(d.values) == 1:
+                kept.append(Dimension(d.name, values))
+        exclusions = []
+        names = {d.name: d for d in kept}
+        for c in support.conflicts:
+            value = None if c.impl == REFERENCE else c.impl
+            op_dim = names.get(OP_PREFIX + c.op)
+            if c.transform not in names or value not in (op_dim.values if op_dim else (None,)):
+                continue
+            if op_dim is None:  # the op is always reference: the transform never applies
+                del names[c.transform]
+                continue
+            exclusions.append(Exclusion(c.transform, op_dim.name, value, c.reason))
+        dims = [
+            d
+            for d in kept
+            if d.name in names and (d.parameter_of is None or d.parameter_of[0] in names)
+        ]
+        kept_exclusions = self._exclusions_over(dims, [*self.exclusions, *exclusions])
+        return CandidateSpace(dims, kept_exclusions, support)
+
+    def _exclusions_over(
+        self, dims: Sequence[Dimension], exclusions: Sequence[Exclusion] | None = None
+    ) -> list[Exclusion]:
+        """``exclusions`` (default: this space's) over dimensions that ``dims`` has."""
+        names = {d.name for d in dims}
+        pool = self.exclusions if exclusions is None else exclusions
+        return [e for e in pool if e.transform in names and e.op_dim in names]
+
+    def excluded(self, point: dict[str, Value]) -> str | None:
+        """The reason ``point`` is excluded, or None."""
+        return next((e.reason for e in self.exclusions if e.holds(point)), None)
+
+    def refusal(self, candidate: Candidate) -> str | None:
+        """Why an engine would refuse ``candidate`` as far as this space knows: its support
+        statement's reason (any candidate, code modules included: their implementations are
+        judged when an engine loads them), else an exclusion it holds; None otherwise."""
+        if self.support is not None:
+            reason = self.support.refusal(candidate)
+            if reason is not None:
+                return reason
+        return self.excluded(self.assignment(candidate))
 
     @property
     def size(self) -> int:
-        """Points in the space, the reference included."""
+        """Points of the product of the dimensions, the reference and excluded ones
+        included."""
         n = 1
         for d in self.dims:
             n *= len(d.values)
@@ -173,27 +269,31 @@ class CandidateSpace:
         return point
 
     def contains(self, candidate: Candidate) -> bool:
-        """True when ``candidate`` is a point of this space."""
+        """True when ``candidate`` is a point of this space (not an excluded one)."""
         point = self.assignment(candidate)
         inside = all(point[d.name] in d.values for d in self.dims)
-        return inside and self.candidate(point) == candidate
+        return inside and self.excluded(point) is None and self.candidate(point) == candidate
 
     def __iter__(self) -> Iterator[Candidate]:
-        """Every point except the reference, in a fixed order (the last dimension varies
-        fastest)."""
+        """Every point except the reference and the excluded ones, in a fixed order (the last
+        dimension varies fastest)."""
         for values in itertools.product(*(d.values for d in self.dims)):
-            c = self.candidate(dict(zip((d.name for d in self.dims), values, strict=True)))
+            point = dict(zip((d.name for d in self.dims), values, strict=True))
+            if self.excluded(point) is not None:
+                continue
+            c = self.candidate(point)
             if not c.is_reference:
                 yield c
 
     def neighbours(self, candidate: Candidate) -> list[tuple[str, Value, Candidate]]:
         """Points that differ from ``candidate`` in exactly one dimension, as (dimension,
-        new value, candidate), dimension by dimension; the reference is left out."""
+        new value, candidate), dimension by dimension; the reference and excluded points are
+        left out."""
         point = self.assignment(candidate)
         out: list[tuple[str, Value, Candidate]] = []
         for d in self.dims:
             for value in d.values:
-                if value == point[d.name]:
+                if value == point[d.name] or self.excluded({**point, d.name: value}):
                     continue
                 c = self.candidate({**point, d.name: value})
                 if not c.is_reference and c != candidate:  # a parameter of a transform that is off
@@ -242,8 +342,7 @@ def space_for(hardware: str, cpus: int | None = None) -> CandidateSpace:
     # Llama-3.2-1B batch-1 decode from 14.8 to 3.3 ms a step, benchmarks/RESULTS.md), then the
     # fused decode kernels, op implementations next, kernel parameters, torch_compile (seconds
     # to minutes of compilation) last.
-    cpu = hardware.strip().lower() == "cpu"
-    if cpu:
+    if device_type(hardware) == "cpu":
         first = [Dimension(THREADS, (None, *(str(n) for n in thread_counts(cpus))))]
         ops, tuning = op_dimensions("cpu"), []
         modes: tuple[Value, ...] = (None, "default")
@@ -258,11 +357,40 @@ def space_for(hardware: str, cpus: int | None = None) -> CandidateSpace:
     return CandidateSpace([*first, *ops, *tuning, Dimension(TORCH_COMPILE, modes)])
 
 
-def unused_ops(config: ModelConfig) -> frozenset[str]:
-    """Ops ``config``'s forward never calls: ``moe`` in a dense model, ``mlp`` in a model
-    whose every layer routes to experts."""
-    if not config.is_moe:
-        return frozenset({"moe"})
-    if all(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
-        return frozenset({"mlp"})
-    return frozenset()
+def device_type(hardware: str) -> str:
+    """The device type engines of a hardware target run on: ``"cpu"`` for ``cpu``, else
+    ``"cuda"``."""
+    return "cpu" if hardware.strip().lower() == "cpu" else "cuda"
+
+
+def _refusal(support: ModelSupport, d: Dimension, value: str) -> str | None:
+    """Why ``support`` refuses value ``value`` of op or transform dimension ``d`` (None for a
+    dimension of no transform it knows)."""
+    if d.op is not None:
+        return support.op_reason(d.op, value)
+    if d.name not in (THREADS, TORCH_COMPILE, CUDA_GRAPH, FUSED_DECODE):
+        return None
+    return support.transform_reason(_transform(d.name, value))
+
+
+def model_space(
+    space: CandidateSpace,
+    config: ModelConfig | Mapping[str, Any],
+    hardware: str,
+    *,
+    name: str = "model",
+) -> CandidateSpace:
+    """``space`` (the hardware target's) restricted to what an engine runs for the model
+    (:meth:`CandidateSpace.within` of :func:`kiln.engine_pool.support.support_for`; imports
+    torch).
+
+    Args:
+        config: a :class:`~kiln.workloads.config.ModelConfig`, or its ``config.json`` object
+            (the model named ``name``).
+
+    Raises:
+        kiln.engine_pool.support.ModelNotSupported: kiln cannot build the model (no space).
+    """
+    from kiln.engine_pool.support import support_for
+
+    return space.within(support_for(config, device_type(hardware), name=name))

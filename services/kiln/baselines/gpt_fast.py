@@ -1,10 +1,11 @@
-"""Baseline: a compact gpt-fast-style Llama, ``torch.compile(mode="reduce-overhead",
-fullgraph=True)`` on ``decode_one_token`` (CUDA graphs on CUDA).
+"""Baseline: a compact gpt-fast-style dense decoder (Llama, Qwen3),
+``torch.compile(mode="reduce-overhead", fullgraph=True)`` on ``decode_one_token`` (CUDA graphs
+on CUDA).
 
-The model is :class:`kiln.baselines.gpt_fast_model.GptFastLlama` over kiln's weights; the prompt
-is prefilled uncompiled (gpt-fast compiles prefill separately, with dynamic shapes), decode steps
-run compiled; logits are cloned before the next replay. ``compile_mode=None`` runs it eager
-(for quick CPU tests). Protocol and check: :mod:`kiln.baselines.harness`.
+The model is :class:`kiln.baselines.gpt_fast_model.GptFastTransformer` over kiln's weights; the
+prompt is prefilled uncompiled (gpt-fast compiles prefill separately, with dynamic shapes),
+decode steps run compiled; logits are cloned before the next replay. ``compile_mode=None`` runs
+it eager (for quick CPU tests). Protocol and check: :mod:`kiln.baselines.harness`.
 """
 
 from __future__ import annotations
@@ -29,16 +30,18 @@ MODE = COMPILE_MODE
 
 
 def precheck(config: ModelConfig) -> None:
-    """Raise :class:`SkipBaseline` for anything but a dense Llama."""
-    if config.model_type != "llama" or config.is_moe or config.attention_bias:
-        raise SkipBaseline(f"gpt-fast baseline builds dense Llama only, not {config.model_type!r}")
+    """Raise :class:`SkipBaseline` for a config the model cannot build (anything but a dense,
+    bias-free Llama or Qwen3: :func:`kiln.baselines.gpt_fast_model.unsupported` says why)."""
+    reason = gpt_fast_model.unsupported(config)
+    if reason is not None:
+        raise SkipBaseline(f"gpt-fast baseline {reason}")
 
 
 def builder(compile_mode: str | None) -> Callable[[OperatingPoint], Runner]:
     """A build function compiling ``decode_one_token`` with ``compile_mode`` (None: eager)."""
 
     def build(point: OperatingPoint) -> Runner:
-        model = gpt_fast_model.GptFastLlama(
+        model = gpt_fast_model.GptFastTransformer(
             point.config, point.weights, point.batch, point.cache_len
         )
         decode = gpt_fast_model.decode_one_token
@@ -52,7 +55,8 @@ def builder(compile_mode: str | None) -> Callable[[OperatingPoint], Runner]:
             logits: torch.Tensor = step_fn(model, token, positions[position : position + 1])
             return logits.clone()
 
-        note = f"torch {torch.__version__}; fused wqkv and w13, static KV cache, {how}"
+        family = point.config.model_type + (" (q/k norms)" if point.config.qk_norm else "")
+        note = f"torch {torch.__version__}; {family}, fused wqkv and w13, static KV cache, {how}"
         return Runner(prefill, step, [note])
 
     return build
@@ -63,6 +67,6 @@ run = CompiledBaseline(
     builder,
     precheck=precheck,
     measures="gpt-fast-style decode steps",
-    skipped="for anything but a dense Llama",
+    skipped="for anything but a dense, bias-free Llama or Qwen3 (MoE, MLA, biases)",
     compiles="``decode_one_token``",
 )

@@ -1,12 +1,19 @@
-"""A compact gpt-fast-style Llama (after github.com/pytorch-labs/gpt-fast ``model.py``).
+"""A compact gpt-fast-style dense decoder (after github.com/pytorch-labs/gpt-fast ``model.py``):
+Llama and Qwen3 dense.
 
 As gpt-fast builds it: fused ``wqkv`` ``[(Hq + 2 Hkv) D, H]`` and fused gate/up ``w13``
 ``[2 I, H]`` weights, a static KV cache per layer ``[B, Hkv, S, D]`` updated with
 ``index_copy_`` at the step's positions, RMSNorm, RoPE from tables precomputed at build, SDPA
 with a boolean causal mask row per position (K/V heads repeated for GQA), all in one
-``nn.Module``. One difference: RoPE rotates halves (``rotate_half``, transformers' and kiln's
-layout) rather than gpt-fast's interleaved complex pairs, so kiln's (Hugging Face-named) weights
-load without gpt-fast's Q/K row permutation. Llama only (no q/k norms, no biases, dense MLP).
+``nn.Module`` with no host sync in a step (``torch.compile(fullgraph=True)`` and CUDA graphs).
+
+Families: Llama (``default`` or ``llama3`` RoPE, tied or untied LM head) and Qwen3 dense
+(per-head RMSNorm of q and k over ``head_dim`` before RoPE, weights ``self_attn.q_norm.weight``
+/ ``k_norm.weight``; ``heads x head_dim`` may differ from ``hidden_size``). Differences from
+gpt-fast: RoPE rotates halves (``rotate_half``, transformers' and kiln's layout) rather than
+interleaved complex pairs, so kiln's (Hugging Face-named) weights load without gpt-fast's Q/K row
+permutation; the q/k norms are added for Qwen3. Rounding as kiln's reference ops: RMSNorm
+normalises in float32, casts to the model dtype, then scales; RoPE rotates in float32.
 
 Weights are copied from a kiln :class:`~kiln.workloads.weights.WeightStore` (the fused layouts
 are new tensors; the norms and the embedding are shared).
@@ -23,11 +30,28 @@ from kiln.workloads.config import ModelConfig
 from kiln.workloads.weights import LM_HEAD, WeightStore
 
 Tensor = torch.Tensor
+FAMILIES = ("llama", "qwen3")
+"""``model_type`` values this model builds (dense configs only)."""
+
+
+def unsupported(config: ModelConfig) -> str | None:
+    """Why this model cannot build ``config`` (a sentence), or None when it can: a model type
+    outside :data:`FAMILIES`, experts (MoE), MLA attention, or biased projections."""
+    if config.model_type not in FAMILIES:
+        return f"builds dense Llama and Qwen3 only, not {config.model_type!r}"
+    if config.is_moe:
+        return f"builds dense models only, not {config.name!r} (mixture of experts)"
+    if config.mla is not None:
+        return f"builds grouped-query attention only, not {config.name!r} (MLA)"
+    if config.attention_bias or config.raw.get("mlp_bias"):
+        return f"builds bias-free projections only, not {config.name!r} (biases)"
+    return None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` computed in float32, cast back (Llama's
-    ``LlamaRMSNorm``). ``x``: ``[..., H]``; ``weight``: ``[H]``."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim: normalised in float32, cast to
+    ``x.dtype``, then scaled (transformers' ``LlamaRMSNorm`` / ``Qwen3RMSNorm``, kiln's
+    reference). ``x``: ``[..., N]``; ``weight``: ``[N]``."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -43,7 +67,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Block(nn.Module):
-    """One decoder layer with its KV cache buffers."""
+    """One decoder layer with its KV cache buffers ``[batch, Hkv, max_len, D]`` (weights'
+    dtype and device); ``q_norm``/``k_norm`` ``[D]`` when the config has them (Qwen3), else
+    None."""
 
     k_cache: Tensor
     v_cache: Tensor
@@ -68,20 +94,27 @@ class Block(nn.Module):
         self.w2 = store[p + "mlp.down_proj.weight"]
         self.attention_norm = store[p + "input_layernorm.weight"]
         self.ffn_norm = store[p + "post_attention_layernorm.weight"]
+        self.q_norm = store[a + "q_norm.weight"] if config.qk_norm else None
+        self.k_norm = store[a + "k_norm.weight"] if config.qk_norm else None
         like = self.wo
         shape = (batch, self.hkv, max_len, self.d)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=like.dtype, device=like.device))
         self.register_buffer("v_cache", torch.zeros(shape, dtype=like.dtype, device=like.device))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
-        """``x [B, T, H]`` at positions ``pos [T]`` int64; ``mask [1, 1, T, S]`` bool."""
+        """``x [B, T, H]`` at positions ``pos [T]`` int64; ``mask [1, 1, T, S]`` bool;
+        ``cos``/``sin`` ``[T, D/2]`` float32. Returns ``[B, T, H]`` in ``x.dtype``."""
         b, t, _ = x.shape
         h = rms_norm(x, self.attention_norm, self.eps)
         q, k, v = F.linear(h, self.wqkv).split(
             [self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1
         )
-        q = q.view(b, t, self.hq, self.d).transpose(1, 2)
-        k = k.view(b, t, self.hkv, self.d).transpose(1, 2)
+        q = q.view(b, t, self.hq, self.d)
+        k = k.view(b, t, self.hkv, self.d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, self.hkv, self.d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.k_cache.index_copy_(2, pos, k)
@@ -89,24 +122,26 @@ class Block(nn.Module):
         rep = self.hq // self.hkv
         keys = self.k_cache.repeat_interleave(rep, dim=1)
         values = self.v_cache.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.d**-0.5)
         x = x + F.linear(y.transpose(1, 2).reshape(b, t, self.hq * self.d), self.wo)
         h = rms_norm(x, self.ffn_norm, self.eps)
         gate, up = F.linear(h, self.w13).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.w2)
 
 
-class GptFastLlama(nn.Module):
+class GptFastTransformer(nn.Module):
     """The model: embedding, blocks, final norm, LM head; static caches of ``batch`` x
     ``max_len``.
 
     Args:
-        config: a Llama config (all layers built).
-        store: kiln's weights (HF names).
+        config: a dense Llama or Qwen3 config (all its layers built).
+        store: kiln's weights (HF names), in the model's dtype and device.
         batch: cache batch (sequences). max_len: cache slots per sequence.
 
     Raises:
-        ValueError: not a dense Llama (q/k norms, biases or experts).
+        ValueError: a config :func:`unsupported` refuses (the message says why).
+        kiln.ops.rope.UnsupportedRopeError: a RoPE type kiln does not implement.
+        kiln.workloads.weights.WeightError: a weight missing from ``store``.
     """
 
     cos: Tensor
@@ -115,10 +150,9 @@ class GptFastLlama(nn.Module):
 
     def __init__(self, config: ModelConfig, store: WeightStore, batch: int, max_len: int) -> None:
         super().__init__()
-        if config.model_type != "llama" or config.is_moe or config.attention_bias:
-            raise ValueError(
-                f"the gpt-fast baseline builds dense Llama models, not {config.model_type!r}"
-            )
+        reason = unsupported(config)
+        if reason is not None:
+            raise ValueError(f"the gpt-fast baseline {reason}")
         self.eps = config.rms_norm_eps
         self.tok_embeddings = store["model.embed_tokens.weight"]
         self.output = store[LM_HEAD]
@@ -135,7 +169,7 @@ class GptFastLlama(nn.Module):
 
     def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
         """Logits ``[B, T, V]`` (model dtype) of tokens ``idx [B, T]`` int64 at positions
-        ``input_pos [T]`` int64; writes their K/V into the caches."""
+        ``input_pos [T]`` int64 (``< max_len``; unchecked); writes their K/V into the caches."""
         mask = self.causal_mask[None, None, input_pos]
         cos, sin = self.cos[input_pos], self.sin[input_pos]
         x = F.embedding(idx, self.tok_embeddings)
@@ -144,13 +178,18 @@ class GptFastLlama(nn.Module):
         return F.linear(rms_norm(x, self.norm, self.eps), self.output)
 
 
-def decode_one_token(model: GptFastLlama, x: Tensor, input_pos: Tensor) -> Tensor:
+GptFastLlama = GptFastTransformer
+"""The former name (the model was Llama-only)."""
+
+
+def decode_one_token(model: GptFastTransformer, x: Tensor, input_pos: Tensor) -> Tensor:
     """One decode step: ``x [B, 1]`` int64 at ``input_pos [1]`` int64 → ``[B, V]`` float32
     logits (gpt-fast's compile boundary)."""
     return model(x, input_pos)[:, -1].float()
 
 
-def prefill(model: GptFastLlama, x: Tensor) -> Tensor:
-    """The prompt ``x [B, T]`` int64 from position 0 → last position's ``[B, V]`` logits."""
+def prefill(model: GptFastTransformer, x: Tensor) -> Tensor:
+    """The prompt ``x [B, T]`` int64 from position 0 → last position's ``[B, V]`` float32
+    logits."""
     pos = torch.arange(x.shape[1], device=x.device)
     return model(x, pos)[:, -1].float()

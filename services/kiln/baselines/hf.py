@@ -157,6 +157,12 @@ def runner(
     return Runner(prefill_prompt, step, [note])
 
 
+def attention(model: Any) -> str:
+    """The attention implementation the model runs (``"sdpa"``, transformers' default when
+    PyTorch has it; ``"eager"``; ...), for notes."""
+    return str(getattr(model.config, "_attn_implementation", None) or "default")
+
+
 def versions() -> str:
     """``torch X, transformers Y`` (for notes)."""
     try:

@@ -37,7 +37,10 @@ def build(point: OperatingPoint, compile_mode: str | None = MODE) -> Runner:
     model, cache, call = static_parts(point)
     eager = model.forward
     decode, how = compiled(eager, compile_mode, "model.forward", " for decode")
-    note = f"{hf.versions()}; StaticCache of {point.cache_len} slots, {how}"
+    note = (
+        f"{hf.versions()}; StaticCache of {point.cache_len} slots, {hf.attention(model)} "
+        f"attention, {how}"
+    )
     return hf.runner(point, call, lambda: cache, eager, decode, note, clone=True)
 
 

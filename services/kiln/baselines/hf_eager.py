@@ -26,7 +26,7 @@ def build(point: OperatingPoint) -> Runner:
         except TypeError:  # transformers < 4.56
             return transformers.DynamicCache()
 
-    note = f"{hf.versions()}; DynamicCache, eager attention default"
+    note = f"{hf.versions()}; DynamicCache, {hf.attention(model)} attention, eager forward"
     return hf.runner(point, hf.HfCall.of(model), dynamic_cache, model, model, note)
 
 

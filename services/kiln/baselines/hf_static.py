@@ -26,7 +26,10 @@ def static_parts(point: OperatingPoint) -> tuple[Any, Any, hf.HfCall]:
 def build(point: OperatingPoint) -> Runner:
     """The model and its static cache, stepped eagerly."""
     model, cache, call = static_parts(point)
-    note = f"{hf.versions()}; StaticCache of {point.cache_len} slots, eager"
+    note = (
+        f"{hf.versions()}; StaticCache of {point.cache_len} slots, {hf.attention(model)} "
+        "attention, eager forward"
+    )
     return hf.runner(point, call, lambda: cache, model, model, note)
 
 

@@ -2,13 +2,16 @@
 kiln's best, each with tokens/s, ms/step, speedup over kiln's reference and the fraction of
 the memory-bandwidth limit (no torch).
 
-The bandwidth limit of a decode step is reading every weight once: ``batch x bandwidth /
-weights_bytes`` tokens/s (e.g. an H200's measured 4.26 TB/s copy bandwidth and Llama-3.2-1B's
-2.47 GB of bf16 weights: about 1,720 tokens/s at batch 1). The bandwidth is the hardware
-catalogue's achievable figure for the target
-(:attr:`kiln.cost_model.hardware.Hardware.achievable_bandwidth_bytes_per_s`, with its source);
-the KV cache read is left out, so the limit is an upper bound that is tightest at small batch
-and context.
+The bandwidth limit of a decode step is reading its bytes once: the weights plus the KV cache of
+every sequence of the batch at the measured context,
+``batch x bandwidth / (weights_bytes + batch x context x kv_bytes_per_token)`` tokens/s
+(:func:`kiln.cost_model.roofline.decode_step_bytes`, the roofline's own decode bytes). E.g. an
+H200's measured 4.26 TB/s copy bandwidth, Llama-3.2-1B's 2.47 GB of bf16 weights and its
+32 KiB/token of bf16 KV at context 7,084: about 1,575 tokens/s at batch 1 (1,725 counting the
+weights alone). The bandwidth is the hardware catalogue's achievable figure for the target
+(:attr:`kiln.cost_model.hardware.Hardware.achievable_bandwidth_bytes_per_s`, with its source).
+Where the context is unknown (events written before it was recorded) the limit counts the
+weights only and says so: an upper bound that flatters long contexts.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.baselines.names import BASELINE_NAMES
+from kiln.baselines.names import BASELINE_CANDIDATE_PREFIX, BASELINE_NAMES
+from kiln.cost_model.roofline import DecodeStepBytes, decode_step_bytes, held_kv_bytes_per_token
+from kiln.workloads.config import DTYPE_BYTES, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -46,27 +51,35 @@ class Comparison:
             candidate (the same tier and engine as the baselines).
         reference_fast: the ``BaselineMeasured`` payload (fast tier).
         reference_id: the reference candidate's id.
+        full_point: the first full-tier ``ExperimentCompleted`` of a baseline or kiln's
+            reference that says where it was measured (``context_len`` > 0): the baselines'
+            engine's operating point, dtype (``environment.dtype``) and layers held
+            (``op_profile_shape.layers`` when profiled).
     """
 
     reference_id: str
     baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
     reference_full: dict[str, Any] | None = None
     reference_fast: dict[str, Any] | None = None
+    full_point: dict[str, Any] | None = None
 
     def update(self, event_type: str, detail: dict[str, Any]) -> None:
-        """Fold one event (type and payload)."""
+        """Fold one event (type and payload; numbers may arrive as floats from a Struct)."""
         if event_type == "BaselineCompared" and detail.get("name"):
             self.baselines[str(detail["name"])] = detail
         elif event_type == "BaselineMeasured":
             self.reference_fast = detail
-        elif (
-            event_type == "ExperimentCompleted"
-            and detail.get("candidate_id") == self.reference_id
-            and detail.get("tier") == "full"
-            and detail.get("status") == "ok"
-            and detail.get("correct")
-        ):
-            self.reference_full = detail
+        elif event_type == "ExperimentCompleted" and detail.get("tier") == "full":
+            candidate = str(detail.get("candidate_id", ""))
+            ours = candidate == self.reference_id or candidate.startswith(BASELINE_CANDIDATE_PREFIX)
+            if ours and self.full_point is None and _int(detail, "context_len") > 0:
+                self.full_point = detail
+            if (
+                candidate == self.reference_id
+                and detail.get("status") == "ok"
+                and detail.get("correct")
+            ):
+                self.reference_full = detail
 
     def reference(self) -> Row | None:
         """kiln's reference: on the full tier when measured there, else the fast tier's."""
@@ -102,44 +115,140 @@ class Comparison:
         return rows
 
     def batch(self) -> int:
-        """The decode batch of the baselines' operating point (1 when unknown)."""
+        """The decode batch of the baselines' operating point: their ``batch``, else the full
+        tier's ``batch_size`` (1 when unknown)."""
         for d in self.baselines.values():
-            if int(d.get("batch", 0) or 0) > 0:
-                return int(d["batch"])
-        return 1
+            if _int(d, "batch") > 0:
+                return _int(d, "batch")
+        return _int(self.full_point or {}, "batch_size") or 1
+
+    def context(self) -> int:
+        """Tokens in each sequence's KV cache at the baselines' operating point: their
+        ``context``, else the full tier's ``context_len`` (0 when unknown)."""
+        for d in self.baselines.values():
+            if _int(d, "context") > 0:
+                return _int(d, "context")
+        return _int(self.full_point or {}, "context_len")
+
+    def dtype(self) -> str:
+        """The full-tier engine's dtype (its KV cache's), "" when no event said."""
+        env = (self.full_point or {}).get("environment") or {}
+        return str(env.get("dtype", "")) if isinstance(env, dict) else ""
+
+    def layers(self) -> int:
+        """Decoder layers the full-tier engine holds when an op profile said (0: all)."""
+        shape = (self.full_point or {}).get("op_profile_shape") or {}
+        return _int(shape, "layers") if isinstance(shape, dict) else 0
 
     def weights_bytes(self) -> int:
         """The full-tier engine's weights, bytes (0 when unknown)."""
-        for d in [*self.baselines.values(), self.reference_full or {}]:
-            if int(d.get("weights_bytes", 0) or 0) > 0:
-                return int(d["weights_bytes"])
+        for d in [*self.baselines.values(), self.reference_full or {}, self.full_point or {}]:
+            if _int(d, "weights_bytes") > 0:
+                return _int(d, "weights_bytes")
+        return 0
+
+    def limit(
+        self, hardware: str, config: ModelConfig | None, dtype: str = ""
+    ) -> BandwidthLimit | None:
+        """The bandwidth limit of the baselines' operating point on ``hardware``: weights plus
+        KV at :meth:`context` and :meth:`batch`, the KV per token from ``config`` (the
+        compilation's model, None when unknown) in the engine's :meth:`dtype` (else ``dtype``)
+        over the :meth:`layers` held; weights only, saying why, when any of those is unknown.
+        None when the weights bytes or the hardware are unknown."""
+        context, dtype = self.context(), self.dtype() or dtype
+        kv_per_token, why = 0, ""
+        if context <= 0:
+            why = "context unknown"
+        elif config is None:
+            why = "model config unknown"
+        elif dtype not in DTYPE_BYTES:
+            why = f"KV dtype {dtype or 'unknown'}"
+        else:
+            kv_per_token = held_kv_bytes_per_token(config, dtype, self.layers())
+        return bandwidth_limit(
+            hardware,
+            self.weights_bytes(),
+            self.batch(),
+            context=context if kv_per_token else 0,
+            kv_bytes_per_token=kv_per_token,
+            weights_only_reason=why,
+        )
+
+
+def _int(d: dict[str, Any], key: str) -> int:
+    """``d[key]`` as an int (0 when absent, None or not a number)."""
+    try:
+        return int(float(d.get(key) or 0))
+    except (TypeError, ValueError):
         return 0
 
 
 @dataclass(frozen=True)
 class BandwidthLimit:
-    """Decode tokens/s if a step only read the weights once at the target's bandwidth.
+    """Decode tokens/s if a step did nothing but read its bytes once at the target's bandwidth.
 
     Attributes:
-        tokens_per_s: ``batch x bandwidth / weights_bytes``.
+        tokens_per_s: ``batch x bandwidth / (weights + KV)``
+            (:meth:`~kiln.cost_model.roofline.DecodeStepBytes.limit_tokens_per_s`).
         bandwidth_bytes_per_s: the bandwidth used, bytes/s. source: where it comes from.
+        step: the bytes a step reads (weights, KV at batch and context).
+        weights_only_reason: why the KV cache is not counted ("" when it is).
     """
 
     tokens_per_s: float
     bandwidth_bytes_per_s: float
     source: str
+    step: DecodeStepBytes
+    weights_only_reason: str = ""
+
+    @property
+    def counts_kv(self) -> bool:
+        """The KV cache read at a known context is part of the bytes."""
+        return self.step.context > 0 and self.step.kv_bytes_per_token > 0
 
     def describe(self) -> str:
-        """E.g. ``1,725 tok/s (h200 4.26 TB/s: measured ...)``."""
-        return (
-            f"{self.tokens_per_s:,.0f} tok/s = batch x {self.bandwidth_bytes_per_s / 1e12:.2f} "
-            f"TB/s / weights bytes ({self.source})"
-        )
+        """E.g. ``1,575 tok/s = batch x 4.26 TB/s / (weights 2.47 GB + KV 0.23 GB at batch 1,
+        context 7,084) (h200 achievable bandwidth; ...)``; without a context, ``... / weights
+        2.47 GB at batch 1, weights only (context unknown) (...)``."""
+        s = self.step
+        tb_s = self.bandwidth_bytes_per_s / 1e12
+        head = f"{self.tokens_per_s:,.0f} tok/s = batch x {tb_s:.2f} TB/s"
+        if self.counts_kv:
+            bytes_ = (
+                f"(weights {_size(s.weights)} + KV {_size(s.kv)} at batch {s.batch:,}, "
+                f"context {s.context:,})"
+            )
+        else:
+            why = self.weights_only_reason or "context unknown"
+            bytes_ = f"weights {_size(s.weights)} at batch {s.batch:,}, weights only ({why})"
+        return f"{head} / {bytes_} ({self.source})"
+
+    def fraction(self, tokens_per_s: float) -> float | None:
+        """``tokens_per_s`` over the limit (None when either is not positive)."""
+        if tokens_per_s <= 0 or self.tokens_per_s <= 0:
+            return None
+        return tokens_per_s / self.tokens_per_s
 
 
-def bandwidth_limit(hardware: str, weights_bytes: int, batch: int) -> BandwidthLimit | None:
-    """The bandwidth limit on ``hardware`` (a catalogue name), or None when the hardware is
-    unknown or ``weights_bytes`` is 0."""
+def _size(nbytes: float) -> str:
+    """Bytes as GB with two decimals, or MB below 0.1 GB (``0.23 GB``, ``4.2 MB``)."""
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
+def bandwidth_limit(
+    hardware: str,
+    weights_bytes: int,
+    batch: int,
+    *,
+    context: int = 0,
+    kv_bytes_per_token: float = 0,
+    weights_only_reason: str = "",
+) -> BandwidthLimit | None:
+    """The bandwidth limit on ``hardware`` (a catalogue name) of a decode step reading
+    ``weights_bytes`` once plus ``batch x context x kv_bytes_per_token`` of KV cache
+    (:func:`~kiln.cost_model.roofline.decode_step_bytes`); ``context`` or
+    ``kv_bytes_per_token`` 0: weights only (``weights_only_reason`` says why). None when the
+    hardware is unknown or ``weights_bytes`` or ``batch`` is 0."""
     from kiln.common.errors import NotFound
     from kiln.cost_model.hardware import get_hardware
 
@@ -154,7 +263,11 @@ def bandwidth_limit(hardware: str, weights_bytes: int, batch: int) -> BandwidthL
         "memory_bandwidth_bytes_per_s", ""
     )
     source = f"{hw.name} achievable bandwidth; {why}" if why else f"{hw.name} catalogue"
-    return BandwidthLimit(batch * bw / weights_bytes, bw, source)
+    if context <= 0 or kv_bytes_per_token <= 0:
+        context, kv_bytes_per_token = 0, 0
+    step = decode_step_bytes(weights_bytes, batch, context, kv_bytes_per_token)
+    reason = "" if context else (weights_only_reason or "context unknown")
+    return BandwidthLimit(step.limit_tokens_per_s(bw), bw, source, step, reason)
 
 
 def table_rows(

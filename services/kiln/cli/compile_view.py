@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,8 +12,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kiln.baselines.table import Comparison
+from kiln.baselines.table import BandwidthLimit, Comparison
 from kiln.v1 import common_pb2, compiler_pb2
+from kiln.workloads.config import ModelConfig
 
 STATUS_NAMES = {
     compiler_pb2.COMPILATION_STATUS_PENDING: "pending",
@@ -269,12 +271,40 @@ def summary_table(snap: compiler_pb2.Compilation) -> Table:
     return table
 
 
+def model_config(snap: compiler_pb2.Compilation) -> ModelConfig | None:
+    """The compilation's model architecture from its submitted ``config_json`` (None when the
+    snapshot does not carry it or it cannot be parsed)."""
+    from kiln.workloads.config import parse_config
+
+    text = snap.workload.model.config_json
+    if not text:
+        return None
+    try:
+        return parse_config(json.loads(text), snap.workload.model.name or "model")
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def comparison_limit(
+    comparison: Comparison, snap: compiler_pb2.Compilation
+) -> BandwidthLimit | None:
+    """The bandwidth limit of the baselines' operating point on the compilation's hardware:
+    weights plus the KV cache at the measured batch and context, KV per token from the
+    submitted model config in the engine's dtype (:meth:`Comparison.limit`); weights only, and
+    saying so, when the context or config is unknown. None without weights bytes or a
+    catalogue entry."""
+    return comparison.limit(
+        snap.workload.hardware.name, model_config(snap), snap.workload.model.dtype
+    )
+
+
 def comparison_table(comparison: Comparison, snap: compiler_pb2.Compilation) -> Table | None:
     """The baselines measured in the same run (:mod:`kiln.baselines`), kiln's reference and
     kiln's best, side by side: tokens/s, ms/step, speedup over kiln's reference and the
-    fraction of the bandwidth limit (:func:`kiln.baselines.table.bandwidth_limit`, named in
-    the caption). None when the compilation compared no baseline."""
-    from kiln.baselines.table import bandwidth_limit, speedup, table_rows
+    fraction of the bandwidth limit (:func:`comparison_limit`, described in the caption; the
+    limit is the full tier's, so a fast-tier row, fewer layers, gets none). None when the
+    compilation compared no baseline."""
+    from kiln.baselines.table import speedup, table_rows
 
     if not comparison.baselines:
         return None
@@ -286,9 +316,7 @@ def comparison_table(comparison: Comparison, snap: compiler_pb2.Compilation) -> 
         best_tier = {common_pb2.TIER_FAST: "fast", common_pb2.TIER_FULL: "full"}.get(m.tier, "")
     rows = table_rows(comparison, best_tps, best_ms, best_tier)
     reference = comparison.reference()
-    limit = bandwidth_limit(
-        snap.workload.hardware.name, comparison.weights_bytes(), comparison.batch()
-    )
+    limit = comparison_limit(comparison, snap)
     caption = (
         f"bandwidth limit {limit.describe()}"
         if limit
@@ -309,7 +337,7 @@ def comparison_table(comparison: Comparison, snap: compiler_pb2.Compilation) -> 
     )
     for row in rows:
         gain = speedup(row, reference)
-        frac = row.tokens_per_s / limit.tokens_per_s if limit and row.tokens_per_s else None
+        frac = limit.fraction(row.tokens_per_s) if limit and row.tier != "fast" else None
         table.add_row(
             row.label,
             f"{row.tokens_per_s:,.1f}" if row.tokens_per_s else "-",

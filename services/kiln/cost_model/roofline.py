@@ -14,6 +14,8 @@ Pope et al., "Efficiently Scaling Transformer Inference", MLSys 2023):
   rows are read; for MoE only the distinct experts the batch routes to, see
   ``sharding.ExpertLoad``) plus the whole KV cache of B × context tokens. FLOPs are 2 per weight
   per token plus attention over the context. Compute and communication are not overlapped.
+  The KV bytes are :func:`decode_kv_bytes`; a measured step's weights + KV are
+  :func:`decode_step_bytes`, the bandwidth limit ``kiln compile``'s table prints.
 - **Communication** per collective: ``bytes × 2(n−1)/n / link bandwidth + latency`` for a ring
   all-reduce over n ranks (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms", JPDC
   2009); TP does two all-reduces of B × hidden activations per layer (after attention and after
@@ -83,6 +85,63 @@ class OperatingPoint:
     def context(self) -> int:
         """Context length used for the KV cache, tokens."""
         return self.context_len or self.isl + (self.osl + 1) // 2
+
+
+@dataclass(frozen=True)
+class DecodeStepBytes:
+    """Bytes one decode step reads from device memory at an operating point (the memory side of
+    the decode roofline, :func:`decode_step_bytes`).
+
+    Attributes:
+        weights: weight bytes, each read once per step whatever the batch.
+        kv: KV-cache bytes read: every sequence of the batch reads its whole context
+            (:func:`decode_kv_bytes`); 0 when the context is unknown.
+        batch: sequences decoded together (tokens produced per step).
+        context: tokens in each sequence's KV cache (0 = unknown: weights only).
+        kv_bytes_per_token: KV bytes of one token over the layers held, in the cache's dtype.
+    """
+
+    weights: float
+    kv: float
+    batch: int
+    context: int
+    kv_bytes_per_token: float
+
+    @property
+    def total(self) -> float:
+        """``weights + kv``, bytes per decode step."""
+        return self.weights + self.kv
+
+    def limit_tokens_per_s(self, bandwidth_bytes_per_s: float) -> float:
+        """The bandwidth limit: ``batch x bandwidth / (weights + kv)`` tokens/s (0 when no bytes
+        are read): the rate if a step did nothing but read its bytes once at that bandwidth."""
+        return self.batch * bandwidth_bytes_per_s / self.total if self.total > 0 else 0.0
+
+
+def decode_kv_bytes(batch: int, context: int, kv_bytes_per_token: float) -> float:
+    """KV-cache bytes one decode step reads: ``batch x context x kv_bytes_per_token`` (each of
+    ``batch`` sequences attends over its ``context`` cached tokens; ``kv_bytes_per_token`` from
+    :meth:`ModelConfig.kv_bytes_per_token` in the cache's dtype, over the layers held and per
+    device where the cache is sharded)."""
+    return float(batch * context * kv_bytes_per_token)
+
+
+def decode_step_bytes(
+    weights_bytes: float, batch: int, context: int, kv_bytes_per_token: float
+) -> DecodeStepBytes:
+    """What one decode step reads: the weights once plus the KV cache at ``context`` tokens for
+    each of ``batch`` sequences (:func:`decode_kv_bytes`); bytes. ``context`` 0 gives the
+    weights alone (the caller says so: the limit is then an upper bound)."""
+    kv = decode_kv_bytes(batch, context, kv_bytes_per_token)
+    return DecodeStepBytes(float(weights_bytes), kv, batch, context, float(kv_bytes_per_token))
+
+
+def held_kv_bytes_per_token(cfg: ModelConfig, dtype: str, layers: int = 0) -> int:
+    """KV bytes of one token in ``dtype`` over the first ``layers`` layers an engine holds (the
+    fast tier holds a few; 0 or more than the model's: all of them)."""
+    if 0 < layers < cfg.num_hidden_layers:
+        cfg = cfg.with_layers(layers)
+    return cfg.kv_bytes_per_token(dtype)
 
 
 @dataclass(frozen=True)
@@ -336,7 +395,7 @@ def estimate(
     heads_per_rank = cfg.num_attention_heads / plan.tp
     dqk, dv = _attention_dims(cfg, decode=True)
     decode_attn = B * ctx * cfg.num_hidden_layers * heads_per_rank * 2 * (dqk + dv) / plan.dcp
-    kv_read = B * ctx * cfg.kv_bytes_per_token(act_dtype) / kv_shards(cfg, plan)
+    kv_read = decode_kv_bytes(B, ctx, cfg.kv_bytes_per_token(act_dtype) / kv_shards(cfg, plan))
     tpot_s = _pass(
         t,
         "decode",

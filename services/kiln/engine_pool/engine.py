@@ -13,8 +13,10 @@ Built once (:class:`Engine`):
 Per candidate (:meth:`Engine.run`), phases timed in ms:
 
 1. ``load``: execute its code modules in fresh namespaces (they register implementations);
-2. ``bind``: ``OpBinding.from_recipe(candidate.ops)`` and ``model.rebind`` (derived layouts come
-   from the weight store's cache: no weight is read again), then its transforms;
+2. ``bind``: what :func:`~kiln.engine_pool.support.support_for` says does not apply to the
+   model on this device is REJECTED with its reason; then ``OpBinding.from_recipe(candidate.ops)``
+   and ``model.rebind`` (derived layouts come from the weight store's cache: no weight is read
+   again), then its transforms;
 3. ``compile``: ``warmup`` (at least one) untimed decode steps at the traffic shape (graph
    compilation lands here); the first one's logits are kept for the check, so the step checked
    at the traffic shape is one the candidate cannot tell from a warm-up or timed step;
@@ -38,7 +40,8 @@ gate said, is put back, and restarts the engine. :mod:`kiln.engine_pool.red_team
 cheating candidates this is tested against.
 
 An exception in any phase makes the experiment CRASHED (with the exception and the tail of its
-traceback); an unknown op, implementation or transform makes it REJECTED. Either way the engine
+traceback); an unknown op, implementation or transform, or one the support statement refuses,
+makes it REJECTED. Either way the engine
 is put back afterwards: transforms undone, the op registry restored, the measured model re-bound
 to the reference ops, derived layouts a code module introduced dropped, and (after code
 modules) the weights verified unchanged (identity, address, sampled contents) and the cache
@@ -88,6 +91,7 @@ from kiln.engine_pool.op_profile import profile_decode_step, profile_fields
 from kiln.engine_pool.reload import RegistrySnapshot, forget_sources, load_code_modules
 from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.spec import EngineSpec
+from kiln.engine_pool.support import support_for
 from kiln.engine_pool.timing import summarize, timer_for
 from kiln.engine_pool.transforms import AppliedTransforms, RejectedCandidate, apply_transforms
 from kiln.ops import registry
@@ -484,6 +488,12 @@ class Engine:
                 model.restore()
             phase = "bind"
             with _timed(phases, "bind", sync):
+                # what this engine runs for the model (after the code modules registered
+                # theirs): the statement the agents' search space is restricted to
+                support = support_for(self.spec.model_config(), self.device.type)
+                refusal = support.refusal(candidate)
+                if refusal is not None:
+                    raise RejectedCandidate(refusal)
                 try:
                     binding = OpBinding.from_recipe(
                         dict(candidate.ops), allow_lossy=candidate.lossy
@@ -491,7 +501,7 @@ class Engine:
                     self.model.rebind(binding)
                 except (OpLookupError, LossyImplementationError, BindError) as exc:
                     raise RejectedCandidate(str(exc)) from exc
-                more = apply_transforms(self.model, candidate.transforms)
+                more = apply_transforms(self.model, candidate.transforms, support)
                 applied.undo += more.undo
                 applied.compiled = more.compiled
                 notes += more.notes

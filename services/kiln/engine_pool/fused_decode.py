@@ -1,40 +1,50 @@
-"""The ``fused_decode`` transform: a decode step as a short chain of fused Triton kernels.
+"""The ``fused_decode`` transform: a decode step as a short chain of fused kernels, for every
+dense decoder kiln builds (Llama and Qwen3 families, any config of them).
 
-At batch 1 a decode step reads every weight once and does little else, so its floor is the
-weights' bytes over memory bandwidth (Llama-3.2-1B: 2.47 GB / 4.26 TB/s ≈ 0.58 ms on an H200) and
-what separates an implementation from that floor is how far each kernel is from full bandwidth
-and how many kernels there are (each launch costs a few µs even inside a CUDA graph). The op
-slots of :class:`~kiln.workloads.models.decoder.DecoderModel` cost ~17 kernels a layer; this
-transform fuses across op boundaries (DESIGN.md: "fusions across ops") into six a layer:
+At small batch a decode step reads every weight once and does little else, so its floor is the
+weights' and KV cache's bytes over memory bandwidth (Llama-3.2-1B at context 1,085: 2.5 GB /
+4.26 TB/s ≈ 0.59 ms on an H200) and what separates an implementation from that floor is how far
+each kernel is from full bandwidth and how many kernels there are (each launch costs a few µs
+even inside a CUDA graph). The op slots of :class:`~kiln.workloads.models.decoder.DecoderModel`
+cost ~17 kernels a layer; this transform fuses across op boundaries (DESIGN.md: "fusions across
+ops"). One parameterized chain serves every family; a layer is:
 
-1. RMSNorm of the residual stream → fused QKV matrix-vector product → RoPE → K/V written into
-   the static cache (:func:`kiln.ops.kernels.qkv_rope.rms_norm_qkv_rope`);
-2. split-KV (flash-decoding) attention, and
-3. its split combine (:func:`kiln.ops.kernels.decode_attention.decode_attention`);
-4. ``o_proj`` with the residual add as epilogue (:func:`kiln.ops.kernels.gemv.gemv`);
-5. RMSNorm → fused gate/up matrix-vector product → SiLU·mul
-   (:func:`kiln.ops.kernels.norm_gemv.rms_norm_gemv`);
-6. ``down`` with the residual add as epilogue;
+1. the attention prologue: RMSNorm of the residual stream → fused QKV product → (per-head Q/K
+   RMSNorm, Qwen3) → RoPE → K/V written into the static cache. Without Q/K norms at a
+   matrix-vector batch this is one kernel (:func:`kiln.ops.kernels.qkv_rope.rms_norm_qkv_rope`);
+   otherwise the product runs alone and :func:`kiln.ops.kernels.qk_norm_rope.qk_norm_rope`
+   finishes each head (a norm needs the whole head's dot products);
+2. split-KV (flash-decoding) attention with its split combine
+   (:func:`kiln.ops.kernels.decode_attention.decode_attention`);
+3. ``o_proj`` with the residual add;
+4. RMSNorm → fused gate/up product → SiLU·mul;
+5. ``down`` with the residual add;
 
-then the final RMSNorm fused into the LM head. The residual stream is carried between layers by
-the epilogues, so no separate norm or add kernel runs. Rounding follows the reference ops (each
+then the final RMSNorm and the LM head. The products run either as the matrix-vector kernels of
+:mod:`kiln.ops.kernels.gemv` (norms and residual adds fused into their prologues and epilogues:
+six kernels a layer) or, as the batch grows and the vector units run out of arithmetic, as
+tensor-core GEMMs (cuBLAS through ``torch.nn.functional.linear``) with the residual add and
+RMSNorm fused in :func:`kiln.ops.kernels.add_rms_norm.add_rms_norm`. Which one is the
+``projections`` parameter: searched, not hard-coded. Rounding follows the reference ops (each
 projection rounded to the model dtype, norms and RoPE in float32), so outputs match the reference
 forward within the engine's bf16 tolerance.
 
 Parameters (strings, as candidates carry them; unset = the kernels' default for each shape):
-``block_k``, ``num_warps`` (all matrix-vector kernels), ``o_block_n``, ``gate_up_block_n``,
-``down_block_n``, ``down_split_k``, ``lm_block_n`` (output rows per program of each product),
-``qkv_block`` (rotary pairs per program of the QKV kernel), ``split_s`` (cache positions per
-attention split), ``fused_combine`` (1: the attention splits are combined by the last program
-of each group instead of a second kernel; 0: two kernels), ``pdl`` (programmatic dependent
-launch of every kernel of the chain, :mod:`kiln.ops.kernels.pdl`: 0 off, 1 wait then release
-the next kernel, 2 release then wait; default :data:`DEFAULT_PDL`; Hopper and later only,
-ignored elsewhere).
+``projections`` (``gemv``: the matrix-vector kernels up to :data:`kiln.ops.kernels.gemv.MAX_M`
+sequences, tensor cores above; ``tensor_core``: tensor-core GEMMs at every batch; unset: GEMV
+below :data:`TENSOR_CORE_BATCH`, tensor cores from it), ``block_k``, ``num_warps`` (all
+matrix-vector kernels), ``o_block_n``, ``gate_up_block_n``, ``down_block_n``, ``down_split_k``,
+``lm_block_n`` (output rows per program of each product), ``qkv_block`` (rotary pairs per program
+of the fused QKV kernel; output rows per program of the QKV product where it runs apart),
+``split_s`` (cache positions per attention split), ``fused_combine`` (1: the attention splits are
+combined by the last program of each group instead of a second kernel; 0: two kernels), ``pdl``
+(programmatic dependent launch of every Triton kernel of the chain, :mod:`kiln.ops.kernels.pdl`:
+0 off, 1 wait then release the next kernel, 2 release then wait; default :data:`DEFAULT_PDL`;
+Hopper and later only, ignored elsewhere).
 
-Applies to dense decoders whose layers are Llama-shaped (no Q/K norms, no projection biases, no
-experts); other models, batches over :data:`kiln.ops.kernels.gemv.MAX_M`, and steps of more than
-one token (prefill, the check's prompts) run through the bound ops as before. Needs Triton on a
-CUDA device (or Triton's interpreter, for tests).
+Takes the models :func:`unsupported_reason` accepts; steps of more than one token (prefill, the
+check's prompts) run through the bound ops as before. Needs Triton on a CUDA device (or Triton's
+interpreter, for tests).
 """
 
 from __future__ import annotations
@@ -44,17 +54,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kiln.ops.kernels import runtime
 from kiln.ops.mlp import FUSED_GATE_UP
 from kiln.ops.qkv_proj import FUSED_QKV
 from kiln.ops.rope import COS_SIN_TABLE
+from kiln.workloads.config import ModelConfig
 from kiln.workloads.models import DecoderModel
 from kiln.workloads.models.slots import Site
 
 Tensor = torch.Tensor
 
 PARAMS = (
+    "projections",
     "block_k",
     "num_warps",
     "o_block_n",
@@ -69,6 +82,17 @@ PARAMS = (
 )
 """The transform's parameters (see the module docs)."""
 
+PROJECTIONS = ("gemv", "tensor_core")
+"""Values of the ``projections`` parameter."""
+
+TENSOR_CORE_BATCH = 8
+"""With ``projections`` unset, batches from this one up run the products as tensor-core GEMMs
+(at 8 rows a bf16 matrix-vector kernel does 8 float32 multiply-adds per 2-byte weight: about
+half the H200's vector rate at full bandwidth). A starting point, not a measurement: the search
+decides per workload through ``projections``."""
+
+MAX_HEAD_DIM = 256
+"""Largest head_dim the fused kernels take (a head is one tile of the attention kernels)."""
 
 DEFAULT_PDL = 2
 """``pdl`` when a candidate leaves it unset: release the next kernel at entry, then wait.
@@ -82,14 +106,22 @@ class FusedDecodeUnsupported(ValueError):
     """The model or the parameters do not fit the fused path (the message says why)."""
 
 
-def _int_params(params: Mapping[str, str]) -> dict[str, int]:
+def _int_params(params: Mapping[str, str]) -> tuple[dict[str, int], str | None]:
+    """The integer parameters, and ``projections`` (None when unset)."""
     unknown = sorted(set(params) - set(PARAMS))
     if unknown:
         raise FusedDecodeUnsupported(
             f"fused_decode: unknown parameter(s) {unknown} (known: {list(PARAMS)})"
         )
     out: dict[str, int] = {}
+    projections = params.get("projections")
+    if projections is not None and projections not in PROJECTIONS:
+        raise FusedDecodeUnsupported(
+            f"fused_decode: projections={projections!r} is not one of {list(PROJECTIONS)}"
+        )
     for key, text in params.items():
+        if key == "projections":
+            continue
         try:
             value = int(text)
         except ValueError:
@@ -104,17 +136,39 @@ def _int_params(params: Mapping[str, str]) -> dict[str, int]:
         elif value < 1:
             raise FusedDecodeUnsupported(f"fused_decode: {key}={value} must be positive")
         out[key] = value
-    return out
+    return out, projections
+
+
+def unsupported_reason(config: ModelConfig) -> str | None:
+    """Why ``fused_decode`` cannot run ``config`` on a CUDA engine, or None when it can.
+
+    The one statement of the fused path's reach: :class:`FusedDecode` raises
+    :class:`FusedDecodeUnsupported` with this reason, and search spaces leave the transform out
+    for such models. The path takes any dense decoder kiln builds (Llama, Qwen3: Q/K norms, any
+    GQA ratio, even head_dim up to 256 with ``heads x head_dim != hidden``, tied or untied LM
+    head, llama3 RoPE scaling); not experts, MLA, or projection biases."""
+    if config.is_moe:
+        return f"fused_decode: {config.name} has experts (dense models only)"
+    if config.mla is not None:
+        return f"fused_decode: {config.name} uses latent attention (MLA)"
+    if config.attention_bias:
+        return f"fused_decode: {config.name} has projection biases"
+    if config.head_dim % 2 or config.head_dim > MAX_HEAD_DIM:
+        return f"fused_decode: head_dim {config.head_dim} is odd or over {MAX_HEAD_DIM}"
+    return None
 
 
 @dataclass(frozen=True)
 class _Layer:
     """One layer's tensors for the fused chain (views of, or layouts derived from, the
-    engine's weight store)."""
+    engine's weight store); ``q_norm``/``k_norm`` ``[D]`` or None."""
 
     input_norm: Tensor
     input_eps: float
     qkv_weight: Tensor
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    qk_eps: float
     scale: float
     o_weight: Tensor
     post_norm: Tensor
@@ -132,26 +186,28 @@ def _derived(model: DecoderModel, site: Site, derivation: Any) -> dict[str, Any]
 
 def _layers(model: DecoderModel) -> list[_Layer]:
     config = model.config
-    if config.is_moe:
-        raise FusedDecodeUnsupported(f"fused_decode: {config.name} has experts (dense models only)")
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise FusedDecodeUnsupported(reason)
     layers = []
     for slots in model.slots.layers:
-        if slots.q_norm is not None or slots.k_norm is not None:
-            raise FusedDecodeUnsupported(
-                f"fused_decode: {config.name} normalises queries and keys (Qwen3-style), "
-                "which the fused QKV kernel does not do"
-            )
         if slots.ffn.op != "mlp":
             raise FusedDecodeUnsupported("fused_decode: a layer without a dense MLP")
         qkv = _derived(model, slots.qkv_proj, FUSED_QKV)
         if qkv["qkv_bias"] is not None or slots.o_proj.params.get("bias") is not None:
             raise FusedDecodeUnsupported(f"fused_decode: {config.name} has projection biases")
         mlp = _derived(model, slots.ffn, FUSED_GATE_UP)
+        q_norm = None if slots.q_norm is None else slots.q_norm.params
+        k_norm = None if slots.k_norm is None else slots.k_norm.params
+        qk_eps = (q_norm or k_norm or {"eps": 0.0})["eps"]
         layers.append(
             _Layer(
                 input_norm=slots.input_norm.params["weight"],
                 input_eps=float(slots.input_norm.params["eps"]),
                 qkv_weight=qkv["qkv_weight"],
+                q_norm=None if q_norm is None else q_norm["weight"].contiguous(),
+                k_norm=None if k_norm is None else k_norm["weight"].contiguous(),
+                qk_eps=float(qk_eps),
                 scale=float(slots.attention.params["scale"]),
                 o_weight=slots.o_proj.params["weight"],
                 post_norm=slots.post_attention_norm.params["weight"],
@@ -163,22 +219,25 @@ def _layers(model: DecoderModel) -> list[_Layer]:
     return layers
 
 
-ATTENTION_PROGRAMS = 4 * 132
-"""Split-KV programs the default attention launch aims at most for (4 per SM of an H200)."""
+ATTENTION_PROGRAMS = 24 * 132
+"""Split-KV programs above which the default attention launch doubles its split (24 per SM of
+an H200: at batch 30 and context 1,085 splits of 128, the sweep's best there)."""
 
 
 def attention_default(*, cache_batch: int, kv_heads: int, cache_len: int) -> Any:
-    """The split-KV attention launch for a cache of ``cache_len`` positions: the smallest split
-    (from 32 positions, doubling up to 512) whose ``batch x kv_heads x splits`` programs stay
-    within :data:`ATTENTION_PROGRAMS`. On an H200, Llama-3.2-1B at batch 1 and context 1,085:
-    split 32 (34 splits, 272 programs), 151 µs for 16 layers against 433 µs at the kernel's
-    default split of 256 (``benchmarks/fused_decode_profile.py --sweep``)."""
+    """The split-KV attention launch for a cache of ``cache_len`` positions: tensor-core scores,
+    splits of 64 positions in one block of 64, doubled (up to 512) while ``batch x kv_heads x
+    splits`` exceeds :data:`ATTENTION_PROGRAMS`. Measured on an H200
+    (``benchmarks/attention_sweep.py``, bf16, µs a layer): Llama-3.2-1B batch 1 at context 1,085
+    5.3 (split 64; 9.6 at the earlier default, split 32 without tensor cores), at 7,084 10.3,
+    batch 30 at 1,085 24.5 (split 128); 8B shapes (head_dim 128) batch 1 at 1,476 7.0, batch 30
+    44.5; within 5 % of the best launch of the sweep at each."""
     from kiln.ops.kernels.decode_attention import DecodeAttentionConfig
 
-    split = 32
+    split = 64
     while split < 512 and cache_batch * kv_heads * -(-cache_len // split) > ATTENTION_PROGRAMS:
         split *= 2
-    return DecodeAttentionConfig(split_s=split, block_s=32 if split <= 64 else 64)
+    return DecodeAttentionConfig(split_s=split, block_s=64, use_dot=True)
 
 
 class FusedDecode:
@@ -186,30 +245,39 @@ class FusedDecode:
     :meth:`DecoderModel.decode_step`); built once per experiment.
 
     Args:
-        model: a dense Llama-shaped decoder on a device Triton runs on, bound to any ops (they
-            serve the steps the fused path does not take).
+        model: a dense decoder (:func:`unsupported_reason` None) on a device Triton runs on,
+            bound to any ops (they serve the steps the fused path does not take).
         params: the transform's parameters (strings).
 
     Raises:
-        FusedDecodeUnsupported: the model does not fit (MoE, Q/K norms, biases) or a parameter
-            is unknown or not a positive integer.
+        FusedDecodeUnsupported: the model does not fit (the reason of
+            :func:`unsupported_reason`) or a parameter is unknown or out of range.
         kiln.ops.kernels.runtime.KernelUnavailableError: no Triton, or a CPU without the
             interpreter.
     """
 
     def __init__(self, model: DecoderModel, params: Mapping[str, str]) -> None:
         runtime.require(model.cache.lengths.device)
-        from kiln.ops.kernels import decode_attention, gemv, norm_gemv, qkv_rope
+        from kiln.ops.kernels import (
+            add_rms_norm,
+            decode_attention,
+            gemv,
+            norm_gemv,
+            qk_norm_rope,
+            qkv_rope,
+        )
 
         # The kernels, imported once here (Triton decides compiled vs interpreted at import):
         # the step below runs them without a lookup per call.
         self._qkv_rope = qkv_rope.rms_norm_qkv_rope
+        self._qk_norm_rope = qk_norm_rope.qk_norm_rope
         self._attention = decode_attention.decode_attention
         self._gemv = gemv.gemv
         self._norm_gemv = norm_gemv.rms_norm_gemv
+        self._add_rms_norm = add_rms_norm.add_rms_norm
 
         self.model = model
-        self.params = _int_params(params)
+        self.params, projections = _int_params(params)
         self.pdl: int = self.params.get("pdl", DEFAULT_PDL)
         self._eager: Callable[[Tensor], Tensor] = model.decode_step
         self.layers = _layers(model)
@@ -223,18 +291,27 @@ class FusedDecode:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.max_m: int = gemv.MAX_M
+        #: Batches below this run the matrix-vector kernels, from it up tensor-core GEMMs.
+        self.tensor_core_batch = {
+            None: TENSOR_CORE_BATCH,
+            "gemv": self.max_m + 1,
+            "tensor_core": 1,
+        }[projections]
+        b = max(1, model.cache.batch or 1)
         p = self.params
         hidden, inter = config.hidden_size, config.intermediate_size
         q_width = self.num_heads * self.head_dim
-        self.o_config = self._tuned(gemv.default_config(hidden, q_width), p.get("o_block_n"))
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        m = min(b, self.max_m)
+        self.o_config = self._tuned(gemv.default_config(hidden, q_width, m=m), p.get("o_block_n"))
         self.gate_up_config = self._tuned(
-            gemv.default_config(inter, hidden, paired=True), p.get("gate_up_block_n")
+            gemv.default_config(inter, hidden, m=m, paired=True), p.get("gate_up_block_n")
         )
         self.down_config = self._tuned(
-            gemv.default_config(hidden, inter), p.get("down_block_n"), p.get("down_split_k")
+            gemv.default_config(hidden, inter, m=m), p.get("down_block_n"), p.get("down_split_k")
         )
         self.lm_config = self._tuned(
-            gemv.default_config(config.vocab_size, hidden), p.get("lm_block_n")
+            gemv.default_config(config.vocab_size, hidden, m=m), p.get("lm_block_n")
         )
         self.qkv_config = self._tuned(
             qkv_rope.default_qkv_rope_config(
@@ -242,11 +319,18 @@ class FusedDecode:
             ),
             p.get("qkv_block"),
         )
+        self.qkv_gemv_config = self._tuned(
+            gemv.default_config(qkv_rows, hidden, m=m), p.get("qkv_block")
+        )
+        self.attention_config = self._attention_config(model)
+
+    def _attention_config(self, model: DecoderModel) -> Any:
         attention = attention_default(
             cache_batch=model.cache.batch or 1,
             kv_heads=self.num_kv_heads,
             cache_len=model.cache.max_len,
         )
+        p = self.params
         changes: dict[str, int] = {}
         if "split_s" in p:
             changes["split_s"] = p["split_s"]
@@ -257,10 +341,9 @@ class FusedDecode:
             changes["fused_combine"] = bool(p["fused_combine"])
         changes["pdl"] = self.pdl
         try:
-            attention = replace(attention, **changes)
+            return replace(attention, **changes)
         except ValueError as exc:
             raise FusedDecodeUnsupported(f"fused_decode: {exc}") from None
-        self.attention_config = attention
 
     def _tuned(self, config: Any, block_n: int | None, split_k: int | None = None) -> Any:
         """``config`` (a kernel's default for its shape) with the candidate's parameters."""
@@ -278,6 +361,10 @@ class FusedDecode:
         except ValueError as exc:
             raise FusedDecodeUnsupported(f"fused_decode: {exc}") from None
 
+    def uses_tensor_cores(self, batch: int) -> bool:
+        """Whether a step at ``batch`` runs its products as tensor-core GEMMs."""
+        return batch >= self.tensor_core_batch or batch > self.max_m
+
     def __call__(self, tokens: Tensor) -> Tensor:
         """One decode step.
 
@@ -292,12 +379,24 @@ class FusedDecode:
             kiln.workloads.models.kv_cache.CacheCapacityError: as the eager step.
         """
         cache = self.model.cache
-        b = tokens.shape[0]
-        if tokens.shape != (cache.batch, 1) or b > self.max_m:
+        if tokens.shape != (cache.batch, 1):
             return self._eager(tokens)
-        return self._step(tokens, cache)
+        if self.uses_tensor_cores(tokens.shape[0]):
+            return self._gemm_step(tokens, cache)
+        return self._gemv_step(tokens, cache)
 
-    def _step(self, tokens: Tensor, cache: Any) -> Tensor:
+    def _prologue(self, i: int, layer: _Layer, x: Tensor, pos: Tensor, cache: Any) -> Tensor:
+        """q ``[B, Hq, D]`` from the QKV product ``x [B, (Hq + 2Hkv) D]``: Q/K norms, RoPE, and
+        k/v written into the cache."""
+        return self._qk_norm_rope(
+            x, layer.q_norm, layer.k_norm, layer.qk_eps, self.cos, self.sin, pos,
+            cache.k[i], cache.v[i], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, pdl=self.pdl,
+        )  # fmt: skip
+
+    def _gemv_step(self, tokens: Tensor, cache: Any) -> Tensor:
+        """The step with matrix-vector products (norms and residual adds in their prologues
+        and epilogues)."""
         rms_norm_qkv_rope, decode_attention = self._qkv_rope, self._attention
         gemv, rms_norm_gemv = self._gemv, self._norm_gemv
         positions, seq_lens = cache.next_positions()
@@ -305,44 +404,65 @@ class FusedDecode:
         s = self.model.ops.embedding(tokens)[:, 0]  # [B, H] residual stream
         pos = positions[:, 0]
         for i, layer in enumerate(self.layers):
-            q = rms_norm_qkv_rope(
-                s,
-                layer.input_norm,
-                layer.input_eps,
-                layer.qkv_weight,
-                self.cos,
-                self.sin,
-                pos,
-                cache.k[i],
-                cache.v[i],
-                num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim,
-                config=self.qkv_config,
-            )
+            if layer.q_norm is None and layer.k_norm is None:
+                q = rms_norm_qkv_rope(
+                    s, layer.input_norm, layer.input_eps, layer.qkv_weight, self.cos,
+                    self.sin, pos, cache.k[i], cache.v[i], num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    config=self.qkv_config,
+                )  # fmt: skip
+            else:
+                qkv = rms_norm_gemv(
+                    s, layer.input_norm, layer.input_eps, layer.qkv_weight,
+                    config=self.qkv_gemv_config,
+                )  # fmt: skip
+                q = self._prologue(i, layer, qkv, pos, cache)
             attn = decode_attention(
-                q,
-                cache.k[i][:b],
-                cache.v[i][:b],
-                seq_lens,
-                scale=layer.scale,
+                q, cache.k[i][:b], cache.v[i][:b], seq_lens, scale=layer.scale,
                 config=self.attention_config,
-            )
+            )  # fmt: skip
             s = gemv(attn.reshape(b, -1), layer.o_weight, residual=s, config=self.o_config)
             act = rms_norm_gemv(
-                s,
-                layer.post_norm,
-                layer.post_eps,
-                layer.gate_up_weight,
-                activation="silu_mul",
-                config=self.gate_up_config,
-            )
+                s, layer.post_norm, layer.post_eps, layer.gate_up_weight,
+                activation="silu_mul", config=self.gate_up_config,
+            )  # fmt: skip
             s = gemv(act, layer.down_weight, residual=s, config=self.down_config)
         logits = rms_norm_gemv(
             s, self.final_norm, self.final_eps, self.lm_weight, config=self.lm_config
         )
         cache.advance()
         return logits.float()
+
+    def _gemm_step(self, tokens: Tensor, cache: Any) -> Tensor:
+        """The step with tensor-core GEMMs (cuBLAS); the residual add of each product is fused
+        into the next RMSNorm."""
+        add_rms_norm, decode_attention = self._add_rms_norm, self._attention
+        positions, seq_lens = cache.next_positions()
+        b = tokens.shape[0]
+        s = self.model.ops.embedding(tokens)[:, 0]  # [B, H] residual stream
+        pos = positions[:, 0]
+        delta: Tensor | None = None  # the last product, not yet added to s
+        for i, layer in enumerate(self.layers):
+            x, s = add_rms_norm(*_pending(s, delta), layer.input_norm, layer.input_eps)
+            q = self._prologue(i, layer, F.linear(x, layer.qkv_weight), pos, cache)
+            attn = decode_attention(
+                q, cache.k[i][:b], cache.v[i][:b], seq_lens, scale=layer.scale,
+                config=self.attention_config,
+            )  # fmt: skip
+            o = F.linear(attn.reshape(b, -1), layer.o_weight)
+            x, s = add_rms_norm(o, s, layer.post_norm, layer.post_eps)
+            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
+            delta = F.linear(F.silu(gate) * up, layer.down_weight)
+        x, _ = add_rms_norm(*_pending(s, delta), self.final_norm, self.final_eps)
+        logits = F.linear(x, self.lm_weight)
+        cache.advance()
+        return logits.float()
+
+
+def _pending(s: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``(x, residual)`` arguments of ``add_rms_norm`` that add ``delta`` (when there is one)
+    to the residual stream ``s`` before the norm."""
+    return (s, None) if delta is None else (delta, s)
 
 
 def install(model: DecoderModel, params: Mapping[str, str]) -> Callable[[], None]:

@@ -20,7 +20,12 @@ Known transforms (parameter values are strings, as candidates carry them):
   ``torch_compile`` forward is compiled during the capture's warm-up). Its warm-up and capture
   time is reported as the ``graph_capture`` phase.
 
-Anything else is rejected: the candidate is REJECTED with the reason, not run.
+What applies to the model on this engine's device is :mod:`kiln.engine_pool.support`'s to say
+(``threads`` on CPU engines, ``cuda_graph`` on CUDA ones, ``fused_decode`` per
+:func:`~kiln.engine_pool.fused_decode.unsupported_reason`, ``cuda_graph`` not with ops that
+synchronise with the host): a transform it refuses is rejected with its reason before any is
+applied. Anything else unknown is rejected too: the candidate is REJECTED with the reason, not
+run.
 """
 
 from __future__ import annotations
@@ -32,12 +37,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.engine_pool import cuda_graph, fused_decode
+from kiln.engine_pool.support import COMPILE_MODES, TRANSFORMS, ModelSupport, support_for
 from kiln.ops.kernels.runtime import KernelUnavailableError
 from kiln.workloads.candidate import Transform
 from kiln.workloads.models import DecoderModel
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-KNOWN_TRANSFORMS = ("threads", "torch_compile", "fused_decode", "cuda_graph")
+KNOWN_TRANSFORMS = TRANSFORMS
 
 
 class RejectedCandidate(ValueError):
@@ -129,14 +134,25 @@ def _fused_decode(t: Transform, model: DecoderModel, applied: AppliedTransforms)
     applied.notes.append(f"fused_decode: {params}")
 
 
-def apply_transforms(model: DecoderModel, transforms: Sequence[Transform]) -> AppliedTransforms:
+def apply_transforms(
+    model: DecoderModel, transforms: Sequence[Transform], support: ModelSupport | None = None
+) -> AppliedTransforms:
     """Apply ``transforms`` to ``model`` (already bound to the candidate's ops).
 
-    On failure, the transforms applied so far are reverted before the error propagates.
+    ``support``: what applies to the model on its device (default: :func:`support_for` of
+    ``model.config`` on its cache's device); what it refuses, with the bound ops too, is
+    rejected before anything is applied. On failure, the transforms applied so far are
+    reverted before the error propagates.
 
     Raises:
-        RejectedCandidate: an unknown transform or a bad parameter.
+        RejectedCandidate: a transform the support statement refuses (its reason), an unknown
+            transform or a bad parameter.
     """
+    if support is None:
+        support = support_for(model.config, model.cache.lengths.device.type)
+    refusal = support.transforms_refusal(transforms, model.binding.recipe)
+    if refusal is not None:
+        raise RejectedCandidate(refusal)
     applied = AppliedTransforms()
     graphed = False
     fused: Transform | None = None
@@ -150,8 +166,6 @@ def apply_transforms(model: DecoderModel, transforms: Sequence[Transform]) -> Ap
                 fused = t
             elif t.name == "cuda_graph":
                 _params(t, ())
-                if model.cache.lengths.device.type != "cuda":
-                    raise RejectedCandidate("transform 'cuda_graph' needs a CUDA engine")
                 graphed = True
             else:
                 raise RejectedCandidate(

@@ -96,7 +96,8 @@ class BaselineCompared(EventSchema):
     kiln's reference forward (``max_abs_error``); ``skipped_reason`` says why it did not run
     (e.g. "transformers not installed"); ``error`` why it failed. ``batch`` is the decode batch
     of its operating point (tokens_per_s = batch / median), ``weights_bytes`` the engine's
-    weights (for the bandwidth limit)."""
+    weights and ``context`` the tokens in each sequence's KV cache there (both for the bandwidth
+    limit, :func:`kiln.baselines.table.bandwidth_limit`)."""
 
     event_type = "BaselineCompared"
     category = "compilation"
@@ -115,6 +116,13 @@ class BaselineCompared(EventSchema):
     tier: Tier = "full"
     batch: int = Field(0, ge=0)
     weights_bytes: int = Field(0, ge=0, le=2**62)
+    context: int = Field(
+        default=0,
+        ge=0,
+        description="Tokens in each sequence's KV cache at the operating point (the engine's "
+        "context_len); 0 in events written before it was recorded (the table then takes it "
+        "from a full-tier ExperimentCompleted, else counts the weights only).",
+    )
 
 
 class BestCandidateImproved(EventSchema):

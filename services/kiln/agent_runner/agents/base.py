@@ -1,6 +1,8 @@
 """The agent loop every strategy shares, and what an agent may use of its compilation.
 
-One step: propose a candidate (the strategy) -> ``board.claim`` it (skip it if another agent
+One step: propose a candidate (the strategy) -> drop it, logged, if the compilation's space says
+an engine refuses it (:meth:`CandidateSpace.refusal`: strategies draw from the space, so this
+only catches what they build outside it) -> ``board.claim`` it (skip it if another agent
 holds it) -> post the idea -> have it measured (the runner requests the experiment and waits for
 the ledger's answer) -> post the result on the board. An agent stops when the compilation has no
 experiment slot left, or when its strategy has nothing left to propose and no other agent's
@@ -54,7 +56,8 @@ class Lab(Protocol):
 
     @property
     def space(self) -> CandidateSpace:
-        """The candidate space."""
+        """The candidate space: the hardware target's, restricted to what an engine runs for
+        the model."""
 
     @property
     def board(self) -> Board:
@@ -147,6 +150,15 @@ class Agent(ABC):
         """One candidate; False when no experiment slot is left."""
         candidate, cid = proposal.candidate, lab.compilation_id
         self.tried.add(candidate.id)
+        refusal = lab.space.refusal(candidate)
+        if refusal is not None:
+            log.warning(
+                "proposal dropped: an engine would refuse it",
+                agent=self.name,
+                candidate=candidate.describe(),
+                reason=refusal,
+            )
+            return True
         if not await lab.acquire():
             return False
         body = {"candidate": candidate.canonical()}

@@ -8,10 +8,11 @@ faster than the reference that differs in ``k`` dimensions credits each with ``s
 value is that dimension's move; moves that did not beat the reference (credit <= 1) are
 dropped. Compositions of two or more moves (pairs, triples, up to all of them; at most
 :data:`MAX_MOVES` moves, the best) are proposed best-first by the product of their moves'
-credits, skipping any point the board shows as claimed or that this agent tried. With nothing
-left (no baseline yet, fewer than two moves, every composition taken) it proposes nothing, and
-the shared loop waits for the results in flight. Since the combiner starts with the other
-agents, when nothing is in flight yet (their first claims still to come) it waits up to
+credits, skipping any point the board shows as claimed or that this agent tried, and the
+space's excluded points (moves an engine refuses together). With nothing left (no baseline
+yet, fewer than two moves, every composition taken) it proposes nothing, and the shared loop
+waits for the results in flight. Since the combiner starts with the other agents, when
+nothing is in flight yet (their first claims still to come) it waits up to
 :attr:`CombinerAgent.quiet_s` for a new result before giving up.
 """
 
@@ -106,8 +107,10 @@ class CombinerAgent(Agent):
     def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
         """The best-predicted composition of the top moves nobody claimed."""
         for combo in compositions(best_moves(view, space)):
-            candidate = space.candidate({m.dim: m.value for m in combo})
-            if candidate.id in view.claimed or candidate.id in self.tried:
+            point = {m.dim: m.value for m in combo}
+            candidate = space.candidate(point)
+            taken = candidate.id in view.claimed or candidate.id in self.tried
+            if taken or space.excluded(point) is not None:
                 continue
             parts = ", ".join(f"{m.dim}={m.value} (x{m.speedup:.3g}, {m.agent})" for m in combo)
             predicted = math.prod(m.speedup for m in combo)

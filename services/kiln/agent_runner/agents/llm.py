@@ -7,7 +7,11 @@ bodies carry a per-op profile (``op_ms``), the op with the largest time per atte
 :mod:`kiln.agent_runner.llm.prompt`), validates the reply
 (:mod:`kiln.agent_runner.llm.parse`) and proposes the best candidate so far with
 ``ops[op] = <new implementation>`` and the module added (replacing an earlier LLM module of the
-same op). The engine's correctness gate judges the code like any other candidate.
+same op). The target ops are the space's, so never one the model does not call. A candidate
+an engine would refuse (:meth:`CandidateSpace.refusal`: the base's choices, the op, or a module
+registered only for devices this compilation's engines are not) is dropped before it is
+requested, logged, and counts as an unusable reply. The engine's correctness gate judges the
+code like any other candidate.
 
 An unusable reply (no code, wrong op, disallowed import, a module tried before) or an endpoint
 that stays unavailable is logged and posted on the board as an idea note (candidate id
@@ -202,6 +206,7 @@ class LLMAgent(Agent):
                 text = completion.text
                 parsed = parse_completion(text, op, triton=triton)
                 proposal = self._proposal(view, parsed, completion.model)
+                self._check_supported(lab.space, parsed, proposal)
             except LLMRequestError as exc:
                 log.error("llm agent stops: the endpoint refused", agent=self.name, error=str(exc))
                 await self._note(lab, op, exc.message, text)
@@ -236,6 +241,30 @@ class LLMAgent(Agent):
         if parsed.explanation:
             why += f": {parsed.explanation}"
         return Proposal(candidate, why[:WHY_CHARS])
+
+    def _check_supported(
+        self, space: CandidateSpace, parsed: ParsedModule, proposal: Proposal
+    ) -> None:
+        """Drop (raise) a proposal an engine of this compilation would refuse.
+
+        Raises:
+            LLMReplyError: with the engine's reason (shown to the LLM on its next try).
+        """
+        reason = space.refusal(proposal.candidate)
+        device = space.support.device_type if space.support is not None else None
+        if reason is None and device and parsed.devices and device not in parsed.devices:
+            reason = (
+                f"{parsed.op}={parsed.impl} is registered for {', '.join(parsed.devices)} "
+                f"only; this compilation's engines run on {device}"
+            )
+        if reason is not None:
+            log.warning(
+                "llm proposal dropped: outside the model's search space",
+                agent=self.name,
+                candidate=proposal.candidate.describe(),
+                reason=reason,
+            )
+            raise LLMReplyError(f"an engine would refuse that candidate: {reason}")
 
     async def _note(self, lab: Lab, op: str, reason: str, text: str) -> None:
         """Post a rejected reply on the board as an idea note (best effort: failures logged)."""

@@ -9,8 +9,9 @@ candidate is a FAIL trial (TPE leaves those out of its model).
   agents', the baseline) become completed trials (``study.add_trial``), so TPE models the whole
   compilation's history, not only its own trials.
 - **No duplicates**: a sampled point that is the reference, claimed on the board, already in the
-  study or already tried is told FAIL (user attr ``skipped``) and the sampler asked again, at
-  most :attr:`OptunaAgent.max_asks` times; then the first free point in the space's order is
+  study or already tried, or one the space excludes (a pair an engine refuses together), is told
+  FAIL (user attr ``skipped``) and the sampler asked again, at most
+  :attr:`OptunaAgent.max_asks` times; then the first free point in the space's order is
   enqueued and asked for, so the agent still covers the space. None when no point is free.
 - **Storage** (:func:`resolve_storage`): the ledger's Postgres (``RDBStorage``), in its own
   schema, by default; ``KILN_OPTUNA_STORAGE`` overrides it (another URL, or ``memory``).
@@ -218,8 +219,15 @@ class OptunaAgent(Agent):
         for _ in range(self.max_asks):
             trial = study.ask(dists)
             candidate = space.candidate(trial.params)
-            if candidate.is_reference or candidate.id in taken:
-                trial.set_user_attr("skipped", "reference" if candidate.is_reference else "taken")
+            skipped = (
+                "reference"
+                if candidate.is_reference
+                else "taken"
+                if candidate.id in taken
+                else space.excluded(trial.params)
+            )
+            if skipped is not None:
+                trial.set_user_attr("skipped", skipped)
                 study.tell(trial, state=TrialState.FAIL)
                 continue
             return self._proposal(trial, candidate, "TPE")

@@ -7,10 +7,11 @@ each op's gap = measured ms − roofline ms (:mod:`kiln.agent_runner.op_roofline
 the op must read at that profile's operating point over the hardware target's achievable
 memory bandwidth) and ranks ops by gap, largest first. It then proposes the top op's untried
 alternatives on top of the best candidate so far (the fastest correct result, profiled or
-not); when that op's alternatives are used up (claimed or tried), the next op. A new leader
-with a profile re-ranks the ops at the next proposal. Ops without an alternative in the space
-are skipped. Without any profile on the board, or without the workload (a Lab that has no
-``workload``), it has nothing to propose.
+not); when that op's alternatives are used up (claimed, tried, or excluded with the best
+candidate's other choices), the next op. A new leader with a profile re-ranks the ops at the
+next proposal. Ops without an alternative in the space are skipped. Without any profile on
+the board, or without the workload (a Lab that has no ``workload``), it has nothing to
+propose.
 
 The hardware target's bandwidth comes from the cost model's catalogue
 (:mod:`kiln.cost_model.hardware`; ``cpu`` is its assumed 20 GB/s). A target the catalogue does
@@ -147,11 +148,13 @@ class ProfilerAgent(Agent):
             for value in dim.values:
                 if value == point[dim.name]:
                     continue
-                candidate = space.candidate({**point, dim.name: value})
+                moved = {**point, dim.name: value}
+                candidate = space.candidate(moved)
                 if (
                     candidate.is_reference
                     or candidate.id in view.claimed
                     or candidate.id in self.tried
+                    or space.excluded(moved) is not None
                 ):
                     continue
                 why = (

@@ -2,9 +2,9 @@
 
 A small space (at most ``ENUMERATE_LIMIT`` points) is enumerated and shuffled, so every point is
 visited once; a large one (a GPU space with kernel-parameter dimensions has about 10⁹ points) is
-sampled point by point, uniformly per dimension, skipping what was tried or claimed. The seed
-comes from the compilation id and the agent's name, so a resumed agent draws the same order and
-skips what the board shows as claimed.
+sampled point by point, uniformly per dimension, skipping what was tried or claimed and the
+space's excluded points. The seed comes from the compilation id and the agent's name, so a
+resumed agent draws the same order and skips what the board shows as claimed.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class RandomSearchAgent(Agent):
         for _ in range(SAMPLE_TRIES):
             point = {d.name: self._rng.choice(d.values) for d in space.dims}
             candidate = space.candidate(point)
-            if candidate.is_reference:
+            if candidate.is_reference or space.excluded(point) is not None:
                 continue
             if candidate.id not in view.claimed and candidate.id not in self.tried:
                 return Proposal(candidate, f"random sample (seed {self.seed})")

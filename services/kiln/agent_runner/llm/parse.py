@@ -48,12 +48,15 @@ class ParsedModule:
         module: the code module (name ``llm_<op>_<first 8 hex of the source's SHA-256>``).
         explanation: the reply's text around the code block (at most
             :data:`MAX_EXPLANATION_CHARS`).
+        devices: the device types its ``register(..., devices=(...))`` names, or None (every
+            device, or not a literal: the engine judges it when it loads the module).
     """
 
     op: str
     impl: str
     module: CodeModule
     explanation: str
+    devices: tuple[str, ...] | None = None
 
 
 def triton_available() -> bool:
@@ -132,7 +135,18 @@ def _check_names(tree: ast.Module) -> None:
             raise LLMReplyError(f"the module uses {name!r}, which is not allowed")
 
 
-def _registration(tree: ast.Module, op: str, taken: Collection[str]) -> str:
+def _devices(call: ast.Call) -> tuple[str, ...] | None:
+    """The literal tuple or list of strings a ``register`` call passes as ``devices``."""
+    for kw in call.keywords:
+        if kw.arg == "devices" and isinstance(kw.value, ast.Tuple | ast.List):
+            items = kw.value.elts
+            if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in items):
+                return tuple(str(e.value) for e in items if isinstance(e, ast.Constant))
+    return None
+
+
+def _registration(tree: ast.Module, op: str, taken: Collection[str]) -> ast.Call:
+    """The module's one ``register`` call, checked (op, new implementation name, not lossy)."""
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     if any(_is_register(c, "unregister") for c in calls):
         raise LLMReplyError("the module calls unregister(), which is not allowed")
@@ -157,7 +171,7 @@ def _registration(tree: ast.Module, op: str, taken: Collection[str]) -> str:
     for kw in call.keywords:
         if kw.arg == "lossy" and not (isinstance(kw.value, ast.Constant) and not kw.value.value):
             raise LLMReplyError("lossy implementations are not accepted from the LLM agent")
-    return impl
+    return call
 
 
 def parse_completion(
@@ -197,11 +211,14 @@ def parse_completion(
         raise LLMReplyError(f"the module does not parse: {exc.msg} (line {exc.lineno})") from None
     _check_imports(tree, allowed_imports(triton=triton))
     _check_names(tree)
-    impl = _registration(tree, op, taken)
+    call = _registration(tree, op, taken)
+    impl = _string_arg(call, 1, "impl")
+    assert impl is not None  # checked by _registration
     digest = hashlib.sha256(source.encode()).hexdigest()[:8]
     return ParsedModule(
         op=op,
         impl=impl,
         module=CodeModule(f"llm_{op}_{digest}", source),
         explanation=explanation[:MAX_EXPLANATION_CHARS],
+        devices=_devices(call),
     )

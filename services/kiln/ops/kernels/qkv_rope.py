@@ -36,6 +36,7 @@ from kiln.ops.kernels.gemv import (
     check_x,
 )
 from kiln.ops.kernels.pdl import launch_mode, pdl_options
+from kiln.ops.kernels.qk_norm_rope import check_rope_write, qk_norm_rope_reference
 
 Tensor = torch.Tensor
 
@@ -143,19 +144,6 @@ def _qkv_rope_kernel(
     tl.store(vc_ptr + c_off + HALF, o2, mask=mask & is_v)
 
 
-def _check_cache(cache: Tensor, name: str, x: Tensor, num_kv_heads: int, head_dim: int) -> None:
-    if cache.dim() != 4 or cache.shape[1] != num_kv_heads or cache.shape[3] != head_dim:
-        raise ValueError(
-            f"{name} must be [max_batch, {num_kv_heads}, S, {head_dim}], got {tuple(cache.shape)}"
-        )
-    if cache.shape[0] < x.shape[0]:
-        raise ValueError(f"{name} holds {cache.shape[0]} sequences, the batch has {x.shape[0]}")
-    if cache.dtype != x.dtype or cache.device != x.device:
-        raise ValueError(f"{name} must be {x.dtype} on {x.device}")
-    if not cache.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
 def _check_inputs(
     x: Tensor,
     norm_weight: Tensor | None,
@@ -171,34 +159,12 @@ def _check_inputs(
 ) -> Tensor:
     x = check_x(x)
     check_weight(qkv_weight, x, "qkv_weight")
-    if min(num_heads, num_kv_heads, head_dim) < 1 or head_dim % 2:
-        raise ValueError(
-            f"need positive head counts and an even head_dim, got Hq={num_heads}, "
-            f"Hkv={num_kv_heads}, D={head_dim}"
-        )
+    check_rope_write(x, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, head_dim)
     rows = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv_weight.shape[0] != rows:
         raise ValueError(f"qkv_weight has {qkv_weight.shape[0]} rows; (Hq + 2*Hkv) * D = {rows}")
     if norm_weight is not None:
         check_vector(norm_weight, x.shape[1], x, "norm_weight")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 2 or t.shape[1] != head_dim // 2 or t.dtype != torch.float32:
-            raise ValueError(
-                f"{name} must be float32 [P, {head_dim // 2}], got {t.dtype} {tuple(t.shape)}"
-            )
-        if t.device != x.device or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous on {x.device}")
-    if cos.shape != sin.shape:
-        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
-    if tuple(positions.shape) != (x.shape[0],) or positions.dtype != torch.int64:
-        raise ValueError(
-            f"positions must be int64 [{x.shape[0]}], got {positions.dtype} "
-            f"{tuple(positions.shape)}"
-        )
-    if positions.device != x.device:
-        raise ValueError(f"positions must be on {x.device}")
-    _check_cache(k_cache, "k_cache", x, num_kv_heads, head_dim)
-    _check_cache(v_cache, "v_cache", x, num_kv_heads, head_dim)
     return x
 
 
@@ -308,14 +274,6 @@ def rms_norm_qkv_rope(
     return q
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE in float32, cast back (as ``kiln.ops.rope``): ``x [..., D]``,
-    ``cos``/``sin`` broadcastable to ``[..., D/2]``."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
 def rms_norm_qkv_rope_reference(
     x: Tensor,
     norm_weight: Tensor | None,
@@ -334,18 +292,13 @@ def rms_norm_qkv_rope_reference(
     qkv_bias: Tensor | None = None,
 ) -> Tensor:
     """Plain PyTorch :func:`rms_norm_qkv_rope`, same side effects on the caches: kiln's
-    ``rms_norm`` reference, ``F.linear`` on the fused weight, the ``rope`` ``cos_sin_cache``
-    rotation, then the cache write of ``StaticKVCache.write``. ``config`` is ignored."""
+    ``rms_norm`` reference, ``F.linear`` on the fused weight, then
+    :func:`kiln.ops.kernels.qk_norm_rope.qk_norm_rope_reference` without norms (the ``rope``
+    rotation and the cache write of ``StaticKVCache.write``). ``config`` is ignored."""
     del config
     h = x if norm_weight is None else rms_norm_op.reference(x, weight=norm_weight, eps=eps)[0]
     qkv = F.linear(h, qkv_weight, qkv_bias)
-    q, k, v = qkv.split(
-        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
-    )
-    c, s = cos[positions][:, None], sin[positions][:, None]  # [B, 1, D/2]
-    q = _rotate(q.unflatten(-1, (num_heads, head_dim)), c, s)
-    k = _rotate(k.unflatten(-1, (num_kv_heads, head_dim)), c, s)
-    rows = torch.arange(x.shape[0], device=x.device)
-    k_cache[rows, :, positions] = k
-    v_cache[rows, :, positions] = v.unflatten(-1, (num_kv_heads, head_dim))
-    return q
+    return qk_norm_rope_reference(
+        qkv, None, None, 0.0, cos, sin, positions, k_cache, v_cache,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+    )  # fmt: skip

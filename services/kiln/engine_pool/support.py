@@ -1,0 +1,280 @@
+"""What an engine runs for a model on a device: the one statement agents and engines share.
+
+:func:`support_for` ``(config, device_type)`` says, per transform (``threads``,
+``torch_compile`` and each of its modes, ``cuda_graph``, ``fused_decode``), per op implementation
+in :mod:`kiln.ops.registry`, and per pair of choices that cannot be combined, whether it applies
+and, when not, why. The agent runner searches the hardware target's space restricted to it
+(:meth:`kiln.agent_runner.space.CandidateSpace.within`); the engine refuses a candidate with
+:meth:`ModelSupport.refusal`'s reason (``rejected``, before anything is bound or applied). So
+no experiment is spent on a candidate the engine is known to reject.
+
+Where each answer comes from:
+
+- ``fused_decode``: :func:`kiln.engine_pool.fused_decode.unsupported_reason` (the model), and a
+  device where its Triton kernels run (CUDA; CPU only under ``TRITON_INTERPRET=1``, for tests).
+- ``cuda_graph``: CUDA engines. On an MoE model not with an ``moe`` implementation that
+  synchronises with the host (:data:`HOST_SYNC`: ``reference`` reads the list of experts hit,
+  ``grouped`` the per-expert counts), which stream capture cannot record.
+- ``threads``: CPU engines (a CUDA engine's decode step does not depend on them).
+- ``torch_compile``: every engine; mode ``reduce-overhead`` (CUDA graphs inside) on CUDA only.
+- op implementations: :meth:`OpImpl.runs_on` the device; none for an op the model never calls
+  (:func:`unused_ops`); ``moe`` ``grouped_mm`` needs 16-byte rows (:data:`GROUPED_MM_ALIGN`).
+  Lossy implementations apply where they run; choosing one stays opt-in (``Candidate.lossy``).
+
+Unknown transforms, parameters, ops and implementations are not stated here: the transforms and
+the registry reject them with their own messages. Importing this module does not import torch;
+:func:`support_for` does (the registry and the build check).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.workloads.candidate import REFERENCE, Candidate, Transform
+from kiln.workloads.config import ModelConfig, UnsupportedModelError, parse_config
+
+Reason = str | None
+"""Why something does not apply; None when it does."""
+
+TRANSFORMS = ("threads", "torch_compile", "fused_decode", "cuda_graph")
+"""The transforms engines know (:mod:`kiln.engine_pool.transforms`)."""
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""``torch_compile`` modes engines know."""
+CUDA = "cuda"
+HOST_SYNC: dict[str, tuple[str, ...]] = {"moe": ("reference", "grouped")}
+"""Op implementations that synchronise with the host every call (a CUDA graph cannot capture
+them; :mod:`kiln.ops.moe`)."""
+GROUPED_MM_ALIGN = 8
+"""``moe`` ``grouped_mm`` needs hidden and expert widths that are multiples of this (rows of 16
+bytes in bfloat16: ``torch.nn.functional.grouped_mm`` refuses other strides)."""
+
+
+class ModelNotSupported(ValueError):
+    """kiln cannot build the model (an architecture it cannot parse or build): it has no search
+    space. The message says why."""
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Transform ``transform`` and ``op`` bound to ``impl`` each apply, but not together."""
+
+    transform: str
+    op: str
+    impl: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """What an engine on ``device_type`` runs for ``config`` (see the module docs).
+
+    Attributes:
+        transforms: transform name -> reason (None: applies), for :data:`TRANSFORMS`.
+        compile_modes: ``torch_compile`` mode -> reason, for :data:`COMPILE_MODES`.
+        ops: op -> implementation -> reason, for every implementation registered when stated
+            (``reference`` always applies).
+        unused_ops: ops the model never calls.
+        conflicts: pairs that apply alone but not together.
+    """
+
+    config: ModelConfig = field(repr=False)
+    device_type: str
+    transforms: Mapping[str, Reason]
+    compile_modes: Mapping[str, Reason]
+    ops: Mapping[str, Mapping[str, Reason]]
+    unused_ops: frozenset[str]
+    conflicts: tuple[Conflict, ...] = ()
+
+    def transform_reason(self, transform: Transform | str) -> Reason:
+        """Why ``transform`` (a name, or a transform with its ``mode``) does not apply; None
+        when it does or when it is not one of :data:`TRANSFORMS`."""
+        t = Transform(transform) if isinstance(transform, str) else transform
+        reason = self.transforms.get(t.name)
+        if reason is None and t.name == "torch_compile":
+            reason = self.compile_modes.get(t.param("mode", "default"))
+        return reason
+
+    def op_reason(self, op: str, impl: str) -> Reason:
+        """Why ``op`` bound to ``impl`` does not apply; None when it does, for ``reference``,
+        and for an op or implementation the registry does not know (yet: a candidate's code
+        module registers it when an engine loads it)."""
+        if impl == REFERENCE:
+            return None
+        if op in self.unused_ops:
+            return _unused_reason(self.config, op)
+        stated = self.ops.get(op, {})
+        if impl in stated:
+            return stated[impl]
+        from kiln.ops import registry
+
+        if op not in registry.OPS or impl not in registry.implementations(op):
+            return None
+        return _impl_reason(self.config, self.device_type, registry.get(op, impl))
+
+    def transforms_refusal(
+        self, transforms: Iterable[Transform], ops: Mapping[str, str] | None = None
+    ) -> Reason:
+        """The first reason ``transforms`` do not apply, alone or with the ``ops`` bound (op ->
+        implementation; missing = ``reference``); None when they all do."""
+        names = set()
+        for t in transforms:
+            names.add(t.name)
+            reason = self.transform_reason(t)
+            if reason is not None:
+                return reason
+        bound = ops or {}
+        for c in self.conflicts:
+            if c.transform in names and bound.get(c.op, REFERENCE) == c.impl:
+                return c.reason
+        return None
+
+    def refusal(self, candidate: Candidate) -> Reason:
+        """The first reason an engine refuses ``candidate`` (op implementations, then
+        transforms, then conflicts); None when everything it chooses applies."""
+        for op, impl in candidate.ops:
+            reason = self.op_reason(op, impl)
+            if reason is not None:
+                return reason
+        return self.transforms_refusal(candidate.transforms, dict(candidate.ops))
+
+    def summary(self) -> list[str]:
+        """One line per item that does not apply, ``what: reason`` (logs, tests)."""
+        lines = [f"{n}: {r}" for n, r in self.transforms.items() if r]
+        lines += [f"torch_compile({m}): {r}" for m, r in self.compile_modes.items() if r]
+        for op, impls in self.ops.items():
+            lines += [f"{op}={i}: {r}" for i, r in impls.items() if r]
+        return lines + [f"{c.transform} + {c.op}={c.impl}: {c.reason}" for c in self.conflicts]
+
+
+def unused_ops(config: ModelConfig) -> frozenset[str]:
+    """Ops ``config``'s forward never calls: ``moe`` in a dense model, ``mlp`` in a model
+    whose every layer routes to experts."""
+    if not config.is_moe:
+        return frozenset({"moe"})
+    if all(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+        return frozenset({"mlp"})
+    return frozenset()
+
+
+def device_kind(device: str) -> str:
+    """``"cpu"``, ``"cuda"``, ... from a device string (``"cuda:1"`` -> ``"cuda"``)."""
+    return device.strip().lower().split(":", 1)[0]
+
+
+def _unused_reason(config: ModelConfig, op: str) -> str:
+    why = "a dense model" if op == "moe" else "every layer routes to experts"
+    return f"op {op!r}: {config.name} never calls it ({why})"
+
+
+def _impl_reason(config: ModelConfig, device: str, impl: Any) -> Reason:
+    """Why the registered ``impl`` (an :class:`~kiln.ops.registry.OpImpl`) cannot run
+    ``config`` on ``device``."""
+    name = f"{impl.op}={impl.name}"
+    if not impl.runs_on(device):
+        return f"{name} runs on {', '.join(impl.devices)} only, not on a {device} engine"
+    if name == "moe=grouped_mm" and config.moe is not None:
+        widths = (config.hidden_size, config.moe.intermediate_size)
+        if any(w % GROUPED_MM_ALIGN for w in widths):
+            return (
+                f"{name}: hidden size {widths[0]} and expert width {widths[1]} must be "
+                f"multiples of {GROUPED_MM_ALIGN} (grouped GEMMs need 16-byte rows)"
+            )
+    return None
+
+
+def _triton_devices() -> tuple[str, ...]:
+    from kiln.ops.kernels import runtime
+
+    return (CUDA, "cpu") if runtime.interpreting() else (CUDA,)
+
+
+def _transforms(config: ModelConfig, device: str) -> dict[str, Reason]:
+    from kiln.engine_pool.fused_decode import unsupported_reason
+
+    fused = unsupported_reason(config)
+    if fused is None and device not in _triton_devices():
+        fused = f"transform 'fused_decode' needs a CUDA engine (Triton kernels), not {device}"
+    return {
+        "threads": None
+        if device == "cpu"
+        else f"transform 'threads' sets a CPU engine's threads; a {device} engine's step "
+        "does not depend on them",
+        "torch_compile": None,
+        "fused_decode": fused,
+        "cuda_graph": None if device == CUDA else "transform 'cuda_graph' needs a CUDA engine",
+    }
+
+
+def _conflicts(config: ModelConfig, unused: frozenset[str]) -> tuple[Conflict, ...]:
+    return tuple(
+        Conflict(
+            "cuda_graph",
+            op,
+            impl,
+            f"cuda_graph with {op}={impl}: it synchronises with the host, which a CUDA graph "
+            f"cannot capture ({config.name}; pick an {op} implementation without that)",
+        )
+        for op, impls in HOST_SYNC.items()
+        if op not in unused
+        for impl in impls
+    )
+
+
+def _config(config: ModelConfig | Mapping[str, Any], name: str) -> ModelConfig:
+    """``config`` parsed and checked buildable.
+
+    Raises:
+        ModelNotSupported: see :func:`support_for`.
+    """
+    from kiln.workloads.models.build import UnbuildableModelError, check_buildable
+
+    try:
+        parsed = config if isinstance(config, ModelConfig) else parse_config(dict(config), name)
+        check_buildable(parsed)
+    except (UnsupportedModelError, UnbuildableModelError) as exc:
+        raise ModelNotSupported(f"no search space: {exc}") from exc
+    return parsed
+
+
+def support_for(
+    config: ModelConfig | Mapping[str, Any], device_type: str, *, name: str = "model"
+) -> ModelSupport:
+    """What an engine on ``device_type`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``) runs for the model.
+
+    Args:
+        config: the architecture, or its ``config.json`` object (named ``name``).
+
+    Raises:
+        ModelNotSupported: kiln cannot parse or build the architecture (the message is the
+            parser's or the build check's).
+    """
+    import kiln.ops  # noqa: F401  (registers the built-in implementations)
+    from kiln.ops import registry
+
+    model = _config(config, name)
+    device = device_kind(device_type)
+    unused = unused_ops(model)
+    ops: dict[str, dict[str, Reason]] = {}
+    for op in registry.ops():
+        ops[op] = {REFERENCE: None}
+        for impl in registry.implementations(op):
+            if impl != REFERENCE:
+                found = registry.get(op, impl)
+                reason = _impl_reason(model, device, found)
+                ops[op][impl] = _unused_reason(model, op) if op in unused else reason
+    modes: dict[str, Reason] = dict.fromkeys(COMPILE_MODES)
+    if device != CUDA:
+        modes["reduce-overhead"] = (
+            "torch_compile mode 'reduce-overhead' records CUDA graphs: CUDA engines only"
+        )
+    return ModelSupport(
+        config=model,
+        device_type=device,
+        transforms=_transforms(model, device),
+        compile_modes=modes,
+        ops=ops,
+        unused_ops=unused,
+        conflicts=_conflicts(model, unused) if device == CUDA else (),
+    )
