@@ -13,6 +13,12 @@ is replaced). A row's keys:
   (the whole model): kiln's reference forward, the two baselines (null when skipped or failed)
   and kiln's confirmed best (the reference's when no candidate beat it); null where the full
   tier measured none (a fast-tier figure holds fewer layers and is not comparable).
+- ``prefill_ms``: ``{reference, hf_compile, gpt_fast, kiln_best}`` -> the median of the
+  full-tier engine's timed prefills of batch x context prompt tokens, ms (null where not timed:
+  the engine's ``prefill_repeats`` was 0, the baseline did not run, or the events predate it;
+  ``kiln_best`` is the reference's when no candidate beat it); ``prefill_check``: kiln best's
+  prefill against the reference's measured next to it
+  (:meth:`kiln.baselines.table.PrefillCheck.describe`; "" when either was not timed).
 - ``baseline_checks``: each baseline's check against kiln's reference (``correct (max abs error
   ...)``, ``INCORRECT (...)``, ``skipped: ...``). A bf16 baseline can be judged incorrect by
   rounding alone on deep models (benchmarks/notes/qwen3_hf_bf16.md): its tokens/s are kept.
@@ -53,6 +59,8 @@ if TYPE_CHECKING:
     from kiln.ledger.client import LedgerClient
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "h200_dense.json"
+BASELINES = ("hf_compile", "gpt_fast")
+"""The baselines a row reports."""
 KEY = ("model", "batch", "context", "trace")
 """The fields that identify a row: a new row replaces an old one with the same values."""
 
@@ -105,6 +113,31 @@ def _baseline_checks(comparison: Comparison) -> dict[str, str]:
     return {row.label: row.note for row in comparison.baseline_rows()}
 
 
+def _ms(value: float) -> float | None:
+    """A prefill median, None when not timed (0)."""
+    return value if value > 0 else None
+
+
+def prefill_figures(
+    snap: compiler_pb2.Compilation, comparison: Comparison
+) -> tuple[dict[str, float | None], str]:
+    """``(prefill_ms, prefill_check)`` of the row (see the module docstring): the table's
+    figures (:meth:`Comparison.reference`, :meth:`Comparison.baseline_rows`,
+    :meth:`Comparison.prefill_of`), full tier only."""
+    ref = comparison.reference()
+    ref_ms = _ms(ref.prefill_ms) if ref is not None and ref.tier == "full" else None
+    rows = {row.label: row for row in comparison.baseline_rows()}
+    out = {name: _ms(rows[name].prefill_ms) if name in rows else None for name in BASELINES}
+    best_id, check = snap.best.candidate.candidate_id, None
+    if snap.HasField("best") and snap.best.measurement.tier == common_pb2.TIER_FULL:
+        best = _ms(comparison.prefill_of(best_id))
+        check = comparison.prefill_check(best_id)
+    else:
+        best = ref_ms
+    figures = {"reference": ref_ms, **out, "kiln_best": best}
+    return figures, check.describe() if check is not None else ""
+
+
 def operating_point(snap: compiler_pb2.Compilation, comparison: Comparison) -> tuple[int, int]:
     """(batch, context) measured at: the best's measurement, else the baselines' engine's,
     else the traffic shape's."""
@@ -132,6 +165,7 @@ def dense_row(
     else:
         best, best_candidate = reference, "reference (no candidate beat it on the full tier)"
     limit = comparison_limit(comparison, snap)
+    prefill_ms, prefill_check = prefill_figures(snap, comparison)
     to95 = time_to_95(snap)
     ended = snap.updated_at.ToDatetime(tzinfo=UTC) if snap.HasField("updated_at") else None
     return {
@@ -144,6 +178,8 @@ def dense_row(
         "gpt_fast": _baseline_tps(comparison, "gpt_fast"),
         "baseline_checks": _baseline_checks(comparison),
         "kiln_best": best,
+        "prefill_ms": prefill_ms,
+        "prefill_check": prefill_check,
         "limit_tok_s": limit.tokens_per_s if limit else None,
         "limit": limit.describe() if limit else "unknown (no weights bytes or hardware entry)",
         "experiments": snap.experiments_done,

@@ -373,6 +373,41 @@ async def test_wall_clock_budget_stops_the_compilation(stack: Stack) -> None:
     _check_experiments_settled(story)
 
 
+async def test_baselines_are_measured_after_the_search_outside_its_budget(stack: Stack) -> None:
+    """Baselines hold the full-tier engine for minutes on a GPU (compiling, eager steps): they
+    run once the search's wall-clock budget is spent, never while a winner waits for its
+    confirmation, and the compilation ends after them."""
+    stack.engine.delay_s = 0.2
+    request = _request(stack, 3.0, 0, baselines=["gpt_fast", "hf_eager"])
+    submitted = await stack.stub.Submit(request, timeout=10)
+    events = await _watch(stack.stub, submitted.compilation_id, timeout_s=30)
+    end = events[-1]
+    assert end.detail["status"] == "succeeded"
+    assert "wall-clock budget of 3 s is spent" in end.detail["reason"]
+    story = await _story(stack.ledger, submitted.compilation_id, events[0].position - 1)
+    requested = {e.stream_id: json.loads(e.data) for e in story if e.type == "ExperimentRequested"}
+    first_baseline = min(
+        e.position for e in story if e.type == "ExperimentRequested" and json.loads(e.data)[
+            "agent"].startswith("compare:")
+    )  # fmt: skip
+    search_done = [
+        e.position
+        for e in story
+        if e.type == "ExperimentCompleted"
+        and not requested[e.stream_id]["agent"].startswith("compare:")
+    ]
+    assert search_done and max(search_done) < first_baseline  # the search had settled first
+    compared = [json.loads(e.data) for e in story if e.type == "BaselineCompared"]
+    assert [c["name"] for c in compared] == ["gpt_fast", "hf_eager"]
+    assert all(c["status"] == "ok" and c["tier"] == "full" for c in compared)
+    types = [e.type for e in story]
+    assert types.index("TierAgreement") > max(
+        i for i, t in enumerate(types) if t == "BaselineCompared"
+    )
+    elapsed = end.recorded_at.ToDatetime() - events[0].recorded_at.ToDatetime()
+    assert elapsed.total_seconds() >= 3.0 + 2 * 0.2  # the budget, then two baselines
+
+
 async def test_bad_input_gets_the_right_status_and_changes_nothing(stack: Stack) -> None:
     stack.engine.delay_s = 0.01
     taken = await stack.stub.Submit(_request(stack, 30.0, 2), timeout=10)

@@ -90,7 +90,8 @@ async def _experiment(
 
 async def _compilation(client: LedgerClient) -> str:
     """A finished h200 compilation of a Llama-3.2-1B-shaped model at batch 1, context 7,084:
-    reference 400 tok/s, gpt_fast 742 (correct), hf_compile incorrect, best 1,000 tok/s."""
+    reference 400 tok/s, gpt_fast 742 (correct), hf_compile incorrect, best 1,000 tok/s;
+    prefill medians: reference 71.0 ms, gpt_fast 61.4, hf_compile not timed, best 75.3."""
     cid = new_id()
     stream = f"compilation-{cid}"
     workload = {
@@ -111,7 +112,7 @@ async def _compilation(client: LedgerClient) -> str:
         client,
         cid,
         REFERENCE_CANDIDATE,
-        {"tokens_per_s": 400.0, "median_ms": 2.5},
+        {"tokens_per_s": 400.0, "median_ms": 2.5, "prefill_median_ms": 71.0},
         agent="confirm",
     )
     await client.append(
@@ -119,13 +120,16 @@ async def _compilation(client: LedgerClient) -> str:
         [NewEvent("BaselineMeasured", {"experiment_id": ref, "candidate_id":
                   REFERENCE_CANDIDATE.id, "tokens_per_s": 400.0, "median_ms": 2.5})],
     )  # fmt: skip
-    for name, tps, correct in (("gpt_fast", 742.0, True), ("hf_compile", 470.0, False)):
+    for name, tps, correct, prefill in (
+        ("gpt_fast", 742.0, True, 61.4),
+        ("hf_compile", 470.0, False, 0.0),
+    ):
         eid = await _experiment(
             client,
             cid,
             REFERENCE_CANDIDATE,
             {"candidate_id": f"baseline:{name}", "tokens_per_s": tps, "median_ms": 1.0 / tps,
-             "correct": correct},
+             "correct": correct, "prefill_median_ms": prefill},
             agent=f"compare:{name}",
             baseline=name,
         )  # fmt: skip
@@ -138,10 +142,15 @@ async def _compilation(client: LedgerClient) -> str:
             "median_ms": 1e3 / tps,
             "batch": 1,
             "weights_bytes": WEIGHTS,
+            **({"prefill_median_ms": prefill} if prefill else {}),  # hf_compile: an old event
         }
         await client.append(stream, [NewEvent("BaselineCompared", compared)])
     best = await _experiment(
-        client, cid, WINNER, {"tokens_per_s": 1000.0, "median_ms": 1.0}, agent="confirm"
+        client,
+        cid,
+        WINNER,
+        {"tokens_per_s": 1000.0, "median_ms": 1.0, "prefill_median_ms": 75.3},
+        agent="confirm",
     )
     improved = {
         "workload_key": "wk-dense",
@@ -176,7 +185,7 @@ async def test_dense_row_from_the_ledger(ledger_addr: str, tmp_path: Path) -> No
     assert set(row) >= {
         "model", "batch", "context", "trace", "reference", "hf_compile", "gpt_fast",
         "kiln_best", "limit_tok_s", "experiments", "time_to_95_s", "best_candidate",
-        "command", "date", "baseline_checks",
+        "command", "date", "baseline_checks", "prefill_ms", "prefill_check",
     }  # fmt: skip
     assert (row["model"], row["batch"], row["context"]) == ("llama-3.2-1b", 1, 7084)
     assert row["reference"] == 400.0 and row["gpt_fast"] == 742.0
@@ -184,6 +193,11 @@ async def test_dense_row_from_the_ledger(ledger_addr: str, tmp_path: Path) -> No
     assert row["baseline_checks"]["hf_compile"].startswith("INCORRECT")
     assert row["baseline_checks"]["gpt_fast"].startswith("correct")
     assert row["kiln_best"] == 1000.0 and row["best_candidate"] == "attention=sdpa"
+    assert row["prefill_ms"] == {
+        "reference": 71.0, "hf_compile": None, "gpt_fast": 61.4, "kiln_best": 75.3
+    }  # fmt: skip
+    assert row["prefill_check"].startswith("kiln best prefill 75.30 ms vs 71.00 ms")
+    assert "not flagged, the reference's spread is unknown (1 run)" in row["prefill_check"]
     honest = H200_BW / (WEIGHTS + 7084 * KV_PER_TOKEN)
     assert row["limit_tok_s"] == pytest.approx(honest, rel=1e-3)  # not 4.26e12 / weights
     assert "context 7,084" in row["limit"]
@@ -235,4 +249,5 @@ def test_a_fast_tier_only_compilation_has_no_full_tier_figures() -> None:
     row = dense_row.dense_row(snap, comparison, trace="conv.csv", command="")
     assert (row["batch"], row["context"]) == (1, 1085)  # the traffic's: nothing measured full
     assert row["reference"] is None and row["kiln_best"] is None
+    assert set(row["prefill_ms"].values()) == {None} and row["prefill_check"] == ""
     assert row["limit_tok_s"] is None and row["time_to_95_s"] is None

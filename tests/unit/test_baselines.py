@@ -1,11 +1,13 @@
 """Baselines (kiln.baselines) on a tiny Llama on the CPU: each runs, reports a positive
-throughput and agrees with kiln's reference forward; a wrong one is flagged; a missing
-transformers is a skipped baseline; an engine answers a baseline request and its next
-experiment is still verified correct; the compile view's side-by-side table."""
+throughput and prefill median and agrees with kiln's reference forward; a wrong one is flagged;
+a missing transformers is a skipped baseline; an engine answers a baseline request (its prefill
+timed when asked) and its next experiment is still verified correct; the compile view's
+side-by-side table."""
 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -26,6 +28,7 @@ from kiln.baselines.table import Comparison, bandwidth_limit
 from kiln.cli.compile_view import comparison_table
 from kiln.common.errors import InvalidArgument
 from kiln.engine_pool.engine import Engine
+from kiln.engine_pool.queue import completed_payload
 from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.spec import EngineLimits, EngineSpec
 from kiln.v1 import common_pb2, compiler_pb2
@@ -62,6 +65,9 @@ def _check_ok(result: BaselineResult, name: str) -> None:
     assert result.p10_ms <= result.median_ms <= result.p90_ms
     assert result.correct and result.max_abs_error <= result.tolerance
     assert result.tolerance > 0
+    # the prompt's prefill, timed after the decode steps (PREFILL_REPEATS times by default)
+    assert 0 < result.prefill_p10_ms <= result.prefill_median_ms <= result.prefill_p90_ms
+    assert any(n.startswith("prefill timed: 2 prompts of 12 tokens, 3 times") for n in result.notes)
 
 
 @needs_hf
@@ -92,6 +98,44 @@ def test_hf_compile_eager_path_runs_and_agrees_with_kiln() -> None:
 
 def test_gpt_fast_eager_path_runs_and_agrees_with_kiln() -> None:
     _check_ok(gpt_fast.run(CONFIG, **POINT, compile_mode=None), "gpt_fast")
+
+
+def test_the_prefill_timed_is_the_baselines_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = gpt_fast_model.prefill
+
+    def slow_prefill(model: Any, prompt: torch.Tensor) -> Any:
+        calls.append(tuple(prompt.shape))
+        time.sleep(0.03)  # every timed prefill takes at least 30 ms
+        return real(model, prompt)
+
+    monkeypatch.setattr(gpt_fast_model, "prefill", slow_prefill)
+    result = gpt_fast.run(CONFIG, **POINT, compile_mode=None, prefill_repeats=2)
+    assert result.status == "ok" and result.correct, (result.error, result.notes)
+    assert calls == [(2, 12)] * 4  # the checked prefill, one untimed, two timed: [batch, context]
+    assert result.prefill_p10_ms >= 30  # each timed sample is one whole prefill call
+    assert result.prefill_tokens_per_s == pytest.approx(2 * 12 / (result.prefill_median_ms / 1e3))
+
+
+def test_no_prefill_repeats_no_prefill_and_a_failing_prefill_keeps_the_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    none = gpt_fast.run(CONFIG, **POINT, compile_mode=None, prefill_repeats=0)
+    assert none.status == "ok" and none.prefill_median_ms == 0
+    assert not any(n.startswith("prefill") for n in none.notes)
+    real, calls = gpt_fast_model.prefill, []
+
+    def fails_again(model: Any, prompt: torch.Tensor) -> Any:
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("prefill broke")
+        return real(model, prompt)
+
+    monkeypatch.setattr(gpt_fast_model, "prefill", fails_again)
+    result = gpt_fast.run(CONFIG, **POINT, compile_mode=None)
+    assert result.status == "ok" and result.correct and result.tokens_per_s > 0
+    assert result.prefill_median_ms == 0
+    assert "prefill not timed: RuntimeError: prefill broke" in result.notes
 
 
 def test_gpt_fast_bfloat16_agrees_within_the_bf16_tolerance() -> None:
@@ -169,18 +213,45 @@ def test_engine_answers_a_baseline_then_verifies_its_next_experiment() -> None:
     spec = EngineSpec.from_workload(tiny_workload(batch=2, context=16), "full", limits)
     engine = Engine(spec, engine_id="baseline-engine")
     placeholder = Candidate().canonical()
-    m = engine.run(RunRequest("b1", placeholder, warmup=1, repeats=3, baseline="gpt_fast"))
+    request = RunRequest("b1", placeholder, warmup=1, repeats=3, prefill_repeats=2,
+                         baseline="gpt_fast")  # fmt: skip
+    m = engine.run(request)
     assert m.status == "ok" and m.correct, (m.error, m.notes)
     assert m.candidate_id == "baseline:gpt_fast"
     assert m.tokens_per_s > 0 and m.timing is not None and m.timing.median_ms > 0
     assert m.tokens_per_s == pytest.approx(spec.batch_size / (m.timing.median_ms / 1e3))
+    # its prefill, as a candidate's: batch_size prompts of context_len tokens, 2 timed
+    assert m.prefill is not None and m.prefill.median_ms > 0
+    tokens = spec.batch_size * spec.context_len
+    assert m.prefill_tokens_per_s == pytest.approx(tokens / (m.prefill.median_ms / 1e3))
+    assert any(
+        f"prefill timed: {spec.batch_size} prompts of {spec.context_len} tokens, 2 times" in n
+        for n in m.notes
+    )
+    payload = completed_payload(_work(), m)  # what the engine pool appends
+    assert payload["prefill_median_ms"] == m.prefill.median_ms > 0
+    assert payload["candidate_id"] == "baseline:gpt_fast"
     assert not m.restart_engine and engine.weights_intact()
+    engine.after_reply()
+    unasked = engine.run(RunRequest("b0", placeholder, warmup=1, repeats=3, baseline="gpt_fast"))
+    assert unasked.status == "ok" and unasked.prefill is None  # prefill_repeats 0: not timed
+    assert completed_payload(_work(), unasked)["prefill_median_ms"] == 0
     engine.after_reply()
     bad = engine.run(RunRequest("b2", placeholder, baseline="vllm"))
     assert bad.status == "rejected" and "unknown baseline" in bad.error
     nxt = engine.run(RunRequest("n1", Candidate().canonical(), warmup=1, repeats=3))
     assert nxt.status == "ok" and nxt.correct, nxt.error
     assert nxt.candidate_id == Candidate().id
+
+
+def _work() -> Any:
+    from kiln.common.work import ExperimentWork
+
+    return ExperimentWork(
+        experiment_id="e1", compilation_id="c1", team="t", tier="full",
+        candidate=Candidate().canonical(), workload=tiny_workload(), deadline_s=60,
+        baseline="gpt_fast",
+    )  # fmt: skip
 
 
 def test_engine_reports_a_skipped_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -310,7 +381,7 @@ def test_compared_event_from_a_baseline_experiment() -> None:
     done = ExperimentCompleted(
         compilation_id="c1", candidate_id="baseline:gpt_fast", status="ok", correct=True,
         max_abs_error=0.01, median_ms=2.0, p10_ms=1.9, p90_ms=2.2, tokens_per_s=1500.0,
-        tier="full", weights_bytes=123, memory_bytes=123,
+        tier="full", weights_bytes=123, memory_bytes=123, prefill_median_ms=41.5,
     )  # fmt: skip
     event = compared_event(state, req, Completed("e1", done, 6, datetime.now(UTC)))
     assert event.type == "BaselineCompared"
@@ -318,6 +389,7 @@ def test_compared_event_from_a_baseline_experiment() -> None:
     assert isinstance(data, dict)
     assert data["name"] == "gpt_fast" and data["experiment_id"] == "e1"
     assert data["batch"] == 3 and data["weights_bytes"] == 123 and data["correct"]
+    assert data["prefill_median_ms"] == 41.5
     again = compared_event(state, req, Completed("e1", done, 6, datetime.now(UTC)))
     assert again.event_id == event.event_id  # a restarted runner re-appends the same event
     skipped = done.model_copy(

@@ -130,7 +130,7 @@ def test_moe_candidates_run_correctly(engine: Engine, impl: str) -> None:
 
 def test_moe_candidate_with_other_ops_and_threads(engine: Engine) -> None:
     c = Candidate.make(
-        {"moe": "grouped", "mlp": "fused_gate_up", "attention": "sdpa"},
+        {"moe": "gathered", "mlp": "fused_gate_up", "attention": "sdpa"},
         [Transform.of("threads", n=1)],
     )
     assert _run(engine, c).status == "ok"
@@ -154,11 +154,11 @@ def unbiased(x, *, router_bias=None, **params):
     assert _run(engine, Candidate()).status == "ok"
 
 
-def test_bfloat16_moe_engine_checks_grouped_and_dense() -> None:
+def test_bfloat16_moe_engine_checks_gathered_and_dense() -> None:
     spec = EngineSpec.from_workload(
         moe_workload(dtype="bfloat16", expert_zipf_exponent=0.5), "fast", LIMITS
     )
     engine = Engine(spec, engine_id="bf16-moe")
-    for impl in ("grouped", "dense"):
+    for impl in ("gathered", "dense"):
         m = _run(engine, Candidate.make({"moe": impl}))
         assert m.status == "ok", (impl, m.error)

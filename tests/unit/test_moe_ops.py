@@ -130,7 +130,7 @@ def test_experts_nobody_chose_are_not_needed() -> None:
     clean = get("moe", "reference")(randn(1, 3, 16, dtype=torch.float32), **p)
     p["gate_up_weight"][1:] = float("nan")
     x = randn(1, 3, 16, dtype=torch.float32)
-    for impl in ("reference", "grouped", "grouped_mm"):  # dense multiplies NaN by 0: NaN
+    for impl in ("reference", "gathered"):  # dense multiplies NaN by 0: NaN
         assert torch.isfinite(get("moe", impl)(x, **p)).all()
     assert clean.shape == (1, 3, 16)
 
@@ -191,3 +191,40 @@ def test_reference_is_transformers_sparse_moe_block(
     got = get("moe", "reference")(x, **p)
     exact = dtype != torch.float32
     torch.testing.assert_close(got, want, atol=0 if exact else 1e-6, rtol=0 if exact else 1e-5)
+
+
+# ------------------------------------------------------------------ capturable, compilable
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", implementations("moe"))
+def test_every_implementation_traces_as_one_graph(impl: str, dtype: torch.dtype) -> None:
+    """``torch.compile(fullgraph=True)`` refuses a graph break, which is what a host
+    synchronisation (``.item()``, ``.tolist()``) or a data-dependent shape causes: every
+    implementation traces whole, so a CUDA graph can capture it and Inductor can compile it at
+    a fixed batch. The traced function still computes the same as the eager one."""
+    torch.manual_seed(7)
+    p = moe_params(6, 32, 24, 2, dtype)
+    x = randn(3, 1, 32, dtype=dtype)
+    fn = get("moe", impl)
+    torch._dynamo.reset()
+    traced = torch.compile(lambda t: fn(t, **p), fullgraph=True, backend="eager")
+    assert_close(traced(x), fn(x, **p))
+
+
+def test_reference_adds_experts_in_increasing_id_like_transformers_loop() -> None:
+    """bfloat16: the combine rounds after each expert's add, in increasing expert id, as
+    transformers' per-expert ``index_add_`` loop does; and it is deterministic."""
+    torch.manual_seed(11)
+    p = moe_params(8, 32, 16, 3, torch.bfloat16)
+    x = randn(5, 1, 32, dtype=torch.bfloat16)
+    flat = x.reshape(-1, 32)
+    w, e = route(flat, p["router_weight"], top_k=3, norm_topk_prob=True)
+    w = w.to(torch.bfloat16)
+    loop = torch.zeros_like(flat)
+    for expert in range(8):  # transformers' order: experts ascending
+        token, slot = torch.where(e == expert)
+        gate, up = F.linear(flat[token], p["gate_up_weight"][expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, p["down_weight"][expert])
+        loop.index_add_(0, token, (y * w[token, slot, None]).to(torch.bfloat16))
+    got = get("moe", "reference")(x, **p)
+    assert_close(got.reshape(-1, 32), loop)
+    assert torch.equal(got, get("moe", "reference")(x, **p))

@@ -140,21 +140,36 @@ def test_moe_models_never_get_fused_decode_and_unused_ops_are_gone(name: str) ->
     assert CUDA_GRAPH in gpu and CUDA_GRAPH not in {d.name for d in _space(name, "cpu").dims}
 
 
-def test_cuda_graphs_of_moe_models_wait_for_a_capturable_moe() -> None:
+def test_every_moe_implementation_pairs_with_cuda_graphs() -> None:
+    """No built-in op implementation synchronises with the host: an MoE model's CUDA graph is a
+    single move from the reference, with every moe implementation."""
     space = _space("qwen3-30b-a3b", "h200")
-    assert {e.value for e in space.exclusions if e.transform == CUDA_GRAPH} == {None, "grouped"}
+    assert space.exclusions == ()
     graph_alone = Candidate.make(transforms=[Transform.of("cuda_graph")])
-    assert graph_alone not in [c for _, _, c in space.neighbours(REFERENCE_CANDIDATE)]
-    assert "synchronises with the host" in (space.refusal(graph_alone) or "")
-    dense_moe = Candidate.make({"moe": "dense"})
-    graphed = Candidate.make({"moe": "dense"}, [Transform.of("cuda_graph")])
-    assert graphed in [c for _, _, c in space.neighbours(dense_moe)]
-    assert space.refusal(graphed) is None
+    assert graph_alone in [c for _, _, c in space.neighbours(REFERENCE_CANDIDATE)]
+    for impl in ("gathered", "dense"):
+        graphed = Candidate.make({"moe": impl}, [Transform.of("cuda_graph")])
+        assert space.refusal(graphed) is None
+
+
+def test_an_implementation_registered_as_not_capturable_never_meets_cuda_graph() -> None:
+    from kiln.ops.moe import reference
+    from kiln.ops.registry import register, unregister
+
+    register("moe", "host_loop", capturable=False)(reference)
+    try:
+        space = _space("qwen3-30b-a3b", "h200")
+        assert {e.value for e in space.exclusions if e.transform == CUDA_GRAPH} == {"host_loop"}
+        graphed = Candidate.make({"moe": "host_loop"}, [Transform.of("cuda_graph")])
+        assert "synchronises with the host" in (space.refusal(graphed) or "")
+        assert not space.contains(graphed)
+    finally:
+        unregister("moe", "host_loop")
 
 
 def test_the_statement_says_why() -> None:
     llama = support_for(_raw("llama-3.2-1b"), "cpu", name="llama")
-    assert llama.op_reason("moe", "grouped") == "op 'moe': llama never calls it (a dense model)"
+    assert llama.op_reason("moe", "gathered") == "op 'moe': llama never calls it (a dense model)"
     assert "runs on cuda only" in (llama.op_reason("attention", "flash_decoding") or "")
     assert llama.op_reason("attention", "sdpa") is None
     assert llama.op_reason("attention", "written_by_a_code_module") is None  # the engine judges
@@ -165,8 +180,8 @@ def test_the_statement_says_why() -> None:
     assert llama.transform_reason("threads") is None
     gpu = support_for(_raw("llama-3.2-1b"), "cuda:0", name="llama")
     assert gpu.transform_reason("threads") and gpu.transform_reason(FUSED_DECODE) is None
-    odd = {**_raw("qwen3-30b-a3b"), "moe_intermediate_size": 36}
-    assert "multiples of 8" in (support_for(odd, "cpu").op_reason("moe", "grouped_mm") or "")
+    odd = {**_raw("qwen3-30b-a3b"), "moe_intermediate_size": 36}  # the reference falls back
+    assert all(support_for(odd, "cpu").op_reason("moe", i) is None for i in ("gathered", "dense"))
 
 
 # ---------------------------------------------------------------- tiny models on CPU
@@ -391,7 +406,7 @@ async def test_llm_proposals_the_engine_would_refuse_are_dropped_before_requeste
     lab = FakeLab("llama-3.2-1b", "cpu")
     # the board's best so far swaps an op this dense model never calls: whatever the LLM
     # writes on top of it is refused, reply after reply, until the agent gives up
-    odd_base = Candidate.make({"moe": "grouped"})
+    odd_base = Candidate.make({"moe": "gathered"})
     view = view_of(result(odd_base, 200.0), result(REFERENCE_CANDIDATE, 100.0, seq=2))
     client = ScriptedClient(_module("llm_a"), _module("llm_b"))
     agent = _llm("llm", client)

@@ -8,7 +8,9 @@ it learns of a cancel requested elsewhere) and retries. Its events, in order:
 ``CompilationPlanned`` (the cost model's first feasible plan) -> ``BaselineMeasured`` (the
 reference candidate on the fast tier) -> ``BestCandidateImproved`` each time a candidate
 confirmed on the full tier beats the best so far (the full-tier reference at first) ->
-``TierAgreement`` (fast vs full rank correlation) -> ``CompilationEnded``.
+``BaselineCompared`` for each baseline asked for, measured once the search has ended (outside
+its wall-clock budget) -> ``TierAgreement`` (fast vs full rank correlation) ->
+``CompilationEnded``.
 
 Agents search on the fast tier. When a fast result becomes the fast leader, the runner's
 confirmation task (one per compilation, agent ``confirm``) holds the agents' next requests
@@ -316,6 +318,12 @@ class CompilationRunner:
             status, reason = "cancelled", st.cancel_reason
         else:
             status, reason = await self._search_until_stopped()
+            if status == "succeeded" and st.baselines:
+                why = f"the search ended ({reason}) before an engine answered"
+                await self._settle(why, compares=False)
+                await self._compare_baselines()
+                if st.cancel_reason is not None:
+                    status, reason = "cancelled", st.cancel_reason
         await self._end(status, reason)
 
     async def _search_until_stopped(self) -> tuple[EndStatus, str]:
@@ -371,14 +379,18 @@ class CompilationRunner:
         await self._stream.append(*events)
         log.info("compilation ended", compilation=self.compilation_id, status=status, reason=reason)
 
-    async def _settle(self, why: str) -> None:
-        """Wait for requests and judgements under way; close experiments still pending."""
+    async def _settle(self, why: str, *, compares: bool = True) -> None:
+        """Wait for requests and judgements under way; close the search's experiments still
+        pending, and the baselines' too unless ``compares`` is False (the search ended and the
+        baselines are measured next)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         dispatcher = self._deps.dispatcher
         for req in list(self._in_flight.values()):
             completed = await dispatcher.close(req, why, status="cancelled")
             await self._complete(req, completed)
+        if not compares:
+            return
         for name, rec in list(self._compares.items()):
             if rec.completed is None:
                 completed = await dispatcher.close(rec.requested, why, status="cancelled")
@@ -398,8 +410,6 @@ class CompilationRunner:
             for req in list(self._in_flight.values())
             if req.agent != BASELINE_AGENT and req.tier == SEARCH_TIER
         ]
-        if st.baselines:
-            extra.append(self._compare_baselines())
         if self._resumed:
             extra.extend(await self._orphan_claims())
         agents = build_agents(st.agents, st.compilation_id)
@@ -478,14 +488,16 @@ class CompilationRunner:
         )
 
     async def _compare_baselines(self) -> None:
-        """Measure the compilation's baselines (:mod:`kiln.baselines`), one after another, on
-        the full tier (the engine's operating point and weights), each recorded as
-        ``BaselineCompared`` (:func:`~kiln.agent_runner.judge.compared_event`); after a restart
-        the ones recorded are skipped and the ones in flight adopted. A failure is logged and
-        the next baseline goes on."""
+        """Measure the compilation's baselines (:mod:`kiln.baselines`) once the search is over,
+        one after another, on the full tier (the engine's operating point and weights), each
+        recorded as ``BaselineCompared`` (:func:`~kiln.agent_runner.judge.compared_event`).
+        They run outside the search's wall-clock budget: measured during the search they held
+        the full-tier engine for minutes on 8B models (compiling, eager steps) while winners
+        waited for their confirmation. After a restart the ones recorded are skipped and the
+        ones in flight adopted; a cancel stops them; a failure is logged and the next goes on."""
         st, dispatcher = self.state, self._deps.dispatcher
         for name in st.baselines:
-            if name in st.compared or self._stop.is_set():
+            if name in st.compared or st.cancel_reason is not None:
                 continue
             try:
                 rec = self._compares.get(name)

@@ -337,7 +337,8 @@ def compared_event(state: CompilationState, req: Requested, completed: Completed
     """The ``BaselineCompared`` of a baseline experiment (``req.baseline`` set): its tokens/s,
     timings and own correctness check, why it was skipped or failed, its operating point's
     batch and context (as the engine recorded them; older events: batch = ``tokens_per_s x
-    median_s``) and the engine's weights bytes. Never a candidate, a reference or a best."""
+    median_s``), the engine's weights bytes and its prefill median (ms, 0 when not timed).
+    Never a candidate, a reference or a best."""
     from kiln.baselines.names import skipped_reason
 
     r = completed.result
@@ -358,5 +359,6 @@ def compared_event(state: CompilationState, req: Requested, completed: Completed
         batch=r.batch_size or (round(r.tokens_per_s * r.median_ms / 1e3) if r.median_ms else 0),
         weights_bytes=r.weights_bytes,
         context=r.context_len,
+        prefill_median_ms=r.prefill_median_ms,
     )
     return records.baseline_compared(state.compilation_id, payload)

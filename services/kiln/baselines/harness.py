@@ -16,7 +16,10 @@ Protocol of one baseline run (:func:`measure`):
 5. ``warmup`` more untimed decode steps, then ``steps`` timed ones, each on a pre-drawn token at
    the next position (the cache grows by one token per step: ``context + 1 + warmup + steps``
    slots), timed as the engines time (:func:`kiln.engine_pool.timing.timer_for`: CUDA events up
-   to a device-wide synchronize, ``perf_counter`` on CPU).
+   to a device-wide synchronize, ``perf_counter`` on CPU);
+6. after the decode timing (which it cannot change), the prefill of the same prompt: one
+   untimed, then ``prefill_repeats`` timed, as the engines time a candidate's
+   (:func:`time_prefill`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import torch
 
 from kiln.baselines.result import BaselineResult
 from kiln.engine_pool.check import RTOL
-from kiln.engine_pool.timing import summarize, timer_for
+from kiln.engine_pool.measurement import Timing
+from kiln.engine_pool.timing import CpuTimer, CudaTimer, summarize, time_after_untimed, timer_for
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.models import DecoderModel, build_model
 from kiln.workloads.weights import WeightStore, seeded_random
@@ -41,6 +45,8 @@ from kiln.workloads.weights import WeightStore, seeded_random
 Tensor = torch.Tensor
 COMPILE_MODE = "reduce-overhead"
 """The default ``torch.compile`` mode of the compiled baselines (CUDA graphs on CUDA)."""
+PREFILL_REPEATS = 3
+"""Timed prefills of a baseline unless told (the CUDA engines' ``prefill_repeats``)."""
 
 
 class SkipBaseline(Exception):
@@ -60,6 +66,7 @@ class OperatingPoint:
         seed: of the weights (when drawn here) and of the prompt and decode tokens.
         steps: timed decode steps; warmup: untimed decode steps after the checked one.
         weights: kiln's weights (drawn from ``seed`` when None).
+        prefill_repeats: timed prefills of the prompt after the decode timing (<= 0: none).
         prompt: ``[batch, context]`` int64; tokens: ``[1 + warmup + steps, batch, 1]`` int64
             (the checked step's token first); both on ``device``.
     """
@@ -73,6 +80,7 @@ class OperatingPoint:
     steps: int
     warmup: int
     weights: WeightStore
+    prefill_repeats: int = PREFILL_REPEATS
     prompt: Tensor = field(init=False)
     tokens: Tensor = field(init=False)
 
@@ -109,6 +117,7 @@ def operating_point(
     steps: int,
     warmup: int,
     weights: WeightStore | None = None,
+    prefill_repeats: int = PREFILL_REPEATS,
 ) -> OperatingPoint:
     """An :class:`OperatingPoint`, drawing kiln's seeded weights when none are given.
 
@@ -118,7 +127,9 @@ def operating_point(
     """
     dev = torch.device(device)
     store = weights if weights is not None else seeded_random(config, dtype, dev, seed)
-    return OperatingPoint(config, batch, context, dev, dtype, seed, steps, warmup, store)
+    return OperatingPoint(
+        config, batch, context, dev, dtype, seed, steps, warmup, store, prefill_repeats
+    )
 
 
 def reference_model(point: OperatingPoint, max_seq_len: int) -> DecoderModel:
@@ -203,6 +214,28 @@ def compiled(
     return torch.compile(fn, mode=compile_mode, fullgraph=True), how
 
 
+def time_prefill(
+    point: OperatingPoint, runner: Runner, timer: CpuTimer | CudaTimer
+) -> tuple[Timing | None, str]:
+    """The baseline's prefill of the point's prompt ``[batch, context]``, timed as the engines
+    time a candidate's (:func:`kiln.engine_pool.timing.time_after_untimed`: one untimed, where
+    lazy initialisation and any compilation land, then ``point.prefill_repeats`` timed), in ms.
+    ``(timing, note)``; ``(None, "")`` when no repeats are asked, ``(None, why)`` when the
+    prefill raised (the decode measurement stands without it)."""
+    if point.prefill_repeats <= 0:
+        return None, ""
+    call = functools.partial(runner.prefill, point.prompt)
+    try:
+        samples = time_after_untimed(timer, call, point.prefill_repeats)
+    except Exception as exc:
+        return None, f"prefill not timed: {type(exc).__name__}: {exc}"
+    timing = summarize(samples, 1)
+    return timing, (
+        f"prefill timed: {point.batch} prompts of {point.context} tokens, "
+        f"{point.prefill_repeats} times after one untimed: median {timing.median_ms:.4g} ms"
+    )
+
+
 def measure(name: str, point: OperatingPoint, build: Build) -> BaselineResult:
     """Run one baseline through the protocol of the module docstring.
 
@@ -247,6 +280,9 @@ def measure(name: str, point: OperatingPoint, build: Build) -> BaselineResult:
                 call = functools.partial(step, point.tokens[i], point.position(i))
                 samples.append(timer.time_ms(call))
             del step, call
+            prefill, prefill_note = time_prefill(point, runner, timer)
+            if prefill_note:
+                notes.append(prefill_note)
     except SkipBaseline as exc:
         return BaselineResult.skipped(name, str(exc), notes=notes, batch=batch, context=context)
     except Exception as exc:
@@ -279,6 +315,9 @@ def measure(name: str, point: OperatingPoint, build: Build) -> BaselineResult:
         tolerance=tol,
         batch=batch,
         context=context,
+        prefill_median_ms=prefill.median_ms if prefill else 0.0,
+        prefill_p10_ms=prefill.p10_ms if prefill else 0.0,
+        prefill_p90_ms=prefill.p90_ms if prefill else 0.0,
     )
 
 
@@ -296,6 +335,7 @@ def run_baseline(
     warmup: int,
     weights: WeightStore | None = None,
     precheck: Callable[[ModelConfig], None] | None = None,
+    prefill_repeats: int = PREFILL_REPEATS,
 ) -> BaselineResult:
     """:func:`operating_point` then :func:`measure`; ``precheck(config)`` runs first and may
     raise :class:`SkipBaseline` (e.g. transformers missing) before any weight is drawn.
@@ -318,6 +358,7 @@ def run_baseline(
         steps=steps,
         warmup=warmup,
         weights=weights,
+        prefill_repeats=prefill_repeats,
     )
     return measure(name, point, build)
 
@@ -330,7 +371,8 @@ Args:
     device, dtype: where and in what precision.
     seed: of the weights (when not given) and of the prompt and tokens.
     steps, warmup: timed and untimed decode steps.
-    weights: kiln's weights to use (drawn from ``seed`` when None).{option}
+    weights: kiln's weights to use (drawn from ``seed`` when None).
+    prefill_repeats: timed prefills of the prompt after the decode timing (0: none).{option}
 
 Returns:
     The result; *skipped* {skipped}.
@@ -342,8 +384,8 @@ Raises:
 
 class Baseline:
     """A baseline module's ``run(config, *, batch, context, device, dtype, seed, steps, warmup,
-    weights=None) -> BaselineResult``: :func:`run_baseline` with the module's name, build
-    function and precheck.
+    weights=None, prefill_repeats=PREFILL_REPEATS) -> BaselineResult``: :func:`run_baseline`
+    with the module's name, build function and precheck.
 
     Args:
         name: the baseline's name (reported).
@@ -381,6 +423,7 @@ class Baseline:
         steps: int,
         warmup: int,
         weights: WeightStore | None = None,
+        prefill_repeats: int = PREFILL_REPEATS,
     ) -> BaselineResult:
         return run_baseline(
             self.name,
@@ -395,6 +438,7 @@ class Baseline:
             warmup=warmup,
             weights=weights,
             precheck=self.precheck,
+            prefill_repeats=prefill_repeats,
         )
 
 
@@ -441,6 +485,7 @@ class CompiledBaseline(Baseline):
         steps: int,
         warmup: int,
         weights: WeightStore | None = None,
+        prefill_repeats: int = PREFILL_REPEATS,
         compile_mode: str | None = COMPILE_MODE,
     ) -> BaselineResult:
         return run_baseline(
@@ -456,4 +501,5 @@ class CompiledBaseline(Baseline):
             warmup=warmup,
             weights=weights,
             precheck=self.precheck,
+            prefill_repeats=prefill_repeats,
         )

@@ -134,7 +134,9 @@ def runner(
     Args:
         point: the operating point (batch, device).
         call: the installed forward's call convention.
-        cache: makes the cache at each prefill (a fresh one, or the same pre-allocated one).
+        cache: makes the cache at each prefill (a fresh one, or the same pre-allocated one,
+            reset first: a static cache counts the tokens written, so a prefill timed after
+            the decode steps starts it empty again, as ``generate`` resets a reused cache).
         prefill: the forward that prefills the prompt ``[batch, context]`` from position 0.
         decode: the forward of one decode step (``token [batch, 1]`` at its position).
         note: what was built, in words.
@@ -146,6 +148,9 @@ def runner(
 
     def prefill_prompt(prompt: Tensor) -> None:
         caches[:] = [cache()]
+        reset = getattr(caches[0], "reset", None)
+        if reset is not None:
+            reset()
         b, t = prompt.shape
         prefill(prompt, **call.kwargs(caches[0], 0, t, b, point.device))
 

@@ -11,8 +11,10 @@ unchanged (else it asks for a restart), so its next experiment starts from the s
 
 Outcome as a :class:`~kiln.engine_pool.measurement.Measurement`: measured → ``ok`` with
 ``correct`` from the baseline's own check against kiln's reference (``max_abs_error`` its
-error); skipped (transformers not installed, an architecture it cannot build) → ``rejected``
-with ``skipped: <reason>``; an exception → ``crashed``.
+error), its decode timing, and its prefill timing when the request asked for
+``prefill_repeats`` (as a candidate's: ``prefill``, ``prefill_tokens_per_s``); skipped
+(transformers not installed, an architecture it cannot build) → ``rejected`` with
+``skipped: <reason>``; an exception → ``crashed``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def to_measurement(result: BaselineResult, base: dict[str, Any]) -> Measurement:
             "crashed", f"baseline {result.name}: {result.error or 'no timing'}", notes=notes, **base
         )
     err = result.max_abs_error if math.isfinite(result.max_abs_error) else math.inf
+    prefill_ms = result.prefill_median_ms
+    prefill = (
+        Timing(prefill_ms, result.prefill_p10_ms, result.prefill_p90_ms, warmup_runs=1)
+        if prefill_ms > 0
+        else None
+    )
     return Measurement(
         status="ok",
         correct=result.correct,
@@ -77,6 +85,8 @@ def to_measurement(result: BaselineResult, base: dict[str, Any]) -> Measurement:
             warmup_runs=0,
         ),
         tokens_per_s=result.tokens_per_s,
+        prefill=prefill,
+        prefill_tokens_per_s=result.prefill_tokens_per_s,
         notes=notes,
         error="" if result.correct else f"baseline {result.name} differs from kiln's reference",
         **base,
@@ -89,7 +99,8 @@ def measure_baseline(engine: EngineLike, request: RunRequest, base: dict[str, An
     Args:
         engine: the built engine (its model config, operating point, device, dtype, weights).
         request: the experiment; ``warmup`` and ``repeats`` give the baseline's untimed and
-            timed decode steps, ``seed`` its prompt and tokens.
+            timed decode steps, ``prefill_repeats`` its timed prefills (0: none, the CPU
+            engines' default), ``seed`` its prompt and tokens.
         base: fields every measurement of the engine carries.
 
     Returns:
@@ -114,6 +125,7 @@ def measure_baseline(engine: EngineLike, request: RunRequest, base: dict[str, An
         steps=max(1, request.repeats),
         warmup=max(0, request.warmup),
         weights=engine.weights,
+        prefill_repeats=max(0, request.prefill_repeats),
     )
     out = to_measurement(result, base)
     out.memory = engine.memory()

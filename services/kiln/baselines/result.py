@@ -27,6 +27,9 @@ class BaselineResult:
         tolerance: the bound it was held to (``rtol x max |reference|``).
         error: an exception that stopped it mid-run ("" when none).
         batch, context: the operating point (sequences, tokens in the cache).
+        prefill_median_ms, prefill_p10_ms, prefill_p90_ms: percentiles of the timed prefills of
+            the ``[batch, context]`` prompt after the decode timing, ms
+            (:func:`kiln.baselines.harness.time_prefill`); 0 when not timed.
     """
 
     name: str
@@ -43,11 +46,21 @@ class BaselineResult:
     error: str = ""
     batch: int = 0
     context: int = 0
+    prefill_median_ms: float = 0.0
+    prefill_p10_ms: float = 0.0
+    prefill_p90_ms: float = 0.0
 
     @property
     def measured(self) -> bool:
         """It ran to the end with a positive throughput (correct or not)."""
         return not self.skipped_reason and not self.error and self.tokens_per_s > 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """``batch x context / prefill median_s``: prompt tokens/s (0 when not timed)."""
+        if self.prefill_median_ms <= 0:
+            return 0.0
+        return self.batch * self.context / (self.prefill_median_ms / 1e3)
 
     @property
     def status(self) -> str:

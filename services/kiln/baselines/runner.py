@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kiln.baselines.harness import PREFILL_REPEATS
 from kiln.baselines.names import BASELINE_NAMES
 from kiln.baselines.result import BaselineResult
 from kiln.workloads.config import ModelConfig
@@ -26,6 +27,7 @@ def run_named(
     steps: int,
     warmup: int,
     weights: WeightStore | None = None,
+    prefill_repeats: int = PREFILL_REPEATS,
     **options: Any,
 ) -> BaselineResult:
     """``kiln.baselines.<name>.run(config, ...)`` (arguments as there; ``options`` go to that
@@ -49,6 +51,7 @@ def run_named(
             steps=steps,
             warmup=warmup,
             weights=weights,
+            prefill_repeats=prefill_repeats,
             **options,
         )
     except Exception as exc:

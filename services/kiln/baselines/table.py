@@ -1,6 +1,13 @@
 """The side-by-side table ``kiln compile`` prints at the end: the baselines, kiln's reference,
-kiln's best, each with tokens/s, ms/step, speedup over kiln's reference and the fraction of
-the memory-bandwidth limit (no torch).
+kiln's best, each with tokens/s, ms/step, speedup over kiln's reference, the fraction of the
+memory-bandwidth limit and the prefill time (no torch).
+
+Prefill is the median of the engine's timed prefills of ``batch x context`` prompt tokens on the
+full-tier engine (``prefill_median_ms`` of ``BaselineCompared`` / ``ExperimentCompleted``; 0, shown
+blank, when not timed: the engine's ``prefill_repeats`` was 0 or the event predates it). kiln's
+best carries a note when its prefill is slower than the reference's measured next to it beyond
+the reference's prefill spread in the run (:meth:`Comparison.prefill_check`): a note, never a
+rejection.
 
 The bandwidth limit of a decode step is reading its bytes once: the weights plus the KV cache of
 every sequence of the batch at the measured context,
@@ -31,7 +38,8 @@ class Row:
     Attributes:
         label: what was measured. tokens_per_s: decode tokens/s (0 = none). median_ms: ms per
         decode step. tier: engine tier ("full", "fast", "" unknown). note: skipped or failure
-        reason, correctness flag.
+        reason, correctness flag, prefill check. prefill_ms: median prefill of the operating
+        point's ``batch x context`` prompt tokens, ms (0 = not timed).
     """
 
     label: str
@@ -39,6 +47,7 @@ class Row:
     median_ms: float
     tier: str = ""
     note: str = ""
+    prefill_ms: float = 0.0
 
 
 @dataclass
@@ -55,6 +64,11 @@ class Comparison:
             reference that says where it was measured (``context_len`` > 0): the baselines'
             engine's operating point, dtype (``environment.dtype``) and layers held
             (``op_profile_shape.layers`` when profiled).
+        reference_prefills: the prefill medians (ms, timed ones only) of every correct
+            full-tier measurement of kiln's reference, in order.
+        confirmed: candidate id -> (its last correct full-tier ``ExperimentCompleted``, the
+            reference's correct full-tier one folded last before it: the one measured next to
+            it, as :func:`kiln.agent_runner.judge.full_reference` pairs them; None if none).
     """
 
     reference_id: str
@@ -62,6 +76,8 @@ class Comparison:
     reference_full: dict[str, Any] | None = None
     reference_fast: dict[str, Any] | None = None
     full_point: dict[str, Any] | None = None
+    reference_prefills: list[float] = field(default_factory=list)
+    confirmed: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = field(default_factory=dict)
 
     def update(self, event_type: str, detail: dict[str, Any]) -> None:
         """Fold one event (type and payload; numbers may arrive as floats from a Struct)."""
@@ -74,12 +90,14 @@ class Comparison:
             ours = candidate == self.reference_id or candidate.startswith(BASELINE_CANDIDATE_PREFIX)
             if ours and self.full_point is None and _int(detail, "context_len") > 0:
                 self.full_point = detail
-            if (
-                candidate == self.reference_id
-                and detail.get("status") == "ok"
-                and detail.get("correct")
-            ):
+            if detail.get("status") != "ok" or not detail.get("correct"):
+                return
+            if candidate == self.reference_id:
                 self.reference_full = detail
+                if _float(detail, "prefill_median_ms") > 0:
+                    self.reference_prefills.append(_float(detail, "prefill_median_ms"))
+            elif not candidate.startswith(BASELINE_CANDIDATE_PREFIX):
+                self.confirmed[candidate] = (detail, self.reference_full)
 
     def reference(self) -> Row | None:
         """kiln's reference: on the full tier when measured there, else the fast tier's."""
@@ -90,8 +108,37 @@ class Comparison:
                     float(d["tokens_per_s"]),
                     float(d.get("median_ms", 0) or 0),
                     tier,
+                    prefill_ms=_float(d, "prefill_median_ms") if tier == "full" else 0.0,
                 )
         return None
+
+    def best(self, tokens_per_s: float, median_ms: float, tier: str, candidate_id: str) -> Row:
+        """kiln's best (figures from the compilation's snapshot), with the prefill of its last
+        full-tier measurement and the short form of its :meth:`prefill_check` as the note when
+        it was confirmed on the full tier."""
+        if tier != "full" or candidate_id not in self.confirmed:
+            return Row("kiln best", tokens_per_s, median_ms, tier)
+        check = self.prefill_check(candidate_id)
+        note = check.note() if check else ""
+        return Row("kiln best", tokens_per_s, median_ms, tier, note, self.prefill_of(candidate_id))
+
+    def prefill_of(self, candidate_id: str) -> float:
+        """The prefill median (ms) of a candidate's last correct full-tier measurement; 0 when
+        it has none or it was not timed."""
+        detail, _ = self.confirmed.get(candidate_id, ({}, None))
+        return _float(detail, "prefill_median_ms")
+
+    def prefill_check(self, candidate_id: str) -> PrefillCheck | None:
+        """A confirmed candidate's full-tier prefill against the reference's measured next to it
+        (:attr:`confirmed`), with the reference's spread over :attr:`reference_prefills`; None
+        when the candidate was not confirmed or either prefill was not timed."""
+        detail, ref = self.confirmed.get(candidate_id, ({}, None))
+        mine, theirs = _float(detail, "prefill_median_ms"), _float(ref or {}, "prefill_median_ms")
+        if mine <= 0 or theirs <= 0:
+            return None
+        runs = self.reference_prefills
+        spread = max(runs) - min(runs) if len(runs) > 1 else None
+        return PrefillCheck(mine, theirs, spread, len(runs))
 
     def baseline_rows(self) -> list[Row]:
         """One row per baseline, in :data:`BASELINE_NAMES` order."""
@@ -111,7 +158,8 @@ class Comparison:
                 note = f"correct (max abs error {float(d.get('max_abs_error', 0) or 0):.3g})"
             tps = float(d.get("tokens_per_s", 0) or 0) if d.get("status") == "ok" else 0.0
             ms = float(d.get("median_ms", 0) or 0) if tps else 0.0
-            rows.append(Row(name, tps, ms, str(d.get("tier", "")), note))
+            prefill = _float(d, "prefill_median_ms") if tps else 0.0
+            rows.append(Row(name, tps, ms, str(d.get("tier", "")), note, prefill))
         return rows
 
     def batch(self) -> int:
@@ -175,12 +223,72 @@ class Comparison:
         )
 
 
+@dataclass(frozen=True)
+class PrefillCheck:
+    """The "no prefill regression" check of a confirmed candidate: its prefill against kiln's
+    reference measured next to it on the full tier. A note, never a rejection.
+
+    Attributes:
+        candidate_ms, reference_ms: the two prefill medians, ms.
+        spread_ms: the reference's prefill spread in the run, ms: max - min of the medians of
+            its full-tier measurements (the run-to-run noise of one forward on one engine; the
+            events carry prefill medians only, no per-run p10/p90); None with fewer than two.
+        runs: the reference's timed full-tier prefills the spread is over.
+    """
+
+    candidate_ms: float
+    reference_ms: float
+    spread_ms: float | None
+    runs: int
+
+    @property
+    def slower(self) -> bool:
+        """Slower than the reference by more than its spread (never when that is unknown)."""
+        return self.spread_ms is not None and self.candidate_ms - self.reference_ms > self.spread_ms
+
+    def _verdict(self) -> tuple[str, str]:
+        """(short, long) words on the difference."""
+        if self.candidate_ms <= self.reference_ms:
+            return "", ""
+        if self.spread_ms is None:
+            return " (noise unknown)", ": not flagged, the reference's spread is unknown (1 run)"
+        spread = f"the reference's spread ({self.spread_ms:,.2f} ms over {self.runs} runs)"
+        if self.slower:
+            return "", f": SLOWER, beyond {spread}"
+        return " (within noise)", f": within {spread}"
+
+    def note(self) -> str:
+        """Short, for the row: ``PREFILL SLOWER +6%``, ``prefill +1% (within noise)``,
+        ``prefill +6% (noise unknown)``, ``prefill -12%``."""
+        change = f"{self.candidate_ms / self.reference_ms - 1:+.0%}"
+        short, _ = self._verdict()
+        return f"PREFILL SLOWER {change}" if self.slower else f"prefill {change}{short}"
+
+    def describe(self) -> str:
+        """One line, e.g. ``kiln best prefill 75.30 ms vs 71.00 ms for the reference measured
+        next to it (+6%): SLOWER, beyond the reference's spread (0.80 ms over 2 runs)``."""
+        change = self.candidate_ms / self.reference_ms - 1
+        _, long = self._verdict()
+        return (
+            f"kiln best prefill {self.candidate_ms:,.2f} ms vs {self.reference_ms:,.2f} ms for "
+            f"the reference measured next to it ({change:+.0%}){long}"
+        )
+
+
 def _int(d: dict[str, Any], key: str) -> int:
     """``d[key]`` as an int (0 when absent, None or not a number)."""
     try:
         return int(float(d.get(key) or 0))
     except (TypeError, ValueError):
         return 0
+
+
+def _float(d: dict[str, Any], key: str) -> float:
+    """``d[key]`` as a float (0.0 when absent, None or not a number)."""
+    try:
+        return float(d.get(key) or 0)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -271,15 +379,20 @@ def bandwidth_limit(
 
 
 def table_rows(
-    comparison: Comparison, best_tokens_per_s: float, best_median_ms: float, best_tier: str
+    comparison: Comparison,
+    best_tokens_per_s: float,
+    best_median_ms: float,
+    best_tier: str,
+    best_id: str = "",
 ) -> list[Row]:
-    """Baselines, then kiln's reference, then kiln's best (when there is one)."""
+    """Baselines, then kiln's reference, then kiln's best (when there is one; ``best_id`` its
+    candidate id, for its prefill: :meth:`Comparison.best`)."""
     rows = comparison.baseline_rows()
     ref = comparison.reference()
     if ref is not None:
         rows.append(ref)
     if best_tokens_per_s > 0:
-        rows.append(Row("kiln best", best_tokens_per_s, best_median_ms, best_tier))
+        rows.append(comparison.best(best_tokens_per_s, best_median_ms, best_tier, best_id))
     return rows
 
 

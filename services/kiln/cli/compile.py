@@ -167,7 +167,12 @@ def compile(
     traffic: Annotated[Path, typer.Option(help="A trace: Azure CSV or Mooncake JSONL.")],
     hardware: Annotated[str, typer.Option(help="Target: cpu, h100, h200, b200.")] = "cpu",
     devices: Annotated[int, typer.Option(min=0, help="Devices (0 = the target's default).")] = 0,
-    budget: Annotated[str, typer.Option(help="Wall-clock budget: 300, 90s, 5m, 1h30m.")] = "5m",
+    budget: Annotated[
+        str,
+        typer.Option(
+            help="The search's wall-clock budget: 300, 90s, 5m, 1h30m (baselines run after it)."
+        ),
+    ] = "5m",
     max_experiments: Annotated[
         int, typer.Option(min=0, help="Stop after this many experiments (0 = no limit).")
     ] = 0,

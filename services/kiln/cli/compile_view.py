@@ -141,10 +141,10 @@ class CompileView:
         """The live progress block."""
         snap = self.snapshot
         elapsed = time.monotonic() - self.started
-        head = Text(
-            f"compilation {self.compilation_id}  ·  {elapsed:,.0f}s of {self.budget_s:,.0f}s",
-            style="bold",
-        )
+        clock = f"{elapsed:,.0f}s of {self.budget_s:,.0f}s"
+        if elapsed > self.budget_s:  # the search is over: settling, baselines
+            clock = f"{elapsed:,.0f}s (search budget {self.budget_s:,.0f}s spent; finishing)"
+        head = Text(f"compilation {self.compilation_id}  ·  {clock}", style="bold")
         parts: list[RenderableType] = [head]
         if snap is not None:
             best = snap.best.measurement.tokens_per_s if snap.HasField("best") else 0.0
@@ -298,12 +298,33 @@ def comparison_limit(
     )
 
 
+def prefill_text(ms: float) -> str:
+    """A prefill median for the table: ``61.40``, ``1,234.5`` (ms), ``-`` when not timed."""
+    if ms <= 0:
+        return "-"
+    return f"{ms:,.1f}" if ms >= 100 else f"{ms:.2f}"
+
+
+def prefill_legend(comparison: Comparison) -> str:
+    """What the table's "prefill ms" column measured: the median of the engine's timed
+    prefills of ``batch x context`` prompt tokens on the full-tier engine (the decode operating
+    point's context, :meth:`Comparison.context`; "-" where not timed)."""
+    batch, context = comparison.batch(), comparison.context()
+    at = f"{batch:,} x {context:,}" if context > 0 else "batch x context (not recorded)"
+    return (
+        f"prefill ms: median of timed prefills of {at} prompt tokens (batch x the decode "
+        'context) on the full-tier engine; "-": not timed'
+    )
+
+
 def comparison_table(comparison: Comparison, snap: compiler_pb2.Compilation) -> Table | None:
     """The baselines measured in the same run (:mod:`kiln.baselines`), kiln's reference and
-    kiln's best, side by side: tokens/s, ms/step, speedup over kiln's reference and the
-    fraction of the bandwidth limit (:func:`comparison_limit`, described in the caption; the
-    limit is the full tier's, so a fast-tier row, fewer layers, gets none). None when the
-    compilation compared no baseline."""
+    kiln's best, side by side: tokens/s, ms/step, speedup over kiln's reference, the fraction
+    of the bandwidth limit (:func:`comparison_limit`, described in the caption; the limit is
+    the full tier's, so a fast-tier row, fewer layers, gets none) and the prefill median
+    (:func:`prefill_legend`; kiln best's note flags a prefill regression, detailed in the
+    caption: :meth:`Comparison.prefill_check`). Figures and labels' words never wrap; headers
+    and notes do. None when the compilation compared no baseline."""
     from kiln.baselines.table import speedup, table_rows
 
     if not comparison.baselines:
@@ -314,7 +335,8 @@ def comparison_table(comparison: Comparison, snap: compiler_pb2.Compilation) -> 
         m = snap.best.measurement
         best_tps, best_ms = m.tokens_per_s, m.timing.median_ms
         best_tier = {common_pb2.TIER_FAST: "fast", common_pb2.TIER_FULL: "full"}.get(m.tier, "")
-    rows = table_rows(comparison, best_tps, best_ms, best_tier)
+    best_id = snap.best.candidate.candidate_id if snap.HasField("best") else ""
+    rows = table_rows(comparison, best_tps, best_ms, best_tier, best_id)
     reference = comparison.reference()
     limit = comparison_limit(comparison, snap)
     caption = (
@@ -322,19 +344,20 @@ def comparison_table(comparison: Comparison, snap: compiler_pb2.Compilation) -> 
         if limit
         else "bandwidth limit unknown (no weights bytes or hardware entry)"
     )
+    lines = [caption, prefill_legend(comparison)]
+    check = comparison.prefill_check(best_id) if best_tier == "full" else None
+    if check is not None:
+        lines.append(check.describe())
     table = Table(
-        "",
-        "tok/s",
-        "ms/step",
-        "vs kiln ref",
-        "of bw limit",
-        "tier",
-        "",
         title="baselines measured in the same run",
         title_justify="left",
-        caption=caption,
+        caption="\n".join(lines),
         caption_justify="left",
     )
+    table.add_column("", min_width=max(len(w) for row in rows for w in row.label.split()))
+    for header in ("tok/s", "step\nms", "vs kiln\nref", "of bw\nlimit", "prefill\nms", "tier"):
+        table.add_column(header, no_wrap=True)  # figures never wrap
+    table.add_column("")
     for row in rows:
         gain = speedup(row, reference)
         frac = limit.fraction(row.tokens_per_s) if limit and row.tier != "fast" else None
@@ -344,6 +367,7 @@ def comparison_table(comparison: Comparison, snap: compiler_pb2.Compilation) -> 
             f"{row.median_ms:.2f}" if row.median_ms else "-",
             f"{gain:.2f}x" if gain is not None else "-",
             f"{frac:.0%}" if frac is not None else "-",
+            prefill_text(row.prefill_ms),
             row.tier,
             row.note,
         )

@@ -92,7 +92,7 @@ from kiln.engine_pool.reload import RegistrySnapshot, forget_sources, load_code_
 from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.spec import EngineSpec
 from kiln.engine_pool.support import support_for
-from kiln.engine_pool.timing import summarize, timer_for
+from kiln.engine_pool.timing import summarize, time_after_untimed, timer_for
 from kiln.engine_pool.transforms import AppliedTransforms, RejectedCandidate, apply_transforms
 from kiln.ops import registry
 from kiln.ops.registry import REFERENCE, OpLookupError
@@ -614,8 +614,7 @@ class Engine:
         prompts = prompts.to(self.device)
         call = functools.partial(self.model.prefill, prompts)
         try:
-            call()
-            return [self.timer.time_ms(call) for _ in range(repeats)]
+            return time_after_untimed(self.timer, call, repeats)
         finally:
             self._at_context()
 

@@ -12,13 +12,13 @@ Where each answer comes from:
 
 - ``fused_decode``: :func:`kiln.engine_pool.fused_decode.unsupported_reason` (the model), and a
   device where its Triton kernels run (CUDA; CPU only under ``TRITON_INTERPRET=1``, for tests).
-- ``cuda_graph``: CUDA engines. On an MoE model not with an ``moe`` implementation that
-  synchronises with the host (:data:`HOST_SYNC`: ``reference`` reads the list of experts hit,
-  ``grouped`` the per-expert counts), which stream capture cannot record.
+- ``cuda_graph``: CUDA engines; not together with an op implementation registered as not
+  capturable (:attr:`kiln.ops.registry.OpImpl.capturable`: it synchronises with the host, which
+  stream capture cannot record; every built-in one is capturable).
 - ``threads``: CPU engines (a CUDA engine's decode step does not depend on them).
 - ``torch_compile``: every engine; mode ``reduce-overhead`` (CUDA graphs inside) on CUDA only.
 - op implementations: :meth:`OpImpl.runs_on` the device; none for an op the model never calls
-  (:func:`unused_ops`); ``moe`` ``grouped_mm`` needs 16-byte rows (:data:`GROUPED_MM_ALIGN`).
+  (:func:`unused_ops`).
   Lossy implementations apply where they run; choosing one stays opt-in (``Candidate.lossy``).
 
 Unknown transforms, parameters, ops and implementations are not stated here: the transforms and
@@ -43,12 +43,6 @@ TRANSFORMS = ("threads", "torch_compile", "fused_decode", "cuda_graph")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """``torch_compile`` modes engines know."""
 CUDA = "cuda"
-HOST_SYNC: dict[str, tuple[str, ...]] = {"moe": ("reference", "grouped")}
-"""Op implementations that synchronise with the host every call (a CUDA graph cannot capture
-them; :mod:`kiln.ops.moe`)."""
-GROUPED_MM_ALIGN = 8
-"""``moe`` ``grouped_mm`` needs hidden and expert widths that are multiples of this (rows of 16
-bytes in bfloat16: ``torch.nn.functional.grouped_mm`` refuses other strides)."""
 
 
 class ModelNotSupported(ValueError):
@@ -172,15 +166,9 @@ def _impl_reason(config: ModelConfig, device: str, impl: Any) -> Reason:
     """Why the registered ``impl`` (an :class:`~kiln.ops.registry.OpImpl`) cannot run
     ``config`` on ``device``."""
     name = f"{impl.op}={impl.name}"
+    del config
     if not impl.runs_on(device):
         return f"{name} runs on {', '.join(impl.devices)} only, not on a {device} engine"
-    if name == "moe=grouped_mm" and config.moe is not None:
-        widths = (config.hidden_size, config.moe.intermediate_size)
-        if any(w % GROUPED_MM_ALIGN for w in widths):
-            return (
-                f"{name}: hidden size {widths[0]} and expert width {widths[1]} must be "
-                f"multiples of {GROUPED_MM_ALIGN} (grouped GEMMs need 16-byte rows)"
-            )
     return None
 
 
@@ -208,17 +196,21 @@ def _transforms(config: ModelConfig, device: str) -> dict[str, Reason]:
 
 
 def _conflicts(config: ModelConfig, unused: frozenset[str]) -> tuple[Conflict, ...]:
+    """``cuda_graph`` against every registered implementation that is not capturable."""
+    from kiln.ops import registry
+
     return tuple(
         Conflict(
             "cuda_graph",
             op,
-            impl,
-            f"cuda_graph with {op}={impl}: it synchronises with the host, which a CUDA graph "
+            name,
+            f"cuda_graph with {op}={name}: it synchronises with the host, which a CUDA graph "
             f"cannot capture ({config.name}; pick an {op} implementation without that)",
         )
-        for op, impls in HOST_SYNC.items()
+        for op in registry.ops()
         if op not in unused
-        for impl in impls
+        for name in registry.implementations(op)
+        if not registry.get(op, name).capturable
     )
 
 

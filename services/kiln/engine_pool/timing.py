@@ -105,6 +105,17 @@ def timer_for(device: torch.device | str) -> CpuTimer | CudaTimer:
     return CudaTimer(dev) if dev.type == "cuda" else CpuTimer()
 
 
+def time_after_untimed(
+    timer: CpuTimer | CudaTimer, fn: Callable[[], Any], repeats: int
+) -> list[float]:
+    """``fn`` once untimed (lazy initialisation, compilation land there), then ``repeats``
+    timed calls with ``timer``: ms each. How the engines time prefill, a candidate's
+    (:meth:`kiln.engine_pool.engine.Engine._time_prefill`) and a baseline's
+    (:func:`kiln.baselines.harness.time_prefill`)."""
+    fn()
+    return [timer.time_ms(fn) for _ in range(repeats)]
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ascending values, linear interpolation; 0.0 when empty."""
     if not sorted_values:

@@ -123,6 +123,13 @@ class BaselineCompared(EventSchema):
         "context_len); 0 in events written before it was recorded (the table then takes it "
         "from a full-tier ExperimentCompleted, else counts the weights only).",
     )
+    prefill_median_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="Median of the baseline's timed prefills of batch x context prompt tokens, "
+        "ms, timed as a candidate's (its ExperimentCompleted.prefill_median_ms); 0 when not "
+        "timed (the engine's prefill_repeats was 0) or in events written before it was recorded.",
+    )
 
 
 class BestCandidateImproved(EventSchema):

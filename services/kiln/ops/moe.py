@@ -26,17 +26,30 @@ transformers >= 5 holds them; see :mod:`kiln.workloads.weights`):
 - ``top_k`` (int), ``norm_topk_prob`` (bool), ``round_router_weights`` (bool),
   ``router_bias`` (float32 ``[E]`` or None).
 
-Implementations: ``reference`` (transformers' per-expert loop), ``grouped`` (tokens sorted by
-expert, one contiguous matmul pair per expert hit, one gather and one scatter), ``grouped_mm``
-(the same layout as two grouped GEMMs over all experts, no host synchronisation) and ``dense``
-(every expert on every token as batched matmuls, combined with a dense ``[N, E]`` weight matrix:
-E/top_k times the FLOPs, but no host synchronisation and no data-dependent shapes, so it can be
-captured in a CUDA graph). Which wins depends on the batch and on how many distinct experts the
-routing hits — which is why the traffic's expert-load skew matters. All of them share
-:func:`route`, so they pick the same experts.
+Every implementation keeps its shapes static and never synchronises with the host (no
+``.item()``, ``.tolist()`` or data-dependent shapes), so each runs inside a CUDA graph and under
+``torch.compile(fullgraph=True)`` at a fixed batch; scratch is sized by ``N * top_k`` assignments.
+All of them share :func:`route`, so they pick the same experts:
+
+- ``reference``: the ``N * top_k`` (token, expert) assignments sorted by expert
+  (:func:`sort_by_expert`, counts on the device), the tokens gathered once, each expert's tokens
+  multiplied in one grouped product per projection (:func:`grouped_linear`: PyTorch's
+  ``grouped_mm`` where the device and dtype have it, else :func:`gathered_linear`), scaled and
+  summed per token in increasing expert id with a rounding after each add (the order and
+  rounding of transformers' per-expert loop);
+- ``gathered``: the same layout, each assignment multiplied by its own expert's weights gathered
+  (one batched matrix-vector product per projection): reads only the chosen experts, at the cost
+  of copying them; for small batches;
+- ``dense``: every expert on every token as batched matmuls, combined with a dense ``[N, E]``
+  weight matrix: E/top_k times the FLOPs, no gather.
+
+Which wins depends on the batch and on how many distinct experts the routing hits, which is why
+the traffic's expert-load skew matters.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -77,10 +90,135 @@ def route(
     return weights, experts
 
 
-def _expert(x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    """One expert's SwiGLU: ``x [n, H]``, ``gate_up [2I, H]``, ``down [H, I]`` -> ``[n, H]``."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+@dataclass(frozen=True)
+class Assignments:
+    """The ``S = N * top_k`` (token, expert) assignments of a step, sorted by expert (stable, so
+    a token's assignments keep their top-k order within an expert).
+
+    Attributes:
+        token: ``[S]`` int64 token of each assignment. experts: ``[S]`` int64 its expert.
+        weights: ``[S]`` its routing weight (the dtype :func:`route`'s caller chose).
+        offsets: ``[E]`` int32 cumulative ends of each expert's rows (``grouped_mm``'s ``offs``).
+        dest: ``[S]`` int64 row ``token * top_k + r`` of a ``[N * top_k]`` buffer, ``r`` the
+            assignment's rank among its token's experts in increasing expert id (unique rows).
+    """
+
+    token: Tensor
+    experts: Tensor
+    weights: Tensor
+    offsets: Tensor
+    dest: Tensor
+
+
+def sort_by_expert(weights: Tensor, experts: Tensor, num_experts: int) -> Assignments:
+    """Sort :func:`route`'s ``[N, top_k]`` choices by expert, on the device (no host sync).
+
+    Args:
+        weights: ``[N, top_k]`` routing weights. experts: ``[N, top_k]`` int64 in ``0..E-1``.
+        num_experts: E.
+    """
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    rank = torch.empty_like(experts)  # [N, k]: each choice's rank by expert id within its token
+    slots = torch.arange(k, device=experts.device).expand(n, k)
+    rank.scatter_(1, torch.argsort(experts, dim=1), slots)
+    token = order // k
+    return Assignments(
+        token=token,
+        experts=flat[order],
+        weights=weights.reshape(-1)[order],
+        offsets=torch.cumsum(counts, dim=0, dtype=torch.int32),
+        dest=token * k + rank.reshape(-1)[order],
+    )
+
+
+def _cpu_grouped_mm() -> bool:
+    """Whether this torch runs ``grouped_mm`` on CPU tensors (probed once, at import)."""
+    fn = getattr(F, "grouped_mm", None)
+    if fn is None:
+        return False
+    try:
+        one = torch.ones(2, 8, dtype=torch.bfloat16)
+        fn(one, torch.ones(1, 8, 8, dtype=one.dtype), offs=torch.tensor([2], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+_GROUPED_MM_CPU = _cpu_grouped_mm()
+_ALIGN_BYTES = 16
+
+
+def grouped_mm_applies(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`grouped_linear` runs PyTorch's ``grouped_mm`` for ``x [S, K]`` and
+    ``weight [E, N, K]``: bfloat16 (its only dtype under ``torch.compile``) with rows of 16-byte
+    multiples (K and N), on a CUDA device of compute capability 9.0 or later (CUTLASS's grouped
+    GEMM) or a CPU whose torch has it. A fixed rule of shapes and devices, so a captured or
+    compiled step never changes path."""
+    size = x.element_size()
+    if x.dtype != torch.bfloat16 or getattr(F, "grouped_mm", None) is None:
+        return False
+    if (x.shape[-1] * size) % _ALIGN_BYTES or (weight.shape[1] * size) % _ALIGN_BYTES:
+        return False
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.device.type == "cpu" and _GROUPED_MM_CPU
+
+
+def gathered_linear(x: Tensor, weight: Tensor, experts: Tensor) -> Tensor:
+    """Row ``s`` of ``x [S, K]`` times ``weight[experts[s]].T`` (``weight [E, N, K]``) ->
+    ``[S, N]``: the chosen experts' weights gathered (``S x N x K`` scratch), one batched
+    matrix-vector product, float32 accumulation."""
+    return torch.bmm(x.unsqueeze(1), weight[experts].transpose(1, 2)).squeeze(1)
+
+
+def grouped_linear(x: Tensor, weight: Tensor, a: Assignments) -> Tensor:
+    """Rows ``x[offsets[e-1]:offsets[e]]`` times ``weight[e].T`` for every expert e: ``x [S, K]``
+    sorted by expert, ``weight [E, N, K]`` -> ``[S, N]``; one grouped GEMM where
+    :func:`grouped_mm_applies`, else :func:`gathered_linear`."""
+    if grouped_mm_applies(x, weight):
+        out: Tensor = F.grouped_mm(x, weight.transpose(1, 2), offs=a.offsets)
+        return out
+    return gathered_linear(x, weight, a.experts)
+
+
+def _routed(
+    x: Tensor,
+    router_weight: Tensor,
+    num_experts: int,
+    top_k: int,
+    norm_topk_prob: bool,
+    round_router_weights: bool,
+    router_bias: Tensor | None,
+) -> tuple[Tensor, Assignments]:
+    """``x [B, T, H]`` flattened to ``[N, H]``, and its assignments sorted by expert (weights
+    rounded to the model dtype when ``round_router_weights``)."""
+    flat = x.reshape(-1, x.shape[-1])
+    weights, experts = route(
+        flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias
+    )
+    if round_router_weights:
+        weights = weights.to(x.dtype)
+    return flat, sort_by_expert(weights, experts, num_experts)
+
+
+def _combine(flat: Tensor, a: Assignments, ys: Tensor, top_k: int) -> Tensor:
+    """Scale each assignment's expert output by its weight, round to the model dtype, and add
+    them per token in increasing expert id, rounding after each add (the order and rounding of
+    transformers' per-expert ``index_add_`` loop; deterministic, unlike an atomic scatter-add
+    on CUDA): ``[N, H]``."""
+    scaled = (ys * a.weights[:, None]).to(flat.dtype)
+    n, h = flat.shape
+    rows = torch.empty(n * top_k, h, dtype=flat.dtype, device=flat.device)
+    rows.index_copy_(0, a.dest, scaled)
+    per_token = rows.view(n, top_k, h)
+    out = per_token[:, 0]
+    for j in range(1, top_k):
+        out = out + per_token[:, j]
+    return out
 
 
 @register("moe", "reference")
@@ -95,34 +233,25 @@ def reference(
     round_router_weights: bool,
     router_bias: Tensor | None = None,
 ) -> Tensor:
-    """transformers' ``Qwen3MoeExperts`` / ``MixtralExperts`` loop: for each expert hit (in
-    expert order), gather its tokens, run it, scale, and ``index_add_`` into the output.
+    """Assignments sorted by expert, one grouped product per projection (module docs).
 
     Args:
         x: ``[B, T, H]`` (model dtype); params as in the module docs.
 
     Returns:
-        ``[B, T, H]`` in ``x.dtype``. Experts no token chose are skipped (one host
-        synchronisation for the list of experts hit).
+        ``[B, T, H]`` in ``x.dtype``.
     """
-    b, t, h = x.shape
-    flat = x.reshape(-1, h)
-    weights, experts = route(
-        flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias
-    )
-    if round_router_weights:
-        weights = weights.to(x.dtype)
-    out = torch.zeros_like(flat)
-    for e in torch.unique(experts).tolist():
-        token, slot = torch.where(experts == e)
-        y = _expert(flat[token], gate_up_weight[e], down_weight[e])
-        y = y * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
-    return out.view(b, t, h)
+    flat, a = _routed(
+        x, router_weight, gate_up_weight.shape[0], top_k, norm_topk_prob, round_router_weights,
+        router_bias,
+    )  # fmt: skip
+    gate, up = grouped_linear(flat[a.token], gate_up_weight, a).chunk(2, dim=-1)
+    ys = grouped_linear(F.silu(gate) * up, down_weight, a)
+    return _combine(flat, a, ys, top_k).view(x.shape)
 
 
-@register("moe", "grouped")
-def grouped(
+@register("moe", "gathered")
+def gathered(
     x: Tensor,
     *,
     router_weight: Tensor,
@@ -133,84 +262,16 @@ def grouped(
     round_router_weights: bool,
     router_bias: Tensor | None = None,
 ) -> Tensor:
-    """Sort the ``N * top_k`` (token, expert) assignments by expert, gather the tokens once,
-    run each hit expert on its contiguous segment, scale, and scatter-add once (the layout of
-    vLLM's ``fused_moe`` and of grouped-GEMM kernels, with the per-expert matmuls left to ATen).
-    One host synchronisation (the per-expert counts). Same contract as :func:`reference`."""
-    b, t, h = x.shape
-    flat = x.reshape(-1, h)
-    weights, experts = route(
-        flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias
-    )
-    if round_router_weights:
-        weights = weights.to(x.dtype)
-    flat_experts = experts.reshape(-1)
-    order = torch.argsort(flat_experts, stable=True)
-    counts = torch.bincount(flat_experts, minlength=gate_up_weight.shape[0]).tolist()
-    token = order // top_k
-    xs = flat[token]
-    ys = torch.empty_like(xs)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            ys[start : start + n] = _expert(
-                xs[start : start + n], gate_up_weight[e], down_weight[e]
-            )
-            start += n
-    scaled = (ys * weights.reshape(-1)[order, None]).to(x.dtype)
-    return torch.zeros_like(flat).index_add_(0, token, scaled).view(b, t, h)
-
-
-def _grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
-    """Rows ``x[offsets[e-1]:offsets[e]]`` times ``weight[e].T`` for every expert e, in one
-    grouped GEMM: ``x [S, K]``, ``weight [E, N, K]``, ``offsets [E]`` int32 cumulative ends ->
-    ``[S, N]``. ``torch.nn.functional.grouped_mm`` (torch >= 2.10), else ``torch._grouped_mm``.
-
-    Raises:
-        NotImplementedError: this torch has neither (or no kernel for the device and dtype).
-    """
-    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if fn is None:
-        raise NotImplementedError("moe=grouped_mm needs torch.nn.functional.grouped_mm")
-    out: Tensor = fn(x, weight.transpose(1, 2), offs=offsets)
-    return out
-
-
-@register("moe", "grouped_mm")
-def grouped_mm(
-    x: Tensor,
-    *,
-    router_weight: Tensor,
-    gate_up_weight: Tensor,
-    down_weight: Tensor,
-    top_k: int,
-    norm_topk_prob: bool,
-    round_router_weights: bool,
-    router_bias: Tensor | None = None,
-) -> Tensor:
-    """:func:`grouped` with the per-expert loop replaced by two grouped GEMMs over all experts
-    (PyTorch's ``grouped_mm``: CUTLASS on Hopper, as transformers' ``grouped_mm`` experts and
-    torchtitan use): assignments sorted by expert, per-expert counts by ``scatter_add`` on the
-    device — no host synchronisation and static shapes (CUDA-graph capturable), work
-    proportional to ``N * top_k`` rows. Needs 16-byte-aligned rows (H and I multiples of 8 in
-    bfloat16); on CUDA, bfloat16. Same contract as :func:`reference`."""
-    b, t, h = x.shape
-    flat = x.reshape(-1, h)
-    weights, experts = route(
-        flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias
-    )
-    if round_router_weights:
-        weights = weights.to(x.dtype)
-    flat_experts = experts.reshape(-1)
-    order = torch.argsort(flat_experts, stable=True)
-    counts = torch.zeros(gate_up_weight.shape[0], dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts, dtype=torch.int32))
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    token = order // top_k
-    gate, up = _grouped_linear(flat[token], gate_up_weight, offsets).chunk(2, dim=-1)
-    ys = _grouped_linear(F.silu(gate) * up, down_weight, offsets)
-    scaled = (ys * weights.reshape(-1)[order, None]).to(x.dtype)
-    return torch.zeros_like(flat).index_add_(0, token, scaled).view(b, t, h)
+    """Each assignment times its own expert's gathered weights (:func:`gathered_linear`): reads
+    only the chosen experts; scratch ``N * top_k * 2I * H`` elements. Same contract as
+    :func:`reference`."""
+    flat, a = _routed(
+        x, router_weight, gate_up_weight.shape[0], top_k, norm_topk_prob, round_router_weights,
+        router_bias,
+    )  # fmt: skip
+    gate, up = gathered_linear(flat[a.token], gate_up_weight, a.experts).chunk(2, dim=-1)
+    ys = gathered_linear(F.silu(gate) * up, down_weight, a.experts)
+    return _combine(flat, a, ys, top_k).view(x.shape)
 
 
 @register("moe", "dense")
@@ -227,9 +288,8 @@ def dense(
 ) -> Tensor:
     """Every expert on every token (``bmm`` over ``[E, N, H]``), combined with the routing
     weights scattered into a dense ``[N, E]`` matrix (zero where not chosen) and summed over
-    experts in float32. E/top_k times the reference's FLOPs; no host synchronisation and static
-    shapes (CUDA-graph capturable). Scratch: ``E * N * (2I + H)`` elements. Same contract as
-    :func:`reference`."""
+    experts in float32. E/top_k times the reference's FLOPs; scratch ``E * N * (2I + H)``
+    elements. Same contract as :func:`reference`."""
     b, t, h = x.shape
     flat = x.reshape(-1, h)
     weights, experts = route(

@@ -90,6 +90,9 @@ class OpImpl:
         derived: the weight transform it needs, or None to take the base params.
         devices: the device types it runs on (``("cuda",)`` for a Triton kernel), or None for
             every device; search spaces offer it only on those devices.
+        capturable: False when a call synchronises with the host or has data-dependent shapes
+            (``.item()``, ``.tolist()``), which a CUDA graph cannot capture: search spaces
+            never pair it with ``cuda_graph``. Every built-in implementation is capturable.
     """
 
     op: str
@@ -98,6 +101,7 @@ class OpImpl:
     lossy: bool = False
     derived: Derivation | None = None
     devices: tuple[str, ...] | None = None
+    capturable: bool = True
 
     def runs_on(self, device_type: str) -> bool:
         """True when the implementation runs on ``device_type`` (``"cpu"``, ``"cuda"``)."""
@@ -124,6 +128,7 @@ def register(
     lossy: bool = False,
     derived: Derivation | None = None,
     devices: tuple[str, ...] | None = None,
+    capturable: bool = True,
     replace: bool = False,
 ) -> Callable[[F], F]:
     """Decorator registering ``fn`` as implementation ``impl`` of ``op``; returns ``fn`` unchanged.
@@ -142,7 +147,10 @@ def register(
         )
 
     def decorate(fn: F) -> F:
-        impls[impl] = OpImpl(op=op, name=impl, fn=fn, lossy=lossy, derived=derived, devices=devices)
+        impls[impl] = OpImpl(
+            op=op, name=impl, fn=fn, lossy=lossy, derived=derived, devices=devices,
+            capturable=capturable,
+        )  # fmt: skip
         return fn
 
     return decorate
