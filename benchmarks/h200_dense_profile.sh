@@ -7,6 +7,8 @@
 #   benchmarks/h200_dense_profile.sh OUT [ROW ...]
 #   ROW = MODEL:BATCH:CONTEXT:FAMILIES:PARAMS_JSON  (FAMILIES 1: per-kernel-family breakdown)
 #
+# Python packages: what python3 imports, plus wheels under .whl (if any) installed into
+# /tmp/site first (carry .whl to a lent GPU machine: the engine imports structlog, pydantic, ...).
 # Env: KILN_SHARED_DATA (default ../shared/data), TESTS (0 skips the CUDA tests).
 set -uo pipefail
 out=${1:?usage: benchmarks/h200_dense_profile.sh OUT [ROW ...]}
@@ -28,6 +30,11 @@ fi
 repo=$(cd "$(dirname "$0")/.." && pwd)
 data=${KILN_SHARED_DATA:-$repo/../shared/data}
 export KILN_SHARED_DATA=$data PYTHONUNBUFFERED=1
+if compgen -G "$repo/.whl/*.whl" >/dev/null; then  # kiln's dependencies, on a lent GPU machine
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$repo"/.whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONPATH=$repo/services${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$out"
 tmp=$(mktemp -d)
