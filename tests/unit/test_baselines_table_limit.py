@@ -228,3 +228,49 @@ def test_baseline_compared_takes_a_context_and_reads_old_events() -> None:
     assert new["context"] == 7084
     _, old = validate_event("compilation-c1", "BaselineCompared", 0, base)
     assert old["context"] == 0
+
+
+# ------------------------------------------------------------------ MoE: the experts read
+def test_expected_experts_read_by_batch_and_skew() -> None:
+    from kiln.cost_model.roofline import expected_experts_read
+    from kiln.workloads.traffic.experts import zipf_shares
+
+    assert expected_experts_read(128, 8, 1) == pytest.approx(8.0)  # one token: its top-8
+    thirty = expected_experts_read(128, 8, 30)
+    assert thirty == pytest.approx(128 * (1 - (1 - 8 / 128) ** 30))  # ~110 of 128
+    assert expected_experts_read(8, 2, 64) == pytest.approx(8.0, rel=1e-6)  # all of them
+    skewed = expected_experts_read(128, 8, 30, zipf_shares(128, 8, 1.2))
+    assert 8 < skewed < thirty  # hot experts shared between tokens: fewer distinct reads
+
+
+def test_moe_limit_counts_only_the_experts_the_routing_reads() -> None:
+    """Qwen3-30B-A3B holds 48 layers x 128 experts; at batch 1 a step reads 8 of them a layer:
+    the limit's weights are the rest of the model plus those 8, not all 61 GB."""
+    from kiln.cost_model.roofline import moe_unread_expert_bytes
+
+    raw = {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "norm_topk_prob": True, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    config = parse_config(raw, "qwen3-30b-a3b")
+    held = config.param_count() * 2
+    expert = 3 * 2048 * 768 * 2
+    unread_b1 = moe_unread_expert_bytes(config, 2, 1)
+    assert unread_b1 == pytest.approx(48 * 120 * expert)
+    c = _comparison()
+    c.update("BaselineCompared", {**c.baselines["gpt_fast"], "weights_bytes": held})
+    c.reference_full = {**(c.reference_full or {}), "weights_bytes": held}
+    limit = c.limit("h200", config)
+    assert limit is not None
+    assert limit.step.weights == pytest.approx(held - unread_b1, rel=1e-6)
+    assert "MoE: 8.0 of 128 experts a layer read at batch 1 (expected, uniform" in (
+        limit.describe()
+    )
+    dense = c.limit("h200", CONFIG)  # the same bytes under a dense config: all held
+    assert dense is not None and dense.step.weights == held and "MoE" not in dense.describe()
+    skewed = c.limit("h200", config, expert_zipf_exponent=1.0)
+    assert skewed is not None and "Zipf 1" in skewed.describe()

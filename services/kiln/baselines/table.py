@@ -196,13 +196,21 @@ class Comparison:
         return 0
 
     def limit(
-        self, hardware: str, config: ModelConfig | None, dtype: str = ""
+        self,
+        hardware: str,
+        config: ModelConfig | None,
+        dtype: str = "",
+        expert_zipf_exponent: float = 0.0,
     ) -> BandwidthLimit | None:
         """The bandwidth limit of the baselines' operating point on ``hardware``: weights plus
         KV at :meth:`context` and :meth:`batch`, the KV per token from ``config`` (the
         compilation's model, None when unknown) in the engine's :meth:`dtype` (else ``dtype``)
         over the :meth:`layers` held; weights only, saying why, when any of those is unknown.
-        None when the weights bytes or the hardware are unknown."""
+        For an MoE model the weights are those the routing reads: the experts a step at this
+        batch is expected to leave untouched are left out
+        (:func:`~kiln.cost_model.roofline.moe_unread_expert_bytes`, under the traffic's
+        ``expert_zipf_exponent``, uniform at 0). None when the weights bytes or the hardware
+        are unknown."""
         context, dtype = self.context(), self.dtype() or dtype
         kv_per_token, why = 0, ""
         if context <= 0:
@@ -213,14 +221,41 @@ class Comparison:
             why = f"KV dtype {dtype or 'unknown'}"
         else:
             kv_per_token = held_kv_bytes_per_token(config, dtype, self.layers())
+        weights, moe_note = self.weights_bytes(), ""
+        if config is not None and config.moe is not None and weights > 0:
+            weights, moe_note = _moe_read(
+                config, weights, self.batch(), self.layers(), dtype, expert_zipf_exponent
+            )
         return bandwidth_limit(
             hardware,
-            self.weights_bytes(),
+            weights,
             self.batch(),
             context=context if kv_per_token else 0,
             kv_bytes_per_token=kv_per_token,
             weights_only_reason=why,
+            moe_note=moe_note,
         )
+
+
+def _moe_read(
+    config: ModelConfig, held: int, batch: int, layers: int, dtype: str, zipf: float
+) -> tuple[int, str]:
+    """(weight bytes a step reads, how) of an MoE engine holding ``held`` bytes."""
+    from kiln.cost_model.roofline import expected_experts_read, moe_unread_expert_bytes
+    from kiln.workloads.traffic.experts import zipf_shares
+
+    m = config.moe
+    assert m is not None
+    shares = zipf_shares(m.num_experts, m.top_k, zipf) if zipf > 0 else None
+    size = DTYPE_BYTES.get(dtype or config.torch_dtype, 2)
+    unread = moe_unread_expert_bytes(config, size, batch, layers=layers, shares=shares)
+    read = expected_experts_read(m.num_experts, m.top_k, batch, shares)
+    skew = f"Zipf {zipf:g}" if zipf > 0 else "uniform"
+    note = (
+        f"MoE: {read:,.1f} of {m.num_experts} experts a layer read at batch {batch:,} "
+        f"(expected, {skew} routing)"
+    )
+    return max(1, round(held - unread)), note
 
 
 @dataclass(frozen=True)
@@ -301,6 +336,7 @@ class BandwidthLimit:
         bandwidth_bytes_per_s: the bandwidth used, bytes/s. source: where it comes from.
         step: the bytes a step reads (weights, KV at batch and context).
         weights_only_reason: why the KV cache is not counted ("" when it is).
+        moe_note: for an MoE model, which experts the weights count ("" for a dense one).
     """
 
     tokens_per_s: float
@@ -308,6 +344,7 @@ class BandwidthLimit:
     source: str
     step: DecodeStepBytes
     weights_only_reason: str = ""
+    moe_note: str = ""
 
     @property
     def counts_kv(self) -> bool:
@@ -329,7 +366,8 @@ class BandwidthLimit:
         else:
             why = self.weights_only_reason or "context unknown"
             bytes_ = f"weights {_size(s.weights)} at batch {s.batch:,}, weights only ({why})"
-        return f"{head} / {bytes_} ({self.source})"
+        moe = f"; {self.moe_note}" if self.moe_note else ""
+        return f"{head} / {bytes_}{moe} ({self.source})"
 
     def fraction(self, tokens_per_s: float) -> float | None:
         """``tokens_per_s`` over the limit (None when either is not positive)."""
@@ -351,12 +389,14 @@ def bandwidth_limit(
     context: int = 0,
     kv_bytes_per_token: float = 0,
     weights_only_reason: str = "",
+    moe_note: str = "",
 ) -> BandwidthLimit | None:
     """The bandwidth limit on ``hardware`` (a catalogue name) of a decode step reading
     ``weights_bytes`` once plus ``batch x context x kv_bytes_per_token`` of KV cache
     (:func:`~kiln.cost_model.roofline.decode_step_bytes`); ``context`` or
-    ``kv_bytes_per_token`` 0: weights only (``weights_only_reason`` says why). None when the
-    hardware is unknown or ``weights_bytes`` or ``batch`` is 0."""
+    ``kv_bytes_per_token`` 0: weights only (``weights_only_reason`` says why); ``moe_note``
+    says which experts ``weights_bytes`` counts. None when the hardware is unknown or
+    ``weights_bytes`` or ``batch`` is 0."""
     from kiln.common.errors import NotFound
     from kiln.cost_model.hardware import get_hardware
 
@@ -375,7 +415,7 @@ def bandwidth_limit(
         context, kv_bytes_per_token = 0, 0
     step = decode_step_bytes(weights_bytes, batch, context, kv_bytes_per_token)
     reason = "" if context else (weights_only_reason or "context unknown")
-    return BandwidthLimit(step.limit_tokens_per_s(bw), bw, source, step, reason)
+    return BandwidthLimit(step.limit_tokens_per_s(bw), bw, source, step, reason, moe_note)
 
 
 def table_rows(

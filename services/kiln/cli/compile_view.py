@@ -290,11 +290,16 @@ def comparison_limit(
 ) -> BandwidthLimit | None:
     """The bandwidth limit of the baselines' operating point on the compilation's hardware:
     weights plus the KV cache at the measured batch and context, KV per token from the
-    submitted model config in the engine's dtype (:meth:`Comparison.limit`); weights only, and
+    submitted model config in the engine's dtype (:meth:`Comparison.limit`; for an MoE model
+    the experts the routing reads under the traffic's expert-load skew); weights only, and
     saying so, when the context or config is unknown. None without weights bytes or a
     catalogue entry."""
+    traffic = snap.workload.traffic
     return comparison.limit(
-        snap.workload.hardware.name, model_config(snap), snap.workload.model.dtype
+        snap.workload.hardware.name,
+        model_config(snap),
+        snap.workload.model.dtype,
+        expert_zipf_exponent=traffic.expert_zipf_exponent,
     )
 
 

@@ -41,6 +41,8 @@ expanded form (``qk_nope + qk_rope`` and ``v_head_dim`` per head). FP8 block-qua
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kiln.cost_model.hardware import Hardware
@@ -134,6 +136,41 @@ def decode_step_bytes(
     weights alone (the caller says so: the limit is then an upper bound)."""
     kv = decode_kv_bytes(batch, context, kv_bytes_per_token)
     return DecodeStepBytes(float(weights_bytes), kv, batch, context, float(kv_bytes_per_token))
+
+
+def expected_experts_read(
+    num_experts: int, top_k: int, batch: int, shares: Sequence[float] | None = None
+) -> float:
+    """Expected distinct experts one MoE layer reads in a decode step of ``batch`` tokens, each
+    picking ``top_k`` distinct experts: ``sum_e 1 - (1 - min(1, top_k x share_e)) ** batch``,
+    ``share_e`` expert e's share of the routed assignments (uniform ``1/E`` when None; the
+    traffic's skew, :func:`kiln.workloads.traffic.experts.zipf_shares`, otherwise). Tokens
+    choose independently: a model of the routing, not a measurement of it."""
+    probs = shares if shares is not None else [1.0 / num_experts] * num_experts
+    return math.fsum(1.0 - (1.0 - min(1.0, top_k * p)) ** batch for p in probs)
+
+
+def moe_unread_expert_bytes(
+    cfg: ModelConfig,
+    dtype_bytes: int,
+    batch: int,
+    *,
+    layers: int = 0,
+    shares: Sequence[float] | None = None,
+) -> float:
+    """Bytes of routed experts a decode step at ``batch`` is expected not to read, over the
+    first ``layers`` layers held (0: all): per MoE layer, the experts
+    :func:`expected_experts_read` leaves untouched times one expert's gate, up and down weights.
+    Subtracted from the weights an engine holds, it gives the weights a step reads (0 for a
+    dense model)."""
+    m = cfg.moe
+    if m is None:
+        return 0.0
+    held = layers if 0 < layers < cfg.num_hidden_layers else cfg.num_hidden_layers
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(held))
+    expert = 3 * cfg.hidden_size * m.intermediate_size * dtype_bytes
+    unread = m.num_experts - expected_experts_read(m.num_experts, m.top_k, batch, shares)
+    return moe_layers * max(0.0, unread) * expert
 
 
 def held_kv_bytes_per_token(cfg: ModelConfig, dtype: str, layers: int = 0) -> int:
