@@ -42,7 +42,8 @@ from kiln.baselines.names import BASELINE_NAMES, parse_names
 from kiln.baselines.result import BaselineResult
 from kiln.baselines.runner import run_named
 from kiln.baselines.table import bandwidth_limit
-from kiln.workloads.config import load_config
+from kiln.cost_model.roofline import weights_read_bytes
+from kiln.workloads.config import DTYPE_BYTES, load_config
 
 
 def shared_data() -> Path:
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     results.append(measure("kiln_reference", point, kiln_reference))
     limit = bandwidth_limit(
         args.hardware,
-        weights_bytes,
+        round(weights_read_bytes(config, weights_bytes, DTYPE_BYTES[args.dtype], args.batch)),
         args.batch,
         context=args.context,
         kv_bytes_per_token=config.kv_bytes_per_token(args.dtype),  # the layers kept

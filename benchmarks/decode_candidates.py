@@ -27,11 +27,17 @@ from typing import Any
 
 from engine_hot_reload import MODEL, TRACE, request_for, workload
 
-from kiln.cost_model.roofline import DecodeStepBytes, decode_step_bytes, held_kv_bytes_per_token
+from kiln.cost_model.roofline import (
+    DecodeStepBytes,
+    decode_step_bytes,
+    held_kv_bytes_per_token,
+    weights_read_bytes,
+)
 from kiln.engine_pool.process import EngineProcess
 from kiln.engine_pool.settings import EngineSettings
 from kiln.engine_pool.spec import EngineSpec
 from kiln.workloads.candidate import Candidate, Transform
+from kiln.workloads.config import DTYPE_BYTES
 
 FUSED_OPS = {
     "attention": "sdpa",
@@ -87,13 +93,15 @@ def candidates(
 
 
 def step_bytes(spec: EngineSpec, weights: int, batch: int = 0, context: int = 0) -> DecodeStepBytes:
-    """What one decode step of ``spec``'s engine reads: ``weights`` bytes plus the KV cache
+    """What one decode step of ``spec``'s engine reads: the ``weights`` bytes it holds that a
+    step reads (:func:`~kiln.cost_model.roofline.weights_read_bytes`) plus the KV cache
     (``spec.dtype``, ``spec.layers`` held) of ``batch`` sequences at ``context`` tokens
     (0: the spec's; a measurement says where it was measured)."""
-    kv_per_token = held_kv_bytes_per_token(spec.model_config(), spec.dtype, spec.layers)
-    return decode_step_bytes(
-        weights, batch or spec.batch_size, context or spec.context_len, kv_per_token
-    )
+    config, batch = spec.model_config(), batch or spec.batch_size
+    kv_per_token = held_kv_bytes_per_token(config, spec.dtype, spec.layers)
+    size = DTYPE_BYTES.get(spec.dtype, 2)
+    read = weights_read_bytes(config, weights, size, batch, layers=spec.layers)
+    return decode_step_bytes(read, batch, context or spec.context_len, kv_per_token)
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kiln.cost_model.roofline import decode_step_bytes
+from kiln.cost_model.roofline import decode_step_bytes, weights_read_bytes
 from kiln.engine_pool.fused_decode import FusedDecode
 from kiln.workloads.config import load_config
 from kiln.workloads.models import build_model
@@ -193,7 +193,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
         for _, t in model.weights.items()
     }
-    weights = sum(storages.values())  # tied embeddings counted once
+    held = sum(storages.values())  # tied embeddings counted once
+    weights = weights_read_bytes(config, held, 2, args.batch)  # an untied table: B rows read
     step = decode_step_bytes(
         weights, args.batch, args.context, config.kv_bytes_per_token("bfloat16")
     )

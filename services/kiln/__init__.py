@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kiln.export.load import load_optimized
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["__version__", "load_optimized"]
 
 

@@ -408,6 +408,37 @@ async def test_baselines_are_measured_after_the_search_outside_its_budget(stack:
     assert elapsed.total_seconds() >= 3.0 + 2 * 0.2  # the budget, then two baselines
 
 
+async def test_a_cancel_during_the_baselines_ends_the_compilation_at_once(stack: Stack) -> None:
+    """With the full-tier engine stalled, a baseline waits for its answer after the search; a
+    cancel ends the compilation without waiting for that answer, and the baseline's experiment
+    is closed, not left open."""
+    stack.engine.delay_s = 0.1
+    request = _request(stack, 2.0, 0, baselines=["gpt_fast"])
+    submitted = await stack.stub.Submit(request, timeout=10)
+    cid = submitted.compilation_id
+    await _watch(stack.stub, cid, until="BaselineMeasured")
+    stack.engine.full_running.clear()  # confirmations and the baseline stay queued
+    try:
+        await asyncio.sleep(3.0)  # the search's budget is spent: the baseline is requested
+        story = await _story(stack.ledger, cid)
+        assert any(
+            e.type == "ExperimentRequested" and json.loads(e.data)["agent"] == "compare:gpt_fast"
+            for e in story
+        )
+        await stack.stub.Cancel(
+            compiler_pb2.CancelRequest(compilation_id=cid, reason="enough"), timeout=10
+        )
+        events = await _watch(stack.stub, cid, timeout_s=10)
+    finally:
+        stack.engine.full_running.set()
+    assert events[-1].detail["status"] == "cancelled"
+    story = await _story(stack.ledger, cid)
+    requested = {e.stream_id for e in story if e.type == "ExperimentRequested"}
+    completed = {e.stream_id: json.loads(e.data) for e in story if e.type == "ExperimentCompleted"}
+    assert requested == set(completed)  # nothing left open
+    assert not any(e.type == "BaselineCompared" for e in story)
+
+
 async def test_bad_input_gets_the_right_status_and_changes_nothing(stack: Stack) -> None:
     stack.engine.delay_s = 0.01
     taken = await stack.stub.Submit(_request(stack, 30.0, 2), timeout=10)

@@ -266,11 +266,15 @@ def test_moe_limit_counts_only_the_experts_the_routing_reads() -> None:
     c.reference_full = {**(c.reference_full or {}), "weights_bytes": held}
     limit = c.limit("h200", config)
     assert limit is not None
-    assert limit.step.weights == pytest.approx(held - unread_b1, rel=1e-6)
-    assert "MoE: 8.0 of 128 experts a layer read at batch 1 (expected, uniform" in (
-        limit.describe()
-    )
-    dense = c.limit("h200", CONFIG)  # the same bytes under a dense config: all held
+    embedding_unread = (151936 - 1) * 2048 * 2  # untied: a step reads one row of the table
+    assert limit.step.weights == pytest.approx(held - unread_b1 - embedding_unread, rel=1e-6)
+    described = limit.describe()
+    assert "MoE: 8.0 of 128 experts a layer read at batch 1 (expected, uniform" in described
+    assert "embedding table's unread rows left out" in described
+    dense = c.limit("h200", CONFIG)  # the same bytes under a dense, tied config: all read
     assert dense is not None and dense.step.weights == held and "MoE" not in dense.describe()
+    untied = c.limit("h200", parse_config({**LLAMA_1B, "tie_word_embeddings": False}, "x"))
+    assert untied is not None
+    assert untied.step.weights == held - (128256 - 1) * 2048 * 2
     skewed = c.limit("h200", config, expert_zipf_exponent=1.0)
     assert skewed is not None and "Zipf 1" in skewed.describe()

@@ -228,3 +228,31 @@ def test_reference_adds_experts_in_increasing_id_like_transformers_loop() -> Non
     got = get("moe", "reference")(x, **p)
     assert_close(got.reshape(-1, 32), loop)
     assert torch.equal(got, get("moe", "reference")(x, **p))
+
+
+def test_gathered_products_run_in_chunks_that_bound_the_scratch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefill of many tokens gathers its experts' weights a chunk of rows at a time; the
+    result is the same as one gather."""
+    from kiln.ops import moe
+
+    torch.manual_seed(5)
+    x, w = torch.randn(37, 16), torch.randn(6, 24, 16)
+    experts = torch.randint(0, 6, (37,))
+    whole = moe.gathered_linear(x, w, experts)
+    monkeypatch.setattr(moe, "GATHER_BYTES", 5 * 24 * 16 * 4)  # five rows' weights a chunk
+    chunked = moe.gathered_linear(x, w, experts)
+    want = torch.stack([w[e] @ x[i] for i, e in enumerate(experts.tolist())])
+    torch.testing.assert_close(chunked, whole)
+    torch.testing.assert_close(chunked, want)
+
+
+def test_names_recipes_recorded_earlier_still_bind_but_are_not_offered() -> None:
+    from kiln.agent_runner.space import op_dimensions
+
+    for alias in ("grouped", "grouped_mm"):
+        assert get("moe", alias).alias_of == "reference"
+    moe_dim = next(d for d in op_dimensions("cuda") if d.op == "moe")
+    assert "grouped" not in moe_dim.values and "grouped_mm" not in moe_dim.values
+    assert {"gathered", "dense"} <= set(moe_dim.values)

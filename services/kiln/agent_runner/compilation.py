@@ -123,7 +123,9 @@ class CompilationRunner:
         self._space: CandidateSpace | None = None
         self._budget = ExperimentBudget(limit=state.max_experiments)
         self._stop = asyncio.Event()
-        self._stream = CompilationStream(state, deps.ledger.client(state.team), self._stop.set)
+        self._cancelled = asyncio.Event()
+        """Set once a cancel is known (the baselines, measured after the search, stop on it)."""
+        self._stream = CompilationStream(state, deps.ledger.client(state.team), self._stopped)
         self._judge_lock = asyncio.Lock()
         self._requested: set[str] = set()
         """Candidates requested on the search tier (agents measure each once)."""
@@ -285,7 +287,13 @@ class CompilationRunner:
             return
         if self.state.cancel_reason is None:
             self.state.cancel_reason = reason or "cancel requested"
+        self._stopped()
+
+    def _stopped(self) -> None:
+        """Stop the search; a cancel (``state.cancel_reason`` set) stops the baselines too."""
         self._stop.set()
+        if self.state.cancel_reason is not None:
+            self._cancelled.set()
 
     async def run(self) -> None:
         """Run to the end (or until cancelled by shutdown, leaving the compilation open)."""
@@ -317,7 +325,10 @@ class CompilationRunner:
         if st.cancel_reason is not None:
             status, reason = "cancelled", st.cancel_reason
         else:
-            status, reason = await self._search_until_stopped()
+            if self._compares:  # a restart while the baselines were measured: the search is over
+                status, reason = "succeeded", "the search had ended before a restart"
+            else:
+                status, reason = await self._search_until_stopped()
             if status == "succeeded" and st.baselines:
                 why = f"the search ended ({reason}) before an engine answered"
                 await self._settle(why, compares=False)
@@ -494,11 +505,16 @@ class CompilationRunner:
         They run outside the search's wall-clock budget: measured during the search they held
         the full-tier engine for minutes on 8B models (compiling, eager steps) while winners
         waited for their confirmation. After a restart the ones recorded are skipped and the
-        ones in flight adopted; a cancel stops them; a failure is logged and the next goes on."""
+        ones in flight adopted; a cancel stops them at once (the one in flight is closed as
+        cancelled when the compilation ends); a baseline no engine answered in time stops the
+        rest (the full-tier engines are gone: each would wait as long); a failure is logged and
+        the next goes on."""
         st, dispatcher = self.state, self._deps.dispatcher
         for name in st.baselines:
-            if name in st.compared or st.cancel_reason is not None:
+            if name in st.compared:
                 continue
+            if st.cancel_reason is not None:
+                return
             try:
                 rec = self._compares.get(name)
                 if rec is None:
@@ -506,14 +522,32 @@ class CompilationRunner:
                     rec = self._compares[name] = ExperimentRecord(req)
                 elif rec.completed is None:
                     await dispatcher.adopt(rec.requested, self._workload_json)
-                completed = rec.completed or await dispatcher.wait(rec.requested)
+                completed = rec.completed or await self._unless_cancelled(rec.requested)
+                if completed is None:
+                    return
                 dispatcher.forget(rec.requested.experiment_id)
                 self._compares[name] = ExperimentRecord(rec.requested, completed)
                 await self._shielded(self._append(compared_event(st, rec.requested, completed)))
+                if completed.result.status == "timed_out":
+                    log.warning("baselines stopped: no engine answered", baseline=name)
+                    return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.error("baseline comparison failed", baseline=name, exc_info=exc)
+
+    async def _unless_cancelled(self, req: Requested) -> Completed | None:
+        """The experiment's completion, or None once the compilation is cancelled first."""
+        answer = asyncio.ensure_future(self._deps.dispatcher.wait(req))
+        cancel = asyncio.ensure_future(self._cancelled.wait())
+        try:
+            await asyncio.wait({answer, cancel}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait(cancel)
+        if answer.done():
+            return answer.result()
+        await cancel_and_wait(answer)
+        return None
 
     async def _request_baseline(self, name: str) -> Requested:
         """Record and queue baseline ``name``'s experiment (agent ``compare:<name>``, the

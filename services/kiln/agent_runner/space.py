@@ -24,8 +24,8 @@ candidates with): a transform that does not apply loses its dimension and its pa
 dimensions (``fused_decode`` on MoE models), an op implementation that does not apply its value,
 an op the model never calls its dimension (``moe`` in a dense model, ``mlp`` in a model whose
 every layer is MoE: varying it would measure the same forward twice), and two values that apply
-alone but not together (``cuda_graph`` with a host-synchronising ``moe``) become an
-*exclusion*: no point holds both. The restricted space keeps the statement, so
+alone but not together (``cuda_graph`` with an implementation a code module registered as not
+capturable) become an *exclusion*: no point holds both. The restricted space keeps the statement, so
 :meth:`CandidateSpace.refusal` also judges candidates outside its points (an LLM's code module).
 
 The all-reference point is the reference candidate: the baseline, never proposed by agents.
@@ -315,7 +315,8 @@ def thread_counts(cpus: int | None = None) -> tuple[int, ...]:
 
 def op_dimensions(device_type: str | None = None) -> list[Dimension]:
     """One dimension per op with a non-lossy alternative to ``reference`` that runs on
-    ``device_type`` (``"cpu"``, ``"cuda"``; None: every device) (imports kiln.ops)."""
+    ``device_type`` (``"cpu"``, ``"cuda"``; None: every device); aliases (names kept for old
+    recipes) are not offered (imports kiln.ops)."""
     import kiln.ops  # noqa: F401  (registers the built-in implementations)
     from kiln.ops import registry
 
@@ -326,6 +327,7 @@ def op_dimensions(device_type: str | None = None) -> list[Dimension]:
             for name in registry.implementations(op)
             if name != REFERENCE
             and not registry.get(op, name).lossy
+            and registry.get(op, name).alias_of is None
             and (device_type is None or registry.get(op, name).runs_on(device_type))
         ]
         if alternatives:

@@ -221,9 +221,9 @@ class Comparison:
             why = f"KV dtype {dtype or 'unknown'}"
         else:
             kv_per_token = held_kv_bytes_per_token(config, dtype, self.layers())
-        weights, moe_note = self.weights_bytes(), ""
-        if config is not None and config.moe is not None and weights > 0:
-            weights, moe_note = _moe_read(
+        weights, note = self.weights_bytes(), ""
+        if config is not None and weights > 0:
+            weights, note = _weights_read(
                 config, weights, self.batch(), self.layers(), dtype, expert_zipf_exponent
             )
         return bandwidth_limit(
@@ -233,29 +233,31 @@ class Comparison:
             context=context if kv_per_token else 0,
             kv_bytes_per_token=kv_per_token,
             weights_only_reason=why,
-            moe_note=moe_note,
+            moe_note=note,
         )
 
 
-def _moe_read(
+def _weights_read(
     config: ModelConfig, held: int, batch: int, layers: int, dtype: str, zipf: float
 ) -> tuple[int, str]:
-    """(weight bytes a step reads, how) of an MoE engine holding ``held`` bytes."""
-    from kiln.cost_model.roofline import expected_experts_read, moe_unread_expert_bytes
+    """(weight bytes a step reads, what was left out) of an engine holding ``held`` bytes
+    (:func:`~kiln.cost_model.roofline.weights_read_bytes`)."""
+    from kiln.cost_model.roofline import expected_experts_read, weights_read_bytes
     from kiln.workloads.traffic.experts import zipf_shares
 
-    m = config.moe
-    assert m is not None
-    shares = zipf_shares(m.num_experts, m.top_k, zipf) if zipf > 0 else None
     size = DTYPE_BYTES.get(dtype or config.torch_dtype, 2)
-    unread = moe_unread_expert_bytes(config, size, batch, layers=layers, shares=shares)
-    read = expected_experts_read(m.num_experts, m.top_k, batch, shares)
-    skew = f"Zipf {zipf:g}" if zipf > 0 else "uniform"
-    note = (
-        f"MoE: {read:,.1f} of {m.num_experts} experts a layer read at batch {batch:,} "
-        f"(expected, {skew} routing)"
-    )
-    return max(1, round(held - unread)), note
+    m = config.moe
+    shares = zipf_shares(m.num_experts, m.top_k, zipf) if m is not None and zipf > 0 else None
+    read = weights_read_bytes(config, held, size, batch, layers=layers, shares=shares)
+    notes = [] if config.tie_word_embeddings else ["the embedding table's unread rows left out"]
+    if m is not None:
+        experts = expected_experts_read(m.num_experts, m.top_k, batch, shares)
+        skew = f"Zipf {zipf:g}" if zipf > 0 else "uniform"
+        notes.append(
+            f"MoE: {experts:,.1f} of {m.num_experts} experts a layer read at batch {batch:,} "
+            f"(expected, {skew} routing)"
+        )
+    return max(1, round(read)), "; ".join(notes)
 
 
 @dataclass(frozen=True)
@@ -336,7 +338,8 @@ class BandwidthLimit:
         bandwidth_bytes_per_s: the bandwidth used, bytes/s. source: where it comes from.
         step: the bytes a step reads (weights, KV at batch and context).
         weights_only_reason: why the KV cache is not counted ("" when it is).
-        moe_note: for an MoE model, which experts the weights count ("" for a dense one).
+        moe_note: which held weights a step does not read and were left out (an untied
+            embedding table's rows, an MoE model's untouched experts); "" when none.
     """
 
     tokens_per_s: float

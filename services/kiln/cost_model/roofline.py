@@ -173,6 +173,25 @@ def moe_unread_expert_bytes(
     return moe_layers * max(0.0, unread) * expert
 
 
+def weights_read_bytes(
+    cfg: ModelConfig,
+    held_bytes: float,
+    dtype_bytes: int,
+    batch: int,
+    *,
+    layers: int = 0,
+    shares: Sequence[float] | None = None,
+) -> float:
+    """Weight bytes a decode step at ``batch`` reads of the ``held_bytes`` an engine holds
+    (first ``layers`` layers, 0: all): all of them but an untied embedding table (a step reads
+    one row of it per sequence; a tied one is read whole as the LM head) and, for an MoE model,
+    the experts the routing is expected to leave untouched (:func:`moe_unread_expert_bytes`)."""
+    unread = moe_unread_expert_bytes(cfg, dtype_bytes, batch, layers=layers, shares=shares)
+    if not cfg.tie_word_embeddings:
+        unread += (cfg.vocab_size - batch) * cfg.hidden_size * dtype_bytes
+    return max(0.0, held_bytes - unread)
+
+
 def held_kv_bytes_per_token(cfg: ModelConfig, dtype: str, layers: int = 0) -> int:
     """KV bytes of one token in ``dtype`` over the first ``layers`` layers an engine holds (the
     fast tier holds a few; 0 or more than the model's: all of them)."""

@@ -200,6 +200,8 @@ def _layers(model: DecoderModel) -> list[_Layer]:
         q_norm = None if slots.q_norm is None else slots.q_norm.params
         k_norm = None if slots.k_norm is None else slots.k_norm.params
         qk_eps = (q_norm or k_norm or {"eps": 0.0})["eps"]
+        if q_norm is not None and k_norm is not None and q_norm["eps"] != k_norm["eps"]:
+            raise FusedDecodeUnsupported("fused_decode: the Q and K norms have different eps")
         layers.append(
             _Layer(
                 input_norm=slots.input_norm.params["weight"],
@@ -224,20 +226,24 @@ ATTENTION_PROGRAMS = 24 * 132
 an H200: at batch 30 and context 1,085 splits of 128, the sweep's best there)."""
 
 
-def attention_default(*, cache_batch: int, kv_heads: int, cache_len: int) -> Any:
+def attention_default(
+    *, cache_batch: int, kv_heads: int, cache_len: int, head_dim: int = 128
+) -> Any:
     """The split-KV attention launch for a cache of ``cache_len`` positions: tensor-core scores,
     splits of 64 positions in one block of 64, doubled (up to 512) while ``batch x kv_heads x
     splits`` exceeds :data:`ATTENTION_PROGRAMS`. Measured on an H200
     (``benchmarks/attention_sweep.py``, bf16, µs a layer): Llama-3.2-1B batch 1 at context 1,085
     5.3 (split 64; 9.6 at the earlier default, split 32 without tensor cores), at 7,084 10.3,
     batch 30 at 1,085 24.5 (split 128); 8B shapes (head_dim 128) batch 1 at 1,476 7.0, batch 30
-    44.5; within 5 % of the best launch of the sweep at each."""
+    44.5; within 5 % of the best launch of the sweep at each. Heads over 128 wide take blocks
+    of 32 positions (a 64 x 256 K and V tile, pipelined, would fill the shared memory; not
+    measured)."""
     from kiln.ops.kernels.decode_attention import DecodeAttentionConfig
 
     split = 64
     while split < 512 and cache_batch * kv_heads * -(-cache_len // split) > ATTENTION_PROGRAMS:
         split *= 2
-    return DecodeAttentionConfig(split_s=split, block_s=64, use_dot=True)
+    return DecodeAttentionConfig(split_s=split, block_s=64 if head_dim <= 128 else 32, use_dot=True)
 
 
 class FusedDecode:
@@ -329,6 +335,7 @@ class FusedDecode:
             cache_batch=model.cache.batch or 1,
             kv_heads=self.num_kv_heads,
             cache_len=model.cache.max_len,
+            head_dim=self.head_dim,
         )
         p = self.params
         changes: dict[str, int] = {}

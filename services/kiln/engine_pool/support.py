@@ -15,7 +15,9 @@ Where each answer comes from:
 - ``cuda_graph``: CUDA engines; not together with an op implementation registered as not
   capturable (:attr:`kiln.ops.registry.OpImpl.capturable`: it synchronises with the host, which
   stream capture cannot record; every built-in one is capturable).
-- ``threads``: CPU engines (a CUDA engine's decode step does not depend on them).
+- ``threads``: every engine (it sets torch's CPU threads; a CUDA engine's step hardly depends on
+  them, so GPU targets' search spaces do not offer it, but an artifact compiled on a CPU still
+  loads on a GPU).
 - ``torch_compile``: every engine; mode ``reduce-overhead`` (CUDA graphs inside) on CUDA only.
 - op implementations: :meth:`OpImpl.runs_on` the device; none for an op the model never calls
   (:func:`unused_ops`).
@@ -185,10 +187,7 @@ def _transforms(config: ModelConfig, device: str) -> dict[str, Reason]:
     if fused is None and device not in _triton_devices():
         fused = f"transform 'fused_decode' needs a CUDA engine (Triton kernels), not {device}"
     return {
-        "threads": None
-        if device == "cpu"
-        else f"transform 'threads' sets a CPU engine's threads; a {device} engine's step "
-        "does not depend on them",
+        "threads": None,
         "torch_compile": None,
         "fused_decode": fused,
         "cuda_graph": None if device == CUDA else "transform 'cuda_graph' needs a CUDA engine",

@@ -93,6 +93,9 @@ class OpImpl:
         capturable: False when a call synchronises with the host or has data-dependent shapes
             (``.item()``, ``.tolist()``), which a CUDA graph cannot capture: search spaces
             never pair it with ``cuda_graph``. Every built-in implementation is capturable.
+        alias_of: the implementation this name now runs, for a name that recipes recorded
+            earlier still carry; search spaces do not offer aliases (they would measure the
+            same forward twice).
     """
 
     op: str
@@ -102,6 +105,7 @@ class OpImpl:
     derived: Derivation | None = None
     devices: tuple[str, ...] | None = None
     capturable: bool = True
+    alias_of: str | None = None
 
     def runs_on(self, device_type: str) -> bool:
         """True when the implementation runs on ``device_type`` (``"cpu"``, ``"cuda"``)."""
@@ -129,6 +133,7 @@ def register(
     derived: Derivation | None = None,
     devices: tuple[str, ...] | None = None,
     capturable: bool = True,
+    alias_of: str | None = None,
     replace: bool = False,
 ) -> Callable[[F], F]:
     """Decorator registering ``fn`` as implementation ``impl`` of ``op``; returns ``fn`` unchanged.
@@ -149,7 +154,7 @@ def register(
     def decorate(fn: F) -> F:
         impls[impl] = OpImpl(
             op=op, name=impl, fn=fn, lossy=lossy, derived=derived, devices=devices,
-            capturable=capturable,
+            capturable=capturable, alias_of=alias_of,
         )  # fmt: skip
         return fn
 

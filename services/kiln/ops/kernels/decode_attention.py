@@ -53,10 +53,10 @@ class DecodeAttentionConfig:
         use_dot: scores and ``p @ v`` via ``tl.dot`` (tensor cores; the group padded to 16 rows,
             ``p`` rounded to the cache dtype for the product) when True, via
             broadcast-multiply-sum in float32 when False; None picks ``tl.dot``. Measured on an
-            H200 (``benchmarks/attention_sweep.py``, bf16, 8 layers in a CUDA graph): 2-8x
-            faster at every shape tried, groups of 2 and 4 included (Llama-3.2-1B context 7,084:
-            10.3 µs a layer against 32.1 at best without; batch 30: 24.5 against 118.4), since
-            the broadcast products spill registers.
+            H200 (``benchmarks/attention_sweep.py``, bf16, 8 layers in a CUDA graph): the best
+            launch 1.7-4.9x faster than the best broadcast one at every shape tried, groups of
+            2 and 4 included (Llama-3.2-1B context 7,084: 10.3 µs a layer against 32.1;
+            batch 30: 24.1 against 118.4), since the broadcast products spill registers.
         fused_combine: combine the splits in stage 1 instead of a second kernel: each program
             counts itself done on a per-(sequence, KV head) counter (an acquire-release atomic)
             and the last one of its group combines (the "last block reduces" pattern of
