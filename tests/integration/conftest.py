@@ -1,8 +1,9 @@
 """Fixtures for tests against the real PostgreSQL and NATS: an async engine, the event store,
-a NATS connection and a private subject prefix with its streams."""
+a NATS connection and a private subject prefix with its streams, a ledger service per module."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -12,8 +13,12 @@ from nats.aio.client import Client
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kiln.common import nats as kn
+from kiln.common.settings import KilnSettings
+from kiln.ledger.app import LedgerApp
 from kiln.ledger.db import create_engine
 from kiln.ledger.store import EventStore
+
+from .serving import serve_in_task
 
 pytestmark = pytest.mark.integration
 
@@ -53,3 +58,14 @@ async def prefix(nc: Client, subject_prefix: str) -> AsyncIterator[str]:
         yield p
     finally:
         await kn.delete_streams(nc.jetstream(), p)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def ledger_addr(settings: KilnSettings) -> AsyncIterator[str]:
+    """A ledger service (gRPC) in this event loop for the module's tests; its address."""
+    cfg = settings.model_copy(update={"metrics_port": 0, "grace_period_s": 1.0})
+    task, addr = await serve_in_task(LedgerApp(cfg), cfg)
+    yield addr
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

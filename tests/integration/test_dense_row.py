@@ -9,23 +9,18 @@ import asyncio
 import importlib.util
 import json
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
-from kiln.common.settings import KilnSettings
-from kiln.ledger.app import LedgerApp
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 from tests.unit.test_baselines_table_limit import KV_PER_TOKEN, LLAMA_1B, WEIGHTS
 
 from .events_factory import new_id
-from .serving import serve_in_task
 
 pytestmark = pytest.mark.integration
 
@@ -44,16 +39,6 @@ def _load_dense_row() -> ModuleType:
 
 
 dense_row = _load_dense_row()
-
-
-@pytest_asyncio.fixture(scope="module")
-async def ledger_addr(settings: KilnSettings) -> AsyncIterator[str]:
-    cfg = settings.model_copy(update={"metrics_port": 0, "grace_period_s": 1.0})
-    task, addr = await serve_in_task(LedgerApp(cfg), cfg)
-    yield addr
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
 
 
 async def _experiment(

@@ -4,41 +4,26 @@ gRPC, real PostgreSQL), then the artifact loaded and checked against the referen
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 from typer.testing import CliRunner
 
 import kiln
 from kiln.cli.main import app
-from kiln.common.settings import KilnSettings
 from kiln.engine_pool.environment import environment
 from kiln.export.artifact import read_artifact
-from kiln.ledger.app import LedgerApp
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 from tests.unit.engine_testing import HANDWRITTEN_MLP, tiny_workload
 
 from .events_factory import new_id
-from .serving import serve_in_task
 
 pytestmark = pytest.mark.integration
 
 WINNER = Candidate.make({"mlp": "handwritten", "qkv_proj": "fused"}, code_modules=[HANDWRITTEN_MLP])
-
-
-@pytest_asyncio.fixture(scope="module")
-async def ledger_addr(settings: KilnSettings) -> AsyncIterator[str]:
-    cfg = settings.model_copy(update={"metrics_port": 0, "grace_period_s": 1.0})
-    task, addr = await serve_in_task(LedgerApp(cfg), cfg)
-    yield addr
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
 
 
 async def _compilation(

@@ -211,8 +211,8 @@ def test_every_implementation_traces_as_one_graph(impl: str, dtype: torch.dtype)
 
 
 def test_reference_adds_experts_in_increasing_id_like_transformers_loop() -> None:
-    """bfloat16: the combine rounds after each expert's add, in increasing expert id, as
-    transformers' per-expert ``index_add_`` loop does; and it is deterministic."""
+    """bfloat16: the reference agrees with transformers' per-expert ``index_add_`` loop within
+    rounding and is deterministic (the order itself: the next test)."""
     torch.manual_seed(11)
     p = moe_params(8, 32, 16, 3, torch.bfloat16)
     x = randn(5, 1, 32, dtype=torch.bfloat16)
@@ -256,3 +256,24 @@ def test_names_recipes_recorded_earlier_still_bind_but_are_not_offered() -> None
     moe_dim = next(d for d in op_dimensions("cuda") if d.op == "moe")
     assert "grouped" not in moe_dim.values and "grouped_mm" not in moe_dim.values
     assert {"gathered", "dense"} <= set(moe_dim.values)
+
+
+def test_assignments_are_sorted_by_expert_and_combined_in_increasing_expert_id() -> None:
+    """``sort_by_expert``: rows grouped by expert (``offsets`` their ends), and each token's
+    choices land in its combine rows in increasing expert id (the order transformers' loop adds
+    them in), one row each."""
+    from kiln.ops.moe import sort_by_expert
+
+    experts = torch.tensor([[5, 1, 3], [0, 5, 2], [3, 4, 1]])
+    weights = torch.arange(9, dtype=torch.float32).view(3, 3)
+    a = sort_by_expert(weights, experts, 6)
+    assert a.experts.tolist() == sorted(experts.flatten().tolist())
+    assert a.offsets.tolist() == [1, 3, 4, 6, 7, 9]
+    assert sorted(a.dest.tolist()) == list(range(9))
+    for row, (token, expert, weight) in enumerate(
+        zip(a.token.tolist(), a.experts.tolist(), a.weights.tolist(), strict=True)
+    ):
+        slot = experts[token].tolist().index(expert)
+        assert weight == weights[token, slot].item(), row
+        rank = sorted(experts[token].tolist()).index(expert)
+        assert a.dest[row].item() == token * 3 + rank, row

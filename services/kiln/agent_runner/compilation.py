@@ -46,6 +46,7 @@ from kiln.agent_runner import records
 from kiln.agent_runner.agents import Outcome, build_agents
 from kiln.agent_runner.agents.view import result_body
 from kiln.agent_runner.budget import ExperimentBudget
+from kiln.agent_runner.comparisons import BaselineComparisons
 from kiln.agent_runner.config import RunnerConfig
 from kiln.agent_runner.dispatcher import ExperimentDispatcher
 from kiln.agent_runner.errors import Failure
@@ -56,7 +57,6 @@ from kiln.agent_runner.judge import (
     CONFIRM_TIER,
     SEARCH_TIER,
     agreement_text,
-    compared_event,
     completed_on,
     confirmation_due,
     judgement,
@@ -72,7 +72,6 @@ from kiln.agent_runner.state import CompilationState, ExperimentRecord
 from kiln.agent_runner.stream import CompilationStream
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.agent_runner.workload import workload_to_json
-from kiln.baselines.names import compare_agent
 from kiln.board import Board
 from kiln.common.logging import get_logger
 from kiln.engine_pool.support import ModelNotSupported
@@ -147,13 +146,9 @@ class CompilationRunner:
         self.agents_measured: dict[str, int] = {}
         self.finished = asyncio.Event()
         """Set when :meth:`run` returns (ended, or stopped by shutdown)."""
-        self._compares: dict[str, ExperimentRecord] = {}
-        """Baseline experiments (:mod:`kiln.baselines`) by baseline name: kept out of
-        ``state.experiments`` (never judged, not in the experiment budget)."""
-        for eid, rec in list(state.experiments.items()):
-            if rec.requested.baseline:
-                del state.experiments[eid]
-                self._compares[rec.requested.baseline] = rec
+        self._compares = BaselineComparisons(
+            state, deps.dispatcher, self._workload_json, self._cancelled
+        )
         for rec in state.experiments.values():
             if rec.requested.tier == SEARCH_TIER:
                 self._requested.add(rec.requested.candidate.id)
@@ -325,14 +320,14 @@ class CompilationRunner:
         if st.cancel_reason is not None:
             status, reason = "cancelled", st.cancel_reason
         else:
-            if self._compares:  # a restart while the baselines were measured: the search is over
+            if self._compares.records:  # restarted while the baselines were measured
                 status, reason = "succeeded", "the search had ended before a restart"
             else:
                 status, reason = await self._search_until_stopped()
             if status == "succeeded" and st.baselines:
                 why = f"the search ended ({reason}) before an engine answered"
                 await self._settle(why, compares=False)
-                await self._compare_baselines()
+                await self._compares.run(self._append, self._shielded)
                 if st.cancel_reason is not None:
                     status, reason = "cancelled", st.cancel_reason
         await self._end(status, reason)
@@ -400,12 +395,8 @@ class CompilationRunner:
         for req in list(self._in_flight.values()):
             completed = await dispatcher.close(req, why, status="cancelled")
             await self._complete(req, completed)
-        if not compares:
-            return
-        for name, rec in list(self._compares.items()):
-            if rec.completed is None:
-                completed = await dispatcher.close(rec.requested, why, status="cancelled")
-                self._compares[name] = ExperimentRecord(rec.requested, completed)
+        if compares:
+            await self._compares.close_pending(why)
 
     # ------------------------------------------------------------------ the search
     async def _search(self) -> None:
@@ -497,78 +488,6 @@ class CompilationRunner:
             result_body(REFERENCE_CANDIDATE, rec.completed.summary(), 1.0),
             msg_id=f"result:{st.baseline.experiment_id}",
         )
-
-    async def _compare_baselines(self) -> None:
-        """Measure the compilation's baselines (:mod:`kiln.baselines`) once the search is over,
-        one after another, on the full tier (the engine's operating point and weights), each
-        recorded as ``BaselineCompared`` (:func:`~kiln.agent_runner.judge.compared_event`).
-        They run outside the search's wall-clock budget: measured during the search they held
-        the full-tier engine for minutes on 8B models (compiling, eager steps) while winners
-        waited for their confirmation. After a restart the ones recorded are skipped and the
-        ones in flight adopted; a cancel stops them at once (the one in flight is closed as
-        cancelled when the compilation ends); a baseline no engine answered in time stops the
-        rest (the full-tier engines are gone: each would wait as long); a failure is logged and
-        the next goes on."""
-        st, dispatcher = self.state, self._deps.dispatcher
-        for name in st.baselines:
-            if name in st.compared:
-                continue
-            if st.cancel_reason is not None:
-                return
-            try:
-                rec = self._compares.get(name)
-                if rec is None:
-                    req = await self._shielded(self._request_baseline(name))
-                    rec = self._compares[name] = ExperimentRecord(req)
-                elif rec.completed is None:
-                    await dispatcher.adopt(rec.requested, self._workload_json)
-                completed = rec.completed or await self._unless_cancelled(rec.requested)
-                if completed is None:
-                    return
-                dispatcher.forget(rec.requested.experiment_id)
-                self._compares[name] = ExperimentRecord(rec.requested, completed)
-                await self._shielded(self._append(compared_event(st, rec.requested, completed)))
-                if completed.result.status == "timed_out":
-                    log.warning("baselines stopped: no engine answered", baseline=name)
-                    return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.error("baseline comparison failed", baseline=name, exc_info=exc)
-
-    async def _unless_cancelled(self, req: Requested) -> Completed | None:
-        """The experiment's completion, or None once the compilation is cancelled first."""
-        answer = asyncio.ensure_future(self._deps.dispatcher.wait(req))
-        cancel = asyncio.ensure_future(self._cancelled.wait())
-        try:
-            await asyncio.wait({answer, cancel}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            await cancel_and_wait(cancel)
-        if answer.done():
-            return answer.result()
-        await cancel_and_wait(answer)
-        return None
-
-    async def _request_baseline(self, name: str) -> Requested:
-        """Record and queue baseline ``name``'s experiment (agent ``compare:<name>``, the
-        reference candidate as a placeholder the engine ignores, full tier); work that cannot
-        be queued closes it at once (``timed_out``)."""
-        st, dispatcher = self.state, self._deps.dispatcher
-        req = await dispatcher.record(
-            team=st.team,
-            compilation_id=st.compilation_id,
-            candidate=REFERENCE_CANDIDATE,
-            agent=compare_agent(name),
-            tier=CONFIRM_TIER,
-            baseline=name,
-        )
-        try:
-            await dispatcher.publish(req, self._workload_json)
-        except Exception as exc:
-            log.error("cannot queue the baseline", experiment=req.experiment_id, error=repr(exc))
-            with contextlib.suppress(Exception):
-                await dispatcher.close(req, f"the work could not be queued on NATS: {exc!r}")
-        return req
 
     async def _catch_up_best(self) -> None:
         """After a restart: judge the completed confirmations again, in the order they

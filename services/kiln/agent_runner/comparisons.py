@@ -1,0 +1,133 @@
+"""A compilation's baselines (:mod:`kiln.baselines`), measured once its search is over.
+
+Each baseline asked for is one experiment on the full tier (agent ``compare:<name>``, the
+reference candidate as a placeholder the engine ignores), recorded as ``BaselineCompared``
+(:func:`~kiln.agent_runner.judge.compared_event`), never judged and outside the experiment
+budget. They run after the search's wall-clock budget: measured during the search they held the
+full-tier engine for minutes on 8B models (compiling, eager steps) while winners waited for
+their confirmation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from kiln.agent_runner.dispatcher import ExperimentDispatcher
+from kiln.agent_runner.experiment import Completed, Requested
+from kiln.agent_runner.judge import CONFIRM_TIER, compared_event
+from kiln.agent_runner.state import CompilationState, ExperimentRecord
+from kiln.agent_runner.tasks import cancel_and_wait
+from kiln.baselines.names import compare_agent
+from kiln.common.logging import get_logger
+from kiln.ledger.model import NewEvent
+from kiln.workloads.candidate import REFERENCE_CANDIDATE
+
+log = get_logger(__name__)
+
+
+class BaselineComparisons:
+    """The baseline experiments of one compilation, by baseline name.
+
+    Args:
+        state: the compilation (its baseline experiments are taken out of
+            ``state.experiments``: never judged, not in the experiment budget).
+        dispatcher: records, queues and waits for experiments.
+        workload_json: the work items' workload (JSON object).
+        cancelled: set once the compilation is cancelled.
+    """
+
+    def __init__(
+        self,
+        state: CompilationState,
+        dispatcher: ExperimentDispatcher,
+        workload_json: dict[str, Any],
+        cancelled: asyncio.Event,
+    ) -> None:
+        self.state, self._dispatcher = state, dispatcher
+        self._workload_json, self._cancelled = workload_json, cancelled
+        self.records: dict[str, ExperimentRecord] = {}
+        for eid, rec in list(state.experiments.items()):
+            if rec.requested.baseline:
+                del state.experiments[eid]
+                self.records[rec.requested.baseline] = rec
+
+    async def run(
+        self,
+        append: Callable[[NewEvent], Coroutine[Any, Any, Any]],
+        shielded: Callable[[Coroutine[Any, Any, Any]], Awaitable[Any]],
+    ) -> None:
+        """Measure the baselines not recorded yet, one after another; ``append`` records an
+        event, ``shielded`` runs a step a cancelled caller must not cut. After a restart the
+        ones in flight are adopted; a cancel stops them at once (the one in flight is closed
+        by :meth:`close_pending`); a baseline no engine answered in time stops the rest (the
+        full-tier engines are gone: each would wait as long); a failure is logged and the next
+        goes on."""
+        st, dispatcher = self.state, self._dispatcher
+        for name in st.baselines:
+            if name in st.compared:
+                continue
+            if st.cancel_reason is not None:
+                return
+            try:
+                rec = self.records.get(name)
+                if rec is None:
+                    req = await shielded(self._request(name))
+                    rec = self.records[name] = ExperimentRecord(req)
+                elif rec.completed is None:
+                    await dispatcher.adopt(rec.requested, self._workload_json)
+                completed = rec.completed or await self._unless_cancelled(rec.requested)
+                if completed is None:
+                    return
+                dispatcher.forget(rec.requested.experiment_id)
+                self.records[name] = ExperimentRecord(rec.requested, completed)
+                await shielded(append(compared_event(st, rec.requested, completed)))
+                if completed.result.status == "timed_out":
+                    log.warning("baselines stopped: no engine answered", baseline=name)
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.error("baseline comparison failed", baseline=name, exc_info=exc)
+
+    async def close_pending(self, why: str) -> None:
+        """Close the baseline experiments no engine answered (``cancelled``, ``why``)."""
+        for name, rec in list(self.records.items()):
+            if rec.completed is None:
+                completed = await self._dispatcher.close(rec.requested, why, status="cancelled")
+                self.records[name] = ExperimentRecord(rec.requested, completed)
+
+    async def _unless_cancelled(self, req: Requested) -> Completed | None:
+        """The experiment's completion, or None once the compilation is cancelled first."""
+        answer = asyncio.ensure_future(self._dispatcher.wait(req))
+        cancel = asyncio.ensure_future(self._cancelled.wait())
+        try:
+            await asyncio.wait({answer, cancel}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait(cancel)
+        if answer.done():
+            return answer.result()
+        await cancel_and_wait(answer)
+        return None
+
+    async def _request(self, name: str) -> Requested:
+        """Record and queue baseline ``name``'s experiment; work that cannot be queued closes
+        it at once (``timed_out``)."""
+        st, dispatcher = self.state, self._dispatcher
+        req = await dispatcher.record(
+            team=st.team,
+            compilation_id=st.compilation_id,
+            candidate=REFERENCE_CANDIDATE,
+            agent=compare_agent(name),
+            tier=CONFIRM_TIER,
+            baseline=name,
+        )
+        try:
+            await dispatcher.publish(req, self._workload_json)
+        except Exception as exc:
+            log.error("cannot queue the baseline", experiment=req.experiment_id, error=repr(exc))
+            with contextlib.suppress(Exception):
+                await dispatcher.close(req, f"the work could not be queued on NATS: {exc!r}")
+        return req
