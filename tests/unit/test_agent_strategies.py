@@ -84,6 +84,21 @@ def test_coordinate_starts_from_the_reference_and_exhausts_the_space() -> None:
     assert seen == {n.id for _, _, n in SPACE.neighbours(REFERENCE_CANDIDATE)}
 
 
+def test_coordinate_on_a_gpu_space_starts_with_its_transforms_stacked() -> None:
+    gpu = space_for("h200")
+    agent, view = CoordinateAgent("coordinate", seed=1), _view()
+    first = agent.propose(view, gpu)
+    assert first is not None and first.why.startswith("start:")
+    assert {t.name for t in first.candidate.transforms} == {"cuda_graph", "fused_decode"}
+    assert not first.candidate.ops  # everything else at its default
+    view.take(_claim(first.candidate))
+    second = agent.propose(view, gpu)
+    assert second is not None and "from reference" in second.why
+    assert SPACE.stacked() is None  # the CPU space has no on/off transform
+    no_fused = type(gpu)([d for d in gpu.dims if not d.name.startswith("fused_decode")])
+    assert {t.name for t in no_fused.stacked().transforms} == {"cuda_graph"}  # type: ignore[union-attr]
+
+
 def test_random_search_is_seeded_and_covers_the_space() -> None:
     def walk(seed: int) -> list[str]:
         agent, view, out = RandomSearchAgent("random", seed), _view(), []

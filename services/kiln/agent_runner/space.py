@@ -285,6 +285,17 @@ class CandidateSpace:
             if not c.is_reference:
                 yield c
 
+    def stacked(self) -> Candidate | None:
+        """The point with every on/off transform of the space on (``cuda_graph`` and
+        ``fused_decode`` on a GPU target: the engine's fastest known path), everything else at
+        its default; None when the space has no such transform or the point is excluded."""
+        point: dict[str, Value] = {
+            d.name: "on" for d in self.dims if d.op is None and d.values == (None, "on")
+        }
+        if not point or self.excluded(point) is not None:
+            return None
+        return self.candidate(point)
+
     def neighbours(self, candidate: Candidate) -> list[tuple[str, Value, Candidate]]:
         """Points that differ from ``candidate`` in exactly one dimension, as (dimension,
         new value, candidate), dimension by dimension; the reference and excluded points are

@@ -1,8 +1,9 @@
 """Greedy coordinate descent: from the best candidate so far, change one dimension at a time.
 
-The agent walks the measured candidates from fastest to slowest (its board view: every agent's
-correct results and the baseline) and proposes the first one-dimension neighbour that nobody has
-claimed. So it climbs from whatever is best right now, including what other agents found, and
+It starts from the space's transforms stacked (on a GPU target: the decode step's fused
+kernels captured in a CUDA graph, the engine's fastest known path), then walks the measured
+candidates from fastest to slowest (its board view: every agent's correct results and the
+baseline) and proposes the first one-dimension neighbour that nobody has claimed. So it climbs from whatever is best right now, including what other agents found, and
 falls back to the next-best point when a point's neighbourhood is used up.
 """
 
@@ -20,7 +21,11 @@ class CoordinateAgent(Agent):
     kind = "coordinate"
 
     def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
-        """The first unclaimed neighbour of the fastest measured candidate that has one."""
+        """The space's stacked transforms (:meth:`CandidateSpace.stacked`) while unclaimed,
+        else the first unclaimed neighbour of the fastest measured candidate that has one."""
+        start = space.stacked()
+        if start is not None and start.id not in view.claimed and start.id not in self.tried:
+            return Proposal(start, f"start: every transform on ({start.describe()})")
         bases = view.ranked()
         if not any(s.candidate.is_reference for s in bases):
             bases.append(Seen(REFERENCE_CANDIDATE, 0.0, True, "baseline"))
