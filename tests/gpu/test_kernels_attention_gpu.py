@@ -141,3 +141,21 @@ def test_fp8_gemv(rows: int, shape: tuple[int, int]) -> None:
     exact = F.linear(x.float(), w.float())
     rel = float((out.float() - exact).norm() / exact.norm())
     assert 0.005 < rel < 0.06, rel
+
+
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
+def test_flash_decoding_under_torch_compile(mode: str) -> None:
+    import kiln.ops  # noqa: F401
+    from kiln.ops.registry import get
+
+    torch.manual_seed(3)
+    b, s = 4, 1085
+    q = torch.randn(b, HQ, 1, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(b, HKV, s, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(b, HKV, s, D, device=DEV, dtype=torch.bfloat16)
+    seq_lens = torch.tensor([1, 200, 1085, 700], device=DEV)
+    positions = (seq_lens - 1)[:, None]
+    impl = get("attention", "flash_decoding")
+    eager = impl(q, k, v, positions, seq_lens, scale=D**-0.5)
+    compiled = torch.compile(impl.fn, mode=mode, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, positions, seq_lens, scale=D**-0.5), eager)

@@ -74,6 +74,25 @@ def test_attention_matches_reference(
     assert_close(out, want)
 
 
+def test_attention_under_torch_compile_calls_the_kernel_as_an_opaque_op() -> None:
+    torch.manual_seed(7)
+    q, k, v, positions, seq_lens = _attention_case(3, 1, 4, torch.float32)
+    scale = HEAD_DIM**-0.5
+    impl = get("attention", "flash_decoding")
+    calls = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        calls.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    compiled = torch.compile(impl.fn, backend=backend, fullgraph=True)
+    out = compiled(q, k, v, positions, seq_lens, scale=scale)
+    assert "kiln.decode_attention.default" in calls  # Dynamo never traced into the kernel
+    assert_close(out, get("attention", "reference")(q, k, v, positions, seq_lens, scale=scale))
+    inductor = torch.compile(impl.fn, fullgraph=True)(q, k, v, positions, seq_lens, scale=scale)
+    assert torch.equal(inductor, out)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_rms_norm_matches_reference(dtype: torch.dtype, with_residual: bool) -> None:

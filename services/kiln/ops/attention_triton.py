@@ -6,6 +6,10 @@ decode), so the causal mask adds nothing to the length mask the kernel applies a
 ``positions`` is not read. Prefill (``T > 1``) falls back to the ``sdpa`` implementation. Same
 contract as :func:`kiln.ops.attention.reference`.
 
+Under ``torch.compile`` the kernel is called through the custom op ``kiln::decode_attention``
+(opaque to Inductor, which otherwise re-generates the user kernel and failed to compile it on an
+H200: "CompilationError at 76:8"); eager calls go straight to the kernel (no dispatcher hop).
+
 The kernel module is imported on first call, not here: Triton decides between compiling and
 interpreting (``TRITON_INTERPRET``) when it decorates the kernels, and importing :mod:`kiln.ops`
 must not fix that choice.
@@ -49,6 +53,29 @@ def flash_decoding(
     """
     if q.shape[2] != 1:
         return sdpa(q, k_cache, v_cache, positions, seq_lens, scale=scale)
+    if torch.compiler.is_compiling():
+        return decode_attention_op(q[:, :, 0], k_cache, v_cache, seq_lens, scale).unsqueeze(2)
+    return _decode(q[:, :, 0], k_cache, v_cache, seq_lens, scale).unsqueeze(2)
+
+
+def _decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
     from kiln.ops.kernels.decode_attention import decode_attention
 
-    return decode_attention(q[:, :, 0], k_cache, v_cache, seq_lens, scale=scale).unsqueeze(2)
+    return decode_attention(q, k_cache, v_cache, seq_lens, scale=scale)
+
+
+@torch.library.custom_op("kiln::decode_attention", mutates_args=())
+def decode_attention_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
+    """:func:`kiln.ops.kernels.decode_attention.decode_attention` as an op ``torch.compile``
+    does not trace into: ``q`` ``[B, Hq, D]``, caches ``[B, Hkv, S, D]``, ``seq_lens`` ``[B]``
+    int64; returns a new ``[B, Hq, D]`` tensor in q's dtype."""
+    return _decode(q, k_cache, v_cache, seq_lens, scale)
+
+
+@decode_attention_op.register_fake
+def _decode_attention_fake(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
+    return q.new_empty(q.shape)
