@@ -75,6 +75,7 @@ class FakeEngine:
     Attributes:
         delay_s: seconds each experiment takes.
         handled: experiment ids answered, in order.
+        deadlines: experiment id -> (tier, its work's ``deadline_s``), as taken.
         running: while cleared, every worker holds off (work stays queued).
         full_running: while cleared, the full-tier worker holds off.
     """
@@ -84,6 +85,7 @@ class FakeEngine:
         self.workers = workers
         self.delay_s = 0.05
         self.handled: list[str] = []
+        self.deadlines: dict[str, tuple[str, float]] = {}
         self.running = asyncio.Event()
         self.running.set()
         self.full_running = asyncio.Event()
@@ -128,6 +130,7 @@ class FakeEngine:
                 await msg.ack()
 
     async def _handle(self, work: ExperimentWork) -> None:
+        self.deadlines[work.experiment_id] = (work.tier, work.deadline_s)
         await asyncio.sleep(self.delay_s)
         tps, correct = throughput(work.candidate, work.tier)
         median_ms = 1000.0 * 8 / tps

@@ -58,6 +58,8 @@ SPACE = space_for("cpu")
 RUNNER_CONFIG = RunnerConfig(
     experiment_deadline_s=5.0,
     experiment_margin_s=2.0,
+    search_share=0.1,
+    search_min_deadline_s=1.0,
     plan_timeout_s=2.0,
     plan_attempts=2,
     cancel_wait_s=5.0,
@@ -287,6 +289,14 @@ async def test_compilation_runs_agents_to_the_experiment_budget(stack: Stack) ->
     end = events[-1]
     assert end.detail["status"] == "succeeded"
     assert "experiment budget is spent (10 of 10" in end.detail["reason"]
+
+    # A search candidate may take its share of the budget (0.1 x 30 s); the reference and the
+    # full-tier confirmations the whole experiment deadline.
+    baseline_id = next(e for e in events if e.type == "BaselineMeasured").detail["experiment_id"]
+    deadlines = dict(stack.engine.deadlines)
+    assert deadlines.pop(baseline_id) == ("fast", 5.0)
+    assert {d for tier, d in deadlines.values() if tier == "fast"} == {3.0}
+    assert {d for tier, d in deadlines.values() if tier == "full"} == {5.0}
 
     # Best-so-far: only candidates confirmed on the full tier, only improving (_check_bests).
     baseline = next(e for e in events if e.type == "BaselineMeasured").detail["tokens_per_s"]

@@ -263,3 +263,12 @@ def test_view_knows_what_is_in_flight() -> None:
     assert view.in_flight == {c.id}
     view.take(_result(c, 120.0, seq=2))
     assert view.in_flight == set()
+
+
+def test_a_search_candidate_takes_at_most_its_share_of_the_budget() -> None:
+    from kiln.agent_runner.config import RunnerConfig
+
+    cfg = RunnerConfig()
+    assert cfg.search_deadline_s(120.0) == cfg.search_min_deadline_s  # short budgets: the floor
+    assert cfg.search_deadline_s(600.0) == 0.25 * 600.0
+    assert cfg.search_deadline_s(3600.0) == cfg.experiment_deadline_s  # never above the cap

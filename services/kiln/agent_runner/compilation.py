@@ -644,8 +644,11 @@ class CompilationRunner:
         )
         self._in_flight[req.experiment_id] = req
         st.experiments[req.experiment_id] = ExperimentRecord(req)
+        deadline = None  # a search candidate's share of the budget; the reference's in full
+        if tier == SEARCH_TIER and agent != BASELINE_AGENT:
+            deadline = self._deps.config.search_deadline_s(st.wall_seconds)
         try:
-            await dispatcher.publish(req, self._workload_json)
+            await dispatcher.publish(req, self._workload_json, deadline)
         except Exception as exc:
             log.error("cannot queue the work", experiment=req.experiment_id, error=repr(exc))
             with contextlib.suppress(Exception):  # else the end of the compilation closes it

@@ -22,6 +22,11 @@ class RunnerConfig:
         experiment_margin_s: seconds on top of the deadline the runner waits for an engine's
             ``ExperimentCompleted`` (queueing, restarts) before recording the experiment as
             ``timed_out`` itself.
+        search_share: the largest share of the wall-clock budget one search-tier candidate
+            may take on an engine (its deadline: :meth:`search_deadline_s`), so one slow
+            candidate (an 8B model under ``torch_compile(max-autotune)`` took over 100 s on an
+            H200) cannot hold the engine for a short search's whole budget.
+        search_min_deadline_s: the search-tier deadline never goes below this, seconds.
         plan_timeout_s: deadline of one cost-model ``Plan`` call, seconds.
         plan_attempts: ``Plan`` tries while the cost model is UNAVAILABLE before the
             compilation fails.
@@ -31,10 +36,19 @@ class RunnerConfig:
 
     experiment_deadline_s: float = 300.0
     experiment_margin_s: float = 60.0
+    search_share: float = 0.25
+    search_min_deadline_s: float = 60.0
     plan_timeout_s: float = 10.0
     plan_attempts: int = 3
     cancel_wait_s: float = 10.0
     resume_retry_s: float = 2.0
+
+    def search_deadline_s(self, wall_seconds: float) -> float:
+        """The deadline of a search-tier candidate under a ``wall_seconds`` budget: its
+        :attr:`search_share`, within [:attr:`search_min_deadline_s`,
+        :attr:`experiment_deadline_s`]."""
+        share = max(self.search_min_deadline_s, self.search_share * wall_seconds)
+        return min(self.experiment_deadline_s, share)
 
     @property
     def experiment_timeout_s(self) -> float:

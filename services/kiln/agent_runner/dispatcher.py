@@ -121,9 +121,13 @@ class ExperimentDispatcher:
         self._register(req)
         return req
 
-    async def publish(self, req: Requested, workload: dict[str, Any]) -> None:
+    async def publish(
+        self, req: Requested, workload: dict[str, Any], deadline_s: float | None = None
+    ) -> None:
         """Publish (again) the work item of a recorded experiment; JetStream drops a repeat
-        within its duplicate window (``Nats-Msg-Id`` = experiment id).
+        within its duplicate window (``Nats-Msg-Id`` = experiment id). ``deadline_s``: the
+        engine's deadline for it (default :attr:`RunnerConfig.experiment_deadline_s`; never
+        above it).
 
         Raises:
             nats.errors.Error, nats.js.errors.APIError: NATS did not take it.
@@ -135,7 +139,9 @@ class ExperimentDispatcher:
             tier=req.tier,
             candidate=req.candidate.canonical(),
             workload=workload,
-            deadline_s=self._config.experiment_deadline_s,
+            deadline_s=min(
+                deadline_s or self._config.experiment_deadline_s, self._config.experiment_deadline_s
+            ),
             profile=req.profile,
             baseline=req.baseline,
         )
