@@ -33,9 +33,12 @@ bfloat16   5e-2    ``attention=sdpa`` vs the float32-accumulating reference drif
 float16    1e-2    10 mantissa bits (8x finer than bfloat16)
 =========  ======  ==========================================================================
 
-Lossy candidates (opted in) are held to :data:`LOSSY_RTOL` and labelled as such. What a
-candidate may not do besides computing (change the engine's code or numerics flags, keep
-working after returning) is watched by :mod:`kiln.engine_pool.integrity`.
+On models with ``moe`` layers the comparison is routing-aware (:mod:`kiln.engine_pool.moe_check`):
+rows whose route may have flipped (a router score within rounding and drift of a tie) are left
+out, and every MoE layer is also checked on the reference's own inputs. Lossy candidates (opted
+in) are held to :data:`LOSSY_RTOL` and labelled as such. What a candidate may not do besides
+computing (change the engine's code or numerics flags, keep working after returning) is watched
+by :mod:`kiln.engine_pool.integrity`.
 """
 
 from __future__ import annotations
@@ -152,8 +155,19 @@ def run_steps(calls: Sequence[Callable[[], object]], guard: OutputGuard) -> list
     return outs
 
 
-def compare(candidate: Sequence[Tensor], reference: Sequence[Tensor], rtol: float) -> CheckResult:
+def compare(
+    candidate: Sequence[Tensor],
+    reference: Sequence[Tensor],
+    rtol: float,
+    rows: Sequence[Tensor] | None = None,
+) -> CheckResult:
     """Compare step by step (each ``[B, V]`` float32).
+
+    Args:
+        rows: per step, ``[B]`` bool rows to compare (the rest need only be finite); all rows
+            when None. MoE models pass the rows whose routing was determined
+            (:meth:`kiln.engine_pool.moe_check.RoutedCheck.rows`); the scale stays the
+            reference's largest logit over all rows.
 
     Raises:
         EngineFault: the reference's logits are not finite.
@@ -174,6 +188,10 @@ def compare(candidate: Sequence[Tensor], reference: Sequence[Tensor], rtol: floa
             )
         if not bool(torch.isfinite(c).all()):
             return CheckResult(False, float("inf"), tol, f"step {step}: non-finite logits")
+        if rows is not None:
+            c, r = c[rows[step]], r[rows[step]]
+            if not r.shape[0]:
+                continue
         worst = max(worst, float((c - r).abs().max()))
         top = r.topk(2, dim=-1).values
         decisive = (top[..., 0] - top[..., 1]) > 2 * tol

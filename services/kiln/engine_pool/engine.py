@@ -23,7 +23,8 @@ Per candidate (:meth:`Engine.run`), phases timed in ms:
 4. ``check``: the reference's step at the traffic shape (full batch and context) against the
    kept logits; then fresh random prompts (``check_batch`` of them), prefill + ``check_steps``
    decode steps, candidate then reference (on its own copy of the inputs), outputs poisoned
-   between calls;
+   between calls; on an MoE model routing-aware, with every MoE layer also checked on the
+   reference's own inputs (:mod:`~kiln.engine_pool.moe_check`);
 5. ``measure``: timed decode steps at (batch_size, context_len) — ``min_repeats`` to
    ``repeats`` of them within ``measure_budget_s`` — median, p10, p90, stdev;
    tokens/s = batch_size / median_s. The previous output is poisoned before each call; after
@@ -87,6 +88,7 @@ from kiln.engine_pool.integrity import (
     ThreadWatch,
 )
 from kiln.engine_pool.measurement import Measurement, MemoryUsage, Timing
+from kiln.engine_pool.moe_check import RoutedCheck
 from kiln.engine_pool.op_profile import profile_decode_step, profile_fields
 from kiln.engine_pool.reload import RegistrySnapshot, forget_sources, load_code_modules
 from kiln.engine_pool.request import RunRequest
@@ -130,6 +132,13 @@ def _timed(phases: dict[str, float], name: str, sync: Callable[[], None]) -> Ite
     finally:
         sync()
         phases[name] = (time.perf_counter() - start) * 1e3
+
+
+def _compare(
+    got: list[Tensor], want: list[Tensor], rtol: float, rows: list[Tensor] | None
+) -> CheckResult:
+    """:func:`~kiln.engine_pool.check.compare`, called as before for a dense model (no rows)."""
+    return compare(got, want, rtol) if rows is None else compare(got, want, rtol, rows)
 
 
 def _crash_text(phase: str, exc: BaseException) -> str:
@@ -524,7 +533,7 @@ class Engine:
                     self.model.decode_step(steps[i])
             phase = "check"
             with _timed(phases, "check", sync):
-                verdict = self._check(request.seed, rtol, first, guard)
+                verdict = self._check(request.seed, rtol, first, guard, notes)
             if not verdict.correct:
                 return self._incorrect(verdict, phases, notes, base)
             phase = "measure"
@@ -533,7 +542,7 @@ class Engine:
                 samples = self._time(request, steps[request.warmup :], guard, kept)
             phase = "verify"
             with _timed(phases, "verify", sync):
-                verified = self._verify(kept, tokens[request.warmup :], rtol, len(samples))
+                verified = self._verify(kept, tokens[request.warmup :], rtol, len(samples), notes)
             chosen = ", ".join(str(step + 1) for step, _ in kept.kept())
             notes.append(
                 f"verified timed step(s) {chosen or 'none'} of {len(samples)} against the "
@@ -677,7 +686,9 @@ class Engine:
         guard.release()
         return samples
 
-    def _verify(self, kept: TimedOutputs, tokens: Tensor, rtol: float, timed: int) -> CheckResult:
+    def _verify(
+        self, kept: TimedOutputs, tokens: Tensor, rtol: float, timed: int, notes: list[str]
+    ) -> CheckResult:
         """The reference's decode step on each kept timed step's token, at the same cache state
         (every timed step starts at ``context_len``), against the kept logits.
 
@@ -687,16 +698,19 @@ class Engine:
                 timed steps' tokens (a candidate writing into its input changes only its copy).
             rtol: relative tolerance.
             timed: how many timed steps ran (for the message).
+            notes: the measurement's notes (an MoE model's routing-aware comparison adds one).
 
         Cost: one reference decode step at the traffic shape per kept step.
         """
         ref_guard = OutputGuard(self._protected)
         worst, tolerance = 0.0, 0.0
+        moe = RoutedCheck(self.shape_reference, rtol, lossy=rtol == LOSSY_RTOL)
         for step, got in kept.kept():
             self._at_context()
             token = tokens[step].to(self.device)
-            reference = functools.partial(self.shape_reference.decode_step, token)
-            verdict = compare([got], run_steps([reference], ref_guard), rtol)
+            ref = moe.record(self.shape_reference, "timed step")
+            want = run_steps([functools.partial(ref.decode_step, token)], ref_guard)
+            verdict = _compare([got], want, rtol, moe.rows(ref))
             if not verdict.correct:
                 reason = verdict.reason.removeprefix("step 0: ")
                 return CheckResult(
@@ -708,6 +722,8 @@ class Engine:
             worst, tolerance = max(worst, verdict.max_abs_error), verdict.tolerance
         ref_guard.poison()
         self._at_context()
+        if moe.applies and kept.kept():
+            notes.append(f"moe, verified timed steps: {moe.rows_note()}")
         return CheckResult(True, worst, tolerance)
 
     def _shape_token(self, seed: int) -> Tensor:
@@ -716,7 +732,12 @@ class Engine:
         return torch.randint(self.vocab, (self.spec.batch_size, 1), generator=g).to(self.device)
 
     def _check(
-        self, seed: int, rtol: float, at_shape: list[Tensor], guard: OutputGuard
+        self,
+        seed: int,
+        rtol: float,
+        at_shape: list[Tensor],
+        guard: OutputGuard,
+        notes: list[str],
     ) -> CheckResult:
         """Compare the candidate against the reference forward.
 
@@ -727,19 +748,25 @@ class Engine:
                 full context; ``[[batch_size, V]]`` float32), on :meth:`_shape_token`, taken
                 right before this call with nothing run since.
             guard: the candidate's output guard (its outputs are poisoned before each call).
+            notes: the measurement's notes (an MoE model's routing-aware check adds one).
 
         The reference runs the same step at the traffic shape (same cache contents: each step
         writes its own K/V before attending), then candidate and reference each run a prefill
         of ``check_batch`` fresh right-padded prompts and ``check_steps`` decode steps. The
         reference gets its own copy of every input (drawn again from the seed), so a candidate
         that writes into its inputs cannot steer the reference.
+
+        On an MoE model the comparisons are routing-aware and every MoE layer is also checked on
+        the reference's own inputs (:mod:`kiln.engine_pool.moe_check`).
         """
         spec = self.spec
         ref_guard = OutputGuard(self._protected)
         self._at_context()
         token = self._shape_token(seed)
-        want = run_steps([functools.partial(self.shape_reference.decode_step, token)], ref_guard)
-        shape_verdict = compare(at_shape, want, rtol)
+        moe = RoutedCheck(self.reference, rtol, lossy=rtol == LOSSY_RTOL)
+        ref = moe.record(self.shape_reference, "at the traffic shape")
+        want = run_steps([functools.partial(ref.decode_step, token)], ref_guard)
+        shape_verdict = _compare(at_shape, want, rtol, moe.rows(ref))
         if not shape_verdict.correct:
             where = f"batch {spec.batch_size}, context {spec.context_len}"
             return CheckResult(
@@ -765,13 +792,19 @@ class Engine:
             return out
 
         got = run_steps(calls(self.model), guard)
-        want = run_steps(calls(self.reference), ref_guard)
+        ref = moe.record(self.reference, "check prefill/decode")
+        want = run_steps(calls(ref), ref_guard)
         guard.poison()
         ref_guard.poison()
         self._at_context()
-        verdict = compare(got, want, rtol)
+        verdict = _compare(got, want, rtol, moe.rows(ref))
         if not verdict.correct:
             return verdict
+        if moe.applies:
+            layers = moe.check_layers(self.model)
+            if not layers.correct:
+                return layers
+            notes.append(moe.note())
         worst = max(verdict.max_abs_error, shape_verdict.max_abs_error)
         return CheckResult(True, worst, verdict.tolerance)
 

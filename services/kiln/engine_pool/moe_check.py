@@ -1,0 +1,387 @@
+"""Routing-aware correctness for mixture-of-experts models (issue 11, item 3).
+
+Top-k routing is discontinuous: where a token's k-th and (k+1)-th router scores are within
+rounding of each other, two correct implementations (or the same one after an upstream op
+rounded differently) may pick different experts, and that token's output then differs by a
+whole expert's share, which later layers and attention carry on. In bfloat16 such near-ties
+are common (logits keep 8 significant bits), so comparing logits end to end judged correct
+MoE candidates incorrect. For a model with ``moe`` layers, :class:`RoutedCheck` changes the
+gate of :mod:`kiln.engine_pool.check` in three ways:
+
+1. every reference forward of the check runs through a recording view of the reference model
+   (:meth:`RoutedCheck.record`), which keeps each MoE layer's input ``x`` and its site's params;
+   the reference's routing is recomputed from them by the engine, never taken from a candidate;
+2. per layer (:meth:`RoutedCheck.check_layers`): the candidate's bound ``moe`` op runs on a copy
+   of the reference's own input and is compared with the reference op on the same input at every
+   position whose top-k choice is *determined* (:func:`determined` with no drift): max |error|
+   <= rtol x max |reference output| of that call, the logits' rule. Undetermined positions are
+   excluded (they must still be finite). A candidate that picks other experts where the
+   reference's choice is clear, weighs them wrongly or drops tokens fails here;
+3. end to end (:meth:`RoutedCheck.rows`): the logit comparison skips the rows whose route may
+   have flipped: undetermined, at some MoE layer, under a radius widened by the hidden-state drift
+   an honest candidate accumulates before that layer (:meth:`RoutedCheck.drift`). For a decode
+   step on the engine's random cache (traffic shape, timed steps) that is the row's own token; after
+   a prefill, also every earlier valid position of its sequence at a layer that attention follows
+   (a flip there reaches later positions). Every other row is compared as before; the skipped
+   ones must still be finite. Where nearly every route is near a tie (deep bfloat16 models) few
+   rows are left: the per-layer check is then what checks the MoE layers.
+
+**Tie bound** (radius of one router score, :func:`routing_of`): the reference computes the
+score of expert e as ``s_e = fl(x . w_e) + b_e`` (logit rounded to the model dtype, float32
+bias, as :func:`kiln.ops.moe.route`). Under the standard model of floating-point arithmetic
+(``fl(a op b) = (a op b)(1 + d)``, ``|d| <= u``) and the dot-product bound
+``|fl(x . w) - x . w| <= g_H |x| . |w|`` (Higham, *Accuracy and Stability of Numerical
+Algorithms*, 2nd ed., §2.2 and §3.1, eq. 3.5), any computation of the same score that
+accumulates in float32 and rounds its result at most once to the model dtype lies within
+``u |l_e| + g_H |x|.|w_e|`` of the exact logit ``l_e``, so two of them differ by at most
+
+    ``r_e = 2 u |l_e| + 2 g_H (|x| . |w_e|)``
+
+with ``u`` the model dtype's unit roundoff (``finfo.eps / 2``: bfloat16 2^-8, float16 2^-11,
+float32 2^-24), ``g_H = H u32 / (1 - H u32)``, ``u32 = 2^-24`` and ``H`` the hidden size. A
+position is determined when every chosen expert's interval ``s - r`` lies above every other
+expert's ``s + r``: then any such computation picks the same set. (A GEMM that reduces partial
+sums in bfloat16, as cuBLAS may with ``allow_bf16_reduced_precision_reduction``, is outside this
+bound; the reference's own router runs through the same GEMM.)
+
+End to end the candidate's ``x`` itself differs: each decoder layer rounds the hidden state at
+its two residual adds (relative error <= u per element each, the same standard model), and to
+first order such errors add (Higham §3.3), so at MoE layer ``L`` (0-based, ``L + 1`` layers of
+rounding before its router) ``x`` moves by a relative ``drift = 2 u (L + 1)`` per element, capped
+at ``rtol`` (a hidden state further off would fail the logits anyway); for lossy candidates
+``drift = rtol``. The radius grows by ``drift x ||w_e o x||_2``, the standard deviation of
+``w_e . dx`` when the elements of ``x`` move independently by that relative amount (the worst
+case, ``drift |x| . |w_e|``, would leave almost no route determined in a model of any width).
+Measured on small bfloat16 models (the kind ``tests/unit/test_moe_gate.py`` builds): the first
+route of a sequence that flipped under ``moe=dense`` or ``attention=sdpa`` needed at most 2.3 u of
+this measure at layers <= 2, where the bound is 2 to 6 u; a quarter of the bound still passed
+every honest candidate there.
+
+The bounds are the reference's (its inputs, its scores): a candidate cannot widen them. Every
+mask and a checksum of every recorded input and mask are taken right after the reference's
+forward, before candidate code runs again; a change fails the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kiln.engine_pool.check import CheckResult
+from kiln.ops.moe import route
+from kiln.workloads.models.decoder import DecoderModel
+
+Tensor = torch.Tensor
+
+ACCUMULATION_ROUNDOFF = 2.0**-24
+"""Unit roundoff of the float32 accumulation the tie bound assumes (module docs)."""
+
+
+def gamma(n: int, u: float = ACCUMULATION_ROUNDOFF) -> float:
+    """Higham's ``g_n = n u / (1 - n u)``: the relative error bound of an n-term dot product."""
+    return n * u / (1.0 - n * u)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The reference's router on one MoE call.
+
+    Attributes:
+        scores: ``[N, E]`` float32 ``fl(x . w_e) + b_e`` (the order :func:`route` ranks by).
+        radius: ``[N, E]`` float32 rounding radius of each score (module docs).
+        spread: ``[N, E]`` float32 ``||w_e o x||_2``, a score's sensitivity to drift in ``x``.
+        top_k: experts per token.
+    """
+
+    scores: Tensor
+    radius: Tensor
+    spread: Tensor
+    top_k: int
+
+
+def routing_of(x: Tensor, params: Mapping[str, Any]) -> Routing:
+    """The reference's scores and radii for ``x [..., H]`` (model dtype) under an ``moe`` site's
+    params (``router_weight [E, H]``, ``top_k``, ``router_bias`` float32 ``[E]`` or None)."""
+    weight: Tensor = params["router_weight"]
+    flat = x.reshape(-1, x.shape[-1])
+    logits = F.linear(flat, weight).float()
+    bias = params.get("router_bias")
+    scores = logits + bias if isinstance(bias, Tensor) else logits
+    xf, wf = flat.float(), weight.float()
+    u = torch.finfo(x.dtype).eps / 2
+    radius = 2 * u * logits.abs() + 2 * gamma(x.shape[-1]) * (xf.abs() @ wf.abs().T)
+    spread = torch.sqrt((xf * xf) @ (wf * wf).T)
+    return Routing(scores, radius, spread, int(params["top_k"]))
+
+
+def determined(r: Routing, drift: float = 0.0) -> Tensor:
+    """``[N]`` bool: whether the top-k set is the same for every score within ``radius + drift
+    x spread`` of the reference's (all chosen intervals above all others)."""
+    reach = r.radius + drift * r.spread if drift else r.radius
+    chosen = torch.zeros_like(r.scores, dtype=torch.bool)
+    chosen.scatter_(1, torch.topk(r.scores, r.top_k, dim=-1).indices, True)
+    lowest_in = (r.scores - reach).masked_fill(~chosen, float("inf")).amin(-1)
+    highest_out = (r.scores + reach).masked_fill(chosen, float("-inf")).amax(-1)
+    return lowest_in > highest_out
+
+
+def decisions(x: Tensor, params: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
+    """The reference's top-k choice for ``x [..., H]``: ``(weights [N, k] float32, experts
+    [N, k] int64)`` as :func:`kiln.ops.moe.route` makes it (renormalised per the params)."""
+    return route(
+        x.reshape(-1, x.shape[-1]),
+        params["router_weight"],
+        top_k=int(params["top_k"]),
+        norm_topk_prob=bool(params["norm_topk_prob"]),
+        router_bias=params.get("router_bias"),
+    )
+
+
+@dataclass
+class _Call:
+    """One MoE call of a reference forward: the layer, a copy of its input, the site's params
+    and the reference model's bound op (bound at build time: nothing a candidate registers
+    changes it); once sealed, the positions determined without drift and a checksum of input
+    and mask (Python floats: nothing candidate code can reach changes them)."""
+
+    layer: int
+    x: Tensor
+    params: Mapping[str, Any]
+    reference: Callable[[Tensor], Tensor]
+    sure: Tensor | None = None
+    checksum: tuple[float, ...] = ()
+
+    def seal(self, routing: Routing | None = None) -> None:
+        """Take the mask (from ``routing``, this call's, when given) and the checksum, once."""
+        if self.sure is None:
+            self.sure = determined(routing or routing_of(self.x, self.params))
+            self.checksum = self._sums()
+
+    def intact(self) -> bool:
+        """Whether the input and the mask are as sealed."""
+        return self.sure is not None and self._sums() == self.checksum
+
+    def _sums(self) -> tuple[float, ...]:
+        assert self.sure is not None
+        return (*_checksum(self.x), *_checksum(self.sure))
+
+
+@dataclass
+class _Step:
+    """One recorded forward: valid positions ``[B, T]`` (``position < seq_len``), whether it
+    started sequences (a prefill), and its MoE calls."""
+
+    valid: Tensor
+    starts: bool
+    calls: list[_Call] = field(default_factory=list)
+
+
+class _Recording:
+    """A view of a reference model (same weights, cache and ops) that records its MoE calls."""
+
+    def __init__(self, model: DecoderModel, label: str) -> None:
+        self.label = label
+        self.steps: list[_Step] = []
+        self._starting = False
+        view = object.__new__(DecoderModel)  # copy.copy would cache __slotnames__ on the class
+        view.__dict__.update(model.__dict__)
+        layers = []
+        for i, ops in enumerate(model.ops.layers):
+            site = model.slots.layers[i].ffn
+            if site.op != "moe":
+                layers.append(ops)
+                continue
+
+            def ffn(x: Tensor, i: int = i, inner: Any = ops.ffn, p: Any = site.params) -> Tensor:
+                self.steps[-1].calls.append(_Call(i, x.detach().clone(), p, inner))
+                out: Tensor = inner(x)
+                return out
+
+            layers.append(dataclasses.replace(ops, ffn=ffn))
+        view.ops = dataclasses.replace(model.ops, layers=tuple(layers))
+
+        def forward(tokens: Tensor, positions: Tensor, seq_lens: Tensor) -> Tensor:
+            valid = positions < seq_lens[:, None]
+            self.steps.append(_Step(valid, self._starting))
+            self._starting = False
+            return DecoderModel.forward(view, tokens, positions, seq_lens)
+
+        def prefill(tokens: Tensor, seq_lens: Tensor | None = None, **kw: Any) -> Tensor:
+            self._starting = True
+            return DecoderModel.prefill(view, tokens, seq_lens, **kw)
+
+        view.forward = forward  # type: ignore[method-assign]
+        view.prefill = prefill  # type: ignore[method-assign]
+        self.view = view
+
+
+def _checksum(x: Tensor) -> tuple[float, float]:
+    flat = x.detach().reshape(-1).double()
+    ramp = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64) % 7 + 1
+    return float(flat.sum()), float((flat * ramp).sum())
+
+
+def check_call(got: object, want: Tensor, sure: Tensor, rtol: float) -> tuple[float, float, str]:
+    """One MoE call's verdict: ``got`` (the candidate's output) against ``want`` (the
+    reference's, ``[..., H]``) at the positions where ``sure`` (``[N]`` bool, N positions)
+    holds.
+
+    Returns:
+        ``(max |error| at those positions (inf when not comparable), rtol x max |want|, why
+        not correct or "")``; every position must be finite and the shapes equal.
+    """
+    tol = rtol * float(want.float().abs().max())
+    if not isinstance(got, Tensor):
+        return float("inf"), tol, f"the op returned {type(got).__name__}, not a tensor"
+    if got.shape != want.shape:
+        return float("inf"), tol, f"output shape {list(got.shape)}, expected {list(want.shape)}"
+    if not bool(torch.isfinite(got).all()):
+        return float("inf"), tol, "non-finite output"
+    diff = (got.float() - want.float()).reshape(sure.numel(), -1)[sure]
+    err = float(diff.abs().max()) if diff.numel() else 0.0
+    if err > tol:
+        skipped = int((~sure).sum())
+        return err, tol, (
+            f"max |error| {err:.3g} exceeds {rtol:g} x max |reference| = {tol:.3g} where the "
+            f"route is determined ({skipped} of {sure.numel()} positions within rounding of a "
+            "tie, not compared)"
+        )  # fmt: skip
+    return err, tol, ""
+
+
+class RoutedCheck:
+    """One check's MoE bookkeeping (module docs); inert for a model without ``moe`` layers.
+
+    Args:
+        model: any model over the engine's config (decides whether the check applies).
+        rtol: the relative tolerance in force.
+        lossy: the candidate opted into a lossy implementation (its hidden states drift by up to
+            ``rtol``, not by rounding).
+    """
+
+    def __init__(self, model: DecoderModel, rtol: float, *, lossy: bool = False) -> None:
+        self.rtol = rtol
+        self.lossy = lossy
+        self.applies = any(layer.ffn.op == "moe" for layer in model.slots.layers)
+        self._last = len(model.slots.layers) - 1  # no attention follows the last layer
+        self._unit = torch.finfo(model.weights["model.embed_tokens.weight"].dtype).eps / 2
+        self._recordings: dict[int, _Recording] = {}
+        self._rows = [0, 0]  # compared, total
+        self._positions = [0, 0]  # undetermined, total (per-layer check)
+
+    def drift(self, layer: int) -> float:
+        """Relative per-element drift of an honest candidate's input to MoE layer ``layer``'s
+        router: ``min(rtol, 2 u (layer + 1))``, or ``rtol`` when lossy (module docs)."""
+        if self.lossy:
+            return self.rtol
+        return min(self.rtol, self._unit * 2 * (layer + 1))
+
+    def record(self, model: DecoderModel, label: str) -> DecoderModel:
+        """A view of ``model`` (a reference) whose forwards are recorded; ``model`` itself when
+        the check does not apply. Call the view's ``prefill`` / ``decode_step`` as the model's,
+        then :meth:`rows` before any candidate code runs again."""
+        if not self.applies:
+            return model
+        rec = _Recording(model, label)
+        self._recordings[id(rec.view)] = rec
+        return rec.view
+
+    def rows(self, view: DecoderModel) -> list[Tensor] | None:
+        """Per recorded step of ``view``, ``[B]`` bool: True for the rows to compare end to end
+        (None when the check does not apply). Also seals the recorded calls for
+        :meth:`check_layers` (their masks and input checksums)."""
+        rec = self._recordings.get(id(view))
+        if rec is None:
+            return None
+        out: list[Tensor] = []
+        history: Tensor | None = None  # per sequence: a flip that attention carries on
+        for step in rec.steps:
+            b, t = step.valid.shape
+            compared = step.valid.sum(dim=1) - 1  # the position whose logits are returned
+            own = torch.zeros(b, dtype=torch.bool, device=step.valid.device)
+            spread = torch.zeros_like(own)
+            for call in step.calls:
+                routing = routing_of(call.x, call.params)
+                call.seal(routing)
+                sure = determined(routing, self.drift(call.layer))
+                unsure = ~sure.view(b, t) & step.valid
+                own |= unsure[torch.arange(b, device=own.device), compared]
+                if call.layer < self._last:
+                    spread |= unsure.any(dim=1)
+            if step.starts:
+                history = spread
+            elif history is not None:
+                history = history | spread
+            out.append(~(own | history) if history is not None else ~own)
+            self._rows[0] += int(out[-1].sum())
+            self._rows[1] += b
+        return out
+
+    @torch.no_grad()
+    def check_layers(self, candidate: DecoderModel) -> CheckResult:
+        """The candidate's ``moe`` op of each layer on every recorded input, against the
+        reference op on the same input, at determined positions (:func:`check_call`). A
+        recorded input whose checksum changed since it was sealed fails the check; the
+        reference op runs after each candidate call, so its answer is not in memory while
+        candidate code runs.
+
+        Raises:
+            whatever the candidate's op raises (the experiment is then CRASHED).
+        """
+        calls = [
+            (f"{rec.label} step {j}", call)
+            for rec in self._recordings.values()
+            for j, step in enumerate(rec.steps)
+            for call in step.calls
+        ]
+        for _, call in calls:
+            call.seal()  # a recording whose rows were never asked for
+        worst, tolerance = 0.0, 0.0
+        for where, call in calls:
+            if not call.intact():
+                why = "its recorded input or mask changed after the reference ran"
+                return _layer_failure(call.layer, where, why, float("inf"), tolerance)
+            got = candidate.ops.layers[call.layer].ffn(call.x.clone())
+            if not call.intact():
+                why = "its recorded input or mask changed while the candidate's op ran"
+                return _layer_failure(call.layer, where, why, float("inf"), tolerance)
+            assert call.sure is not None
+            err, tol, why = check_call(got, call.reference(call.x), call.sure, self.rtol)
+            self._positions[0] += int((~call.sure).sum())
+            self._positions[1] += call.sure.numel()
+            tolerance = max(tolerance, tol)
+            if why:
+                return _layer_failure(call.layer, where, why, err, tol)
+            worst = max(worst, err)
+        return CheckResult(True, worst, tolerance)
+
+    def note(self) -> str:
+        """What the routing-aware check did, for the measurement's notes ("" if inert)."""
+        if not self.applies:
+            return ""
+        return (
+            f"moe: per-layer check on the reference's inputs, {self._positions[0]} of "
+            f"{self._positions[1]} positions within rounding of a tie (not compared); "
+            + self.rows_note()
+        )
+
+    def rows_note(self) -> str:
+        """How many rows the end-to-end comparisons compared so far ("" if inert)."""
+        if not self.applies:
+            return ""
+        return (
+            f"end to end {self._rows[0]} of {self._rows[1]} rows compared (the others: a route "
+            "within rounding and drift of a tie)"
+        )
+
+
+def _layer_failure(layer: int, where: str, why: str, err: float, tol: float) -> CheckResult:
+    return CheckResult(
+        False, err, tol, f"moe layer {layer} ({where}), per-layer check on the reference's "
+        f"inputs: {why}"
+    )  # fmt: skip
