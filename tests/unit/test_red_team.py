@@ -297,3 +297,31 @@ def test_fingerprint_covers_instances_given() -> None:
     fingerprint.restore()
     assert holder.b.keywords == {"key": abs} and not hasattr(holder, "c")
     assert sys.gettrace() is None or fingerprint.changes() == []
+
+
+@pytest.fixture(scope="module")
+def bf16_engine() -> Iterator[Engine]:
+    workload = tiny_workload(batch=3, context=24, dtype="bfloat16")
+    workload["model"]["config_json"] = json.dumps({**TINY_LLAMA, "vocab_size": VOCAB})
+    yield Engine(EngineSpec.from_workload(workload, "fast", LIMITS), engine_id="red-team-bf16")
+
+
+NUMERIC_CHEATS = [
+    c
+    for c in red_team.cheats("cpu")
+    if not {red_team.TAMPERED, red_team.OUTSIDE} & set(c.caught)
+    and c.name != "reduced_precision"  # deterministic only where the reduced kernels are
+]
+
+
+@pytest.mark.parametrize("cheat", NUMERIC_CHEATS, ids=lambda c: c.name)
+def test_cheats_judged_by_the_numbers_are_rejected_against_the_exact_forward_in_bf16(
+    bf16_engine: Engine, cheat: red_team.Cheat
+) -> None:
+    """In bfloat16 the tolerance grows to twice the reference's own error against its float32
+    exact forward: still far below what skipping layers, rows or work costs."""
+    m = _run(bf16_engine, cheat.candidate)
+    assert m.status == "incorrect", (m.status, m.error)
+    after = _run(bf16_engine, Candidate.make({"attention": "sdpa"}))
+    assert after.status == "ok", after.error
+    assert any("check against the float32 exact forward" in n for n in after.notes), after.notes

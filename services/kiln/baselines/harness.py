@@ -11,8 +11,9 @@ Protocol of one baseline run (:func:`measure`):
    ``[batch, V]`` float32 logits, kept; its model is dropped before the baseline builds;
 4. the baseline builds its model, prefills the same prompt, and runs its first decode step on
    the same token (compilation lands here: untimed); its logits are compared with the
-   reference's: ``max |baseline - reference| <= rtol x max |reference|``, rtol by dtype as the
-   engines check candidates (:data:`kiln.engine_pool.check.RTOL`);
+   reference's as the engines check candidates (:func:`kiln.engine_pool.check.compare`: rtol
+   by dtype, and in reduced precision against kiln's forward in float32 arithmetic, within
+   twice the reference's own rounding error);
 5. ``warmup`` more untimed decode steps, then ``steps`` timed ones, each on a pre-drawn token at
    the next position (the cache grows by one token per step: ``context + 1 + warmup + steps``
    slots), timed as the engines time (:func:`kiln.engine_pool.timing.timer_for`: CUDA events up
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +35,9 @@ from typing import Any
 import torch
 
 from kiln.baselines.result import BaselineResult
+from kiln.engine_pool import check
 from kiln.engine_pool.check import RTOL
+from kiln.engine_pool.exact import exact_model
 from kiln.engine_pool.measurement import Timing
 from kiln.engine_pool.timing import CpuTimer, CudaTimer, summarize, time_after_untimed, timer_for
 from kiln.workloads.config import ModelConfig
@@ -145,33 +147,41 @@ def reference_model(point: OperatingPoint, max_seq_len: int) -> DecoderModel:
     )
 
 
-def reference_logits(point: OperatingPoint) -> Tensor:
+def reference_logits(point: OperatingPoint) -> tuple[Tensor, Tensor | None]:
     """kiln's reference forward on the point's weights: prefill the prompt, one decode step on
-    the first token. Returns ``[batch, V]`` float32 logits (the model and its cache are dropped).
-    """
+    the first token. Returns ``[batch, V]`` float32 logits, and in reduced precision the same
+    computed in float32 arithmetic (:func:`kiln.engine_pool.exact.exact_model`), else None
+    (the models and their caches are dropped)."""
     model = reference_model(point, point.context + 1)
     model.prefill(point.prompt)
     logits = model.decode_step(point.tokens[0]).float().clone()
+    exact = None
+    if point.dtype in (torch.bfloat16, torch.float16):
+        batch = point.prompt.shape[0]
+        view = exact_model(model, max_batch=batch, max_len=point.context + 1)
+        view.prefill(point.prompt)
+        exact = view.decode_step(point.tokens[0]).clone()
+        del view
     del model
-    return logits
+    return logits, exact
 
 
-def compare(got: Tensor, want: Tensor, dtype: torch.dtype) -> tuple[bool, float, float]:
-    """``(correct, max_abs_error, tolerance)`` of ``got`` vs ``want`` (``[batch, V]``), with
-    ``tolerance = RTOL[dtype] x max |want|`` (the engines' rule,
-    :data:`kiln.engine_pool.check.RTOL`). Non-finite values are an error of ``inf``.
+def compare(
+    got: Tensor, want: Tensor, dtype: torch.dtype, exact: Tensor | None = None
+) -> tuple[bool, float, float]:
+    """``(correct, max_abs_error, tolerance)`` of ``got`` vs ``want`` (``[batch, V]``) by the
+    engines' rule (:func:`kiln.engine_pool.check.compare` with ``RTOL[dtype]``; against
+    ``exact``, the float32 forward, when given). Non-finite values are an error of ``inf``.
 
     Raises:
         ValueError: the shapes differ.
     """
     if got.shape != want.shape:
         raise ValueError(f"logits of shape {tuple(got.shape)}, expected {tuple(want.shape)}")
-    got = got.float()
-    tolerance = RTOL[dtype] * float(want.abs().max())
-    if not bool(torch.isfinite(got).all()):
-        return False, math.inf, tolerance
-    err = float((got - want).abs().max())
-    return err <= tolerance, err, tolerance
+    verdict = check.compare(
+        [got.float()], [want], RTOL[dtype], exact=None if exact is None else [exact]
+    )
+    return verdict.correct, verdict.max_abs_error, verdict.tolerance
 
 
 def free(device: torch.device) -> None:
@@ -257,7 +267,7 @@ def measure(name: str, point: OperatingPoint, build: Build) -> BaselineResult:
     ]
     runner: Runner | None = None
     try:
-        want = reference_logits(point)
+        want, exact = reference_logits(point)
         free(point.device)
         t0 = time.perf_counter()
         runner = build(point)
@@ -265,7 +275,7 @@ def measure(name: str, point: OperatingPoint, build: Build) -> BaselineResult:
         with torch.no_grad():
             runner.prefill(point.prompt)
             first = runner.step(point.tokens[0], point.position(0)).float().clone()
-            correct, err, tol = compare(first, want, point.dtype)
+            correct, err, tol = compare(first, want, point.dtype, exact)
             for i in range(1, 1 + point.warmup):
                 runner.step(point.tokens[i], point.position(i))
             timer = timer_for(point.device)

@@ -81,6 +81,7 @@ from kiln.engine_pool.device_memory import (
     reset_peak,
 )
 from kiln.engine_pool.environment import environment
+from kiln.engine_pool.exact import exact_model, exact_step
 from kiln.engine_pool.integrity import (
     AttributeSnapshot,
     HarnessFingerprint,
@@ -135,10 +136,15 @@ def _timed(phases: dict[str, float], name: str, sync: Callable[[], None]) -> Ite
 
 
 def _compare(
-    got: list[Tensor], want: list[Tensor], rtol: float, rows: list[Tensor] | None
+    got: list[Tensor],
+    want: list[Tensor],
+    rtol: float,
+    rows: list[Tensor] | None,
+    exact: list[Tensor] | None,
 ) -> CheckResult:
-    """:func:`~kiln.engine_pool.check.compare`, called as before for a dense model (no rows)."""
-    return compare(got, want, rtol) if rows is None else compare(got, want, rtol, rows)
+    """:func:`~kiln.engine_pool.check.compare`, with ``rows`` and ``exact`` only when given."""
+    extra = {k: v for k, v in (("rows", rows), ("exact", exact)) if v is not None}
+    return compare(got, want, rtol, **extra)
 
 
 def _crash_text(phase: str, exc: BaseException) -> str:
@@ -700,7 +706,8 @@ class Engine:
             timed: how many timed steps ran (for the message).
             notes: the measurement's notes (an MoE model's routing-aware comparison adds one).
 
-        Cost: one reference decode step at the traffic shape per kept step.
+        Cost: one reference decode step at the traffic shape per kept step (two in reduced
+        precision: the float32 exact one too).
         """
         ref_guard = OutputGuard(self._protected)
         worst, tolerance = 0.0, 0.0
@@ -708,9 +715,10 @@ class Engine:
         for step, got in kept.kept():
             self._at_context()
             token = tokens[step].to(self.device)
+            exact = self._exact([functools.partial(exact_step, self.shape_reference, token)])
             ref = moe.record(self.shape_reference, "timed step")
             want = run_steps([functools.partial(ref.decode_step, token)], ref_guard)
-            verdict = _compare([got], want, rtol, moe.rows(ref))
+            verdict = _compare([got], want, rtol, moe.rows(ref), exact)
             if not verdict.correct:
                 reason = verdict.reason.removeprefix("step 0: ")
                 return CheckResult(
@@ -725,6 +733,17 @@ class Engine:
         if moe.applies and kept.kept():
             notes.append(f"moe, verified timed steps: {moe.rows_note()}")
         return CheckResult(True, worst, tolerance)
+
+    @property
+    def _reduced_precision(self) -> bool:
+        """bfloat16 / float16: comparisons also run the float32 exact forward."""
+        return self.dtype in (torch.bfloat16, torch.float16)
+
+    def _exact(self, calls: list[Callable[[], object]]) -> list[Tensor] | None:
+        """The float32 exact forward's logits of ``calls`` in reduced precision, else None."""
+        if not self._reduced_precision:
+            return None
+        return run_steps(calls, OutputGuard(self._protected))
 
     def _shape_token(self, seed: int) -> Tensor:
         """``[batch_size, 1]`` int64: the token of the step checked at the traffic shape."""
@@ -764,9 +783,10 @@ class Engine:
         self._at_context()
         token = self._shape_token(seed)
         moe = RoutedCheck(self.reference, rtol, lossy=rtol == LOSSY_RTOL)
+        exact = self._exact([functools.partial(exact_step, self.shape_reference, token)])
         ref = moe.record(self.shape_reference, "at the traffic shape")
         want = run_steps([functools.partial(ref.decode_step, token)], ref_guard)
-        shape_verdict = _compare(at_shape, want, rtol, moe.rows(ref))
+        shape_verdict = _compare(at_shape, want, rtol, moe.rows(ref), exact)
         if not shape_verdict.correct:
             where = f"batch {spec.batch_size}, context {spec.context_len}"
             return CheckResult(
@@ -792,14 +812,26 @@ class Engine:
             return out
 
         got = run_steps(calls(self.model), guard)
+        exact = None
+        if self._reduced_precision:
+            cache = self.reference.cache
+            fresh = exact_model(self.reference, max_batch=cache.max_batch, max_len=cache.max_len)
+            exact = self._exact(calls(fresh))
         ref = moe.record(self.reference, "check prefill/decode")
         want = run_steps(calls(ref), ref_guard)
         guard.poison()
         ref_guard.poison()
         self._at_context()
-        verdict = _compare(got, want, rtol, moe.rows(ref))
+        verdict = _compare(got, want, rtol, moe.rows(ref), exact)
         if not verdict.correct:
             return verdict
+        if exact is not None:
+            notes.append(
+                f"{self.dtype} check against the float32 exact forward: tolerance "
+                f"{shape_verdict.tolerance:.3g} at the traffic shape, {verdict.tolerance:.3g} "
+                f"on fresh prompts (max |error| {shape_verdict.max_abs_error:.3g}, "
+                f"{verdict.max_abs_error:.3g})"
+            )
         if moe.applies:
             layers = moe.check_layers(self.model)
             if not layers.correct:

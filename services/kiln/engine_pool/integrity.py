@@ -58,6 +58,7 @@ CANDIDATE_FILE_PREFIX = "<candidate:"
 WATCHED_PACKAGES = (
     "kiln.engine_pool.check",
     "kiln.engine_pool.moe_check",
+    "kiln.engine_pool.exact",
     "kiln.engine_pool.engine",
     "kiln.engine_pool.integrity",
     "kiln.engine_pool.timing",
