@@ -1,0 +1,339 @@
+"""Small-batch MoE decode: SwiGLU experts over only the routed experts' weights, two launches.
+
+For ``N`` tokens (decode: ``N`` up to about 16) each routed to ``k`` experts, a step reads at
+most ``N * k`` experts' weights; this module reads exactly those, straight from the stacked
+``[E, ...]`` weights (no gather copy, no sort):
+
+1. :func:`_gate_up_kernel`, grid ``(N * k, cdiv(I, block_i))``: program ``(s, j)`` owns
+   assignment ``s = n * k + r`` (token n, slot r, expert ``e = topk_ids[n, r]``) and
+   intermediate columns ``j * block_i ..``; it streams the ``block_i`` gate rows and the
+   matching up rows of expert e along H in ``[block_i, block_h]`` tiles against ``x[n]``
+   (float32 accumulation) and writes ``h[s] = silu(gate) * up`` in x's dtype.
+2. :func:`_down_kernel`, grid ``(N, cdiv(H, block_o))``: program ``(n, j)`` owns output columns
+   ``j * block_o ..`` of token n; for each slot r in increasing order it streams those rows of
+   ``down_weight[topk_ids[n, r]]`` along I against ``h[n * k + r]`` and adds
+   ``topk_weights[n, r] * y`` to a float32 accumulator: the weighted combine with no atomics
+   (deterministic, the same bits for the same inputs).
+
+Rounding mirrors kiln's plain-PyTorch ``moe`` (gate, up, SiLU, product and each expert's output
+rounded to the model dtype; each scaled expert output rounded), except that the per-token sum is
+accumulated in float32 and rounded once (more accurate than the reference's rounding after each
+add; they differ within the bfloat16 tolerance). Under Triton's interpreter bfloat16 rounding is
+emulated (:mod:`kiln.ops.kernels.rounding`), so CPU tests see the GPU's values.
+
+Launch configurations are explicit (no autotuning at call time), shapes depend only on ``N``,
+``k`` and the weights, and nothing reads device values on the host: calls are CUDA-graph
+capturable. Weight loads carry no eviction hint: tokens that share an expert re-read its rows,
+ideally from L2. Triton is imported with this module: import it lazily (``kiln.ops.moe_triton``
+does), and set ``TRITON_INTERPRET=1`` before Triton's first import when running on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.ops.kernels import runtime
+
+Tensor = torch.Tensor
+
+#: Float dtypes the kernels take.
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class MoeDecodeConfig:
+    """Launch configuration (powers of two; tiles are clamped to the shapes at launch).
+
+    Attributes:
+        block_i: intermediate columns (gate rows, and as many up rows) per gate/up program.
+        block_h: reduction chunk along H of the gate/up kernel.
+        block_o: output columns (down rows) per down program.
+        block_r: reduction chunk along I of the down kernel.
+        num_warps: warps per program.
+
+    Raises:
+        ValueError: a field not a positive power of two.
+    """
+
+    block_i: int = 8
+    block_h: int = 512
+    block_o: int = 16
+    block_r: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_i", "block_h", "block_o", "block_r", "num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+                raise ValueError(f"MoeDecodeConfig.{name} must be a power of two, got {v!r}")
+
+
+def default_config(tokens: int, hidden: int) -> MoeDecodeConfig:
+    """Thinner down tiles when few tokens would leave the down kernel with few programs
+    (``tokens * hidden / block_o`` programs; aims at >= 256 on an H200's 132 SMs). Not measured.
+    Under Triton's interpreter, wide tiles instead (it runs programs one at a time on the CPU:
+    fewer, larger programs are much faster there)."""
+    if runtime.interpreting():
+        return MoeDecodeConfig(block_i=64, block_h=512, block_o=64, block_r=256)
+    block_o = 16
+    while block_o > 2 and tokens * triton.cdiv(hidden, block_o) < 256:
+        block_o //= 2
+    return MoeDecodeConfig(block_o=block_o)
+
+
+@triton.jit
+def _round(y, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """``y`` (float32) rounded to ``DTYPE`` and widened back to float32 (round-to-nearest-even
+    by hand for bfloat16 under the interpreter, whose cast truncates; NaN kept)."""
+    out = y
+    if DTYPE == tl.bfloat16 and EMULATE_RNE:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        out = tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
+    elif DTYPE != tl.float32:
+        out = y.to(DTYPE).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    stride_xm,
+    ids_ptr,
+    w_ptr,
+    stride_we,
+    stride_wr,
+    h_ptr,
+    INTER: tl.constexpr,
+    HID: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """Program ``(s, j)``: ``h[s, j*BLOCK_I ..] = silu(x[n] @ gate_e.T) * (x[n] @ up_e.T)`` for
+    assignment ``s = n * TOP_K + r`` and its expert ``e = ids[s]`` (gate rows ``[:INTER]``, up
+    rows ``[INTER:]`` of ``w[e]``)."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    s = tl.program_id(0)
+    n = s // TOP_K
+    e = tl.load(ids_ptr + s).to(tl.int64)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_mask = offs_i < INTER
+    gate = w_ptr + e * stride_we + offs_i[:, None].to(tl.int64) * stride_wr
+    up = gate + INTER * stride_wr
+    x_row = x_ptr + n.to(tl.int64) * stride_xm
+    acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    for h0 in range(0, HID, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < HID
+        xv = tl.load(x_row + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        mask = i_mask[:, None] & h_mask[None, :]
+        wg = tl.load(gate + offs_h[None, :], mask=mask, other=0.0)
+        wu = tl.load(up + offs_h[None, :], mask=mask, other=0.0)
+        acc_g += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
+        acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
+    g = _round(acc_g, DTYPE, EMULATE_RNE)
+    u = _round(acc_u, DTYPE, EMULATE_RNE)
+    act = _round(g / (1.0 + tl.exp(-g)), DTYPE, EMULATE_RNE)
+    y = _round(act * u, DTYPE, EMULATE_RNE)
+    tl.store(h_ptr + s.to(tl.int64) * INTER + offs_i, y.to(DTYPE), mask=i_mask)
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    ids_ptr,
+    wts_ptr,
+    w_ptr,
+    stride_we,
+    stride_wr,
+    out_ptr,
+    stride_om,
+    INTER: tl.constexpr,
+    HID: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """Program ``(n, j)``: ``out[n, j*BLOCK_O ..] = sum_r wts[n, r] * (h[n*TOP_K + r] @
+    down_e.T)`` over slots r in increasing order, ``e = ids[n, r]``; float32 sum, rounded once."""
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    n = tl.program_id(0).to(tl.int64)
+    offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    o_mask = offs_o < HID
+    total = tl.zeros((BLOCK_O,), dtype=tl.float32)
+    for r in range(TOP_K):
+        s = n * TOP_K + r
+        e = tl.load(ids_ptr + s).to(tl.int64)
+        weight = tl.load(wts_ptr + s)
+        rows = w_ptr + e * stride_we + offs_o[:, None].to(tl.int64) * stride_wr
+        acc = tl.zeros((BLOCK_O,), dtype=tl.float32)
+        for i0 in range(0, INTER, BLOCK_R):
+            offs_r = i0 + tl.arange(0, BLOCK_R)
+            r_mask = offs_r < INTER
+            hv = tl.load(h_ptr + s * INTER + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+            wd = tl.load(
+                rows + offs_r[None, :],
+                mask=o_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            acc += tl.sum(wd.to(tl.float32) * hv[None, :], axis=1)
+        y = _round(acc, DTYPE, EMULATE_RNE)
+        total += _round(y * weight, DTYPE, EMULATE_RNE)
+    out = _round(total, DTYPE, EMULATE_RNE)
+    tl.store(out_ptr + n * stride_om + offs_o, out.to(DTYPE), mask=o_mask)
+
+
+# ------------------------------------------------------------------------------- host side
+
+
+def check_interpreter() -> bool:
+    """Whether the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``).
+
+    Raises:
+        kiln.ops.kernels.runtime.KernelUnavailableError: the variable is set but Triton was
+            imported before it was (the kernels would run compiled, or fail, on CPU tensors).
+    """
+    if not runtime.interpreting():
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(_down_kernel, InterpretedFunction):
+        raise runtime.KernelUnavailableError(
+            "TRITON_INTERPRET=1 was set after Triton (or kiln.ops.kernels.moe_decode) was "
+            "imported; set it before the first import of triton in the process"
+        )
+    return True
+
+
+def _check(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor, down_weight: Tensor
+) -> None:
+    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
+        raise ValueError(f"x must be a non-empty [N, H], got shape {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x dtype {x.dtype} not supported (supported: {DTYPES})")
+    n, h = x.shape
+    if gate_up_weight.dim() != 3 or down_weight.dim() != 3:
+        raise ValueError("gate_up_weight must be [E, 2I, H] and down_weight [E, H, I]")
+    e, two_i, _ = gate_up_weight.shape
+    inter = two_i // 2
+    if two_i % 2 or tuple(gate_up_weight.shape) != (e, 2 * inter, h) or inter < 1:
+        raise ValueError(f"gate_up_weight must be [E, 2I, {h}], got {tuple(gate_up_weight.shape)}")
+    if tuple(down_weight.shape) != (e, h, inter):
+        raise ValueError(f"down_weight must be [{e}, {h}, {inter}], got {tuple(down_weight.shape)}")
+    for name, w in (("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"{name} must be {x.dtype} on {x.device}, got {w.dtype} on {w.device}")
+        if w.stride(2) != 1:
+            raise ValueError(f"{name} must have unit stride along its last dim")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be [{n}, k], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.device != x.device:
+        raise ValueError(f"topk_ids must be int32/int64 on {x.device}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights must be {tuple(topk_ids.shape)}")
+    if topk_weights.dtype != torch.float32 or topk_weights.device != x.device:
+        raise ValueError(f"topk_weights must be float32 on {x.device}")
+
+
+def moe_decode(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    gate_up_weight: Tensor,
+    down_weight: Tensor,
+    *,
+    config: MoeDecodeConfig | None = None,
+) -> Tensor:
+    """``out[n] = sum_r topk_weights[n, r] * down_e(silu(gate_e(x[n])) * up_e(x[n]))`` with
+    ``e = topk_ids[n, r]``, reading only the routed experts' weights (module docs).
+
+    Args:
+        x: ``[N, H]`` float32/float16/bfloat16 tokens (unit stride along H after a copy if not).
+        topk_ids: ``[N, k]`` int32/int64 experts, each in ``0..E-1`` (not checked: that would
+            synchronise with the host; an id out of range reads out of bounds).
+        topk_weights: ``[N, k]`` float32 combine weights (already rounded to x's dtype when the
+            model rounds them).
+        gate_up_weight: ``[E, 2I, H]`` in x's dtype, gate rows ``[:I]`` then up rows ``[I:]``.
+        down_weight: ``[E, H, I]`` in x's dtype. Both with unit stride along the last dim.
+        config: launch configuration (default :func:`default_config`).
+
+    Returns:
+        ``[N, H]`` in x's dtype; a new tensor.
+
+    Raises:
+        ValueError: shape, dtype, stride or device mismatches.
+        kiln.ops.kernels.runtime.KernelUnavailableError: Triton cannot run on ``x.device``.
+    """
+    _check(x, topk_ids, topk_weights, gate_up_weight, down_weight)
+    runtime.require(x.device)
+    interp = check_interpreter()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ids, wts = topk_ids.contiguous(), topk_weights.contiguous()
+    n, h = x.shape
+    k = ids.shape[1]
+    inter = down_weight.shape[2]
+    cfg = config or default_config(n, h)
+    emulate = interp and x.dtype == torch.bfloat16
+    hidden = torch.empty((n * k, inter), dtype=x.dtype, device=x.device)
+    block_i = min(cfg.block_i, triton.next_power_of_2(inter))
+    _gate_up_kernel[(n * k, triton.cdiv(inter, block_i))](
+        x,
+        x.stride(0),
+        ids,
+        gate_up_weight,
+        gate_up_weight.stride(0),
+        gate_up_weight.stride(1),
+        hidden,
+        INTER=inter,
+        HID=h,
+        TOP_K=k,
+        BLOCK_I=block_i,
+        BLOCK_H=min(cfg.block_h, triton.next_power_of_2(h)),
+        EMULATE_RNE=emulate,
+        num_warps=cfg.num_warps,
+    )
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    block_o = min(cfg.block_o, triton.next_power_of_2(h))
+    _down_kernel[(n, triton.cdiv(h, block_o))](
+        hidden,
+        ids,
+        wts,
+        down_weight,
+        down_weight.stride(0),
+        down_weight.stride(1),
+        out,
+        out.stride(0),
+        INTER=inter,
+        HID=h,
+        TOP_K=k,
+        BLOCK_O=block_o,
+        BLOCK_R=min(cfg.block_r, triton.next_power_of_2(inter)),
+        EMULATE_RNE=emulate,
+        num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def moe_decode_reference(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor, down_weight: Tensor
+) -> Tensor:
+    """Plain PyTorch :func:`moe_decode` (same roundings; a per-slot loop, for tests)."""
+    inter = down_weight.shape[2]
+    total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for r in range(topk_ids.shape[1]):
+        e = topk_ids[:, r]
+        gu = torch.bmm(gate_up_weight[e], x.unsqueeze(-1)).squeeze(-1)
+        gate, up = gu[:, :inter], gu[:, inter:]
+        hidden = torch.nn.functional.silu(gate) * up
+        y = torch.bmm(down_weight[e], hidden.unsqueeze(-1)).squeeze(-1)
+        total += (y.float() * topk_weights[:, r, None]).to(x.dtype).float()
+    return total.to(x.dtype)

@@ -1,0 +1,119 @@
+"""``moe`` "triton_gather": small-batch decode over only the routed experts (CUDA only).
+
+Routing is :func:`kiln.ops.moe.route` (so it picks the same experts as every other ``moe``
+implementation; the combine weights rounded to the model dtype when ``round_router_weights``);
+the experts run in :func:`kiln.ops.kernels.moe_decode.moe_decode`: a fused gate/up GEMV per
+(token, slot) reading only that slot's expert, then the down GEMV with the weighted combine, one
+program per (token, output block) adding the slots in order (no atomics, deterministic). Same
+contract as :func:`kiln.ops.moe.reference`; the per-token sum is float32, rounded once.
+
+Batches with more than :data:`MAX_ASSIGNMENTS` (token, expert) assignments run the
+``reference`` (grouped GEMM): there the experts' weights are shared by many tokens and a
+per-assignment GEMV would re-read them. The choice depends on shapes only, so a captured or
+compiled step never changes path. Off CUDA the kernel runs only under Triton's interpreter
+(``TRITON_INTERPRET=1``, CPU tensors; for tests); elsewhere (CPU without it, meta tensors) the
+call runs the reference, so generic ``moe`` tests and shape passes work on any device — the
+registration still offers it on CUDA only.
+
+Under ``torch.compile`` the kernels are called through the custom op ``kiln::moe_gather``
+(opaque to Inductor, as ``kiln::decode_attention`` is); eager calls go straight to the kernels.
+The kernel module is imported on first call, not here (importing :mod:`kiln.ops` must not import
+Triton and fix its interpret-or-compile choice).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kiln.ops.moe import reference, route
+from kiln.ops.registry import register
+
+Tensor = torch.Tensor
+
+MAX_ASSIGNMENTS = 64
+"""Largest ``N * top_k`` (tokens times experts per token) the kernel path takes; above it the
+call runs ``reference``. Decode at batch 1-8 with top-k 8 (Qwen3-MoE) or batch <= 32 with top-k
+2 (Mixtral) stays on the kernel. Not measured yet."""
+
+
+def _kernel_runs(device: torch.device) -> bool:
+    """Whether the kernels can run on ``device``: CUDA, or CPU under Triton's interpreter."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@register("moe", "triton_gather", devices=("cuda",))
+def triton_gather(
+    x: Tensor,
+    *,
+    router_weight: Tensor,
+    gate_up_weight: Tensor,
+    down_weight: Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    round_router_weights: bool,
+    router_bias: Tensor | None = None,
+) -> Tensor:
+    """:func:`route`, then the gather-GEMV kernels (module docs); ``reference`` above
+    :data:`MAX_ASSIGNMENTS` assignments or where the kernels cannot run.
+
+    Args:
+        x: ``[B, T, H]`` (model dtype); params as in :mod:`kiln.ops.moe`.
+
+    Returns:
+        ``[B, T, H]`` in ``x.dtype``.
+
+    Raises:
+        kiln.ops.kernels.runtime.KernelUnavailableError: Triton is not installed (CUDA).
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    if not 1 <= n * top_k <= MAX_ASSIGNMENTS or not _kernel_runs(x.device):
+        return reference(
+            x,
+            router_weight=router_weight,
+            gate_up_weight=gate_up_weight,
+            down_weight=down_weight,
+            top_k=top_k,
+            norm_topk_prob=norm_topk_prob,
+            round_router_weights=round_router_weights,
+            router_bias=router_bias,
+        )
+    weights, experts = route(
+        flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias
+    )
+    if round_router_weights:
+        weights = weights.to(x.dtype).float()
+    if torch.compiler.is_compiling():
+        out = moe_gather_op(flat, experts, weights, gate_up_weight, down_weight)
+    else:
+        out = _experts(flat, experts, weights, gate_up_weight, down_weight)
+    return out.view(x.shape)
+
+
+def _experts(
+    x: Tensor, experts: Tensor, weights: Tensor, gate_up_weight: Tensor, down_weight: Tensor
+) -> Tensor:
+    from kiln.ops.kernels.moe_decode import moe_decode
+
+    return moe_decode(x, experts, weights, gate_up_weight, down_weight)
+
+
+@torch.library.custom_op("kiln::moe_gather", mutates_args=())
+def moe_gather_op(
+    x: Tensor, experts: Tensor, weights: Tensor, gate_up_weight: Tensor, down_weight: Tensor
+) -> Tensor:
+    """:func:`kiln.ops.kernels.moe_decode.moe_decode` as an op ``torch.compile`` does not trace
+    into: ``x [N, H]``, ``experts [N, k]`` int64, ``weights [N, k]`` float32, stacked expert
+    weights; returns a new ``[N, H]`` tensor in x's dtype."""
+    return _experts(x, experts, weights, gate_up_weight, down_weight)
+
+
+@moe_gather_op.register_fake
+def _moe_gather_fake(
+    x: Tensor, experts: Tensor, weights: Tensor, gate_up_weight: Tensor, down_weight: Tensor
+) -> Tensor:
+    return x.new_empty(x.shape)
