@@ -1,8 +1,10 @@
-"""Serving a ServiceApp in the test's event loop on a free loopback port."""
+"""Serving a ServiceApp in the test's event loop on a free port; a command run beside it."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 
 from kiln.common.server import serve
 from kiln.common.settings import KilnSettings
@@ -23,3 +25,27 @@ async def serve_in_task(app: object, cfg: KilnSettings) -> tuple[asyncio.Task[No
     )
     await asyncio.wait_for(started.wait(), 20)
     return task, addr
+
+
+async def run_command(*argv: str, timeout_s: float = 120.0) -> tuple[int, str]:
+    """``argv`` run as a child process with this Python (``("-m", "kiln", ...)`` is the CLI);
+    its exit code and its stdout then stderr.
+
+    A child process, not a thread of this one: the client inside would run gRPC's asyncio
+    support in a second event loop beside the servers of this one, which gRPC does not support
+    (a server's shutdown then hangs now and then)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *argv,
+        env={**os.environ, "COLUMNS": "200"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return proc.returncode, out.decode() + err.decode()

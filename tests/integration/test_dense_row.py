@@ -5,7 +5,6 @@ batch, context and trace."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import sys
@@ -21,6 +20,7 @@ from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 from tests.unit.test_baselines_table_limit import KV_PER_TOKEN, LLAMA_1B, WEIGHTS
 
 from .events_factory import new_id
+from .serving import run_command
 
 pytestmark = pytest.mark.integration
 
@@ -210,10 +210,13 @@ async def test_dense_row_command_line(ledger_addr: str, tmp_path: Path) -> None:
     out = tmp_path / "h200_dense.json"
     args = [cid, "--trace", "conv.csv", "--command", "kiln compile ...", "--out", str(out)]
     addr = ["--ledger-addr", ledger_addr, "--team", "search"]
-    assert await asyncio.to_thread(dense_row.main, [*args, *addr]) == 0
+    script = str(ROOT / "benchmarks/dense_row.py")
+    code, text = await run_command(script, *args, *addr)
+    assert code == 0, text
     (row,) = json.loads(out.read_text())
     assert row["trace"] == "conv.csv" and row["gpt_fast"] == 742.0
-    assert await asyncio.to_thread(dense_row.main, [new_id(), *addr[:2], "--out", str(out)]) == 1
+    code, text = await run_command(script, new_id(), *addr[:2], "--out", str(out))
+    assert code == 1, text
     assert len(json.loads(out.read_text())) == 1
 
 

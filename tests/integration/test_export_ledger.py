@@ -3,15 +3,12 @@ gRPC, real PostgreSQL), then the artifact loaded and checked against the referen
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 import kiln
-from kiln.cli.main import app
 from kiln.engine_pool.environment import environment
 from kiln.export.artifact import read_artifact
 from kiln.ledger.client import LedgerClient
@@ -20,6 +17,7 @@ from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 from tests.unit.engine_testing import HANDWRITTEN_MLP, tiny_workload
 
 from .events_factory import new_id
+from .serving import run_command
 
 pytestmark = pytest.mark.integration
 
@@ -127,11 +125,7 @@ async def _compilation(
 
 
 async def _kiln(addr: str, *args: str) -> tuple[int, str]:
-    runner = CliRunner()
-    result = await asyncio.to_thread(
-        runner.invoke, app, ["--team", "search", "--ledger-addr", addr, *args]
-    )
-    return result.exit_code, result.output
+    return await run_command("-m", "kiln", "--team", "search", "--ledger-addr", addr, *args)
 
 
 async def test_export_writes_a_loadable_artifact(ledger_addr: str, tmp_path: Path) -> None:

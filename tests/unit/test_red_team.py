@@ -24,6 +24,7 @@ import torch
 
 from kiln.engine_pool import red_team
 from kiln.engine_pool.check import TimedOutputs
+from kiln.engine_pool.dispatch_watch import DispatchTables
 from kiln.engine_pool.engine import Engine
 from kiln.engine_pool.integrity import HarnessFingerprint, ThreadWatch
 from kiln.engine_pool.measurement import Measurement
@@ -40,6 +41,14 @@ LIMITS = EngineLimits(max_batch=4, max_context=32, fast_layers=2, prompt_len=8, 
 # work deferred to a thread is still running when the timed call returns.
 VOCAB = 4096
 PERF_COUNTER = time.perf_counter
+
+
+@pytest.fixture(autouse=True)
+def _dispatcher_left_as_found() -> Iterator[None]:
+    """No cheat's kernel outlives its test (else every later reference computes with it)."""
+    tables = DispatchTables.take()
+    yield
+    assert tables.changes() == []
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +95,14 @@ def test_output_cheats_pass_every_check_but_the_timed_one(
 
 
 @pytest.mark.parametrize(
-    "name", ["shared_class_patch", "kernel_override", "gate_patch", "fake_clock"]
+    "name",
+    [
+        "shared_class_patch",
+        "kernel_override",
+        "hidden_kernel_override",
+        "gate_patch",
+        "fake_clock",
+    ],
 )
 def test_tampering_cheats_fool_the_comparison_alone(engine: Engine, name: str) -> None:
     """Changing what the reference (or the comparison, or the clock) does makes the outputs
@@ -283,6 +299,19 @@ def test_fingerprint_sees_and_undoes_patches_of_the_reference_and_numerics() -> 
     assert not hasattr(DecoderModel, "extra") and torch.nn.functional.linear is linear
     assert torch.get_float32_matmul_precision() == "highest"
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_dispatch_tables_name_and_undo_a_kernel_hidden_from_torch_library() -> None:
+    tables = DispatchTables.take()
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("mm", lambda a, b: a.new_zeros(a.shape[0], b.shape[1]), "CPU")
+    torch.library._impls.difference_update(lib._op_impls)  # what a finalizer or a cheat does
+    ones = torch.ones(2, 2)
+    assert (ones @ ones).eq(0).all()
+    assert [line.split(" (")[0] for line in tables.changes()] == [
+        "dispatcher kernel for aten::mm at CPU replaced"
+    ]
+    assert tables.restore() == [] and (ones @ ones).eq(2).all()
 
 
 def test_fingerprint_covers_instances_given() -> None:

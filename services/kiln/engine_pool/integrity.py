@@ -10,10 +10,10 @@ correctness gate (:mod:`kiln.engine_pool.check`) is backed by two watches:
   ``torch``, ``torch.nn.functional``, ``time``, ``builtins``...), every attribute of the
   classes defined there (and of ``torch.Tensor``), the engine's reference models and their
   bound ops, the timer — down to each Python function's code object, defaults and closure
-  cells; plus the global state
-  that changes what the reference computes (float32 matmul precision, TF32 and reduced-precision
-  flags, torch function/dispatch modes, Python kernels registered with ``torch.library``, the
-  trace and profile hooks). A candidate that patches ``DecoderModel._layer``,
+  cells; plus the global state that changes what the reference computes (float32 matmul
+  precision, TF32 and reduced-precision flags, torch function/dispatch modes, the dispatcher's
+  kernels for ``aten`` ops (:mod:`kiln.engine_pool.dispatch_watch`), the trace and profile
+  hooks). A candidate that patches ``DecoderModel._layer``,
   ``torch.nn.functional.linear``, ``time.perf_counter`` or the engine's ``compare``, or turns on
   TF32, or overrides ``aten::mm`` through ``torch.library``, changes the reference too — the
   comparison alone cannot see that; this can. What it changed is put back
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import itertools
 import operator
 import os
@@ -50,6 +49,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from kiln.engine_pool.dispatch_watch import DispatchTables
 
 CANDIDATE_FILE_PREFIX = "<candidate:"
 """Code modules are compiled under ``<candidate:NAME#i>`` (see
@@ -418,20 +419,6 @@ def _global_flags() -> list[_Flag]:
     return flags
 
 
-def _registered() -> frozenset[str]:
-    """Every Python kernel registered through ``torch.library`` (``ns/op/dispatch key``)."""
-    impls = getattr(torch.library, "_impls", None)
-    return frozenset(impls) if isinstance(impls, set) else frozenset()
-
-
-def _reference_kernels(names: Iterable[str]) -> list[str]:
-    """Those of ``names`` that change what a reference op computes: ``aten`` ops at dispatch
-    keys that run computations (``aten/mm/CPU``...; ``Meta`` kernels only compute shapes).
-    Kernels of other namespaces are new ops (``torch.compile`` registers ``prims`` and
-    ``_c10d_functional`` ones when first imported)."""
-    return sorted(k for k in names if k.startswith("aten/") and not k.endswith("/Meta"))
-
-
 def _modules() -> Iterator[types.ModuleType]:
     for name, mod in list(sys.modules.items()):
         if isinstance(mod, types.ModuleType) and (
@@ -473,13 +460,14 @@ class HarnessFingerprint:
     with :meth:`refresh`); :meth:`changes` afterwards says what differs, :meth:`restore` puts
     back what it can. Some 5,000 attributes are compared by identity, their insides through
     C-level ``map``: a take costs a few milliseconds, a comparison or a refresh with nothing
-    changed about one (on the CPUs of an H200 host; 2 ms on a loaded 2-core VM).
+    changed about one (on the CPUs of an H200 host; 2 ms on a loaded 2-core VM), plus one dump
+    of the dispatcher's tables each (:mod:`kiln.engine_pool.dispatch_watch`).
     """
 
     namespaces: list[AttributeSnapshot]
     flags: list[tuple[_Flag, object]]
     modes: tuple[int, int]
-    kernels: frozenset[str]
+    dispatch: DispatchTables
     _static: list[_Target] = field(default_factory=list)
     _modules_seen: int = -1
 
@@ -489,7 +477,7 @@ class HarnessFingerprint:
     ) -> HarnessFingerprint:
         """Record the watched modules, classes and global state, and ``instances``: ``(label,
         object, attribute names or None for all)``, e.g. the engine's reference models."""
-        fingerprint = HarnessFingerprint([], [], (0, 0), frozenset())
+        fingerprint = HarnessFingerprint([], [], (0, 0), DispatchTables())
         fingerprint.refresh(instances)
         return fingerprint
 
@@ -522,12 +510,12 @@ class HarnessFingerprint:
                 changed += space.changes()
                 space.take()
             spaces.append(space)
-        if self.flags or self.kernels:
-            changed += self._global_changes()
+        if self.flags:
+            changed += self._global_changes(dispatch=False)
+        changed += self.dispatch.advance()
         self.namespaces = spaces
         self.flags = [(f, f.get()) for f in _global_flags()]
         self.modes = _mode_depths()
-        self.kernels = _registered()
         return changed
 
     def changes(self) -> list[str]:
@@ -537,7 +525,7 @@ class HarnessFingerprint:
             out.extend(space.changes())
         return out + self._global_changes()
 
-    def _global_changes(self) -> list[str]:
+    def _global_changes(self, dispatch: bool = True) -> list[str]:
         out: list[str] = []
         for flag, value in self.flags:
             now = flag.get()
@@ -548,11 +536,7 @@ class HarnessFingerprint:
             out.append(f"torch function modes: {self.modes[0]} -> {fn_depth} active")
         if dispatch_depth != self.modes[1]:
             out.append(f"torch dispatch modes: {self.modes[1]} -> {dispatch_depth} active")
-        now = _registered()
-        added = _reference_kernels(now - self.kernels) if now != self.kernels else []
-        if added:
-            out.append(f"torch.library kernels registered: {', '.join(added[:8])}")
-        return out
+        return out + (self.dispatch.changes() if dispatch else [])
 
     def restore(self) -> list[str]:
         """Put back every changed attribute, flag and mode stack; returns what could not be
@@ -575,21 +559,10 @@ class HarnessFingerprint:
             torch._C._pop_torch_function_stack()
         while torch._C._len_torch_dispatch_stack() > self.modes[1]:
             torch._C._pop_torch_dispatch_stack()
-        added = _reference_kernels(_registered() - self.kernels)
-        if added:
-            _drop_libraries(frozenset(added))
-            left = _reference_kernels(_registered() - self.kernels)
-            if left:
-                problems.append(f"torch.library kernels stay registered: {left[:8]}")
+        left = self.dispatch.restore()
+        if left:
+            problems.append(f"dispatcher kernels stay replaced: {'; '.join(left[:4])}")
         return problems
-
-
-def _drop_libraries(kernels: frozenset[str]) -> None:
-    """Destroy the ``torch.library.Library`` objects that registered any of ``kernels`` (found
-    through the garbage collector: some 100 ms, only after tampering)."""
-    for obj in gc.get_objects():
-        if type(obj) is torch.library.Library and obj._op_impls & kernels:
-            obj._destroy()
 
 
 def _mode_depths() -> tuple[int, int]:

@@ -332,6 +332,23 @@ for _key in ("CPU", "CUDA"):
 """,
 )
 
+HIDDEN_KERNEL_OVERRIDE = _module(
+    "hidden_kernel_override",
+    """
+_lib = torch.library.Library("aten", "IMPL")
+
+
+def _no_mm(a, b):
+    return a.new_zeros(a.shape[0], b.shape[1])
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("mm", _no_mm, _key)
+# torch.library's own record of Python kernels is a plain set: the override leaves no trace there.
+torch.library._impls.difference_update(_lib._op_impls)
+""",
+)
+
 GATE_PATCH = _module(
     "gate_patch",
     """
@@ -541,7 +558,16 @@ CHEATS: tuple[Cheat, ...] = (
         "matrix product in the process, the reference's included, is skipped",
         {},
         KERNEL_OVERRIDE,
-        (TAMPERED, "torch.library kernels registered: aten/addmm/"),
+        (TAMPERED, "dispatcher kernel for aten::addmm at"),
+    ),
+    _cheat(
+        "hidden_kernel_override",
+        "d",
+        "registers a zero aten::mm kernel through torch.library, then deletes it from "
+        "torch.library's bookkeeping: a harness that reads that bookkeeping sees nothing",
+        {},
+        HIDDEN_KERNEL_OVERRIDE,
+        (TAMPERED, "dispatcher kernel for aten::mm at"),
     ),
     _cheat(
         "gate_patch",
