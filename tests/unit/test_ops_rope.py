@@ -8,6 +8,7 @@ import torch
 from kiln.ops import rope
 from kiln.ops.registry import get, implementations
 from kiln.workloads.config import parse_config
+from kiln.workloads.models import rope_frequencies
 from tests.unit.op_testing import DTYPES, assert_close, randn
 
 ALTERNATIVES = [i for i in implementations("rope") if i != "reference"]
@@ -37,7 +38,7 @@ def test_inv_freq_matches_transformers(scaling: bool) -> None:
     from transformers import LlamaConfig
 
     raw = dict(LLAMA3) if scaling else {k: v for k, v in LLAMA3.items() if k != "rope_scaling"}
-    ours = rope.inv_freq(parse_config(raw))
+    ours = rope_frequencies.inv_freq(parse_config(raw))
     hf_config = LlamaConfig.from_dict(raw)
     if scaling:
         theirs, _ = mr._compute_llama3_parameters(hf_config)
@@ -49,8 +50,8 @@ def test_inv_freq_matches_transformers(scaling: bool) -> None:
 
 def test_unsupported_rope_type_is_named() -> None:
     raw = dict(LLAMA3, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(rope.UnsupportedRopeError, match="'yarn'"):
-        rope.inv_freq(parse_config(raw))
+    with pytest.raises(rope_frequencies.UnsupportedRopeError, match="'yarn'"):
+        rope_frequencies.inv_freq(parse_config(raw))
 
 
 def test_reference_matches_transformers_apply_rotary() -> None:
@@ -58,7 +59,7 @@ def test_reference_matches_transformers_apply_rotary() -> None:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     torch.manual_seed(0)
-    freq = rope.inv_freq(parse_config(LLAMA3))
+    freq = rope_frequencies.inv_freq(parse_config(LLAMA3))
     q, k = torch.randn(2, 4, 5, 64), torch.randn(2, 2, 5, 64)
     positions = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
     emb = positions[..., None].float() * freq

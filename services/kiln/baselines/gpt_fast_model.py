@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.ops.rope import inv_freq
 from kiln.workloads.config import ModelConfig
+from kiln.workloads.models.rope_frequencies import inv_freq
 from kiln.workloads.weights import LM_HEAD, WeightStore
 
 Tensor = torch.Tensor
@@ -140,7 +140,8 @@ class GptFastTransformer(nn.Module):
 
     Raises:
         ValueError: a config :func:`unsupported` refuses (the message says why).
-        kiln.ops.rope.UnsupportedRopeError: a RoPE type kiln does not implement.
+        UnsupportedRopeError: a RoPE type kiln does not implement
+            (:mod:`kiln.workloads.models.rope_frequencies`).
         kiln.workloads.weights.WeightError: a weight missing from ``store``.
     """
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from kiln.ops.rope import SUPPORTED_ROPE_TYPES, rope_parameters
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.models import routing
 from kiln.workloads.models.binding import OpBinding
 from kiln.workloads.models.decoder import DecoderModel
 from kiln.workloads.models.kv_cache import StaticKVCache
+from kiln.workloads.models.rope_frequencies import SUPPORTED_ROPE_TYPES, rope_parameters
 from kiln.workloads.weights import WeightStore, load_safetensors, seeded_random
 
 BUILDABLE_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral")

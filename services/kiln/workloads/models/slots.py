@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
 
-from kiln.ops import rope
 from kiln.workloads.config import ModelConfig
+from kiln.workloads.models import rope_frequencies
 from kiln.workloads.weights import LM_HEAD, ROUTER_BIAS, WeightStore
 
 S = TypeVar("S")
@@ -173,9 +173,10 @@ def dense_decoder_slots(
 
     Raises:
         kiln.workloads.weights.WeightError: a weight the forward needs is not in ``store``.
-        kiln.ops.rope.UnsupportedRopeError: a RoPE type kiln does not implement.
+        UnsupportedRopeError: a RoPE type kiln does not implement
+            (:mod:`kiln.workloads.models.rope_frequencies`).
     """
-    freq = rope.inv_freq(config, device=store[LM_HEAD].device)
+    freq = rope_frequencies.inv_freq(config, device=store[LM_HEAD].device)
     rope_site = Site("rope", "model.rotary_emb", {"inv_freq": freq, "max_positions": max_positions})
     return ModelSlots(
         embedding=Site(
