@@ -90,13 +90,17 @@ def test_coordinate_on_a_gpu_space_starts_with_its_transforms_stacked() -> None:
     first = agent.propose(view, gpu)
     assert first is not None and first.why.startswith("start:")
     assert {t.name for t in first.candidate.transforms} == {"cuda_graph", "fused_decode"}
-    assert not first.candidate.ops  # everything else at its default
+    # prefill attention without a score matrix (decode runs the fused chain's own kernel);
+    # everything else at its default
+    assert dict(first.candidate.ops) == {"attention": "sdpa"}
     view.take(_claim(first.candidate))
     second = agent.propose(view, gpu)
     assert second is not None and "from reference" in second.why
     assert SPACE.stacked() is None  # the CPU space has no on/off transform
     no_fused = type(gpu)([d for d in gpu.dims if not d.name.startswith("fused_decode")])
-    assert {t.name for t in no_fused.stacked().transforms} == {"cuda_graph"}  # type: ignore[union-attr]
+    graph_only = no_fused.stacked()
+    assert graph_only is not None and {t.name for t in graph_only.transforms} == {"cuda_graph"}
+    assert not graph_only.ops  # without fused_decode the bound attention op serves decode too
 
 
 def test_random_search_is_seeded_and_covers_the_space() -> None:

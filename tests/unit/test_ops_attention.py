@@ -82,3 +82,22 @@ def test_cache_mask_shape_and_values() -> None:
     mask = attention.cache_mask(torch.tensor([[0, 1, 2]]), torch.tensor([2]), 4)
     assert mask.shape == (1, 1, 3, 4) and mask.dtype == torch.bool
     assert mask[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+def test_sdpa_whole_prompt_prefill_matches_the_reference(dtype: torch.dtype, group: int) -> None:
+    """The maskless causal path (every row a whole prompt from position 0) computes what the
+    masked reference does, with stale data in the cache slots beyond the prompt."""
+    torch.manual_seed(group)
+    batch, tokens = 3, 7
+    q, k, v, _, _ = _case(batch, tokens, group, dtype)
+    k[:, :, tokens:], v[:, :, tokens:] = 1e4, -1e4  # never read by a correct prompt step
+    positions = torch.arange(tokens).expand(batch, tokens)
+    seq_lens = torch.full((batch,), tokens)
+    scale = HEAD_DIM**-0.5
+    expected = attention.reference(q, k, v, positions, seq_lens, scale=scale)
+    assert_close(attention.sdpa(q, k, v, positions, seq_lens, scale=scale), expected)
+    assert attention._whole_prompt(positions, seq_lens, CACHE_LEN)
+    assert not attention._whole_prompt(positions, torch.tensor([7, 3, 7]), CACHE_LEN)
+    assert not attention._whole_prompt(positions + 1, seq_lens + 1, CACHE_LEN)

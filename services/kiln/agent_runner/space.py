@@ -52,6 +52,9 @@ THREADS = "threads"
 TORCH_COMPILE = "torch_compile"
 CUDA_GRAPH = "cuda_graph"
 FUSED_DECODE = "fused_decode"
+PREFILL_ATTENTION = "sdpa"
+"""The attention implementation a stacked start binds for prefill (whole prompts run causal
+SDPA without a score matrix: :func:`kiln.ops.attention.sdpa`)."""
 PARAM_SEP = "."
 """``transform.param``: the name of a transform-parameter dimension."""
 
@@ -287,13 +290,22 @@ class CandidateSpace:
 
     def stacked(self) -> Candidate | None:
         """The point with every on/off transform of the space on (``cuda_graph`` and
-        ``fused_decode`` on a GPU target: the engine's fastest known path), everything else at
-        its default; None when the space has no such transform or the point is excluded."""
+        ``fused_decode`` on a GPU target: the engine's fastest known path), and, with
+        ``fused_decode`` on (decode then no longer calls the bound attention op), the attention
+        op of :data:`PREFILL_ATTENTION` where the space offers it, so prefill does not build
+        the reference's float32 score matrix; everything else at its default. None when the
+        space has no such transform or the point is excluded."""
         point: dict[str, Value] = {
             d.name: "on" for d in self.dims if d.op is None and d.values == (None, "on")
         }
         if not point or self.excluded(point) is not None:
             return None
+        attention = next((d for d in self.dims if d.op == "attention"), None)
+        if FUSED_DECODE in point and attention is not None:
+            if PREFILL_ATTENTION in attention.values:
+                faster = {**point, attention.name: PREFILL_ATTENTION}
+                if self.excluded(faster) is None:
+                    point = faster
         return self.candidate(point)
 
     def neighbours(self, candidate: Candidate) -> list[tuple[str, Value, Candidate]]:

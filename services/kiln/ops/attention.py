@@ -71,6 +71,18 @@ def reference(
     return torch.matmul(probs, v_cache.float()).view(b, hq, t, d).to(q.dtype)
 
 
+def _whole_prompt(positions: Tensor, seq_lens: Tensor, cache_len: int) -> bool:
+    """True when every row of the step is a prompt from position 0 filling exactly its ``T``
+    positions (a host sync; False while capturing a CUDA graph or tracing for compile)."""
+    t = positions.shape[1]
+    if t > cache_len or torch.compiler.is_compiling():
+        return False
+    if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    steps = torch.arange(t, device=positions.device)
+    return bool(((positions == steps).all() & (seq_lens == t).all()).item())
+
+
 @register("attention", "sdpa")
 def sdpa(
     q: Tensor,
@@ -81,9 +93,25 @@ def sdpa(
     *,
     scale: float,
 ) -> Tensor:
-    """``torch.nn.functional.scaled_dot_product_attention`` with the boolean cache mask and
-    ``enable_gqa`` (torch >= 2.5); PyTorch picks the backend. Same contract as
-    :func:`reference`; accumulation as the backend does it (float32 on CPU and GPU)."""
+    """``torch.nn.functional.scaled_dot_product_attention`` with ``enable_gqa`` (torch >= 2.5);
+    PyTorch picks the backend. Same contract as :func:`reference`; accumulation as the backend
+    does it (float32 on CPU and GPU).
+
+    A whole-prompt prefill (``T > 1``, every row at positions ``0..T-1`` with ``seq_lens == T``)
+    attends causally over the first ``T`` cache slots with no mask tensor, which lets PyTorch
+    pick its flash or memory-efficient kernel (no ``[B, H, T, S]`` scores); deciding that costs
+    one device-to-host sync, so it is skipped inside CUDA-graph capture and ``torch.compile``.
+    Every other step uses the boolean cache mask."""
+    t = q.shape[2]
+    if t > 1 and _whole_prompt(positions, seq_lens, k_cache.shape[2]):
+        return F.scaled_dot_product_attention(
+            q,
+            k_cache[:, :, :t],
+            v_cache[:, :, :t],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=q.shape[1] != k_cache.shape[1],
+        )
     mask = cache_mask(positions, seq_lens, k_cache.shape[2])
     return F.scaled_dot_product_attention(
         q,
