@@ -25,7 +25,6 @@ import sqlalchemy
 
 from kiln.agent_runner.agents import DEFAULT_AGENTS, Lab, Outcome, build_agents
 from kiln.agent_runner.agents.combiner import CombinerAgent
-from kiln.agent_runner.agents.optuna_search import open_storage, resolve_storage
 from kiln.agent_runner.agents.view import result_body
 from kiln.agent_runner.budget import ExperimentBudget
 from kiln.agent_runner.experiment import Completed
@@ -170,8 +169,6 @@ async def test_four_agents_share_one_board_without_duplicate_claims(
         cid, REFERENCE_CANDIDATE.id, "baseline", result_body(REFERENCE_CANDIDATE, summary, 1.0)
     )
 
-    # Open the optuna storage first (tables created once per process), as a warm runner has.
-    await asyncio.to_thread(open_storage, resolve_storage())
     agents = build_agents(list(DEFAULT_AGENTS), cid)
     assert sorted(a.kind for a in agents) == ["combiner", "coordinate", "optuna", "profiler"]
     for agent in agents:

@@ -105,7 +105,7 @@ def test_tells_its_own_trials_their_results() -> None:
 def test_storage_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KILN_OPTUNA_STORAGE", raising=False)
     monkeypatch.setenv("KILN_DATABASE_URL", "postgresql+asyncpg://u@db:5432/kiln")
-    assert resolve_storage() == "postgresql+psycopg://u@db:5432/kiln"
+    assert resolve_storage() is None  # the agent never opens the ledger's database
     monkeypatch.setenv("KILN_OPTUNA_STORAGE", "memory")
     assert resolve_storage() is None
     monkeypatch.setenv("KILN_OPTUNA_STORAGE", "sqlite:///x.db")
@@ -130,3 +130,23 @@ def test_resumes_a_study_from_its_storage(tmp_path) -> None:  # type: ignore[no-
     study = optuna.load_study(study_name="kiln-c1-optuna", storage=url)
     told = [t for t in study.trials if t.user_attrs.get("candidate_id") == p.candidate.id]
     assert [t.state for t in told] == [TrialState.COMPLETE] and told[0].value == 250.0
+
+
+def test_a_restarted_agent_in_memory_rebuilds_its_study_from_the_results() -> None:
+    """No storage: a new agent object (a restarted runner) models every result already on the
+    board, its predecessor's included, and proposes none of the candidates already taken."""
+    first, view = _agent(3), view_of()
+    taken = []
+    for i in range(3):
+        p = first.propose(view, SPACE)
+        assert p is not None
+        first.tried.add(p.candidate.id)
+        taken.append(p.candidate.id)
+        view.take(claim(p.candidate, seq=2 * i + 1))
+        view.take(result(p.candidate, 100.0 + i, seq=2 * i + 2))
+    second = _agent(3)
+    q = second.propose(view, SPACE)
+    assert q is not None and q.candidate.id not in taken
+    assert second.study is not None
+    modelled = {t.user_attrs.get("candidate_id"): t.value for t in second.study.trials}
+    assert [modelled.get(cid) for cid in taken] == [100.0, 101.0, 102.0]

@@ -97,19 +97,17 @@ class LLMSettings(BaseSettings):
 class OptunaSettings(BaseSettings):
     """Where the ``optuna`` agent keeps its studies, from ``KILN_OPTUNA_*``.
 
-    ``KILN_OPTUNA_STORAGE`` is a SQLAlchemy URL (optuna's ``RDBStorage``) or ``memory`` (an
-    in-memory study: no resume after a restart). Unset, the agent uses the ledger's Postgres:
-    ``KILN_DATABASE_URL`` (or the embedded default's, as the ledger finds it), in its own
-    schema ``KILN_OPTUNA_DB_SCHEMA`` (default ``optuna``) so optuna's tables, and the
-    ``alembic_version`` table optuna keeps, stay apart from the ledger's. With no database
-    known either, the study is in memory (logged). See
+    ``KILN_OPTUNA_STORAGE`` is a SQLAlchemy URL (optuna's ``RDBStorage``) or ``memory``;
+    unset, the study is in memory and a restarted agent rebuilds it from the compilation's
+    results. On Postgres the study lives in schema ``KILN_OPTUNA_DB_SCHEMA`` (default
+    ``optuna``), apart from any other tables. See
     :func:`kiln.agent_runner.agents.optuna_search.resolve_storage`.
     """
 
     model_config = SettingsConfigDict(env_prefix="KILN_OPTUNA_", extra="ignore")
 
     storage: str | None = Field(
-        default=None, description="SQLAlchemy URL or 'memory'; unset = the ledger's database."
+        default=None, description="SQLAlchemy URL or 'memory'; unset = in memory."
     )
     db_schema: str = Field(
         default="optuna",

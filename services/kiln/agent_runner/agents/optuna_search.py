@@ -1,4 +1,4 @@
-"""Model-based search: optuna's TPE sampler over the candidate space, its study in Postgres.
+"""Model-based search: optuna's TPE sampler over the candidate space.
 
 Every dimension of the :class:`~kiln.agent_runner.space.CandidateSpace` is one categorical
 parameter (its name, its values; op, transform and transform-parameter dimensions alike), so a
@@ -13,11 +13,12 @@ candidate is a FAIL trial (TPE leaves those out of its model).
   FAIL (user attr ``skipped``) and the sampler asked again, at most
   :attr:`OptunaAgent.max_asks` times; then the first free point in the space's order is
   enqueued and asked for, so the agent still covers the space. None when no point is free.
-- **Storage** (:func:`resolve_storage`): the ledger's Postgres (``RDBStorage``), in its own
-  schema, by default; ``KILN_OPTUNA_STORAGE`` overrides it (another URL, or ``memory``).
-  The study is named ``kiln-<compilation id>-<agent name>`` and loaded if it exists, so a
-  restarted runner resumes it: trials asked but never told are matched to their candidate's
-  result when it shows on the board.
+- **Storage** (:func:`resolve_storage`): in memory by default: a restarted runner's agent
+  rebuilds its study from the compilation's results (every result becomes a trial, above), so
+  the agent needs no database of its own and never opens the ledger's. ``KILN_OPTUNA_STORAGE``
+  names one (an optuna ``RDBStorage`` URL): the study, named ``kiln-<compilation id>-<agent
+  name>``, is then loaded if it exists, and trials asked but never told are matched to their
+  candidate's result when it shows on the board.
 - **Blocking calls**: optuna's storage calls are synchronous (a few Postgres round trips per
   trial), so the loop runs each proposal, board folding included, in a worker thread
   (``asyncio.to_thread``) on a copy of the board view.
@@ -40,7 +41,6 @@ from kiln.agent_runner.agents.view import BoardView, Seen
 from kiln.agent_runner.config import OptunaSettings
 from kiln.agent_runner.space import CandidateSpace
 from kiln.common.logging import get_logger
-from kiln.common.settings import load_settings
 from kiln.workloads.candidate import Candidate
 
 log = get_logger("kiln.agent_runner.optuna")
@@ -68,17 +68,11 @@ def sync_url(url: str) -> str:
 def resolve_storage(explicit: str | None = None) -> str | None:
     """The SQLAlchemy URL of the studies, or None for an in-memory study.
 
-    Order: ``explicit``; ``KILN_OPTUNA_STORAGE``; the ledger's database (``KILN_DATABASE_URL``,
-    or the embedded default's as ``kiln up`` recorded it); else in memory (logged: a restarted
-    runner then starts the study afresh). ``memory`` (or ``in-memory``) asks for memory.
+    Order: ``explicit``; ``KILN_OPTUNA_STORAGE``; else in memory (None). ``memory`` (or
+    ``in-memory``) asks for memory.
     """
     url = explicit or OptunaSettings().storage
-    if url is None:
-        url = load_settings().with_embedded_endpoints().database_url
-        if not url:
-            log.info("optuna studies in memory: no KILN_OPTUNA_STORAGE and no database known")
-            return None
-    if url.strip().lower() in _MEMORY_NAMES:
+    if url is None or url.strip().lower() in _MEMORY_NAMES:
         return None
     return sync_url(url.strip())
 

@@ -25,9 +25,10 @@ AGENT_KINDS: dict[str, type[Agent]] = {
 }
 """Known agent kinds: ``coordinate`` (greedy coordinate descent), ``random`` (random search),
 ``llm`` (code-writing LLM; refused unless ``KILN_LLM_URL`` is set, never in the default set),
-``optuna`` (TPE over the space, its study in the ledger's Postgres, learning from every result
-on the board), ``profiler`` (attacks the op furthest above its memory roofline, from the
-engine's per-op profiles), ``combiner`` (composes the best single moves others found)."""
+``optuna`` (TPE over the space, learning from every result on the board; its study in memory
+unless ``KILN_OPTUNA_STORAGE`` names one), ``profiler`` (attacks the op furthest above its
+memory roofline, from the engine's per-op profiles), ``combiner`` (composes the best single
+moves others found)."""
 
 DEFAULT_AGENTS: tuple[str, ...] = ("coordinate", "optuna", "profiler", "combiner")
 """The agents a compilation runs when the request names none: a local climber
