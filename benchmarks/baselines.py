@@ -32,10 +32,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kiln.baselines.harness import (
-    OperatingPoint,
+    BaselineSetup,
     Runner,
+    baseline_setup,
     measure,
-    operating_point,
     reference_model,
 )
 from kiln.baselines.names import BASELINE_NAMES, parse_names
@@ -52,7 +52,7 @@ def shared_data() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def kiln_reference(point: OperatingPoint) -> Runner:
+def kiln_reference(point: BaselineSetup) -> Runner:
     """kiln's ``DecoderModel`` with reference ops over the point's weights, as a runner."""
     model = reference_model(point, point.cache_len)
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
     }
-    point = operating_point(config, **at)
+    point = baseline_setup(config, **at)
     weights_bytes = point.weights.nbytes()
     options: dict[str, Any] = {"compile_mode": None} if args.no_compile else {}
     results: list[BaselineResult] = []

@@ -16,13 +16,13 @@ from kiln.baselines.table import Comparison, bandwidth_limit
 from kiln.cli.compile_view import comparison_limit, comparison_table
 from kiln.cost_model.hardware import get_hardware
 from kiln.cost_model.roofline import (
-    OperatingPoint,
     decode_kv_bytes,
     decode_step_bytes,
     estimate,
     held_kv_bytes_per_token,
 )
 from kiln.cost_model.sharding import Parallelism
+from kiln.domain.operating_point import OperatingPoint
 from kiln.events.registry import validate_event
 from kiln.v1 import common_pb2, compiler_pb2
 from kiln.workloads.candidate import REFERENCE_CANDIDATE

@@ -7,6 +7,7 @@ batch-1 BF16 decode step on an H200 reads 2,471,628,800 bytes of weights.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,9 @@ import pytest
 from kiln.common.errors import NotFound
 from kiln.cost_model.hardware import CATALOGUE, get_hardware
 from kiln.cost_model.planner import plan_workload, static_reasons
-from kiln.cost_model.roofline import OperatingPoint, estimate
+from kiln.cost_model.roofline import estimate
 from kiln.cost_model.sharding import Parallelism, expert_load, stored_weights_per_device
+from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.config import SUPPORTED_MODEL_TYPES, load_config
 
 MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
@@ -142,9 +144,9 @@ def test_batch_is_lowered_until_the_kv_cache_fits() -> None:
     result = plan_workload(cfg, cpu, point)
     (best,) = result.feasible
     limit = 0.9 * cpu.memory_bytes
+    doubled = replace(point, batch_size=2 * best.point.batch_size)
     assert best.memory_bytes_per_device <= limit < estimate(
-        cfg, cpu, OperatingPoint(2 * best.point.batch_size, 16_384, context_len=16_384),
-        Parallelism(),
+        cfg, cpu, doubled, Parallelism()
     ).memory_bytes_per_device  # fmt: skip
     assert 1 <= best.point.batch_size < 32
     assert result.batch_note.startswith(f"batch lowered from 32 to {best.point.batch_size}")
@@ -152,7 +154,8 @@ def test_batch_is_lowered_until_the_kv_cache_fits() -> None:
     moe = plan_workload(model("qwen3-30b-a3b"), cpu, point)
     assert not moe.feasible and moe.batch_note == ""
     # A batch that fits is left alone.
-    assert plan_workload(cfg, cpu, OperatingPoint(1, 64, context_len=1)).batch_note == ""
+    fits = OperatingPoint(batch_size=1, isl=64, context_len=1)
+    assert plan_workload(cfg, cpu, fits).batch_note == ""
 
 
 @needs_models

@@ -20,7 +20,7 @@ from kiln.export.artifact import (
     ArtifactError,
     Manifest,
     Measured,
-    OperatingPoint,
+    MeasuredAt,
     WeightsSource,
     read_artifact,
     write_artifact,
@@ -41,7 +41,7 @@ def _manifest(candidate: Candidate, **env: str) -> Manifest:
     return Manifest(
         model_name="tiny-llama",
         candidate_id=candidate.id,
-        operating_point=OperatingPoint(
+        operating_point=MeasuredAt(
             batch_size=3, context_len=24, layers=2, total_layers=3, dtype="float32", device="cpu"
         ),
         weights=WeightsSource(kind="seeded_random", seed=7),

@@ -17,8 +17,8 @@ import torch
 from kiln.baselines import gpt_fast_model
 from kiln.baselines.harness import (
     COMPILE_MODE,
+    BaselineSetup,
     CompiledBaseline,
-    OperatingPoint,
     Runner,
     SkipBaseline,
     compiled,
@@ -37,10 +37,10 @@ def precheck(config: ModelConfig) -> None:
         raise SkipBaseline(f"gpt-fast baseline {reason}")
 
 
-def builder(compile_mode: str | None) -> Callable[[OperatingPoint], Runner]:
+def builder(compile_mode: str | None) -> Callable[[BaselineSetup], Runner]:
     """A build function compiling ``decode_one_token`` with ``compile_mode`` (None: eager)."""
 
-    def build(point: OperatingPoint) -> Runner:
+    def build(point: BaselineSetup) -> Runner:
         model = gpt_fast_model.GptFastTransformer(
             point.config, point.weights, point.batch, point.cache_len
         )

@@ -57,7 +57,7 @@ class SkipBaseline(Exception):
 
 
 @dataclass
-class OperatingPoint:
+class BaselineSetup:
     """Where a baseline is measured and on what.
 
     Attributes:
@@ -108,7 +108,7 @@ class OperatingPoint:
         return self.context + step
 
 
-def operating_point(
+def baseline_setup(
     config: ModelConfig,
     *,
     batch: int,
@@ -120,8 +120,8 @@ def operating_point(
     warmup: int,
     weights: WeightStore | None = None,
     prefill_repeats: int = PREFILL_REPEATS,
-) -> OperatingPoint:
-    """An :class:`OperatingPoint`, drawing kiln's seeded weights when none are given.
+) -> BaselineSetup:
+    """A :class:`BaselineSetup`, drawing kiln's seeded weights when none are given.
 
     Raises:
         ValueError: non-positive batch, context or steps, or negative warmup.
@@ -129,12 +129,12 @@ def operating_point(
     """
     dev = torch.device(device)
     store = weights if weights is not None else seeded_random(config, dtype, dev, seed)
-    return OperatingPoint(
+    return BaselineSetup(
         config, batch, context, dev, dtype, seed, steps, warmup, store, prefill_repeats
     )
 
 
-def reference_model(point: OperatingPoint, max_seq_len: int) -> DecoderModel:
+def reference_model(point: BaselineSetup, max_seq_len: int) -> DecoderModel:
     """kiln's ``DecoderModel`` with reference ops over the point's weights, in its dtype on its
     device, with a cache of ``max_seq_len`` slots for ``point.batch`` sequences."""
     return build_model(
@@ -147,7 +147,7 @@ def reference_model(point: OperatingPoint, max_seq_len: int) -> DecoderModel:
     )
 
 
-def reference_logits(point: OperatingPoint) -> tuple[Tensor, Tensor | None]:
+def reference_logits(point: BaselineSetup) -> tuple[Tensor, Tensor | None]:
     """kiln's reference forward on the point's weights: prefill the prompt, one decode step on
     the first token. Returns ``[batch, V]`` float32 logits, and in reduced precision the same
     computed in float32 arithmetic (:func:`kiln.engine_pool.exact.exact_model`), else None
@@ -208,7 +208,7 @@ class Runner:
     notes: list[str] = field(default_factory=list)
 
 
-Build = Callable[[OperatingPoint], Runner]
+Build = Callable[[BaselineSetup], Runner]
 """A baseline's build function: makes its model and caches for the point."""
 
 
@@ -225,7 +225,7 @@ def compiled(
 
 
 def time_prefill(
-    point: OperatingPoint, runner: Runner, timer: CpuTimer | CudaTimer
+    point: BaselineSetup, runner: Runner, timer: CpuTimer | CudaTimer
 ) -> tuple[Timing | None, str]:
     """The baseline's prefill of the point's prompt ``[batch, context]``, timed as the engines
     time a candidate's (:func:`kiln.engine_pool.timing.time_after_untimed`: one untimed, where
@@ -246,7 +246,7 @@ def time_prefill(
     )
 
 
-def measure(name: str, point: OperatingPoint, build: Build) -> BaselineResult:
+def measure(name: str, point: BaselineSetup, build: Build) -> BaselineResult:
     """Run one baseline through the protocol of the module docstring.
 
     Args:
@@ -347,18 +347,18 @@ def run_baseline(
     precheck: Callable[[ModelConfig], None] | None = None,
     prefill_repeats: int = PREFILL_REPEATS,
 ) -> BaselineResult:
-    """:func:`operating_point` then :func:`measure`; ``precheck(config)`` runs first and may
+    """:func:`baseline_setup` then :func:`measure`; ``precheck(config)`` runs first and may
     raise :class:`SkipBaseline` (e.g. transformers missing) before any weight is drawn.
 
     Raises:
-        ValueError: a bad operating point (see :class:`OperatingPoint`).
+        ValueError: a bad setup (see :class:`BaselineSetup`).
     """
     if precheck is not None:
         try:
             precheck(config)
         except SkipBaseline as exc:
             return BaselineResult.skipped(name, str(exc), batch=batch, context=context)
-    point = operating_point(
+    point = baseline_setup(
         config,
         batch=batch,
         context=context,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kiln.baselines.harness import OperatingPoint, Runner, SkipBaseline
+from kiln.baselines.harness import BaselineSetup, Runner, SkipBaseline
 
 Tensor = torch.Tensor
 HF_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral")
@@ -39,7 +39,7 @@ def load_transformers() -> ModuleType:
     return transformers
 
 
-def hf_model(point: OperatingPoint) -> Any:
+def hf_model(point: BaselineSetup) -> Any:
     """A transformers ``AutoModelForCausalLM`` of the point's config (all layers), built on the
     point's device in its dtype, eval mode, with kiln's weights copied in (``strict``: every
     parameter named the same; a tied LM head shares the embedding).
@@ -101,7 +101,7 @@ class HfCall:
         return out
 
 
-def static_cache(transformers: ModuleType, model: Any, point: OperatingPoint) -> Any:
+def static_cache(transformers: ModuleType, model: Any, point: BaselineSetup) -> Any:
     """A ``StaticCache`` of ``point.cache_len`` slots for ``point.batch`` sequences, in the
     model's dtype on its device, whichever constructor the installed version has
     (``StaticCache(config=..., max_cache_len=...)`` in transformers 5; older ones also take
@@ -120,7 +120,7 @@ def static_cache(transformers: ModuleType, model: Any, point: OperatingPoint) ->
 
 
 def runner(
-    point: OperatingPoint,
+    point: BaselineSetup,
     call: HfCall,
     cache: Callable[[], Any],
     prefill: Callable[..., Any],

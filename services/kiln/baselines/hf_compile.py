@@ -16,8 +16,8 @@ from collections.abc import Callable
 from kiln.baselines import hf
 from kiln.baselines.harness import (
     COMPILE_MODE,
+    BaselineSetup,
     CompiledBaseline,
-    OperatingPoint,
     Runner,
     compiled,
 )
@@ -27,12 +27,12 @@ NAME = "hf_compile"
 MODE = COMPILE_MODE
 
 
-def builder(compile_mode: str | None) -> Callable[[OperatingPoint], Runner]:
+def builder(compile_mode: str | None) -> Callable[[BaselineSetup], Runner]:
     """A build function compiling the decode forward with ``compile_mode`` (None: eager)."""
     return functools.partial(build, compile_mode=compile_mode)
 
 
-def build(point: OperatingPoint, compile_mode: str | None = MODE) -> Runner:
+def build(point: BaselineSetup, compile_mode: str | None = MODE) -> Runner:
     """The static-cache model with its forward compiled for decode."""
     model, cache, call = static_parts(point)
     eager = model.forward

@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.baselines import hf
-from kiln.baselines.harness import Baseline, OperatingPoint, Runner
+from kiln.baselines.harness import Baseline, BaselineSetup, Runner
 
 NAME = "hf_eager"
 
 
-def build(point: OperatingPoint) -> Runner:
+def build(point: BaselineSetup) -> Runner:
     """The model and a fresh ``DynamicCache`` (made at prefill)."""
     transformers = hf.load_transformers()
     model = hf.hf_model(point)

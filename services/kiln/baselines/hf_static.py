@@ -11,19 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.baselines import hf
-from kiln.baselines.harness import Baseline, OperatingPoint, Runner
+from kiln.baselines.harness import Baseline, BaselineSetup, Runner
 
 NAME = "hf_static"
 
 
-def static_parts(point: OperatingPoint) -> tuple[Any, Any, hf.HfCall]:
+def static_parts(point: BaselineSetup) -> tuple[Any, Any, hf.HfCall]:
     """``(model, static cache, call convention)`` for the point."""
     transformers = hf.load_transformers()
     model = hf.hf_model(point)
     return model, hf.static_cache(transformers, model, point), hf.HfCall.of(model)
 
 
-def build(point: OperatingPoint) -> Runner:
+def build(point: BaselineSetup) -> Runner:
     """The model and its static cache, stepped eagerly."""
     model, cache, call = static_parts(point)
     note = (

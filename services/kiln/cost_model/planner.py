@@ -36,8 +36,9 @@ import math
 from dataclasses import dataclass, replace
 
 from kiln.cost_model.hardware import Hardware
-from kiln.cost_model.roofline import Estimate, OperatingPoint, estimate
+from kiln.cost_model.roofline import Estimate, estimate
 from kiln.cost_model.sharding import Parallelism, kv_heads_for_sharding, kv_replication
+from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.config import ModelConfig
 
 MEMORY_FRACTION = 0.9

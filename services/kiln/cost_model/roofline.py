@@ -56,37 +56,12 @@ from kiln.cost_model.sharding import (
     stored_weights_per_device,
     vocab_shard,
 )
+from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.config import DTYPE_BYTES, ModelConfig
 
 PREFILL_CHUNK_TOKENS = 8192
 """Largest prefill the workspace estimate provisions for at once, tokens (an assumption in line
 with the chunked-prefill budgets of vLLM and SGLang, a few thousand tokens per step)."""
-
-
-@dataclass(frozen=True)
-class OperatingPoint:
-    """The traffic operating point an estimate is made at.
-
-    Attributes:
-        batch_size: sequences decoded together in one DP replica, B.
-        isl: prompt tokens of the request whose TTFT is estimated.
-        osl: generated tokens per request.
-        context_len: tokens in each sequence's KV cache at the decode step, 0 = ``isl + osl/2``
-            (rounded up: the mean context over a request's decode, as
-            ``kiln.workloads.traffic.shape`` defines the operating point).
-        expert_load_skew: hottest expert's share over the uniform share (≥ 1).
-    """
-
-    batch_size: int = 1
-    isl: int = 1024
-    osl: int = 256
-    context_len: int = 0
-    expert_load_skew: float = 1.0
-
-    @property
-    def context(self) -> int:
-        """Context length used for the KV cache, tokens."""
-        return self.context_len or self.isl + (self.osl + 1) // 2
 
 
 @dataclass(frozen=True)
@@ -422,7 +397,7 @@ def estimate(
     bytes, throughput in output tokens/s; the formulas are in the module docstring.
     """
     t = _Terms()
-    B, ctx, isl = point.batch_size, point.context, point.isl
+    B, ctx, isl = point.batch_size, point.context_len, point.isl
     wb = DTYPE_BYTES[weight_dtype]
     weights = t.add(
         "memory.weights_per_device",

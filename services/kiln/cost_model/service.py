@@ -9,30 +9,31 @@ Request handling:
 - Weight dtype: ``workload.model.dtype`` when set; else FP8 when the config carries an FP8
   ``quantization_config`` (DeepSeek-V3's checkpoint); else the config's ``torch_dtype``.
   Activations and the KV cache are BF16 (float32 when the weights are float32).
-- Traffic: the operating point is ``batch_size`` (B), the p50 ISL and OSL (the mean when p50 is
-  0) and ``context_len``; each missing field takes the default of a batch-1 decode
-  (``DEFAULT_POINT``: B = 1, ISL 1024, OSL 256, context = ISL + OSL/2). The plans' ``batch_size``
+- Traffic: the operating point (B, ISL, OSL, context) is
+  :meth:`kiln.domain.operating_point.OperatingPoint.from_traffic` of ``workload.traffic``, with
+  no engine caps; a traffic field out of range is INVALID_ARGUMENT. The plans' ``batch_size``
   shows the B used, and Explain's text lists every default that was applied.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import structlog
+from google.protobuf import json_format
 
 from kiln.common.errors import InvalidArgument
 from kiln.cost_model.hardware import Hardware, get_hardware
 from kiln.cost_model.planner import ESTIMATE_TIER, evaluate, objective, plan_workload
-from kiln.cost_model.roofline import Estimate, OperatingPoint
+from kiln.cost_model.roofline import Estimate
 from kiln.cost_model.sharding import Parallelism
+from kiln.domain.operating_point import OperatingPoint, OperatingPointError
 from kiln.v1 import common_pb2, cost_model_pb2, cost_model_pb2_grpc
 from kiln.workloads.config import DTYPE_BYTES, ModelConfig, UnsupportedModelError, parse_config
 
 log = structlog.get_logger("kiln.cost_model")
-
-DEFAULT_POINT = OperatingPoint(batch_size=1, isl=1024, osl=256, context_len=0)
 
 
 def parse_model(spec: common_pb2.ModelSpec) -> ModelConfig:
@@ -74,27 +75,20 @@ def dtypes(spec: common_pb2.ModelSpec, cfg: ModelConfig) -> tuple[str, str]:
     return weights, "float32" if weights == "float32" else "bfloat16"
 
 
-def _tokens(dist: common_pb2.Distribution) -> int:
-    return round(dist.p50 or dist.mean)
-
-
 def operating_point(workload: common_pb2.Workload) -> tuple[OperatingPoint, list[str]]:
-    """The operating point of ``workload.traffic`` and the defaults applied, in words."""
-    if not workload.HasField("traffic"):
-        return DEFAULT_POINT, ["no traffic shape: default batch-1 decode, ISL 1024, OSL 256"]
-    tr, notes = workload.traffic, []
-    batch, isl, osl = tr.batch_size, _tokens(tr.isl_tokens), _tokens(tr.osl_tokens)
-    if not batch:
-        batch = DEFAULT_POINT.batch_size
-        notes.append(f"traffic.batch_size unset: B = {batch}")
-    if not isl:
-        isl = DEFAULT_POINT.isl
-        notes.append(f"traffic.isl_tokens unset: ISL = {isl}")
-    if not osl:
-        osl = DEFAULT_POINT.osl
-        notes.append(f"traffic.osl_tokens unset: OSL = {osl}")
-    skew = max(1.0, tr.expert_load_skew)
-    return OperatingPoint(batch, isl, osl, tr.context_len, skew), notes
+    """The operating point of ``workload.traffic`` and the defaults applied, in words.
+
+    Raises:
+        InvalidArgument: a traffic field out of range (OperatingPointError's message).
+    """
+    traffic = None
+    if workload.HasField("traffic"):
+        traffic = json_format.MessageToDict(workload.traffic, preserving_proto_field_name=True)
+    try:
+        derived = OperatingPoint.from_traffic(traffic)
+    except OperatingPointError as exc:
+        raise InvalidArgument(str(exc)) from None
+    return derived.point, list(derived.notes)
 
 
 def _hardware(workload: common_pb2.Workload) -> tuple[Hardware, int]:
@@ -131,7 +125,7 @@ def explain_text(est: Estimate, reason: str, notes: list[str], hw: Hardware) -> 
     p, pt = est.plan, est.point
     lines = [
         f"{p.label()} on {p.devices} × {hw.name}, B={pt.batch_size} ISL={pt.isl} "
-        f"OSL={pt.osl} context={pt.context} (tier {ESTIMATE_TIER})",
+        f"OSL={pt.osl} context={pt.context_len} (tier {ESTIMATE_TIER})",
         f"verdict: {'infeasible: ' + reason if reason else 'feasible'}",
         f"TPOT {est.tpot_ms:.4g} ms, TTFT {est.ttft_ms:.4g} ms, "
         f"{est.throughput_tokens_per_s:.4g} tokens/s, "
@@ -185,9 +179,7 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         wdtype, adtype = dtypes(wl.model, cfg)
         point, notes = operating_point(wl)
         if rp.batch_size:
-            point = OperatingPoint(
-                rp.batch_size, point.isl, point.osl, point.context_len, point.expert_load_skew
-            )
+            point = replace(point, batch_size=rp.batch_size)
         plan = Parallelism(
             tp=rp.tp or 1, ep=rp.ep or 1, dp=rp.dp or 1, pp=rp.pp or 1, dcp=rp.dcp or 1
         )

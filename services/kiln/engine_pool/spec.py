@@ -3,9 +3,9 @@
 An :class:`EngineSpec` is derived from a workload (the ``kiln.v1.Workload`` message as JSON, as
 :class:`kiln.common.work.ExperimentWork` carries it) and a tier. Equal specs share one engine:
 :attr:`EngineSpec.key` is the hash of everything that shapes the build. The operating point
-(decode batch, context length) comes from the traffic shape, clamped to the host's caps
-(:class:`EngineLimits`); every clamp or default applied is recorded in :attr:`EngineSpec.notes`
-and reported with each measurement.
+(decode batch, context length) comes from the traffic shape, lowered to the host's caps
+(:class:`EngineLimits`), by :func:`engine_operating_point`; every clamp or default applied is
+recorded in :attr:`EngineSpec.notes` and reported with each measurement.
 
 Imports no torch at module level (the service process parses specs; only
 :func:`check_buildable` pulls torch in, lazily); the worker rebuilds a spec with
@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from kiln.domain.operating_point import DerivedPoint, OperatingPoint, OperatingPointError
 from kiln.engine_pool.native_dtype import is_native
 from kiln.workloads.config import ModelConfig, UnsupportedModelError, parse_config
 from kiln.workloads.traffic.experts import exponent_for_hot_ratio, hot_ratio
@@ -28,10 +29,6 @@ from kiln.workloads.traffic.experts import exponent_for_hot_ratio, hot_ratio
 Tier = Literal["fast", "full"]
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 """Dtypes an engine can hold weights, activations and KV cache in."""
-
-DEFAULT_BATCH = 1
-DEFAULT_ISL = 1024
-DEFAULT_OSL = 256
 
 
 class SpecError(ValueError):
@@ -194,19 +191,9 @@ class EngineSpec:
         traffic = dict(workload.get("traffic") or {})
         weights_dir = str(model.get("weights_dir") or "") or None
         zipf = _expert_skew(traffic, config, weights_dir, notes)
-        batch, context = _operating_point(traffic, notes)
-        if batch > limits.max_batch:
-            notes.append(
-                f"batch clamped from {batch} to {limits.max_batch} (KILN_ENGINE_MAX_BATCH)"
-            )
-            batch = limits.max_batch
-        max_context = min(limits.max_context, config.max_position_embeddings - 1)
-        if context > max_context:
-            notes.append(
-                f"context clamped from {context} to {max_context} tokens "
-                "(KILN_ENGINE_MAX_CONTEXT or the model's window)"
-            )
-            context = max_context
+        derived = engine_operating_point(workload.get("traffic"), config, limits)
+        notes += derived.notes
+        batch, context = derived.point.batch_size, derived.point.context_len
         hardware = str((workload.get("hardware") or {}).get("name") or "")
         if hardware and hardware != limits.device.split(":")[0]:
             notes.append(f"workload targets {hardware!r}; measured on {limits.device}")
@@ -316,16 +303,23 @@ def _expert_skew(
     return zipf
 
 
-def _operating_point(traffic: Mapping[str, Any], notes: list[str]) -> tuple[int, int]:
-    """(batch, context) of the traffic shape JSON; defaults (noted) for missing fields."""
-    batch = int(traffic.get("batch_size") or 0)
-    if batch < 1:
-        batch = DEFAULT_BATCH
-        notes.append(f"traffic.batch_size unset: batch {batch}")
-    context = int(traffic.get("context_len") or 0)
-    if context < 1:
-        isl = float((traffic.get("isl_tokens") or {}).get("p50") or 0) or DEFAULT_ISL
-        osl = float((traffic.get("osl_tokens") or {}).get("p50") or 0) or DEFAULT_OSL
-        context = max(1, int(isl + osl / 2 + 0.5))
-        notes.append(f"traffic.context_len unset: p50 ISL + p50 OSL / 2 = {context} tokens")
-    return batch, context
+def engine_operating_point(
+    traffic: Mapping[str, Any] | None, config: ModelConfig, limits: EngineLimits
+) -> DerivedPoint:
+    """The operating point an engine of ``limits`` measures ``traffic`` (``kiln.v1.TrafficShape``
+    as JSON, None when unset) at: :meth:`OperatingPoint.from_traffic` with the batch capped at
+    ``limits.max_batch`` and the context at ``limits.max_context`` and the model's window.
+
+    Raises:
+        SpecError: a traffic field that is not a number in range.
+    """
+    try:
+        return OperatingPoint.from_traffic(
+            traffic,
+            max_batch=limits.max_batch,
+            max_context=min(limits.max_context, config.max_position_embeddings - 1),
+            batch_limit="KILN_ENGINE_MAX_BATCH",
+            context_limit="KILN_ENGINE_MAX_CONTEXT or the model's window",
+        )
+    except OperatingPointError as exc:
+        raise SpecError(str(exc)) from None

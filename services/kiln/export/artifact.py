@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.candidate import Candidate
 
 SCHEMA_VERSION: Literal[1] = 1
@@ -53,11 +54,12 @@ class WeightsSource(_Strict):
     path: str | None = None
 
 
-class OperatingPoint(_Strict):
-    """The traffic shape's operating point the candidate was measured at, and the model's
-    extent: decode ``batch_size`` sequences at ``context_len`` tokens, ``layers`` of
+class MeasuredAt(_Strict):
+    """``manifest.operating_point``: the operating point the candidate was measured at (decode
+    ``batch_size`` sequences at ``context_len`` tokens) and the engine's extent: ``layers`` of
     ``total_layers`` decoder layers, weights/activations/cache in ``dtype`` on a ``device``
-    type; ``expert_zipf_exponent`` is the MoE expert-load skew imposed on random routers."""
+    type, ``expert_zipf_exponent`` the MoE expert-load skew imposed on random routers. The
+    JSON schema of the point; :meth:`from_point` fills it from the domain type."""
 
     batch_size: int = Field(ge=1)
     context_len: int = Field(ge=1)
@@ -66,6 +68,15 @@ class OperatingPoint(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"]
     device: str = Field(min_length=1)
     expert_zipf_exponent: float = Field(default=0.0, ge=0)
+
+    @classmethod
+    def from_point(cls, point: OperatingPoint, **extent: Any) -> MeasuredAt:
+        """``point``'s batch and context with the engine's ``extent`` (the other fields).
+
+        Raises:
+            pydantic.ValidationError: a field of ``extent`` missing or out of range.
+        """
+        return cls(batch_size=point.batch_size, context_len=point.context_len, **extent)
 
 
 class Measured(_Strict):
@@ -93,7 +104,7 @@ class Manifest(_Strict):
     model_name: str = Field(min_length=1)
     candidate_id: str = Field(min_length=1)
     lossy: bool = False
-    operating_point: OperatingPoint
+    operating_point: MeasuredAt
     weights: WeightsSource
     measured: Measured
     environment: dict[str, str] = Field(default_factory=dict)

@@ -7,10 +7,12 @@ full tier), or a given candidate's correct full-tier experiment. The manifest ta
 - the figures, engine and versions from its ``ExperimentCompleted``;
 - the model config, weights source (seed or safetensors directory) and operating point from
   the submitted workload, derived as the engine pool derives its engines
-  (:meth:`kiln.engine_pool.spec.EngineSpec.from_workload` with the engine settings of this
+  (:meth:`kiln.engine_pool.spec.EngineSpec.from_workload` and
+  :func:`kiln.engine_pool.spec.engine_operating_point` with the engine settings of this
   environment, ``KILN_ENGINE_*``) unless the experiment recorded the batch and context it was
   measured at (``ExperimentCompleted.batch_size``/``context_len``, which also carry a CUDA
-  engine's fit of the batch to free memory), which win.
+  engine's fit of the batch to free memory), which win
+  (:meth:`kiln.domain.operating_point.OperatingPoint.as_measured`).
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from kiln.agent_runner.snapshot import EXPERIMENT_TYPES
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.workload import workload_to_json
 from kiln.common.errors import NotFound
-from kiln.engine_pool.spec import EngineLimits, EngineSpec
+from kiln.engine_pool.spec import EngineLimits, EngineSpec, engine_operating_point
 from kiln.export.artifact import (
     ArtifactError,
     Manifest,
     Measured,
-    OperatingPoint,
+    MeasuredAt,
     WeightsSource,
     check_out_dir,
     write_artifact,
@@ -83,8 +85,10 @@ def manifest_for(
         raise ExportError(
             f"experiment {winner.requested.experiment_id} did not measure correct ({result.status})"
         )
+    workload = workload_to_json(state.workload)
     try:
-        spec = EngineSpec.from_workload(workload_to_json(state.workload), result.tier, limits)
+        spec = EngineSpec.from_workload(workload, result.tier, limits)
+        derived = engine_operating_point(workload.get("traffic"), spec.model_config(), limits)
     except SpecError as exc:
         raise ExportError(f"the compilation's workload cannot be built: {exc}") from None
     candidate = winner.requested.candidate
@@ -97,14 +101,13 @@ def manifest_for(
         model_name=spec.model_name,
         candidate_id=candidate.id,
         lossy=candidate.lossy,
-        operating_point=OperatingPoint(
+        operating_point=MeasuredAt.from_point(
             # What the engine measured at when it says so (it may have fitted the batch to the
             # device), else what this host's engine settings derive from the workload.
-            batch_size=result.batch_size or spec.batch_size,
-            context_len=result.context_len or spec.context_len,
+            derived.point.as_measured(result.batch_size, result.context_len),
             layers=spec.layers,
             total_layers=spec.total_layers,
-            dtype=result.environment.get("dtype") or spec.dtype,  # type: ignore[arg-type]
+            dtype=result.environment.get("dtype") or spec.dtype,
             device=result.environment.get("device") or spec.device.split(":")[0],
             expert_zipf_exponent=spec.expert_zipf_exponent,
         ),

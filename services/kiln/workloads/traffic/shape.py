@@ -1,25 +1,24 @@
 """The traffic shape a compilation optimizes for, read from a trace (``kiln.v1.TrafficShape``).
 
-Besides the statistics, a shape carries the *operating point* engines measure at:
-
-- ``batch_size`` = the estimated mean number of requests in flight, rounded half up and clamped
-  to ``[1, max_batch]``. In continuous batching every request in flight is in the decode batch
-  on almost every step (prefill is short next to OSL x TPOT), so mean concurrency is the typical
-  decode batch. It is an estimate (see :mod:`kiln.workloads.traffic.concurrency`).
-- ``context_len`` = p50 ISL + p50 OSL / 2 (tokens, rounded half up, at least 1). During decode a
-  request's context grows from ISL to ISL + OSL, so its mean context over its decode steps is
-  ISL + OSL / 2; medians rather than means keep the long tails (Mooncake p99 ISL ~85k) from
-  setting the point for every request. Clamp it to the model's context window where it matters.
+Besides the statistics, a shape carries the *operating point* engines measure at: ``batch_size``
+= its mean concurrency (an estimate, see :mod:`kiln.workloads.traffic.concurrency`) rounded half
+up and clamped to ``[1, max_batch]``, and ``context_len`` = p50 ISL + p50 OSL / 2 (tokens, rounded
+half up, at least 1); medians keep the long tails (Mooncake p99 ISL ~85k) from setting the point
+for every request. Both formulas, and why, are :mod:`kiln.domain.operating_point`'s.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
+from kiln.domain.operating_point import (
+    DEFAULT_MAX_BATCH,
+    operating_batch_size,
+    operating_context_len,
+)
 from kiln.workloads.traffic.concurrency import ServiceModel, estimate_concurrency
 from kiln.workloads.traffic.experts import block_popularity_exponent
 from kiln.workloads.traffic.prefix import MOONCAKE_BLOCK_TOKENS, prefix_hit_rate
@@ -28,8 +27,6 @@ from kiln.workloads.traffic.stats import Distribution, coefficient_of_variation
 
 if TYPE_CHECKING:
     from kiln.v1 import common_pb2
-
-DEFAULT_MAX_BATCH = 256
 
 NOTE_CONCURRENCY = (
     "mean_concurrency is estimated: traces have no completion times, so durations come from an "
@@ -43,24 +40,6 @@ NOTE_ZIPF = (
 )
 NOTE_NO_ZIPF = "expert_zipf_exponent is 0.0 (balanced experts): the trace has no block hash ids"
 NOTE_NO_SPAN = "arrival_rate_rps and interarrival_cv are 0.0: all arrivals at one instant"
-
-
-def _round_half_up(x: float) -> int:
-    return math.floor(x + 0.5)
-
-
-def operating_batch_size(mean_concurrency: float, max_batch: int = DEFAULT_MAX_BATCH) -> int:
-    """Decode batch size: ``mean_concurrency`` (requests) rounded half up, clamped to
-    ``[1, max_batch]``."""
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    return max(1, min(max_batch, _round_half_up(mean_concurrency)))
-
-
-def operating_context_len(isl_p50: float, osl_p50: float) -> int:
-    """Context length (tokens): ``isl_p50 + osl_p50 / 2`` rounded half up, at least 1 — the mean
-    context of a median request over its decode steps."""
-    return max(1, _round_half_up(isl_p50 + osl_p50 / 2))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,247 @@
+"""The operating point: the (batch, context, ISL, OSL) a measurement or a prediction is made at.
+
+Derived once, here, from a traffic shape and lowered by an engine's limits:
+
+- ``batch_size`` (sequences decoded together) = the traffic's ``batch_size``; a trace's shape
+  sets it to its mean concurrency rounded half up, clamped to ``[1, max_batch]``
+  (:func:`operating_batch_size`: in continuous batching every request in flight is in the
+  decode batch on almost every step).
+- ``isl`` / ``osl`` (tokens) = the p50 of the traffic's ISL / OSL distribution (the mean when
+  the p50 is 0), rounded half up.
+- ``context_len`` (tokens in the KV cache at the timed decode step) = the traffic's
+  ``context_len``, else ``p50 ISL + p50 OSL / 2`` rounded half up, at least 1
+  (:func:`operating_context_len`: the mean context of a median request over its decode steps).
+
+Fields a traffic shape leaves unset (0, as proto3 sends them) take the defaults of a batch-1
+decode (:data:`DEFAULT_BATCH`, :data:`DEFAULT_ISL`, :data:`DEFAULT_OSL`); every default and
+every lowering is reported as a note. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+DEFAULT_BATCH = 1
+"""Decode batch (sequences) when the traffic sets none."""
+DEFAULT_ISL = 1024
+"""Prompt tokens when the traffic's ISL distribution is unset."""
+DEFAULT_OSL = 256
+"""Generated tokens when the traffic's OSL distribution is unset."""
+DEFAULT_MAX_BATCH = 256
+"""Upper clamp of the batch a trace's shape derives from its concurrency (sequences)."""
+
+
+class OperatingPointError(ValueError):
+    """A value an operating point cannot be made of (negative, fractional where a count is
+    expected, not a finite number); the message names the field and the value."""
+
+
+def round_half_up(x: float) -> int:
+    """``x`` rounded to the nearest integer, halves up (2.5 -> 3, not Python's 2)."""
+    return math.floor(x + 0.5)
+
+
+def operating_batch_size(mean_concurrency: float, max_batch: int = DEFAULT_MAX_BATCH) -> int:
+    """Decode batch (sequences): ``mean_concurrency`` (requests in flight) rounded half up,
+    clamped to ``[1, max_batch]``.
+
+    Raises:
+        OperatingPointError: ``max_batch < 1``.
+    """
+    if max_batch < 1:
+        raise OperatingPointError(f"max_batch must be >= 1, got {max_batch}")
+    return max(1, min(max_batch, round_half_up(mean_concurrency)))
+
+
+def operating_context_len(isl: float, osl: float) -> int:
+    """Context length (tokens): ``isl + osl / 2`` rounded half up, at least 1 — the mean context
+    of a request over its decode steps (it grows from ISL to ISL + OSL)."""
+    return max(1, round_half_up(isl + osl / 2))
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatingPoint:
+    """Where a step is measured or predicted.
+
+    Attributes:
+        batch_size: sequences decoded together (>= 1).
+        context_len: tokens in each sequence's KV cache at the decode step (>= 1); 0 at
+            construction means :func:`operating_context_len` of ``isl`` and ``osl``.
+        isl: prompt tokens of a request (>= 0; what a TTFT is estimated for).
+        osl: generated tokens per request (>= 0).
+        expert_load_skew: MoE hottest expert's share over the uniform share (>= 1; 1.0 =
+            balanced).
+
+    Raises:
+        OperatingPointError: a count that is not a whole number in range, or a skew that is
+            not a finite number >= 1.
+    """
+
+    batch_size: int = DEFAULT_BATCH
+    context_len: int = 0
+    isl: int = DEFAULT_ISL
+    osl: int = DEFAULT_OSL
+    expert_load_skew: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, low in (("batch_size", 1), ("context_len", 0), ("isl", 0), ("osl", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise OperatingPointError(
+                    f"operating point: {name} must be an integer >= {low}, got {value!r}"
+                )
+        skew = self.expert_load_skew
+        if not (isinstance(skew, int | float) and math.isfinite(skew) and skew >= 1):
+            raise OperatingPointError(
+                f"operating point: expert_load_skew must be a finite number >= 1, got {skew!r}"
+            )
+        if not self.context_len:
+            object.__setattr__(self, "context_len", operating_context_len(self.isl, self.osl))
+
+    @classmethod
+    def from_traffic(
+        cls,
+        traffic: Mapping[str, Any] | None,
+        *,
+        max_batch: int | None = None,
+        max_context: int | None = None,
+        batch_limit: str = "",
+        context_limit: str = "",
+    ) -> DerivedPoint:
+        """The operating point of a traffic shape, lowered to an engine's limits.
+
+        Args:
+            traffic: ``kiln.v1.TrafficShape`` as JSON (``MessageToDict`` with proto field
+                names; uint fields may be strings), or None when the workload has none.
+            max_batch: largest batch the engine runs (None: no cap).
+            max_context: largest context the engine holds, tokens (None: no cap).
+            batch_limit, context_limit: what sets each cap, named in the note of a lowering.
+
+        Returns:
+            The point and, in words, every default and lowering applied.
+
+        Raises:
+            OperatingPointError: a field that is not a number in range, or a cap below 1.
+        """
+        notes: list[str] = []
+        absent = traffic is None
+        if traffic is None:
+            notes.append(
+                f"no traffic shape: default batch-{DEFAULT_BATCH} decode, "
+                f"ISL {DEFAULT_ISL}, OSL {DEFAULT_OSL}"
+            )
+            traffic = {}
+        batch = _count(traffic, "batch_size")
+        isl, osl = _tokens(traffic, "isl_tokens"), _tokens(traffic, "osl_tokens")
+        defaults = (
+            ("batch_size", batch, f"batch {DEFAULT_BATCH}"),
+            ("isl_tokens", isl, f"ISL {DEFAULT_ISL}"),
+            ("osl_tokens", osl, f"OSL {DEFAULT_OSL}"),
+        )
+        if not absent:
+            notes += [f"traffic.{name} unset: {what}" for name, got, what in defaults if not got]
+        batch, isl, osl = batch or DEFAULT_BATCH, isl or DEFAULT_ISL, osl or DEFAULT_OSL
+        context = _count(traffic, "context_len")
+        if not context:
+            context = operating_context_len(isl, osl)
+            if not absent:
+                notes.append(f"traffic.context_len unset: p50 ISL + p50 OSL / 2 = {context} tokens")
+        skew = _number(traffic, "expert_load_skew")
+        point = cls(
+            batch_size=batch,
+            context_len=context,
+            isl=round_half_up(isl),
+            osl=round_half_up(osl),
+            expert_load_skew=max(1.0, skew),
+        )
+        return point.lowered(
+            max_batch=max_batch,
+            max_context=max_context,
+            batch_limit=batch_limit,
+            context_limit=context_limit,
+            notes=notes,
+        )
+
+    def lowered(
+        self,
+        *,
+        max_batch: int | None = None,
+        max_context: int | None = None,
+        batch_limit: str = "",
+        context_limit: str = "",
+        notes: list[str] | None = None,
+    ) -> DerivedPoint:
+        """This point with its batch and context lowered to the caps (None: no cap), each
+        lowering noted (after ``notes``) with what sets the cap.
+
+        Raises:
+            OperatingPointError: a cap below 1.
+        """
+        out = list(notes or ())
+        batch, context = self.batch_size, self.context_len
+        for name, cap in (("max_batch", max_batch), ("max_context", max_context)):
+            if cap is not None and cap < 1:
+                raise OperatingPointError(f"{name} must be >= 1, got {cap}")
+        if max_batch is not None and batch > max_batch:
+            out.append(f"batch clamped from {batch} to {max_batch}{_why(batch_limit)}")
+            batch = max_batch
+        if max_context is not None and context > max_context:
+            out.append(
+                f"context clamped from {context} to {max_context} tokens{_why(context_limit)}"
+            )
+            context = max_context
+        point = replace(self, batch_size=batch, context_len=context)
+        return DerivedPoint(point, tuple(out))
+
+    def as_measured(self, batch_size: int = 0, context_len: int = 0) -> OperatingPoint:
+        """The point an engine reports it measured at: its non-zero ``batch_size`` and
+        ``context_len`` (an engine may fit the batch to free memory) over this one's."""
+        return replace(
+            self,
+            batch_size=batch_size or self.batch_size,
+            context_len=context_len or self.context_len,
+        )
+
+
+@dataclass(frozen=True)
+class DerivedPoint:
+    """An operating point and the defaults and lowerings applied to reach it, in words."""
+
+    point: OperatingPoint
+    notes: tuple[str, ...] = field(default=())
+
+
+def _why(limit: str) -> str:
+    return f" ({limit})" if limit else ""
+
+
+def _number(traffic: Mapping[str, Any], name: str, where: str = "") -> float:
+    """``traffic[name]`` as a finite number >= 0 (0.0 when missing)."""
+    raw = traffic.get(name)
+    label = f"traffic.{where}{name}"
+    try:
+        value = float(raw or 0.0)
+    except (TypeError, ValueError):
+        raise OperatingPointError(f"{label} {raw!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise OperatingPointError(f"{label} must be a finite number >= 0, got {raw!r}")
+    return value
+
+
+def _count(traffic: Mapping[str, Any], name: str) -> int:
+    """``traffic[name]`` as a whole number >= 0 (0 when missing)."""
+    value = _number(traffic, name)
+    if not value.is_integer():
+        raise OperatingPointError(f"traffic.{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def _tokens(traffic: Mapping[str, Any], name: str) -> float:
+    """The p50 of the distribution ``traffic[name]``, else its mean, else 0.0 (tokens)."""
+    dist = traffic.get(name) or {}
+    if not isinstance(dist, Mapping):
+        raise OperatingPointError(f"traffic.{name} must be a distribution, got {dist!r}")
+    return _number(dist, "p50", f"{name}.") or _number(dist, "mean", f"{name}.")
