@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from kiln.agent_runner.records import EXPERIMENT_PREFIX, stream_suffix
+from kiln.domain import streams
+from kiln.domain.compilation import Event
 from kiln.events.registry import parse_payload
 from kiln.events.types import ExperimentCompleted, ExperimentRequested, Tier
 from kiln.v1 import ledger_pb2
@@ -27,7 +28,20 @@ def recorded_at(event: ledger_pb2.RecordedEvent) -> datetime:
 
 def experiment_id_of(event: ledger_pb2.RecordedEvent) -> str | None:
     """The experiment id of an ``experiment-<id>`` stream's event, else None."""
-    return stream_suffix(event.stream_id, EXPERIMENT_PREFIX)
+    return streams.experiment_id_in(event.stream_id)
+
+
+def domain_event(event: ledger_pb2.RecordedEvent) -> Event:
+    """A recorded event as the domain folds read it (:class:`kiln.domain.compilation.Event`)."""
+    return Event(
+        type=event.type,
+        data=event_data(event),
+        stream_id=event.stream_id,
+        version=event.stream_version,
+        position=event.position,
+        recorded_at=recorded_at(event),
+        team=event.metadata.team,
+    )
 
 
 @dataclass(frozen=True)

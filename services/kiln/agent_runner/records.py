@@ -4,6 +4,7 @@ Events the runner may have to append again after a crash (everything but the sub
 cancel requests) get a *deterministic* event id (UUIDv5 of the compilation or experiment id and
 the event's role), so re-appending one that was already committed is an idempotent no-op in the
 ledger instead of a duplicate. Every event carries the compilation id as its correlation id.
+Stream names come from :mod:`kiln.domain.streams` (re-exported here).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import uuid
 from typing import Any, Literal
 
 from kiln.common.errors import InvalidArgument
+from kiln.domain import streams
 from kiln.events.types import (
     BaselineCompared,
     BaselineMeasured,
@@ -32,11 +34,15 @@ from kiln.events.types import (
 from kiln.ledger.model import NewEvent
 from kiln.workloads.candidate import Candidate
 
+# stream names, re-exported from kiln.domain.streams (the runner's modules name them through here)
+COMPILATION_PREFIX = streams.COMPILATION_PREFIX
+EXPERIMENT_PREFIX = streams.EXPERIMENT_PREFIX
+compilation_stream = streams.compilation_stream
+experiment_stream = streams.experiment_stream
+stream_suffix = streams.stream_suffix
+
 _NAMESPACE = uuid.UUID("6b1f4a52-3c1e-4a8e-9c57-1a2b8e0d7f11")
 _ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,127}$")
-
-COMPILATION_PREFIX = "compilation-"
-EXPERIMENT_PREFIX = "experiment-"
 
 
 def check_compilation_id(value: str) -> str:
@@ -62,21 +68,6 @@ def new_compilation_id() -> str:
 def new_experiment_id() -> str:
     """A fresh experiment id (32 hex digits)."""
     return uuid.uuid4().hex
-
-
-def compilation_stream(compilation_id: str) -> str:
-    """``compilation-<id>``."""
-    return COMPILATION_PREFIX + compilation_id
-
-
-def experiment_stream(experiment_id: str) -> str:
-    """``experiment-<id>``."""
-    return EXPERIMENT_PREFIX + experiment_id
-
-
-def stream_suffix(stream_id: str, prefix: str) -> str | None:
-    """The id after ``prefix`` in ``stream_id``, or None when it has another prefix."""
-    return stream_id[len(prefix) :] if stream_id.startswith(prefix) else None
 
 
 def _event_id(*parts: str) -> str:

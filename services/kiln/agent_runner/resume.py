@@ -28,11 +28,10 @@ from kiln.agent_runner.ledger_access import LedgerPool
 from kiln.agent_runner.state import CompilationState
 from kiln.board import BoardPost
 from kiln.common.logging import get_logger
+from kiln.domain.compilation import OPEN_STATUSES
 from kiln.workloads.candidate import Candidate
 
 log = get_logger("kiln.agent_runner.resume")
-
-OPEN_STATUSES = ("pending", "running")
 
 
 async def open_compilation_ids(ledger: LedgerPool) -> list[str]:
@@ -44,7 +43,7 @@ async def open_compilation_ids(ledger: LedgerPool) -> list[str]:
     ids: set[str] = set()
     checkpoints = []
     for status in OPEN_STATUSES:
-        rows, checkpoint = await ledger.query_all("compilations", {"status": status})
+        rows, checkpoint = await ledger.query_all("compilations", {"status": str(status)})
         ids.update(str(r["compilation_id"]) for r in rows)
         checkpoints.append(checkpoint)
     async for event in ledger.system.read_all(

@@ -1,12 +1,12 @@
 """Folding ledger events into a ``kiln.v1.Compilation`` (what Get, Watch and Submit return).
 
 :class:`Snapshot` folds the compilation's own stream and the ``ExperimentRequested`` /
-``ExperimentCompleted`` events of its experiments, in global order, the way the ledger's
-compilations projection does (status pending -> running -> succeeded | cancelled | failed;
-counters count completed experiments, failures those whose status is not ok), plus the plan,
-baseline and best candidate as messages, the per-agent usage and the best-so-far curve
-(:mod:`kiln.agent_runner.usage`). ``TierAgreement`` has no field of its own in the
-message: Watch sends it as an event, and a succeeded compilation's reason ends with it.
+``ExperimentCompleted`` events of its experiments, in global order, through the domain aggregate
+(:class:`kiln.domain.compilation.Compilation`: status, counters, reason, plan, baseline, best;
+events already folded are skipped), and presents it as the message, plus the candidates and
+measurements of the experiments it has seen, the per-agent usage and the best-so-far curve
+(:mod:`kiln.agent_runner.usage`). ``TierAgreement`` has no field of its own in the message:
+Watch sends it as an event, and a succeeded compilation's reason ends with it.
 :func:`from_row` turns a compilations projection row into a summary ``Compilation`` (List).
 """
 
@@ -19,11 +19,11 @@ from google.protobuf.json_format import ParseDict
 from google.protobuf.struct_pb2 import Struct
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from kiln.agent_runner.experiment import event_data, experiment_id_of
-from kiln.agent_runner.records import compilation_stream
+from kiln.agent_runner.experiment import domain_event, event_data, experiment_id_of
 from kiln.agent_runner.usage import UsageBook, curve_point
 from kiln.agent_runner.workload import workload_from_json
-from kiln.events.types import is_counted, is_failure
+from kiln.domain import compilation as domain
+from kiln.domain.streams import compilation_stream
 from kiln.v1 import common_pb2, compiler_pb2, ledger_pb2
 
 STATUS_BY_NAME = {
@@ -39,17 +39,8 @@ NAME_BY_STATUS = {v: k for k, v in STATUS_BY_NAME.items()}
 
 TIER_BY_NAME = {"fast": common_pb2.TIER_FAST, "full": common_pb2.TIER_FULL}
 
-COMPILATION_TYPES = (
-    "CompilationSubmitted",
-    "CompilationPlanned",
-    "BaselineMeasured",
-    "BaselineCompared",
-    "BestCandidateImproved",
-    "TierAgreement",
-    "CompilationCancelRequested",
-    "CompilationEnded",
-)
-EXPERIMENT_TYPES = ("ExperimentRequested", "ExperimentCompleted")
+COMPILATION_TYPES = domain.COMPILATION_TYPES
+EXPERIMENT_TYPES = domain.EXPERIMENT_TYPES
 WATCHED_TYPES = COMPILATION_TYPES + EXPERIMENT_TYPES
 """Every event type that is part of a compilation's story."""
 
@@ -115,12 +106,14 @@ class Snapshot:
 
     Attributes:
         message: the Compilation so far.
+        compilation: the domain aggregate (None until ``CompilationSubmitted`` is folded).
     """
 
     def __init__(self, compilation_id: str) -> None:
         self.compilation_id = compilation_id
         self.stream_id = compilation_stream(compilation_id)
         self.message = compiler_pb2.Compilation(compilation_id=compilation_id)
+        self.compilation: domain.Compilation | None = None
         self._candidates: dict[str, common_pb2.Candidate] = {}
         self._measurements: dict[str, common_pb2.Measurement] = {}
         self._baseline_id = ""
@@ -143,45 +136,40 @@ class Snapshot:
     @property
     def ended(self) -> bool:
         """True once CompilationEnded is folded."""
-        return self.message.status in (
-            compiler_pb2.COMPILATION_STATUS_SUCCEEDED,
-            compiler_pb2.COMPILATION_STATUS_CANCELLED,
-            compiler_pb2.COMPILATION_STATUS_FAILED,
-        )
+        return self.compilation is not None and self.compilation.ended
 
     def apply(self, event: ledger_pb2.RecordedEvent) -> None:
-        """Fold one event (of this compilation, in global order)."""
-        m, d, t = self.message, event_data(event), event.type
-        if t == "CompilationSubmitted":
-            m.team = event.metadata.team
-            m.workload.CopyFrom(workload_from_json(d["workload"]))
-            m.workload.workload_key = d["workload_key"]
-            m.budget.wall_seconds = float(d["budget"]["wall_seconds"])
-            m.budget.max_experiments = int(d["budget"].get("max_experiments", 0))
-            m.status = compiler_pb2.COMPILATION_STATUS_PENDING
+        """Fold one event (of this compilation, in global order); events before the
+        submission, and events already folded, change nothing.
+
+        Raises:
+            ValueError, KeyError: as :meth:`kiln.domain.compilation.Compilation.apply`.
+        """
+        m, ev, t = self.message, domain_event(event), event.type
+        comp = self.compilation
+        if t == domain.SUBMITTED and comp is None:
+            comp = self.compilation = domain.Compilation.submitted(ev)
+            m.team = comp.team
+            m.workload.CopyFrom(workload_from_json(comp.workload))
+            m.workload.workload_key = comp.workload_key
+            m.budget.wall_seconds = comp.wall_seconds
+            m.budget.max_experiments = comp.max_experiments
             m.created_at.CopyFrom(event.recorded_at)
-        elif t == "CompilationPlanned":
-            ParseDict(d["plan"], m.plan, ignore_unknown_fields=True)
-            self._running()
-        elif t == "BaselineMeasured":
-            self._running()
-            self._set_baseline(d)
-        elif t == "BestCandidateImproved":
-            self._set_best(d, event)
-            self._add_progress(d, event)
-        elif t == "CompilationCancelRequested":
-            m.reason = d.get("reason", "")
-        elif t == "CompilationEnded":
-            m.status = STATUS_BY_NAME[d["status"]]
-            m.reason = d.get("reason", "") or m.reason
-        elif t == "ExperimentRequested":
+        elif comp is None or not comp.apply(ev):
+            return
+        elif t == "CompilationPlanned" and comp.plan is not None:
+            ParseDict(comp.plan, m.plan, ignore_unknown_fields=True)
+        elif t == "BaselineMeasured" and comp.baseline is not None:
+            self._set_baseline(comp.baseline)
+        elif t == "BestCandidateImproved" and comp.best is not None:
+            self._set_best(comp.best, event)
+            self._add_progress(dict(ev.data), event)
+        elif t in EXPERIMENT_TYPES:
             self.learn(event)
             self.count_usage(event)
-        elif t == "ExperimentCompleted":
-            m.experiments_done += int(is_counted(str(d.get("status"))))
-            m.failures += int(is_failure(str(d.get("status"))))
-            self.learn(event)
-            self.count_usage(event)
+        m.status = STATUS_BY_NAME[comp.status]
+        m.reason = comp.reason
+        m.experiments_done, m.failures = comp.experiments_done, comp.failures
         m.updated_at.CopyFrom(event.recorded_at)
 
     def learn(self, event: ledger_pb2.RecordedEvent) -> None:
@@ -245,12 +233,8 @@ class Snapshot:
             )
         )
 
-    def _running(self) -> None:
-        if self.message.status == compiler_pb2.COMPILATION_STATUS_PENDING:
-            self.message.status = compiler_pb2.COMPILATION_STATUS_RUNNING
-
-    def _set_baseline(self, d: dict[str, Any]) -> None:
-        eid = d["experiment_id"]
+    def _set_baseline(self, baseline: domain.Baseline) -> None:
+        eid = baseline.experiment_id
         self._baseline_id = eid
         known = self._measurements.get(eid)
         if known is not None:
@@ -260,35 +244,34 @@ class Snapshot:
             common_pb2.Measurement(
                 status=common_pb2.EXPERIMENT_STATUS_OK,
                 correct=True,
-                tokens_per_s=float(d["tokens_per_s"]),
-                timing=common_pb2.Timing(median_ms=float(d["median_ms"])),
+                tokens_per_s=baseline.tokens_per_s,
+                timing=common_pb2.Timing(median_ms=baseline.median_ms),
             )
         )
 
-    def _set_best(self, d: dict[str, Any], event: ledger_pb2.RecordedEvent) -> None:
+    def _set_best(self, found: domain.Best, event: ledger_pb2.RecordedEvent) -> None:
         best = self.message.best
         best.Clear()
-        best.experiment_id = d["experiment_id"]
-        best.speedup = float(d["speedup"])
+        best.experiment_id = found.experiment_id
+        best.speedup = found.speedup
         best.found_at.CopyFrom(event.recorded_at)
-        best.candidate.candidate_id = d["candidate_id"]
+        best.candidate.candidate_id = found.candidate_id
         best.measurement.CopyFrom(
             common_pb2.Measurement(
                 status=common_pb2.EXPERIMENT_STATUS_OK,
                 correct=True,
-                tokens_per_s=float(d["tokens_per_s"]),
-                timing=common_pb2.Timing(median_ms=float(d["median_ms"])),
-                tier=TIER_BY_NAME.get(str(d.get("tier")), common_pb2.TIER_UNSPECIFIED),
+                tokens_per_s=found.tokens_per_s,
+                timing=common_pb2.Timing(median_ms=found.median_ms),
+                tier=TIER_BY_NAME.get(found.tier, common_pb2.TIER_UNSPECIFIED),
             )
         )
-        ref_id = str(d.get("reference_experiment_id", ""))
-        if ref_id:
-            best.reference_experiment_id = ref_id
+        if found.reference_experiment_id:
+            best.reference_experiment_id = found.reference_experiment_id
             best.reference.CopyFrom(
                 common_pb2.Measurement(
                     status=common_pb2.EXPERIMENT_STATUS_OK,
                     correct=True,
-                    tokens_per_s=float(d.get("reference_tokens_per_s", 0.0)),
+                    tokens_per_s=found.reference_tokens_per_s,
                     tier=best.measurement.tier,
                 )
             )

@@ -1,48 +1,30 @@
-"""A compilation's state as its own stream (``compilation-<id>``) records it.
+"""A compilation's state as the runner keeps it: the stream's fold plus the runner's records.
 
-Built by folding the stream's events in version order; the runner keeps folding the events it
-appends (and any it finds on an optimistic-concurrency conflict, such as a cancel request), so
-after a restart the same fold gives the same state.
+The ``compilation-<id>`` stream folds through the domain aggregate
+(:class:`kiln.domain.compilation.Compilation`: status, plan, baseline, best, cancel, end); the
+runner keeps folding the events it appends (and any it finds on an optimistic-concurrency
+conflict, such as a cancel request), so after a restart the same fold gives the same state.
+:attr:`CompilationState.experiments` are the runner's own records of its experiments (request
+and completion), filled by the runner and, on resume, by :meth:`apply_experiment`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from kiln.agent_runner.experiment import (
     Completed,
     Requested,
-    event_data,
+    domain_event,
     experiment_id_of,
-    recorded_at,
 )
-from kiln.agent_runner.records import COMPILATION_PREFIX, stream_suffix
 from kiln.agent_runner.workload import workload_from_json
+from kiln.domain.compilation import CANCEL_DEFAULT_REASON, Baseline, Best, Compilation, Event
 from kiln.v1 import common_pb2, ledger_pb2
 
-
-@dataclass(frozen=True)
-class Baseline:
-    """The reference forward's measurement: tokens/s and median step time (ms)."""
-
-    experiment_id: str
-    candidate_id: str
-    tokens_per_s: float
-    median_ms: float
-
-
-@dataclass(frozen=True)
-class Best:
-    """The best confirmed candidate so far (full tier) and its speedup over the reference
-    measured on the full tier next to it."""
-
-    experiment_id: str
-    candidate_id: str
-    tokens_per_s: float
-    median_ms: float
-    speedup: float
+__all__ = ["Baseline", "Best", "CompilationState", "ExperimentRecord"]
 
 
 @dataclass
@@ -53,92 +35,98 @@ class ExperimentRecord:
     completed: Completed | None = None
 
 
-@dataclass
 class CompilationState:
     """What the compilation stream says (plus the experiments, filled in by the runner).
 
-    Attributes:
+    Args/attributes (read through :attr:`compilation`, the aggregate, unless noted):
         compilation_id, team: the compilation and the team that submitted it.
-        workload: the submitted workload (with its key).
+        workload: the submitted workload message (with its key) (the state's own).
         wall_seconds, max_experiments: the budget (0 experiments = no limit).
         agents: agent names asked for (empty = the default set).
-        baselines: baselines of :mod:`kiln.baselines` to measure beside the search.
-        compared: baseline names with a ``BaselineCompared`` recorded.
         submitted_at: ledger time of the submission (the wall budget's origin).
         submitted_position: global position of the submission.
         version: the stream's last version folded.
-        plan: the chosen ``ParallelismPlan`` as JSON, once planned.
-        baseline: the reference's fast-tier measurement, once known.
-        best: the best candidate confirmed on the full tier, once there is one.
-        tier_agreement: (n, rho) once ``TierAgreement`` is recorded.
-        cancel_reason: set once a cancel was requested.
-        end_status, end_reason: set once ended.
+        plan, baseline, best, tier_agreement ((n, rho)), compared, end_status, end_reason.
+        cancel_reason: set once a cancel was requested (the request's reason, else
+            "cancel requested"); the runner sets it too when told of a cancel.
+        baselines: baselines of :mod:`kiln.baselines` to measure beside the search.
         experiments: experiment id -> record (the runner's, not the stream's).
     """
 
-    compilation_id: str
-    team: str
-    workload: common_pb2.Workload
-    wall_seconds: float
-    max_experiments: int
-    agents: list[str]
-    submitted_at: datetime
-    submitted_position: int
-    version: int = 1
-    plan: dict[str, Any] | None = None
-    baseline: Baseline | None = None
-    best: Best | None = None
-    tier_agreement: tuple[int, float | None] | None = None
-    cancel_reason: str | None = None
-    end_status: str | None = None
-    end_reason: str = ""
-    experiments: dict[str, ExperimentRecord] = field(default_factory=dict)
-    baselines: list[str] = field(default_factory=list)
-    compared: set[str] = field(default_factory=set)
-
-    @property
-    def workload_key(self) -> str:
-        """The workload key."""
-        return self.workload.workload_key
-
-    @property
-    def ended(self) -> bool:
-        """True once CompilationEnded is folded."""
-        return self.end_status is not None
+    def __init__(
+        self,
+        compilation_id: str,
+        team: str,
+        workload: common_pb2.Workload,
+        wall_seconds: float,
+        max_experiments: int,
+        agents: list[str],
+        submitted_at: datetime,
+        submitted_position: int,
+        version: int = 1,
+        *,
+        baseline: Baseline | None = None,
+        best: Best | None = None,
+        baselines: list[str] | None = None,
+        compilation: Compilation | None = None,
+    ) -> None:
+        self.workload = workload
+        self.experiments: dict[str, ExperimentRecord] = {}
+        self.compilation = compilation or Compilation(
+            compilation_id=compilation_id,
+            team=team,
+            workload={},
+            workload_key=workload.workload_key,
+            model_name=workload.model.name,
+            hardware=workload.hardware.name,
+            wall_seconds=float(wall_seconds),
+            max_experiments=max_experiments,
+            submitted_at=submitted_at,
+            submitted_position=submitted_position,
+            agents=list(agents),
+            baselines=list(baselines or []),
+            version=version,
+            position=submitted_position,
+            baseline=baseline,
+            best=best,
+        )
 
     @staticmethod
     def from_events(events: list[ledger_pb2.RecordedEvent]) -> CompilationState:
-        """Fold a compilation stream.
+        """Fold a compilation stream (in version order).
 
         Raises:
-            ValueError: the stream does not start with CompilationSubmitted.
+            ValueError: the stream does not start with CompilationSubmitted, or breaks the
+                status machine (:class:`kiln.domain.compilation.IllegalTransition`).
+            KeyError: a payload misses a required field.
         """
-        if not events or events[0].type != "CompilationSubmitted":
+        if not events:
             raise ValueError("a compilation stream starts with CompilationSubmitted")
-        first = events[0]
-        cid = stream_suffix(first.stream_id, COMPILATION_PREFIX)
-        if cid is None:
-            raise ValueError(f"{first.stream_id!r} is not a compilation stream")
-        d = event_data(first)
+        first = domain_event(events[0])
+        comp = Compilation.submitted(first)
         state = CompilationState(
-            compilation_id=cid,
-            team=first.metadata.team,
-            workload=workload_from_json(d["workload"]),
-            wall_seconds=float(d["budget"]["wall_seconds"]),
-            max_experiments=int(d["budget"].get("max_experiments", 0)),
-            agents=list(d.get("agents", [])),
-            submitted_at=recorded_at(first),
-            submitted_position=first.position,
-            version=first.stream_version,
-            baselines=list(d.get("baselines", [])),
+            comp.compilation_id,
+            comp.team,
+            workload_from_json(dict(first.data["workload"])),
+            comp.wall_seconds,
+            comp.max_experiments,
+            comp.agents,
+            comp.submitted_at,
+            comp.submitted_position,
+            compilation=comp,
         )
         for event in events[1:]:
             state.apply(event)
         return state
 
+    # ------------------------------------------------------------------ folding
     def apply(self, event: ledger_pb2.RecordedEvent) -> None:
         """Fold one later event of the stream (versions already folded are ignored)."""
-        self.apply_data(event.type, event_data(event), event.stream_version)
+        self.compilation.apply(domain_event(event))
+
+    def apply_data(self, event_type: str, d: dict[str, Any], version: int) -> None:
+        """Fold an event given by type, payload and stream version (e.g. one just appended)."""
+        self.compilation.apply(Event(event_type, d, self.compilation.stream_id, version))
 
     def apply_experiment(self, event: ledger_pb2.RecordedEvent) -> None:
         """Fold one of this compilation's ``ExperimentRequested`` / ``ExperimentCompleted``
@@ -154,35 +142,111 @@ class CompilationState:
             if record is not None and record.completed is None:
                 record.completed = Completed.from_event(event)
 
-    def apply_data(self, event_type: str, d: dict[str, Any], version: int) -> None:
-        """Fold an event given by type, payload and stream version (e.g. one just appended)."""
-        if version <= self.version:
-            return
-        self.version = version
-        if event_type == "CompilationPlanned":
-            self.plan = dict(d["plan"])
-        elif event_type == "BaselineMeasured":
-            self.baseline = Baseline(
-                d["experiment_id"],
-                d["candidate_id"],
-                float(d["tokens_per_s"]),
-                float(d["median_ms"]),
-            )
-        elif event_type == "BestCandidateImproved":
-            self.best = Best(
-                d["experiment_id"],
-                d["candidate_id"],
-                float(d["tokens_per_s"]),
-                float(d["median_ms"]),
-                float(d["speedup"]),
-            )
-        elif event_type == "BaselineCompared":
-            self.compared.add(str(d["name"]))
-        elif event_type == "TierAgreement":
-            rho = d.get("rho")
-            self.tier_agreement = (int(d["n"]), None if rho is None else float(rho))
-        elif event_type == "CompilationCancelRequested":
-            self.cancel_reason = d.get("reason") or "cancel requested"
-        elif event_type == "CompilationEnded":
-            self.end_status = str(d["status"])
-            self.end_reason = d.get("reason", "")
+    # ------------------------------------------------------------------ the aggregate's facts
+    @property
+    def compilation_id(self) -> str:
+        """The compilation."""
+        return self.compilation.compilation_id
+
+    @property
+    def team(self) -> str:
+        """The team that submitted it."""
+        return self.compilation.team
+
+    @property
+    def workload_key(self) -> str:
+        """The workload key."""
+        return self.workload.workload_key
+
+    @property
+    def wall_seconds(self) -> float:
+        """The wall-clock budget (s)."""
+        return self.compilation.wall_seconds
+
+    @property
+    def max_experiments(self) -> int:
+        """The experiment budget (0 = no limit)."""
+        return self.compilation.max_experiments
+
+    @property
+    def agents(self) -> list[str]:
+        """Agent names asked for (empty = the default set)."""
+        return self.compilation.agents
+
+    @property
+    def baselines(self) -> list[str]:
+        """Baselines of :mod:`kiln.baselines` to measure beside the search."""
+        return self.compilation.baselines
+
+    @property
+    def submitted_at(self) -> datetime:
+        """Ledger time of the submission (UTC)."""
+        return self.compilation.submitted_at
+
+    @property
+    def submitted_position(self) -> int:
+        """Global position of the submission."""
+        return self.compilation.submitted_position
+
+    @property
+    def version(self) -> int:
+        """The stream's last version folded."""
+        return self.compilation.version
+
+    @property
+    def plan(self) -> dict[str, Any] | None:
+        """The chosen ``ParallelismPlan`` as JSON, once planned."""
+        return self.compilation.plan
+
+    @property
+    def baseline(self) -> Baseline | None:
+        """The reference's fast-tier measurement, once known."""
+        return self.compilation.baseline
+
+    @baseline.setter
+    def baseline(self, value: Baseline | None) -> None:
+        self.compilation.baseline = value
+
+    @property
+    def best(self) -> Best | None:
+        """The best candidate confirmed on the full tier, once there is one."""
+        return self.compilation.best
+
+    @best.setter
+    def best(self, value: Best | None) -> None:
+        self.compilation.best = value
+
+    @property
+    def tier_agreement(self) -> tuple[int, float | None] | None:
+        """(n, rho) once ``TierAgreement`` is recorded."""
+        return self.compilation.tier_agreement
+
+    @property
+    def compared(self) -> set[str]:
+        """Baseline names with a ``BaselineCompared`` recorded."""
+        return self.compilation.compared
+
+    @property
+    def cancel_reason(self) -> str | None:
+        """Set once a cancel was requested (None before)."""
+        reason = self.compilation.cancel_reason
+        return None if reason is None else (reason or CANCEL_DEFAULT_REASON)
+
+    @cancel_reason.setter
+    def cancel_reason(self, value: str | None) -> None:
+        self.compilation.cancel_reason = value
+
+    @property
+    def end_status(self) -> str | None:
+        """succeeded | cancelled | failed once ended, else None."""
+        return str(self.compilation.status) if self.compilation.ended else None
+
+    @property
+    def end_reason(self) -> str:
+        """The ``CompilationEnded`` reason ("" before)."""
+        return self.compilation.end_reason
+
+    @property
+    def ended(self) -> bool:
+        """True once CompilationEnded is folded."""
+        return self.compilation.ended

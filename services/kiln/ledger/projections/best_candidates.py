@@ -8,6 +8,7 @@ recorded before winners were confirmed on the full tier.
 
 from __future__ import annotations
 
+from kiln.domain import streams
 from kiln.ledger.model import StoredEvent
 from kiln.ledger.projections.base import Projection, Rows
 
@@ -44,7 +45,7 @@ class BestCandidatesProjection(Projection):
         rows[key] = {
             "workload_key": key,
             "candidate_id": d["candidate_id"],
-            "compilation_id": event.stream_id[len("compilation-") :],
+            "compilation_id": event.stream_id.removeprefix(streams.COMPILATION_PREFIX),
             "experiment_id": d["experiment_id"],
             "tokens_per_s": float(d["tokens_per_s"]),
             "speedup": float(d["speedup"]),

@@ -1,12 +1,89 @@
-"""Projection: one row per compilation (status, counters, baseline, best so far)."""
+"""Projection: one row per compilation (status, counters, baseline, best so far).
+
+The row is the persisted summary of the domain aggregate
+(:class:`kiln.domain.compilation.Compilation`): each event restores the aggregate from the row,
+folds through :meth:`~kiln.domain.compilation.Compilation.apply` (the status machine and the
+counting rules) and writes the summary back. The row keeps no stream version: the projector's
+checkpoint is what folds each event once.
+"""
 
 from __future__ import annotations
 
-from kiln.events.types import is_counted, is_failure
-from kiln.ledger.model import StoredEvent
-from kiln.ledger.projections.base import Projection, Rows
+from datetime import datetime
+from typing import Any
 
-_STATUS_BY_END = {"succeeded": "succeeded", "cancelled": "cancelled", "failed": "failed"}
+from kiln.domain import streams
+from kiln.domain.compilation import Baseline, Best, Compilation, Event, Status
+from kiln.ledger.model import StoredEvent
+from kiln.ledger.projections.base import Projection, Row, Rows
+
+
+def domain_event(event: StoredEvent) -> Event:
+    """A stored event as the domain folds read it."""
+    return Event(
+        type=event.type,
+        data=event.data,
+        stream_id=event.stream_id,
+        version=event.stream_version,
+        position=event.position,
+        recorded_at=event.recorded_at,
+        team=str(event.metadata.get("team") or ""),
+    )
+
+
+def _restore(row: Row) -> Compilation:
+    """The aggregate a row summarizes (stream version unknown: 0)."""
+    status = Status(row["status"])
+    reason = str(row.get("reason") or "")
+    tps = row.get("baseline_tokens_per_s")
+    best_id = row.get("best_candidate_id")
+    created: datetime = row["created_at"]
+    return Compilation(
+        compilation_id=row["compilation_id"],
+        team=row["team"],
+        workload={},
+        workload_key=row["workload_key"],
+        model_name=row["model_name"],
+        hardware=row["hardware"],
+        wall_seconds=float(row["budget_wall_seconds"]),
+        max_experiments=int(row["budget_max_experiments"]),
+        submitted_at=created,
+        status=status,
+        version=0,
+        position=int(row["last_position"]),
+        updated_at=row["updated_at"],
+        baseline=None if tps is None else Baseline("", "", float(tps), 0.0),
+        best=None
+        if not best_id
+        else Best("", best_id, float(row["best_tokens_per_s"]), 0.0, float(row["speedup"])),
+        cancel_reason=None if status.ended else (reason or None),
+        end_reason=reason if status.ended else "",
+        experiments_done=int(row["experiments_done"]),
+        failures=int(row["failures"]),
+    )
+
+
+def _row(c: Compilation) -> dict[str, Any]:
+    return {
+        "compilation_id": c.compilation_id,
+        "team": c.team,
+        "workload_key": c.workload_key,
+        "model_name": c.model_name,
+        "hardware": c.hardware,
+        "status": str(c.status),
+        "budget_wall_seconds": c.wall_seconds,
+        "budget_max_experiments": c.max_experiments,
+        "experiments_done": c.experiments_done,
+        "failures": c.failures,
+        "baseline_tokens_per_s": None if c.baseline is None else c.baseline.tokens_per_s,
+        "best_candidate_id": None if c.best is None else c.best.candidate_id,
+        "best_tokens_per_s": None if c.best is None else c.best.tokens_per_s,
+        "speedup": None if c.best is None else c.best.speedup,
+        "reason": c.reason,
+        "created_at": c.submitted_at,
+        "updated_at": c.updated_at,
+        "last_position": c.position,
+    }
 
 
 class CompilationsProjection(Projection):
@@ -30,58 +107,18 @@ class CompilationsProjection(Projection):
     def key_of(self, event: StoredEvent) -> str | None:
         if event.type == "ExperimentCompleted":
             return str(event.data["compilation_id"])
-        if event.stream_id.startswith("compilation-"):
-            return event.stream_id[len("compilation-") :]
-        return None
+        return streams.compilation_id_in(event.stream_id)
 
     def apply(self, rows: Rows, event: StoredEvent) -> None:
         key = self.key_of(event)
         if key is None:
             return
-        d = event.data
         if event.type == "CompilationSubmitted":
-            rows[key] = {
-                "compilation_id": key,
-                "team": event.metadata.get("team") or "",
-                "workload_key": d["workload_key"],
-                "model_name": d["model_name"],
-                "hardware": d["hardware"],
-                "status": "pending",
-                "budget_wall_seconds": float(d["budget"]["wall_seconds"]),
-                "budget_max_experiments": int(d["budget"]["max_experiments"]),
-                "experiments_done": 0,
-                "failures": 0,
-                "baseline_tokens_per_s": None,
-                "best_candidate_id": None,
-                "best_tokens_per_s": None,
-                "speedup": None,
-                "reason": "",
-                "created_at": event.recorded_at,
-                "updated_at": event.recorded_at,
-                "last_position": event.position,
-            }
+            rows[key] = _row(Compilation.submitted(domain_event(event)))
             return
         row = rows.get(key)
         if row is None:  # an event for a compilation this ledger never saw submitted
             return
-        if event.type == "CompilationPlanned":
-            if row["status"] == "pending":
-                row["status"] = "running"
-        elif event.type == "BaselineMeasured":
-            row["baseline_tokens_per_s"] = float(d["tokens_per_s"])
-            if row["status"] == "pending":
-                row["status"] = "running"
-        elif event.type == "BestCandidateImproved":
-            row["best_candidate_id"] = d["candidate_id"]
-            row["best_tokens_per_s"] = float(d["tokens_per_s"])
-            row["speedup"] = float(d["speedup"])
-        elif event.type == "CompilationCancelRequested":
-            row["reason"] = d.get("reason", "")
-        elif event.type == "CompilationEnded":
-            row["status"] = _STATUS_BY_END[d["status"]]
-            row["reason"] = d.get("reason", "") or row["reason"]
-        elif event.type == "ExperimentCompleted":
-            row["experiments_done"] += int(is_counted(d["status"]))
-            row["failures"] += int(is_failure(d["status"]))
-        row["updated_at"] = event.recorded_at
-        row["last_position"] = event.position
+        compilation = _restore(row)
+        if compilation.apply(domain_event(event)):
+            row.update(_row(compilation))

@@ -1,0 +1,43 @@
+"""Ledger stream names, defined once: ``<category>-<id>``.
+
+Two categories exist: ``compilation-<compilation id>`` (one compilation's life) and
+``experiment-<experiment id>`` (one experiment: requested, completed). The grammar every stream
+id follows (category ``[a-z][a-z0-9_]*``, id ``[A-Za-z0-9_][A-Za-z0-9_-]*``) is checked by the
+ledger on append (:func:`kiln.events.registry.parse_stream_id`); these helpers only build and
+split names. Stdlib only.
+"""
+
+from __future__ import annotations
+
+COMPILATION = "compilation"
+EXPERIMENT = "experiment"
+CATEGORIES = (COMPILATION, EXPERIMENT)
+"""Every stream category the ledger holds."""
+
+COMPILATION_PREFIX = COMPILATION + "-"
+EXPERIMENT_PREFIX = EXPERIMENT + "-"
+
+
+def compilation_stream(compilation_id: str) -> str:
+    """``compilation-<compilation_id>``."""
+    return COMPILATION_PREFIX + compilation_id
+
+
+def experiment_stream(experiment_id: str) -> str:
+    """``experiment-<experiment_id>``."""
+    return EXPERIMENT_PREFIX + experiment_id
+
+
+def stream_suffix(stream_id: str, prefix: str) -> str | None:
+    """The id after ``prefix`` in ``stream_id``, or None when it has another prefix."""
+    return stream_id[len(prefix) :] if stream_id.startswith(prefix) else None
+
+
+def compilation_id_in(stream_id: str) -> str | None:
+    """The compilation id of a ``compilation-<id>`` stream, else None."""
+    return stream_suffix(stream_id, COMPILATION_PREFIX)
+
+
+def experiment_id_in(stream_id: str) -> str | None:
+    """The experiment id of an ``experiment-<id>`` stream, else None."""
+    return stream_suffix(stream_id, EXPERIMENT_PREFIX)
