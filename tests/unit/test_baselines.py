@@ -27,8 +27,8 @@ from kiln.baselines.runner import run_named
 from kiln.baselines.table import Comparison, bandwidth_limit
 from kiln.cli.compile_view import comparison_table
 from kiln.common.errors import InvalidArgument
+from kiln.engine_pool.delivery import completed_payload
 from kiln.engine_pool.engine import Engine
-from kiln.engine_pool.queue import completed_payload
 from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.spec import EngineLimits, EngineSpec
 from kiln.v1 import common_pb2, compiler_pb2

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from kiln.ops.kernels import gemv as G
+from kiln.ops.kernels import gemv_config as GC
 from tests.unit.op_testing import DTYPES, assert_close, randn
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,19 +124,19 @@ def test_default_config_fills_the_gpu_at_llama_1b_shapes() -> None:
         (128256, 2048): (16, 1024),  # lm_head
     }
     for (n, k), (block_n, block_k) in expected.items():
-        cfg = G.default_config(n, k)
+        cfg = GC.default_config(n, k)
         assert (cfg.block_n, cfg.block_k, cfg.split_k) == (block_n, block_k, 1), (n, k, cfg)
-        assert -(-n // cfg.block_n) >= G.SMALL_M_PROGRAMS
-    paired = G.default_config(8192, 2048, paired=True)  # gate/up row pairs
+        assert -(-n // cfg.block_n) >= GC.SMALL_M_PROGRAMS
+    paired = GC.default_config(8192, 2048, paired=True)  # gate/up row pairs
     assert (paired.block_n, paired.block_k) == (4, 2048)
-    assert G.default_config(100, 300).block_k == 512  # next_power_of_2(300): one chunk
+    assert GC.default_config(100, 300).block_k == 512  # next_power_of_2(300): one chunk
     # Larger batches keep the register budget and split tall-K shapes over the SMs.
     for n, k in [(3072, 2048), (2048, 8192), (128256, 2048)]:
-        cfg = G.default_config(n, k, m=16)
-        assert cfg.block_n * cfg.block_k <= G.TILE_BUDGET
-    tall = G.default_config(64, 16384, m=16)  # few rows, long K: split the reduction
+        cfg = GC.default_config(n, k, m=16)
+        assert cfg.block_n * cfg.block_k <= GC.TILE_BUDGET
+    tall = GC.default_config(64, 16384, m=16)  # few rows, long K: split the reduction
     assert tall.split_k > 1
-    assert -(-64 // tall.block_n) * tall.split_k >= G.DEFAULT_SMS
+    assert -(-64 // tall.block_n) * tall.split_k >= GC.DEFAULT_SMS
 
 
 def test_bad_inputs_raise_clear_errors() -> None:

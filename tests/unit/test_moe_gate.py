@@ -1,7 +1,7 @@
 """The routing-aware gate on CPU MoE engines, per family kiln builds (Qwen3-MoE with and without
 top-k renormalisation, Mixtral) in float32 and bfloat16: the library's ``moe`` implementations
 (alone and with ``attention=sdpa``) and honest routers that differ only within rounding of a tie
-pass; every wrong candidate of :mod:`kiln.engine_pool.red_team_moe` fails, and still fails on the
+pass; every wrong candidate of :mod:`tests.red_team.moe` fails, and still fails on the
 per-layer check alone with nothing compared end to end; without the undetermined-position
 handling some honest candidate fails on these configs (they do have near ties); on a deep
 bfloat16 model, where hardly any row is compared end to end, the per-layer check catches the
@@ -21,12 +21,13 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.engine_pool import moe_check, red_team_moe
+from kiln.engine_pool import moe_check
 from kiln.engine_pool.engine import Engine
 from kiln.engine_pool.measurement import Measurement
 from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.spec import EngineLimits, EngineSpec
 from kiln.workloads.candidate import Candidate
+from tests.red_team import moe as red_team_moe
 
 from .engine_testing import module, tiny_workload
 

@@ -1,4 +1,4 @@
-"""The red team on a CPU engine: every cheating candidate of :mod:`kiln.engine_pool.red_team`
+"""The red team on a CPU engine: every cheating candidate of :mod:`tests.red_team.cheats`
 is INCORRECT with its reason, honest candidates built the same way pass, the output cheats do
 get past the checks a naive engine makes (so they are real cheats), and the engine is clean
 after each (the next reference run is ok).
@@ -22,17 +22,18 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kiln.engine_pool import red_team
 from kiln.engine_pool.check import TimedOutputs
 from kiln.engine_pool.dispatch_watch import DispatchTables
 from kiln.engine_pool.engine import Engine
-from kiln.engine_pool.integrity import HarnessFingerprint, ThreadWatch
+from kiln.engine_pool.integrity import HarnessFingerprint
 from kiln.engine_pool.measurement import Measurement
 from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.spec import EngineLimits, EngineSpec
+from kiln.engine_pool.thread_watch import ThreadWatch
 from kiln.engine_pool.timing import CpuTimer
 from kiln.workloads.candidate import Candidate
 from kiln.workloads.models.decoder import DecoderModel
+from tests.red_team import cheats as red_team
 
 from .engine_testing import TINY_LLAMA, tiny_workload
 

@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 
 import pytest_asyncio
 
-from kiln.engine_pool import red_team
 from kiln.engine_pool.measurement import Measurement
 from kiln.engine_pool.process import EngineProcess
 from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.spec import EngineLimits, EngineSpec
 from kiln.workloads.candidate import Candidate
+from tests.red_team import cheats as red_team
 
 from .engine_testing import module, tiny_workload
 

@@ -9,7 +9,7 @@ copy the outputs of the timed steps it verifies afterwards
   when the timer is made (at engine build), so a candidate that replaces ``time.perf_counter``
   does not change the timer (and is caught by :mod:`kiln.engine_pool.integrity`). ``keep`` runs
   after the second reading. Work a candidate leaves to a thread after returning is not timed;
-  the engine rejects it (:class:`kiln.engine_pool.integrity.ThreadWatch`).
+  the engine rejects it (:class:`kiln.engine_pool.thread_watch.ThreadWatch`).
 - CUDA: CUDA events on the current stream, the end event recorded *after a device-wide
   synchronize*, so work a candidate queued on any other stream without making the current
   stream wait is counted (event timing on one stream would end when that stream's work ends).

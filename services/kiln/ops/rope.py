@@ -18,6 +18,7 @@ from kiln.ops.registry import Derivation, register
 
 Tensor = torch.Tensor
 
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``x * [cos, cos] + rotate_half(x) * [sin, sin]`` in float32, cast back to ``x.dtype``.
     ``cos``/``sin``: ``[B, 1, T, D/2]`` float32."""

@@ -14,10 +14,10 @@ exposes (RMS norm of ``x`` in the prologue; SiLU-and-multiply of paired gate/up 
 epilogue), so every GEMV flavour shares one K loop.
 
 Rounding mirrors kiln's plain-PyTorch ops (``F.linear`` result rounded to the model dtype, then
-each elementwise op rounded again, computed in float32 like ATen's "opmath"). Under Triton's
-interpreter a float32 -> bfloat16 cast truncates instead of rounding to nearest-even, so the
-kernels round bfloat16 through an explicit bit trick there (``EMULATE_RNE``); compiled kernels use
-the hardware conversion (round-to-nearest-even), which gives the same values.
+each elementwise op rounded again, computed in float32 like ATen's "opmath"); the device
+functions are in :mod:`kiln.ops.kernels.gemv_tiles`, the launch configurations
+(:class:`~kiln.ops.kernels.gemv_config.GemvConfig`, the default rule) in
+:mod:`kiln.ops.kernels.gemv_config`.
 
 Triton is imported with this module: import it lazily (``kiln.ops.linear_triton`` does), and set
 ``TRITON_INTERPRET=1`` before Triton's first import when running on CPU.
@@ -25,28 +25,19 @@ Triton is imported with this module: import it lazily (``kiln.ops.linear_triton`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from kiln.ops.kernels import runtime
-from kiln.ops.kernels.pdl import PDL_MODES, launch_mode, pdl_enter, pdl_options
+from kiln.ops.kernels.gemv_config import GemvConfig, default_config
+from kiln.ops.kernels.gemv_tiles import _gemv_tiles, _round, _silu_mul
+from kiln.ops.kernels.pdl import launch_mode, pdl_enter, pdl_options
 
 Tensor = torch.Tensor
 
 #: Largest batch (rows of ``x``) the kernels take; each program loops over the rows statically.
 MAX_M = 16
-#: Streaming multiprocessors of the target (NVIDIA H200 SXM: 132 SMs), for default grid sizes.
-DEFAULT_SMS = 132
-#: Weight-tile elements per program kept in registers at 4 warps (``block_n * block_k``; 64
-#: float32 registers per thread), the budget :func:`default_config` plans within.
-TILE_BUDGET = 8192
-SMALL_M = 4
-"""Batches up to this use the measured small-batch launch rule of :func:`default_config`."""
-SMALL_M_PROGRAMS = 2048
-"""Programs the small-batch rule aims for (about 15 per SM of an H200's 132)."""
 #: Float dtypes the kernels take.
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FINALIZE_BLOCK = 1024
@@ -55,266 +46,6 @@ _NORM_BLOCK_ELEMS = 4096
 #: Tests set this True to have every internally allocated output start as NaN (so an element
 #: the kernel forgets to write cannot pass as correct). Costs a fill per call; keep False.
 POISON_OUTPUTS = False
-
-
-def _pow2(v: int) -> bool:
-    return v >= 1 and v & (v - 1) == 0
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """Launch configuration of a GEMV kernel (explicit: no autotuning at call time, so calls
-    are CUDA-graph capturable).
-
-    Attributes:
-        block_n: weight rows per program (power of two, 1..256). For the paired layouts
-            (gate/up, RoPE) the program owns ``block_n`` rows of each half.
-        block_k: reduction chunk per loop iteration (power of two, 16..8192; a multiple of 8 so
-            bfloat16 loads are 16 bytes per thread).
-        split_k: programs per output row block along K (1..64); >1 accumulates float32
-            partials with ``atomic_add`` into a zeroed workspace, then a second kernel casts and
-            applies the epilogue. Clamped to the number of ``block_k`` chunks.
-        num_warps: warps per program (power of two, 1..16).
-        num_stages: software-pipelining depth of the K loop (1..8). Default 1: the default
-            configs cover K = 2048 in one chunk, and latency is hidden by the many resident
-            programs; the benchmark sweeps it.
-        pdl: programmatic dependent launch (CUDA compute capability >= 9.0; ignored where
-            :func:`kiln.ops.kernels.runtime.pdl_available` is False). 0: off, an ordinary
-            launch. 1 and 2: the kernel may start while the previous kernel in the stream is
-            still running; each program first issues the loads of its first weight chunk
-            (weights are never written by a previous kernel), then waits for the previous
-            kernel (``griddepcontrol.wait``) before it reads anything else or writes anything.
-            1 lets the *next* kernel launch once every program of this one has passed that
-            wait; 2 lets it launch as soon as every program of this one has started. See
-            :func:`kiln.ops.kernels.pdl.pdl_enter`.
-
-    Raises:
-        ValueError: a field out of range or not a power of two (the message names it).
-    """
-
-    block_n: int = 16
-    block_k: int = 512
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 1
-    pdl: int = 0
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("block_n", self.block_n, 1, 256, True),
-            ("block_k", self.block_k, 16, 8192, True),
-            ("split_k", self.split_k, 1, 64, False),
-            ("num_warps", self.num_warps, 1, 16, True),
-            ("num_stages", self.num_stages, 1, 8, False),
-            ("pdl", self.pdl, 0, PDL_MODES - 1, False),
-        ]
-        for name, value, lo, hi, pow2 in checks:
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"GemvConfig.{name} must be an int, got {value!r}")
-            if not lo <= value <= hi:
-                raise ValueError(f"GemvConfig.{name} must be in [{lo}, {hi}], got {value}")
-            if pow2 and not _pow2(value):
-                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
-
-
-def default_config(
-    n: int, k: int, *, m: int = 1, paired: bool = False, sms: int = DEFAULT_SMS
-) -> GemvConfig:
-    """A launch configuration for ``n`` output rows (row *pairs* when ``paired``) and reduction
-    length ``k`` at batch ``m``.
-
-    At ``m <= SMALL_M`` (decode at small batch) the rule is the one measured best on an H200
-    (``benchmarks/fused_decode_profile.py --sweep``, Llama-3.2-1B, each kernel family over all 16
-    layers captured in a CUDA graph; benchmarks/RESULTS.md): many programs with thin tiles —
-    ``block_n`` the largest power of two <= 16 that still gives at least
-    :data:`SMALL_M_PROGRAMS` programs, ``block_k`` = ``16384 / (block_n * rows per output)``
-    clamped to 512..2048 (and to ``next_power_of_2(k)``), no split. Llama-3.2-1B, (block_n,
-    block_k): o_proj and down (2048 rows) -> (1, 2048); gate_up (8192 pairs) -> (4, 2048);
-    lm_head (128256 rows) -> (16, 1024). Measured there: down 165 µs for 16 layers against 279
-    with the earlier (4, 2048), o_proj 70 against 85.
-
-    Larger ``m``: ``block_n`` the largest power of two <= 16 that still gives at least ``2 * sms``
-    programs; ``block_k`` fills the register budget :data:`TILE_BUDGET` (halved for paired
-    tiles and for ``m > 8``); ``split_k`` splits tall-K shapes whose row blocks alone give fewer
-    than ``sms`` programs into about ``2 * sms`` (each split >= 256 long). Not measured.
-
-    Raises:
-        ValueError: ``n``, ``k`` or ``m`` not positive.
-    """
-    if n < 1 or k < 1 or m < 1:
-        raise ValueError(f"default_config needs positive sizes, got n={n}, k={k}, m={m}")
-    if m <= SMALL_M:
-        block_n = 16
-        while block_n > 1 and triton.cdiv(n, block_n) < SMALL_M_PROGRAMS:
-            block_n //= 2
-        rows = block_n * (2 if paired else 1)
-        block_k = min(triton.next_power_of_2(k), max(512, min(2048, 16384 // rows)))
-        return GemvConfig(block_n=block_n, block_k=max(16, block_k))
-    block_n = 16
-    while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
-        block_n //= 2
-    budget = TILE_BUDGET // (2 if paired else 1) // (2 if m > 8 else 1)
-    block_k = max(16, min(triton.next_power_of_2(k), budget // block_n))
-    programs = triton.cdiv(n, block_n)
-    split_k = 1
-    if programs < sms:  # too few row blocks: split K (each split at least 256 long)
-        split_k = max(1, min(triton.cdiv(2 * sms, programs), k // 256, 64))
-        if split_k > 1:
-            block_k = max(16, min(block_k, triton.next_power_of_2(triton.cdiv(k, split_k))))
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k)
-
-
-# ----------------------------------------------------------------------------- device helpers
-
-
-@triton.jit
-def _round(y, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """``y`` (float32) rounded to ``DTYPE`` and widened back to float32."""
-    out = y
-    if DTYPE == tl.bfloat16 and EMULATE_RNE:
-        # Round to nearest even on the bit pattern (the interpreter's cast truncates); NaN kept.
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        out = tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
-    elif DTYPE != tl.float32:
-        out = y.to(DTYPE).to(tl.float32)
-    return out
-
-
-@triton.jit
-def _row_rstd(
-    x_ptr, stride_xm, M, K: tl.constexpr, eps, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr
-):
-    """``[BLOCK_M]`` float32 ``rsqrt(mean(x[m]**2) + eps)`` of the first M rows (kiln's
-    ``rms_norm`` statistics; rows >= M give ``rsqrt(eps)``, unused)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_R):
-        offs_k = k0 + tl.arange(0, BLOCK_R)
-        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-        xv = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-        xv = xv.to(tl.float32)
-        sumsq += tl.sum(xv * xv, axis=1)
-    return 1.0 / tl.sqrt(sumsq / K + eps)
-
-
-@triton.jit
-def _chunk_fma(
-    acc_a,
-    acc_b,
-    w_a,
-    w_b,
-    x_ptr,
-    stride_xm,
-    offs_k,
-    k_mask,
-    nw_ptr,
-    rstd,
-    M: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    PAIRED: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-):
-    """``acc += x[:M, offs_k] @ w.T`` for one K chunk of loaded weight tiles (``w_b`` too when
-    ``PAIRED``); ``x`` RMS-normed on the fly with ``rstd`` and ``nw_ptr`` when ``HAS_NORM``."""
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    offs_m = tl.arange(0, BLOCK_M)
-    wa = w_a.to(tl.float32)
-    wb = w_b.to(tl.float32)
-    if HAS_NORM:
-        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    for m in tl.static_range(M):
-        xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            r = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-            xv = _round(xv * r, DTYPE, EMULATE_RNE)
-            xv = _round(nw * xv, DTYPE, EMULATE_RNE)
-        hit = offs_m[:, None] == m
-        acc_a += tl.where(hit, tl.sum(wa * xv[None, :], axis=1)[None, :], 0.0)
-        if PAIRED:
-            acc_b += tl.where(hit, tl.sum(wb * xv[None, :], axis=1)[None, :], 0.0)
-    return acc_a, acc_b
-
-
-@triton.jit
-def _gemv_tiles(
-    x_ptr,
-    stride_xm,
-    w_ptr,
-    stride_wn,
-    rows_a,
-    rows_b,
-    row_mask,
-    k_lo,
-    K_LEN: tl.constexpr,
-    K: tl.constexpr,
-    nw_ptr,
-    eps,
-    M: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    PAIRED: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Float32 ``[BLOCK_M, BLOCK_N]`` partial products of ``x[:M, k_lo:k_lo + K_LEN]``
-    (RMS-normed over all K with ``eps`` and ``nw_ptr`` when ``HAS_NORM``) with weight rows
-    ``rows_a`` (and ``rows_b`` when ``PAIRED``; else the second result is zeros). Each weight
-    tile is loaded once and used for every row of ``x``; columns at or past K are masked off.
-
-    The first chunk's weight loads are issued before :func:`pdl_enter`, so under programmatic
-    dependent launch they stream while the previous kernel finishes; ``x`` and the norm
-    statistics are read after it."""
-    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    base_a = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn
-    base_b = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn
-    offs_k = k_lo + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
-    w_mask = row_mask[:, None] & k_mask[None, :]
-    w_a = tl.load(base_a + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-    w_b = w_a
-    if PAIRED:
-        w_b = tl.load(
-            base_b + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
-        )
-    pdl_enter(PDL)
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if HAS_NORM:
-        rstd = _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M, BLOCK_R)
-    acc_a, acc_b = _chunk_fma(
-        acc_a, acc_b, w_a, w_b, x_ptr, stride_xm, offs_k, k_mask, nw_ptr, rstd,
-        M, BLOCK_M, HAS_NORM, PAIRED, EMULATE_RNE,
-    )  # fmt: skip
-    for k0 in range(BLOCK_K, K_LEN, BLOCK_K):
-        offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w_mask = row_mask[:, None] & k_mask[None, :]
-        w_a = tl.load(
-            base_a + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
-        )
-        if PAIRED:
-            w_b = tl.load(
-                base_b + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
-            )
-        acc_a, acc_b = _chunk_fma(
-            acc_a, acc_b, w_a, w_b, x_ptr, stride_xm, offs_k, k_mask, nw_ptr, rstd,
-            M, BLOCK_M, HAS_NORM, PAIRED, EMULATE_RNE,
-        )  # fmt: skip
-    return acc_a, acc_b
-
-
-@triton.jit
-def _silu_mul(gate, up, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """``silu(gate) * up`` with torch's rounding: inputs already rounded to DTYPE, SiLU computed
-    in float32 as ``x / (1 + exp(-x))`` and rounded, then the product rounded."""
-    s = _round(gate / (1.0 + tl.exp(-gate)), DTYPE, EMULATE_RNE)
-    return _round(s * up, DTYPE, EMULATE_RNE)
-
 
 # ----------------------------------------------------------------------------------- kernels
 

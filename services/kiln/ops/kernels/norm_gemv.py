@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 from kiln.ops import rms_norm as rms_norm_op
 from kiln.ops.kernels import runtime
-from kiln.ops.kernels.gemv import GemvConfig, check_vector, check_weight, check_x, default_config
+from kiln.ops.kernels.gemv import check_vector, check_weight, check_x
 from kiln.ops.kernels.gemv import launch as _launch
+from kiln.ops.kernels.gemv_config import GemvConfig, default_config
 
 Tensor = torch.Tensor
 
@@ -89,7 +90,7 @@ def rms_norm_gemv(
             ``cat([gate_weight, up_weight])`` ``[2I, K]``.
         activation: None, or ``"silu_mul"`` for ``silu(x̂ @ Wg.T) * (x̂ @ Wu.T)``.
         config: launch configuration; ``block_n`` counts output rows (gate/up row *pairs*).
-            Default :func:`kiln.ops.kernels.gemv.default_config`.
+            Default :func:`kiln.ops.kernels.gemv_config.default_config`.
 
     Returns:
         ``[M, N]`` (``[M, I]`` with ``silu_mul``) in ``x.dtype``; a new tensor.

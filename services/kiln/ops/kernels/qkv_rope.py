@@ -24,17 +24,14 @@ import triton.language as tl
 from kiln.ops import rms_norm as rms_norm_op
 from kiln.ops.kernels import runtime
 from kiln.ops.kernels.gemv import (
-    DEFAULT_SMS,
-    TILE_BUDGET,
-    GemvConfig,
-    _gemv_tiles,
-    _round,
     alloc_output,
     check_interpreter,
     check_vector,
     check_weight,
     check_x,
 )
+from kiln.ops.kernels.gemv_config import DEFAULT_SMS, TILE_BUDGET, GemvConfig
+from kiln.ops.kernels.gemv_tiles import _gemv_tiles, _round
 from kiln.ops.kernels.pdl import launch_mode, pdl_options
 from kiln.ops.kernels.qk_norm_rope import check_rope_write, qk_norm_rope_reference
 
@@ -100,7 +97,7 @@ def _qkv_rope_kernel(
     PDL: tl.constexpr,
 ):
     """Program ``(h, j)``: pairs ``i = j*BLOCK_N ..`` of head ``h`` for all M sequences (PDL:
-    :func:`kiln.ops.kernels.gemv.pdl_enter`, after the first weight chunk's loads)."""
+    :func:`kiln.ops.kernels.pdl.pdl_enter`, after the first weight chunk's loads)."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
     h = tl.program_id(0)

@@ -1,0 +1,318 @@
+"""The gate: one candidate through the phases of an experiment on a built engine, to a
+:class:`~kiln.engine_pool.measurement.Measurement` (:meth:`Gate._gate`). Phases, timed in ms:
+
+1. ``load``: execute its code modules in fresh namespaces (they register implementations);
+2. ``bind``: what :func:`~kiln.engine_pool.support.support_for` says does not apply to the
+   model on this device is REJECTED with its reason; then ``OpBinding.from_recipe(candidate.ops)``
+   and ``model.rebind`` (derived layouts come from the weight store's cache: no weight is read
+   again), then its transforms;
+3. ``compile``: ``warmup`` (at least one) untimed decode steps at the traffic shape (graph
+   compilation lands here); the first one's logits are kept for the check, so the step checked
+   at the traffic shape is one the candidate cannot tell from a warm-up or timed step;
+4. ``check``: the reference's step at the traffic shape (full batch and context) against the
+   kept logits; then fresh random prompts (``check_batch`` of them), prefill + ``check_steps``
+   decode steps, candidate then reference (on its own copy of the inputs), outputs poisoned
+   between calls; on an MoE model routing-aware, with every MoE layer also checked on the
+   reference's own inputs (:mod:`~kiln.engine_pool.moe_check`);
+5. ``measure``: timed decode steps at (batch_size, context_len) — ``min_repeats`` to
+   ``repeats`` of them within ``measure_budget_s`` — median, p10, p90, stdev;
+   tokens/s = batch_size / median_s. The previous output is poisoned before each call; after
+   each call returns (outside the timed interval) a random choice keeps a copy of its output
+   (:class:`~kiln.engine_pool.check.TimedOutputs`), and no thread may still be running
+   candidate code (else INCORRECT: work outside the timed call);
+6. ``verify``: the reference's step on each kept timed step's token (``verify_timed_steps``,
+   default 1), at the same cache state, against the kept copy;
+7. ``prefill`` (when asked): the candidate's prefill of ``batch_size`` prompts of
+   ``context_len`` tokens, timed; then the per-op profile (when asked).
+
+An exception in any phase makes the experiment CRASHED (with the exception and the tail of its
+traceback); an unknown op, implementation or transform, or one the support statement refuses,
+makes it REJECTED. The engine (:class:`~kiln.engine_pool.engine.Engine`) runs this under its
+integrity watches and puts itself back afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kiln.engine_pool.attributes import AttributeSnapshot
+from kiln.engine_pool.check import (
+    LOSSY_RTOL,
+    RTOL,
+    CheckResult,
+    EngineFault,
+    OutputGuard,
+    TimedOutputs,
+    run_steps,
+)
+from kiln.engine_pool.gate_check import GateChecks
+from kiln.engine_pool.measurement import Measurement, MemoryUsage, Timing
+from kiln.engine_pool.op_profile import profile_decode_step, profile_fields
+from kiln.engine_pool.reload import load_code_modules
+from kiln.engine_pool.request import RunRequest
+from kiln.engine_pool.support import support_for
+from kiln.engine_pool.thread_watch import OutsideWork, ThreadWatch
+from kiln.engine_pool.timing import CpuTimer, CudaTimer, summarize, time_after_untimed
+from kiln.engine_pool.transforms import AppliedTransforms, RejectedCandidate, apply_transforms
+from kiln.ops.registry import OpLookupError
+from kiln.workloads.candidate import Candidate
+from kiln.workloads.models import OpBinding
+from kiln.workloads.models.binding import BindError, LossyImplementationError
+
+Tensor = torch.Tensor
+TRACEBACK_CHARS = 1500
+
+
+@contextmanager
+def _timed(phases: dict[str, float], name: str, sync: Callable[[], None]) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        sync()
+        phases[name] = (time.perf_counter() - start) * 1e3
+
+
+def _crash_text(phase: str, exc: BaseException) -> str:
+    tail = "".join(traceback.format_exception(exc))[-TRACEBACK_CHARS:]
+    return f"{phase}: {type(exc).__name__}: {exc}\n{tail}"
+
+
+class Gate(GateChecks):
+    """The phases of one experiment, as methods of :class:`~kiln.engine_pool.engine.Engine`
+    (a base class of it; the attributes below are the engine's)."""
+
+    timer: CpuTimer | CudaTimer
+
+    if TYPE_CHECKING:
+
+        def memory(self) -> MemoryUsage: ...
+
+    def _gate(
+        self,
+        candidate: Candidate,
+        request: RunRequest,
+        phases: dict[str, float],
+        notes: list[str],
+        applied: AppliedTransforms,
+        base: dict[str, Any],
+        model: AttributeSnapshot,
+        tampered: list[str],
+    ) -> Measurement:
+        """Load, bind, compile (first step at the shape kept), check, time, verify timed steps
+        (phases in the module docstring). ``model`` is the measured model's attributes before
+        loading: changes found after loading go to ``tampered`` and are put back; it is
+        re-taken once the transforms are applied (they may install a forward)."""
+        sync = self.timer.sync
+        spec = self.spec
+        rtol = LOSSY_RTOL if candidate.lossy else RTOL[self.dtype]
+        g = torch.Generator().manual_seed(request.seed + 1)
+        tokens = torch.randint(
+            self.vocab, (request.warmup + request.repeats, spec.batch_size, 1), generator=g
+        )
+        steps = tokens.to(self.device, copy=True)  # the candidate's; ``tokens`` stays ours
+        phase = "load"
+        try:
+            with _timed(phases, "load", sync):
+                load_code_modules(candidate.code_modules)
+            loaded = list(model.changes())
+            if loaded:
+                tampered += loaded
+                model.restore()
+            phase = "bind"
+            with _timed(phases, "bind", sync):
+                # what this engine runs for the model (after the code modules registered
+                # theirs): the statement the agents' search space is restricted to
+                support = support_for(self.spec.model_config(), self.device.type)
+                refusal = support.refusal(candidate)
+                if refusal is not None:
+                    raise RejectedCandidate(refusal)
+                try:
+                    binding = OpBinding.from_recipe(
+                        dict(candidate.ops), allow_lossy=candidate.lossy
+                    )
+                    self.model.rebind(binding)
+                except (OpLookupError, LossyImplementationError, BindError) as exc:
+                    raise RejectedCandidate(str(exc)) from exc
+                more = apply_transforms(self.model, candidate.transforms, support)
+                applied.undo += more.undo
+                applied.compiled = more.compiled
+                notes += more.notes
+            model.take()
+            for name, ms in more.phases_ms.items():  # graph_capture: its own phase
+                phases["bind"] -= ms
+                phases[name] = ms
+            if candidate.lossy:
+                notes.append(f"lossy: checked to {LOSSY_RTOL:g} x max |reference|")
+            phase = "compile"
+            guard = OutputGuard(self._protected)
+            with _timed(phases, "compile", sync):
+                # The first step at the traffic shape is checked (in the check phase); the
+                # candidate cannot tell it from the timed steps that follow.
+                token = self._shape_token(request.seed)
+                self._at_context()
+                first = run_steps([functools.partial(self.model.decode_step, token)], guard)
+                for i in range(1, request.warmup):
+                    self._at_context()
+                    self.model.decode_step(steps[i])
+            phase = "check"
+            with _timed(phases, "check", sync):
+                verdict = self._check(request.seed, rtol, first, guard, notes)
+            if not verdict.correct:
+                return self._incorrect(verdict, phases, notes, base)
+            phase = "measure"
+            kept = TimedOutputs(request.verify_timed_steps)
+            with _timed(phases, "measure", sync):
+                samples = self._time(request, steps[request.warmup :], guard, kept)
+            phase = "verify"
+            with _timed(phases, "verify", sync):
+                verified = self._verify(kept, tokens[request.warmup :], rtol, len(samples), notes)
+            chosen = ", ".join(str(step + 1) for step, _ in kept.kept())
+            notes.append(
+                f"verified timed step(s) {chosen or 'none'} of {len(samples)} against the "
+                "reference (chosen after each call returned)"
+            )
+            if not verified.correct:
+                median = summarize(samples, request.warmup).median_ms
+                notes.append(f"timed median {median:.4g} ms (not reported: incorrect)")
+                return self._incorrect(verified, phases, notes, base)
+            prefill: Timing | None = None
+            if request.prefill_repeats > 0:
+                phase = "prefill"
+                with _timed(phases, "prefill", sync):
+                    prefill_ms = self._time_prefill(request.prefill_repeats, request.seed)
+                    prefill = summarize(prefill_ms, 1)
+                notes.append(
+                    f"prefill timed: {spec.batch_size} prompts of {spec.context_len} tokens, "
+                    f"{request.prefill_repeats} times after one untimed"
+                )
+            profiled = profile_fields(  # after the timed steps: it cannot change them
+                request.profile,
+                lambda: profile_decode_step(
+                    self.model, self._shape_token(request.seed), self._at_context, self.dtype
+                ),
+                notes,
+                phases,
+            )
+        except RejectedCandidate as exc:
+            return Measurement.failed("rejected", f"{phase}: {exc}", phases_ms=phases, **base)
+        except OutsideWork as exc:
+            return Measurement.failed(
+                "incorrect",
+                f"incorrect: work outside the timed call: {exc}",
+                phases_ms=phases,
+                notes=notes,
+                restart_engine=True,
+                **base,
+            )
+        except EngineFault as exc:
+            return Measurement.failed(
+                "crashed", f"{phase}: {exc}", phases_ms=phases, restart_engine=True, **base
+            )
+        except (Exception, SystemExit) as exc:
+            return Measurement.failed(
+                "crashed", _crash_text(phase, exc), phases_ms=phases, notes=notes, **base
+            )
+        timing = summarize(samples, request.warmup)
+        return Measurement(
+            status="ok",
+            correct=True,
+            max_abs_error=max(verdict.max_abs_error, verified.max_abs_error),
+            timing=timing,
+            tokens_per_s=spec.batch_size / (timing.median_ms / 1e3) if timing.median_ms else 0.0,
+            prefill=prefill,
+            prefill_tokens_per_s=(
+                spec.batch_size * spec.context_len / (prefill.median_ms / 1e3)
+                if prefill and prefill.median_ms
+                else 0.0
+            ),
+            memory=self.memory(),
+            phases_ms=phases,
+            notes=notes,
+            **profiled,
+            **base,
+        )
+
+    def _time_prefill(self, repeats: int, seed: int) -> list[float]:
+        """Prefill of ``batch_size`` random prompts of ``context_len`` tokens on the measured
+        model (the candidate's ops): one untimed, then ``repeats`` timed, ms each. The cache is
+        put back at the operating point afterwards (its first slots now hold real K/V).
+
+        Raises:
+            whatever the candidate's prefill raises (the experiment is then CRASHED).
+        """
+        spec = self.spec
+        g = torch.Generator().manual_seed(seed + 3)
+        prompts = torch.randint(self.vocab, (spec.batch_size, spec.context_len), generator=g)
+        prompts = prompts.to(self.device)
+        call = functools.partial(self.model.prefill, prompts)
+        try:
+            return time_after_untimed(self.timer, call, repeats)
+        finally:
+            self._at_context()
+
+    def _incorrect(
+        self,
+        verdict: CheckResult,
+        phases: dict[str, float],
+        notes: list[str],
+        base: dict[str, Any],
+    ) -> Measurement:
+        return Measurement(
+            status="incorrect",
+            max_abs_error=verdict.max_abs_error,
+            error=f"incorrect: {verdict.reason}",
+            memory=self.memory(),
+            phases_ms=phases,
+            notes=notes,
+            **base,
+        )
+
+    def _time(
+        self, request: RunRequest, steps: Tensor, guard: OutputGuard, kept: TimedOutputs
+    ) -> list[float]:
+        """Timed decode steps at the operating point, ms each: at least ``min_repeats``, at most
+        ``repeats``, stopping early once ``measure_budget_s`` of timed steps have run.
+
+        Args:
+            request: the experiment (repeats, budget).
+            steps: ``[repeats, batch_size, 1]`` int64 tokens, one step each.
+            guard: the candidate's output guard: the previous output is poisoned before each
+                call (outside the timed interval).
+            kept: offered each step's output right after its call returns, outside the timed
+                interval (on CUDA: on the current stream, before the device-wide sync).
+
+        Raises:
+            OutsideWork: after a call returned, a thread was still running candidate code or a
+                thread started during the call was still alive.
+        """
+        samples: list[float] = []
+        budget_ms = request.measure_budget_s * 1e3
+        threads = ThreadWatch()
+
+        def keep(step: int, out: object) -> Callable[[], None] | None:
+            guard.hold(out)
+            return kept.offer(step, out)
+
+        for i in range(request.repeats):
+            self._at_context()
+            guard.poison()
+            guard.release()
+            step = functools.partial(self.model.decode_step, steps[i])
+            samples.append(self.timer.time_ms(step, functools.partial(keep, i)))
+            strays = threads.strays()
+            if strays:
+                raise OutsideWork(f"after timed step {i + 1} returned: {'; '.join(strays[:4])}")
+            enough = len(samples) >= request.min_repeats
+            if enough and budget_ms > 0 and sum(samples) >= budget_ms:
+                break
+        guard.poison()
+        guard.release()
+        return samples

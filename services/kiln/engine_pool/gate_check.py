@@ -1,0 +1,211 @@
+"""The gate's comparisons against the engine's reference models: the candidate's first step at
+the traffic shape and a fresh prefill/decode check (:meth:`GateChecks._check`), and the kept
+timed steps after timing (:meth:`GateChecks._verify`).
+
+Tolerances by dtype (:mod:`kiln.engine_pool.check`); in bfloat16 / float16 each comparison also
+runs the float32 exact forward (:mod:`kiln.engine_pool.exact`); on an MoE model comparisons are
+routing-aware and every MoE layer is also checked on the reference's own inputs
+(:mod:`kiln.engine_pool.moe_check`). The reference always gets its own copy of every input.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from kiln.engine_pool.check import (
+    LOSSY_RTOL,
+    CheckInputs,
+    CheckResult,
+    OutputGuard,
+    TimedOutputs,
+    compare,
+    run_steps,
+)
+from kiln.engine_pool.exact import exact_model, exact_step
+from kiln.engine_pool.moe_check import RoutedCheck
+from kiln.engine_pool.spec import EngineSpec
+from kiln.workloads.models import DecoderModel
+
+Tensor = torch.Tensor
+
+
+def _compare(
+    got: list[Tensor],
+    want: list[Tensor],
+    rtol: float,
+    rows: list[Tensor] | None,
+    exact: list[Tensor] | None,
+) -> CheckResult:
+    """:func:`~kiln.engine_pool.check.compare`, with ``rows`` and ``exact`` only when given."""
+    extra = {k: v for k, v in (("rows", rows), ("exact", exact)) if v is not None}
+    return compare(got, want, rtol, **extra)
+
+
+class GateChecks:
+    """The comparison phases of :class:`~kiln.engine_pool.engine.Engine` (a base class of it;
+    the attributes below are the engine's, set when it is built)."""
+
+    spec: EngineSpec
+    device: torch.device
+    dtype: torch.dtype
+    vocab: int
+    model: DecoderModel
+    reference: DecoderModel
+    shape_reference: DecoderModel
+    _protected: set[int]
+
+    if TYPE_CHECKING:
+
+        def _at_context(self) -> None: ...
+
+    def _verify(
+        self, kept: TimedOutputs, tokens: Tensor, rtol: float, timed: int, notes: list[str]
+    ) -> CheckResult:
+        """The reference's decode step on each kept timed step's token, at the same cache state
+        (every timed step starts at ``context_len``), against the kept logits.
+
+        Args:
+            kept: the timed steps' outputs kept (see :class:`~kiln.engine_pool.check.TimedOutputs`).
+            tokens: ``[repeats, batch_size, 1]`` int64 on the CPU: the engine's own copy of the
+                timed steps' tokens (a candidate writing into its input changes only its copy).
+            rtol: relative tolerance.
+            timed: how many timed steps ran (for the message).
+            notes: the measurement's notes (an MoE model's routing-aware comparison adds one).
+
+        Cost: one reference decode step at the traffic shape per kept step (two in reduced
+        precision: the float32 exact one too).
+        """
+        ref_guard = OutputGuard(self._protected)
+        worst, tolerance = 0.0, 0.0
+        moe = RoutedCheck(self.shape_reference, rtol, lossy=rtol == LOSSY_RTOL)
+        for step, got in kept.kept():
+            self._at_context()
+            token = tokens[step].to(self.device)
+            exact = self._exact([functools.partial(exact_step, self.shape_reference, token)])
+            ref = moe.record(self.shape_reference, "timed step")
+            want = run_steps([functools.partial(ref.decode_step, token)], ref_guard)
+            verdict = _compare([got], want, rtol, moe.rows(ref), exact)
+            if not verdict.correct:
+                reason = verdict.reason.removeprefix("step 0: ")
+                return CheckResult(
+                    False,
+                    verdict.max_abs_error,
+                    verdict.tolerance,
+                    f"timed step {step + 1} of {timed} (verified after timing): {reason}",
+                )
+            worst, tolerance = max(worst, verdict.max_abs_error), verdict.tolerance
+        ref_guard.poison()
+        self._at_context()
+        if moe.applies and kept.kept():
+            notes.append(f"moe, verified timed steps: {moe.rows_note()}")
+        return CheckResult(True, worst, tolerance)
+
+    @property
+    def _reduced_precision(self) -> bool:
+        """bfloat16 / float16: comparisons also run the float32 exact forward."""
+        return self.dtype in (torch.bfloat16, torch.float16)
+
+    def _exact(self, calls: list[Callable[[], object]]) -> list[Tensor] | None:
+        """The float32 exact forward's logits of ``calls`` in reduced precision, else None."""
+        if not self._reduced_precision:
+            return None
+        return run_steps(calls, OutputGuard(self._protected))
+
+    def _shape_token(self, seed: int) -> Tensor:
+        """``[batch_size, 1]`` int64: the token of the step checked at the traffic shape."""
+        g = torch.Generator().manual_seed(seed + 2)
+        return torch.randint(self.vocab, (self.spec.batch_size, 1), generator=g).to(self.device)
+
+    def _check(
+        self,
+        seed: int,
+        rtol: float,
+        at_shape: list[Tensor],
+        guard: OutputGuard,
+        notes: list[str],
+    ) -> CheckResult:
+        """Compare the candidate against the reference forward.
+
+        Args:
+            seed: the experiment's check seed (fresh inputs every experiment).
+            rtol: relative tolerance (see :mod:`kiln.engine_pool.check`).
+            at_shape: the candidate's logits of its first step at the traffic shape (full batch,
+                full context; ``[[batch_size, V]]`` float32), on :meth:`_shape_token`, taken
+                right before this call with nothing run since.
+            guard: the candidate's output guard (its outputs are poisoned before each call).
+            notes: the measurement's notes (an MoE model's routing-aware check adds one).
+
+        The reference runs the same step at the traffic shape (same cache contents: each step
+        writes its own K/V before attending), then candidate and reference each run a prefill
+        of ``check_batch`` fresh right-padded prompts and ``check_steps`` decode steps. The
+        reference gets its own copy of every input (drawn again from the seed), so a candidate
+        that writes into its inputs cannot steer the reference.
+
+        On an MoE model the comparisons are routing-aware and every MoE layer is also checked on
+        the reference's own inputs (:mod:`kiln.engine_pool.moe_check`).
+        """
+        spec = self.spec
+        ref_guard = OutputGuard(self._protected)
+        self._at_context()
+        token = self._shape_token(seed)
+        moe = RoutedCheck(self.reference, rtol, lossy=rtol == LOSSY_RTOL)
+        exact = self._exact([functools.partial(exact_step, self.shape_reference, token)])
+        ref = moe.record(self.shape_reference, "at the traffic shape")
+        want = run_steps([functools.partial(ref.decode_step, token)], ref_guard)
+        shape_verdict = _compare(at_shape, want, rtol, moe.rows(ref), exact)
+        if not shape_verdict.correct:
+            where = f"batch {spec.batch_size}, context {spec.context_len}"
+            return CheckResult(
+                False,
+                shape_verdict.max_abs_error,
+                shape_verdict.tolerance,
+                f"at {where}: {shape_verdict.reason}",
+            )
+
+        def calls(model: DecoderModel) -> list[Callable[[], object]]:
+            inputs = CheckInputs.draw(
+                seed,
+                batch=spec.check_batch,
+                prompt_len=spec.prompt_len,
+                steps=spec.check_steps,
+                vocab=self.vocab,
+                device=self.device,
+            )
+            out: list[Callable[[], object]] = [
+                functools.partial(model.prefill, inputs.tokens, inputs.seq_lens)
+            ]
+            out += [functools.partial(model.decode_step, step) for step in inputs.decode]
+            return out
+
+        got = run_steps(calls(self.model), guard)
+        exact = None
+        if self._reduced_precision:
+            cache = self.reference.cache
+            fresh = exact_model(self.reference, max_batch=cache.max_batch, max_len=cache.max_len)
+            exact = self._exact(calls(fresh))
+        ref = moe.record(self.reference, "check prefill/decode")
+        want = run_steps(calls(ref), ref_guard)
+        guard.poison()
+        ref_guard.poison()
+        self._at_context()
+        verdict = _compare(got, want, rtol, moe.rows(ref), exact)
+        if not verdict.correct:
+            return verdict
+        if exact is not None:
+            notes.append(
+                f"{self.dtype} check against the float32 exact forward: tolerance "
+                f"{shape_verdict.tolerance:.3g} at the traffic shape, {verdict.tolerance:.3g} "
+                f"on fresh prompts (max |error| {shape_verdict.max_abs_error:.3g}, "
+                f"{verdict.max_abs_error:.3g})"
+            )
+        if moe.applies:
+            layers = moe.check_layers(self.model)
+            if not layers.correct:
+                return layers
+            notes.append(moe.note())
+        worst = max(verdict.max_abs_error, shape_verdict.max_abs_error)
+        return CheckResult(True, worst, verdict.tolerance)
