@@ -14,7 +14,7 @@ Usage (from the repository root):
 ``$KILN_SHARED_DATA``). On a CPU use a small config or ``--layers 2``, and ``--no-compile``
 (torch.compile on a CPU takes minutes). Every row follows :mod:`kiln.baselines.harness`: prompt
 prefilled, first decode step checked against kiln's reference forward, warm-up, timed steps
-(:mod:`kiln.engine_pool.timing`). kiln's reference row is the same protocol on kiln's
+(:mod:`kiln.runtime.timing`). kiln's reference row is the same protocol on kiln's
 ``DecoderModel`` with reference ops. ``--json`` prints one JSON object instead of the table.
 """
 

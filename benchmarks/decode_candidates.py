@@ -35,7 +35,7 @@ from kiln.cost_model.roofline import (
 )
 from kiln.engine_pool.process import EngineProcess
 from kiln.engine_pool.settings import EngineSettings
-from kiln.engine_pool.spec import EngineSpec
+from kiln.runtime.spec import EngineSpec
 from kiln.workloads.candidate import Candidate, Transform
 from kiln.workloads.config import DTYPE_BYTES
 

@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.engine_pool.measurement import Measurement
 from kiln.engine_pool.process import EngineProcess
-from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.settings import EngineSettings
-from kiln.engine_pool.spec import EngineSpec
+from kiln.runtime.measurement import Measurement
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineSpec
 from kiln.workloads.candidate import Candidate, CodeModule, Transform
 from kiln.workloads.traffic import TrafficShape, read_trace
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kiln.cost_model.roofline import decode_step_bytes, weights_read_bytes
-from kiln.engine_pool.fused_decode import FusedDecode
+from kiln.runtime.fused_decode import FusedDecode
 from kiln.workloads.config import load_config
 from kiln.workloads.models import build_model
 

@@ -13,11 +13,11 @@ import dataclasses
 import pytest
 import torch
 
-from kiln.engine_pool.engine import Engine
 from kiln.engine_pool.process import EngineProcess
-from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.settings import EngineSettings
-from kiln.engine_pool.spec import EngineSpec
+from kiln.runtime.engine import Engine
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineSpec
 from kiln.workloads.candidate import Candidate, Transform
 from tests.unit.engine_testing import module, tiny_workload
 
@@ -88,7 +88,7 @@ def test_kv_cache_is_sized_from_free_memory() -> None:
     spec = _spec(batch=8, context=64)
     free = torch.cuda.mem_get_info()[0]
     huge = dataclasses.replace(spec, batch_size=10**9)
-    from kiln.engine_pool.device_memory import fit_batch
+    from kiln.runtime.device_memory import fit_batch
 
     fitted = fit_batch(huge, spec.model_config(), free)
     assert 1 <= fitted.batch_size < 10**9

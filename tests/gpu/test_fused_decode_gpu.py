@@ -52,7 +52,7 @@ def models():  # type: ignore[no-untyped-def]
 def _run(models, transforms) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     """Logits of STEPS decode steps (the same random tokens for every run) of a fresh model on
     the shared weights, prefilled with the same prompts."""
-    from kiln.engine_pool.transforms import apply_transforms
+    from kiln.runtime.transforms import apply_transforms
     from kiln.workloads.models import build_model
 
     config, ref, prompt, lens, steps = models

@@ -34,7 +34,7 @@ def _config(name: str):  # type: ignore[no-untyped-def]
 
 def _steps(config, batch: int, transforms, weights=None):  # type: ignore[no-untyped-def]
     """(weights, logits of STEPS decode steps) of a model prefilled with seeded prompts."""
-    from kiln.engine_pool.transforms import apply_transforms
+    from kiln.runtime.transforms import apply_transforms
     from kiln.workloads.models import build_model
 
     dev = torch.device("cuda")

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.engine_pool.engine import Engine
-from kiln.engine_pool.measurement import Measurement
-from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.settings import EngineSettings
-from kiln.engine_pool.spec import EngineSpec
+from kiln.runtime.engine import Engine
+from kiln.runtime.measurement import Measurement
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineSpec
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 from tests.unit.engine_testing import tiny_workload
 

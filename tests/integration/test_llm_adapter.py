@@ -33,9 +33,9 @@ from kiln.agent_runner.llm import ChatClient, LLMReplyError, LLMRequestError, LL
 from kiln.agent_runner.space import CandidateSpace, space_for
 from kiln.board import Board
 from kiln.common.errors import InvalidArgument
-from kiln.engine_pool.reload import RegistrySnapshot, forget_sources, load_code_modules
 from kiln.events.types import ExperimentCompleted
 from kiln.ops import registry
+from kiln.runtime.reload import RegistrySnapshot, forget_sources, load_code_modules
 from kiln.v1 import common_pb2
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 

@@ -311,8 +311,8 @@ torch.library._impls.difference_update(_lib._op_impls)
 GATE_PATCH = code_module(
     "gate_patch",
     """
-import kiln.engine_pool.gate_check as _gate_check
-from kiln.engine_pool.check import CheckResult
+import kiln.runtime.gate_check as _gate_check
+from kiln.runtime.check import CheckResult
 
 
 def _always(candidate, reference, rtol):

@@ -197,7 +197,7 @@ CHEATS: tuple[Cheat, ...] = (
         "attention",
         {"attention": "nothing"},
         GATE_PATCH,
-        (TAMPERED, "kiln.engine_pool.gate_check.compare replaced"),
+        (TAMPERED, "kiln.runtime.gate_check.compare replaced"),
     ),
     _cheat(
         "deferred_thread",

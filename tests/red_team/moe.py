@@ -2,7 +2,7 @@
 experts, and honest ones that differ from the reference only within rounding of a routing tie.
 
 Every wrong one must end INCORRECT on an MoE engine, in float32 and bfloat16 (the routing-aware
-gate of :mod:`kiln.engine_pool.moe_check` must not excuse it as "undetermined"); every honest
+gate of :mod:`kiln.runtime.moe_check` must not excuse it as "undetermined"); every honest
 one must measure ``ok`` (the gate must excuse exactly what rounding can change). Candidates are
 code modules as agents send them, built from :mod:`kiln.ops.moe`'s own pieces so that each
 differs from the reference in the one way its name says. ``tests/unit/test_moe_gate.py`` runs

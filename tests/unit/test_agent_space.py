@@ -118,7 +118,7 @@ def test_exclusions_keep_pairs_out_of_points_moves_and_iteration() -> None:
 
 
 def test_within_drops_refused_values_and_a_refused_transforms_parameters() -> None:
-    from kiln.engine_pool.support import support_for
+    from kiln.runtime.support import support_for
 
     qwen_moe = json.loads((MODELS / "qwen3-30b-a3b.json").read_text())
     space = space_for("h200").within(support_for(qwen_moe, "cuda"))

@@ -28,9 +28,10 @@ from kiln.baselines.table import Comparison, bandwidth_limit
 from kiln.cli.compile_view import comparison_table
 from kiln.common.errors import InvalidArgument
 from kiln.engine_pool.delivery import completed_payload
-from kiln.engine_pool.engine import Engine
-from kiln.engine_pool.request import RunRequest
-from kiln.engine_pool.spec import EngineLimits, EngineSpec
+from kiln.engine_pool.worker import run_request
+from kiln.runtime.engine import Engine
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineLimits, EngineSpec
 from kiln.v1 import common_pb2, compiler_pb2
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.workloads.config import parse_config
@@ -215,7 +216,8 @@ def test_engine_answers_a_baseline_then_verifies_its_next_experiment() -> None:
     placeholder = Candidate().canonical()
     request = RunRequest("b1", placeholder, warmup=1, repeats=3, prefill_repeats=2,
                          baseline="gpt_fast")  # fmt: skip
-    m = engine.run(request)
+    assert engine.run(request).status == "rejected"  # the runtime runs candidates only
+    m = run_request(engine, request)  # what the engine process does
     assert m.status == "ok" and m.correct, (m.error, m.notes)
     assert m.candidate_id == "baseline:gpt_fast"
     assert m.tokens_per_s > 0 and m.timing is not None and m.timing.median_ms > 0
@@ -233,11 +235,13 @@ def test_engine_answers_a_baseline_then_verifies_its_next_experiment() -> None:
     assert payload["candidate_id"] == "baseline:gpt_fast"
     assert not m.restart_engine and engine.weights_intact()
     engine.after_reply()
-    unasked = engine.run(RunRequest("b0", placeholder, warmup=1, repeats=3, baseline="gpt_fast"))
+    unasked = run_request(
+        engine, RunRequest("b0", placeholder, warmup=1, repeats=3, baseline="gpt_fast")
+    )
     assert unasked.status == "ok" and unasked.prefill is None  # prefill_repeats 0: not timed
     assert completed_payload(_work(), unasked)["prefill_median_ms"] == 0
     engine.after_reply()
-    bad = engine.run(RunRequest("b2", placeholder, baseline="vllm"))
+    bad = run_request(engine, RunRequest("b2", placeholder, baseline="vllm"))
     assert bad.status == "rejected" and "unknown baseline" in bad.error
     nxt = engine.run(RunRequest("n1", Candidate().canonical(), warmup=1, repeats=3))
     assert nxt.status == "ok" and nxt.correct, nxt.error
@@ -258,7 +262,7 @@ def test_engine_reports_a_skipped_baseline(monkeypatch: pytest.MonkeyPatch) -> N
     limits = EngineLimits(max_batch=2, max_context=16, prompt_len=8, check_steps=1)
     engine = Engine(EngineSpec.from_workload(tiny_workload(batch=1, context=8), "fast", limits))
     monkeypatch.setitem(sys.modules, "transformers", None)
-    m = engine.run(RunRequest("b", Candidate().canonical(), baseline="hf_eager"))
+    m = run_request(engine, RunRequest("b", Candidate().canonical(), baseline="hf_eager"))
     assert m.status == "rejected" and m.error == "skipped: transformers not installed"
 
 

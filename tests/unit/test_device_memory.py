@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.engine_pool.device_memory import (
+from kiln.runtime.device_memory import (
     RESERVE_BYTES,
     DeviceMemoryError,
     fit_batch,
     kv_bytes_per_sequence,
 )
-from kiln.engine_pool.spec import EngineLimits, EngineSpec
+from kiln.runtime.spec import EngineLimits, EngineSpec
 from tests.unit.engine_testing import tiny_workload
 
 GIB = 1 << 30

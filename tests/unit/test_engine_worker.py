@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kiln.engine_pool.check import OutputGuard, compare, run_steps
-from kiln.engine_pool.engine import Engine
-from kiln.engine_pool.measurement import Measurement
-from kiln.engine_pool.request import RunRequest
-from kiln.engine_pool.spec import EngineLimits, EngineSpec, SpecError
 from kiln.ops import registry
+from kiln.runtime.check import OutputGuard, compare, run_steps
+from kiln.runtime.engine import Engine
+from kiln.runtime.measurement import Measurement
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineLimits, EngineSpec, SpecError
 from kiln.workloads import weights as weights_module
 from kiln.workloads.candidate import Candidate, Transform
 from kiln.workloads.models import build as build_module

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.engine_pool.exact import exact_model, exact_step
+from kiln.runtime.exact import exact_model, exact_step
 from kiln.workloads.config import parse_config
 from kiln.workloads.models import build_model
 from kiln.workloads.models.decoder import DecoderModel
@@ -74,7 +74,7 @@ def test_exact_matches_a_float32_model_of_the_same_weights(raw: dict[str, Any]) 
 
 
 def test_compare_against_exact_accepts_the_references_own_rounding_and_no_more() -> None:
-    from kiln.engine_pool.check import NOISE_FACTOR, compare
+    from kiln.runtime.check import NOISE_FACTOR, compare
 
     g = torch.Generator().manual_seed(1)
     exact = torch.randn(4, 64, generator=g) * 6

@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.engine_pool.environment import environment
-from kiln.engine_pool.transforms import RejectedCandidate
 from kiln.export.artifact import (
     MANIFEST,
     ArtifactError,
@@ -27,6 +25,8 @@ from kiln.export.artifact import (
 )
 from kiln.export.load import VersionWarning, load_optimized
 from kiln.ops import registry
+from kiln.runtime.environment import environment
+from kiln.runtime.transforms import RejectedCandidate
 from kiln.workloads.candidate import Candidate, Transform
 from tests.unit.engine_testing import HANDWRITTEN_MLP, TINY_LLAMA, ZEROS_ATTENTION
 

@@ -17,9 +17,9 @@ import copy
 import pytest
 import torch
 
-from kiln.engine_pool.fused_decode import FusedDecodeUnsupported, install
-from kiln.engine_pool.transforms import RejectedCandidate, apply_transforms
 from kiln.ops.kernels import runtime
+from kiln.runtime.fused_decode import FusedDecodeUnsupported, install
+from kiln.runtime.transforms import RejectedCandidate, apply_transforms
 from kiln.workloads.candidate import Transform
 from kiln.workloads.config import parse_config
 from kiln.workloads.models import build_model
@@ -151,7 +151,7 @@ def test_every_family_variant_matches_the_reference(family: str) -> None:
     ],
 )
 def test_tensor_core_projections_match_the_reference(raw: dict, batch: int, params: dict) -> None:
-    from kiln.engine_pool.fused_decode import FusedDecode
+    from kiln.runtime.fused_decode import FusedDecode
 
     ref, fused, gen = _pair(torch.bfloat16, batch, prompt=7, seed=batch, raw=raw)
     assert FusedDecode(fused, params).uses_tensor_cores(batch)
@@ -163,7 +163,7 @@ def test_tensor_core_projections_match_the_reference(raw: dict, batch: int, para
 
 
 def test_projections_choose_the_product_kernels_by_batch() -> None:
-    from kiln.engine_pool.fused_decode import TENSOR_CORE_BATCH, FusedDecode
+    from kiln.runtime.fused_decode import TENSOR_CORE_BATCH, FusedDecode
 
     _, model, _ = _pair(torch.float32, 1, prompt=3, seed=2)
     auto, gemv, tc = (
@@ -194,7 +194,7 @@ def test_every_value_agents_may_propose_is_accepted() -> None:
     """The search space's fused_decode parameter values (kiln.agent_runner.space) are all
     values the transform takes: an agent never spends an experiment on a refused one."""
     from kiln.agent_runner.space import FUSED_DECODE_PARAMS
-    from kiln.engine_pool.fused_decode import PARAMS, FusedDecode
+    from kiln.runtime.fused_decode import PARAMS, FusedDecode
 
     _, model, _ = _pair(torch.float32, 1, prompt=3, seed=2)
     assert set(FUSED_DECODE_PARAMS) <= set(PARAMS)
@@ -204,7 +204,7 @@ def test_every_value_agents_may_propose_is_accepted() -> None:
 
 
 def test_pdl_defaults_to_the_measured_mode_on_every_kernel() -> None:
-    from kiln.engine_pool.fused_decode import DEFAULT_PDL, FusedDecode
+    from kiln.runtime.fused_decode import DEFAULT_PDL, FusedDecode
 
     _, model, _ = _pair(torch.float32, 1, prompt=3, seed=2)
     for params, want in (({}, DEFAULT_PDL), ({"pdl": "0"}, 0), ({"pdl": "1"}, 1)):
@@ -250,7 +250,7 @@ def test_bad_parameters_are_rejected_with_the_reason(params: dict, message: str)
 
 
 def test_models_outside_the_fused_path_are_rejected() -> None:
-    from kiln.engine_pool.fused_decode import unsupported_reason
+    from kiln.runtime.fused_decode import unsupported_reason
 
     moe = {
         **QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,

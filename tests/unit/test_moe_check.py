@@ -1,4 +1,4 @@
-"""The routing-aware gate's parts (:mod:`kiln.engine_pool.moe_check`) on their own: the tie
+"""The routing-aware gate's parts (:mod:`kiln.runtime.moe_check`) on their own: the tie
 bound holds every rounding it claims to and no more, routes it calls determined are the same
 under any such rounding, the per-call comparison covers the whole op (a skipped shared expert
 fails), which rows the end-to-end comparison keeps, and that recorded inputs cannot be changed
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.engine_pool import moe_check
-from kiln.engine_pool.moe_check import RoutedCheck, check_call, determined, routing_of
 from kiln.ops.moe import reference as moe_reference
+from kiln.runtime import moe_check
+from kiln.runtime.moe_check import RoutedCheck, check_call, determined, routing_of
 from kiln.workloads.config import parse_config
 from kiln.workloads.models import build_model
 from tests.unit.engine_testing import TINY_LLAMA

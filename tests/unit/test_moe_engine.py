@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from kiln.engine_pool.engine import Engine
-from kiln.engine_pool.measurement import Measurement
-from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.settings import EngineSettings
-from kiln.engine_pool.spec import EngineLimits, EngineSpec, SpecError
 from kiln.ops import registry
+from kiln.runtime.engine import Engine
+from kiln.runtime.measurement import Measurement
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineLimits, EngineSpec, SpecError
 from kiln.workloads.candidate import Candidate, Transform
 from kiln.workloads.traffic.experts import exponent_for_hot_ratio, zipf_shares
 

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.engine_pool import moe_check
-from kiln.engine_pool.engine import Engine
-from kiln.engine_pool.measurement import Measurement
-from kiln.engine_pool.request import RunRequest
-from kiln.engine_pool.spec import EngineLimits, EngineSpec
+from kiln.runtime import moe_check
+from kiln.runtime.engine import Engine
+from kiln.runtime.measurement import Measurement
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineLimits, EngineSpec
 from kiln.workloads.candidate import Candidate
 from tests.red_team import moe as red_team_moe
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.engine_pool.spec import EngineLimits, EngineSpec
 from kiln.ops.registry import get, implementations
+from kiln.runtime.spec import EngineLimits, EngineSpec
 from kiln.workloads.config import load_config
 from kiln.workloads.models import DecoderModel, StaticKVCache
 from kiln.workloads.models.build import check_buildable

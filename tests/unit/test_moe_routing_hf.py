@@ -3,9 +3,9 @@
 family kiln builds, a small config parsed by kiln and by transformers, the same router weights and
 hidden states, in float32 and bfloat16.
 
-The router logits the gate ranks by (:func:`kiln.engine_pool.moe_check.routing_of`) are
+The router logits the gate ranks by (:func:`kiln.runtime.moe_check.routing_of`) are
 transformers' bit for bit; where the gate calls a route determined, kiln's top-k experts
-(:func:`kiln.ops.moe.route`, and the gate's :func:`~kiln.engine_pool.moe_check.decisions`) are
+(:func:`kiln.ops.moe.route`, and the gate's :func:`~kiln.runtime.moe_check.decisions`) are
 transformers', with the same combine weights (renormalised or not as the config says, rounded to
 the model dtype for Qwen3-MoE and kept in float32 for Mixtral, as kiln's ``MoEConfig`` says).
 """
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.engine_pool.moe_check import decisions, determined, routing_of
 from kiln.ops.moe import route
+from kiln.runtime.moe_check import decisions, determined, routing_of
 from kiln.workloads.config import parse_config
 from tests.unit.op_testing import DTYPES
 

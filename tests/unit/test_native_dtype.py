@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.engine_pool.native_dtype import cpu_flags, is_native
-from kiln.engine_pool.spec import EngineLimits, EngineSpec
+from kiln.runtime.native_dtype import cpu_flags, is_native
+from kiln.runtime.spec import EngineLimits, EngineSpec
 from tests.unit.engine_testing import tiny_workload
 
 SAPPHIRE_RAPIDS = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})

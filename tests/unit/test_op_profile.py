@@ -1,4 +1,4 @@
-"""The engine's per-op profile (kiln.engine_pool.op_profile) on a tiny CPU engine: one extra
+"""The engine's per-op profile (kiln.runtime.op_profile) on a tiny CPU engine: one extra
 eager decode step after the timed ones, ms per op summed over layers, transforms set aside."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 
 from kiln.engine_pool.delivery import completed_payload
-from kiln.engine_pool.engine import Engine
-from kiln.engine_pool.measurement import Measurement
-from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.service import measurement_to_proto
-from kiln.engine_pool.spec import EngineLimits, EngineSpec
+from kiln.runtime.engine import Engine
+from kiln.runtime.measurement import Measurement
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineLimits, EngineSpec
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 
 from .engine_testing import tiny_workload, work
@@ -57,7 +57,7 @@ def test_profile_sets_transforms_aside_and_restores_them(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[dict[str, object]] = []
-    from kiln.engine_pool import op_profile
+    from kiln.runtime import op_profile
 
     real = op_profile.profile_decode_step
 
@@ -70,7 +70,7 @@ def test_profile_sets_transforms_aside_and_restores_them(
         finally:
             assert model.__dict__.pop("forward") is shadow  # restored by the profile
 
-    monkeypatch.setattr("kiln.engine_pool.gate.profile_decode_step", spy)
+    monkeypatch.setattr("kiln.runtime.gate.profile_decode_step", spy)
     candidate = Candidate.make({"attention": "sdpa"}, [Transform.of("threads", n="1")])
     m = _run(engine, candidate, profile=True)
     assert m.status == "ok", m.error
@@ -94,7 +94,7 @@ def test_a_failing_profile_is_noted_not_fatal(
     def boom(*args: object) -> None:
         raise RuntimeError("profiler down")
 
-    monkeypatch.setattr("kiln.engine_pool.gate.profile_decode_step", boom)
+    monkeypatch.setattr("kiln.runtime.gate.profile_decode_step", boom)
     m = _run(engine, REFERENCE_CANDIDATE, profile=True)
     assert m.status == "ok" and m.op_ms == {}
     assert any("op profile failed: RuntimeError: profiler down" in n for n in m.notes)

@@ -22,15 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kiln.engine_pool.check import TimedOutputs
-from kiln.engine_pool.dispatch_watch import DispatchTables
-from kiln.engine_pool.engine import Engine
-from kiln.engine_pool.integrity import HarnessFingerprint
-from kiln.engine_pool.measurement import Measurement
-from kiln.engine_pool.request import RunRequest
-from kiln.engine_pool.spec import EngineLimits, EngineSpec
-from kiln.engine_pool.thread_watch import ThreadWatch
-from kiln.engine_pool.timing import CpuTimer
+from kiln.runtime.check import TimedOutputs
+from kiln.runtime.dispatch_watch import DispatchTables
+from kiln.runtime.engine import Engine
+from kiln.runtime.integrity import HarnessFingerprint
+from kiln.runtime.measurement import Measurement
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineLimits, EngineSpec
+from kiln.runtime.thread_watch import ThreadWatch
+from kiln.runtime.timing import CpuTimer
 from kiln.workloads.candidate import Candidate
 from kiln.workloads.models.decoder import DecoderModel
 from tests.red_team import cheats as red_team

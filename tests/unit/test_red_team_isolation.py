@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 
 import pytest_asyncio
 
-from kiln.engine_pool.measurement import Measurement
 from kiln.engine_pool.process import EngineProcess
-from kiln.engine_pool.request import RunRequest
-from kiln.engine_pool.spec import EngineLimits, EngineSpec
+from kiln.runtime.measurement import Measurement
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineLimits, EngineSpec
 from kiln.workloads.candidate import Candidate
 from tests.red_team import cheats as red_team
 

@@ -38,9 +38,9 @@ from kiln.agent_runner.space import (
     model_space,
     space_for,
 )
-from kiln.engine_pool.support import ModelNotSupported, support_for
-from kiln.engine_pool.transforms import RejectedCandidate, apply_transforms
 from kiln.ops.kernels import runtime
+from kiln.runtime.support import ModelNotSupported, support_for
+from kiln.runtime.transforms import RejectedCandidate, apply_transforms
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 from kiln.workloads.config import UnsupportedModelError, parse_config
 from kiln.workloads.models import OpBinding, UnbuildableModelError, build_model
@@ -271,9 +271,9 @@ def test_a_tiny_dense_model_runs_fused_decode(name: str) -> None:
 
 
 def test_the_engine_refuses_with_the_statements_reason() -> None:
-    from kiln.engine_pool.engine import Engine
-    from kiln.engine_pool.request import RunRequest
-    from kiln.engine_pool.spec import EngineLimits, EngineSpec
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.request import RunRequest
+    from kiln.runtime.spec import EngineLimits, EngineSpec
 
     from .engine_testing import tiny_workload
 

@@ -74,9 +74,9 @@ from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.agent_runner.workload import workload_to_json
 from kiln.board import Board
 from kiln.common.logging import get_logger
-from kiln.engine_pool.support import ModelNotSupported
 from kiln.events.types import EndStatus, Tier, is_failure
 from kiln.ledger.model import NewEvent
+from kiln.runtime.support import ModelNotSupported
 from kiln.v1 import common_pb2
 from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 

@@ -10,7 +10,7 @@ For the CPU target a point of the space picks
 - ``torch_compile``: off or ``Transform("torch_compile", {"mode": "default"})``;
 - on GPU targets (anything but ``cpu``), ``cuda_graph``: off or ``Transform("cuda_graph")``
   (the decode step captured as one CUDA graph); ``fused_decode``: off or on
-  (:mod:`kiln.engine_pool.fused_decode`: the decode step as a chain of fused Triton kernels), with
+  (:mod:`kiln.runtime.fused_decode`: the decode step as a chain of fused Triton kernels), with
   one *parameter dimension* per kernel parameter (``fused_decode.block_k``, ...: unset = the
   kernels' own default for the shape), which only matter when the transform is on; and a second
   ``torch_compile`` mode, ``max-autotune-no-cudagraphs``.
@@ -19,7 +19,7 @@ Op implementations that run only on some devices (Triton kernels: CUDA) are offe
 targets of those devices.
 
 A compilation searches :func:`model_space`: the hardware target's space restricted to what an
-engine runs for its model (:mod:`kiln.engine_pool.support`, the statement engines refuse
+engine runs for its model (:mod:`kiln.runtime.support`, the statement engines refuse
 candidates with): a transform that does not apply loses its dimension and its parameter
 dimensions (``fused_decode`` on MoE models), an op implementation that does not apply its value,
 an op the model never calls its dimension (``moe`` in a dense model, ``mlp`` in a model whose
@@ -40,11 +40,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kiln.engine_pool.support import unused_ops as unused_ops  # re-exported (lives there)
+from kiln.runtime.support import unused_ops as unused_ops  # re-exported (lives there)
 from kiln.workloads.candidate import REFERENCE, Candidate, Transform
 
 if TYPE_CHECKING:
-    from kiln.engine_pool.support import ModelSupport
+    from kiln.runtime.support import ModelSupport
     from kiln.workloads.config import ModelConfig
 
 OP_PREFIX = "op:"
@@ -74,8 +74,8 @@ FUSED_DECODE_PARAMS: dict[str, tuple[str, ...]] = {
 }
 """The ``fused_decode`` kernel parameters agents may set, with the values offered (strings, as
 candidates carry them); unset means the kernels' default for the shape (``pdl``: 2, see
-:data:`kiln.engine_pool.fused_decode.DEFAULT_PDL`; ``projections``: matrix-vector kernels below
-:data:`kiln.engine_pool.fused_decode.TENSOR_CORE_BATCH` sequences, tensor-core GEMMs from it)."""
+:data:`kiln.runtime.fused_decode.DEFAULT_PDL`; ``projections``: matrix-vector kernels below
+:data:`kiln.runtime.fused_decode.TENSOR_CORE_BATCH` sequences, tensor-core GEMMs from it)."""
 
 Value = str | None
 """A dimension's value: an implementation name, a transform parameter, or None (off)."""
@@ -406,7 +406,7 @@ def model_space(
     name: str = "model",
 ) -> CandidateSpace:
     """``space`` (the hardware target's) restricted to what an engine runs for the model
-    (:meth:`CandidateSpace.within` of :func:`kiln.engine_pool.support.support_for`; imports
+    (:meth:`CandidateSpace.within` of :func:`kiln.runtime.support.support_for`; imports
     torch).
 
     Args:
@@ -414,8 +414,8 @@ def model_space(
             (the model named ``name``).
 
     Raises:
-        kiln.engine_pool.support.ModelNotSupported: kiln cannot build the model (no space).
+        kiln.runtime.support.ModelNotSupported: kiln cannot build the model (no space).
     """
-    from kiln.engine_pool.support import support_for
+    from kiln.runtime.support import support_for
 
     return space.within(support_for(config, device_type(hardware), name=name))

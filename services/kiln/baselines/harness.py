@@ -11,12 +11,12 @@ Protocol of one baseline run (:func:`measure`):
    ``[batch, V]`` float32 logits, kept; its model is dropped before the baseline builds;
 4. the baseline builds its model, prefills the same prompt, and runs its first decode step on
    the same token (compilation lands here: untimed); its logits are compared with the
-   reference's as the engines check candidates (:func:`kiln.engine_pool.check.compare`: rtol
+   reference's as the engines check candidates (:func:`kiln.runtime.check.compare`: rtol
    by dtype, and in reduced precision against kiln's forward in float32 arithmetic, within
    twice the reference's own rounding error);
 5. ``warmup`` more untimed decode steps, then ``steps`` timed ones, each on a pre-drawn token at
    the next position (the cache grows by one token per step: ``context + 1 + warmup + steps``
-   slots), timed as the engines time (:func:`kiln.engine_pool.timing.timer_for`: CUDA events up
+   slots), timed as the engines time (:func:`kiln.runtime.timing.timer_for`: CUDA events up
    to a device-wide synchronize, ``perf_counter`` on CPU);
 6. after the decode timing (which it cannot change), the prefill of the same prompt: one
    untimed, then ``prefill_repeats`` timed, as the engines time a candidate's
@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from kiln.baselines.result import BaselineResult
-from kiln.engine_pool import check
-from kiln.engine_pool.check import RTOL
-from kiln.engine_pool.exact import exact_model
-from kiln.engine_pool.measurement import Timing
-from kiln.engine_pool.timing import CpuTimer, CudaTimer, summarize, time_after_untimed, timer_for
+from kiln.runtime import check
+from kiln.runtime.check import RTOL
+from kiln.runtime.exact import exact_model
+from kiln.runtime.measurement import Timing
+from kiln.runtime.timing import CpuTimer, CudaTimer, summarize, time_after_untimed, timer_for
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.models import DecoderModel, build_model
 from kiln.workloads.weights import WeightStore, seeded_random
@@ -150,7 +150,7 @@ def reference_model(point: BaselineSetup, max_seq_len: int) -> DecoderModel:
 def reference_logits(point: BaselineSetup) -> tuple[Tensor, Tensor | None]:
     """kiln's reference forward on the point's weights: prefill the prompt, one decode step on
     the first token. Returns ``[batch, V]`` float32 logits, and in reduced precision the same
-    computed in float32 arithmetic (:func:`kiln.engine_pool.exact.exact_model`), else None
+    computed in float32 arithmetic (:func:`kiln.runtime.exact.exact_model`), else None
     (the models and their caches are dropped)."""
     model = reference_model(point, point.context + 1)
     model.prefill(point.prompt)
@@ -170,7 +170,7 @@ def compare(
     got: Tensor, want: Tensor, dtype: torch.dtype, exact: Tensor | None = None
 ) -> tuple[bool, float, float]:
     """``(correct, max_abs_error, tolerance)`` of ``got`` vs ``want`` (``[batch, V]``) by the
-    engines' rule (:func:`kiln.engine_pool.check.compare` with ``RTOL[dtype]``; against
+    engines' rule (:func:`kiln.runtime.check.compare` with ``RTOL[dtype]``; against
     ``exact``, the float32 forward, when given). Non-finite values are an error of ``inf``.
 
     Raises:
@@ -228,7 +228,7 @@ def time_prefill(
     point: BaselineSetup, runner: Runner, timer: CpuTimer | CudaTimer
 ) -> tuple[Timing | None, str]:
     """The baseline's prefill of the point's prompt ``[batch, context]``, timed as the engines
-    time a candidate's (:func:`kiln.engine_pool.timing.time_after_untimed`: one untimed, where
+    time a candidate's (:func:`kiln.runtime.timing.time_after_untimed`: one untimed, where
     lazy initialisation and any compilation land, then ``point.prefill_repeats`` timed), in ms.
     ``(timing, note)``; ``(None, "")`` when no repeats are asked, ``(None, why)`` when the
     prefill raised (the decode measurement stands without it)."""

@@ -3,13 +3,13 @@
 The engine pool answers a baseline request on the engine of the experiment's tier: the baseline
 runs in that process, on its device, at its operating point (``batch_size``, ``context_len``,
 the layers it holds, its dtype) and on the engine's own weights
-(:attr:`kiln.engine_pool.engine.Engine.weights`, read-only: transformers copies them, the
+(:attr:`kiln.runtime.engine.Engine.weights`, read-only: transformers copies them, the
 gpt-fast model fuses copies and shares the rest), so baselines, kiln's reference and kiln's
 candidates are measured on the same weights, device and timer. What the baseline allocates is
 dropped and the device cache emptied before the reply; the engine then verifies its weights are
 unchanged (else it asks for a restart), so its next experiment starts from the state it had.
 
-Outcome as a :class:`~kiln.engine_pool.measurement.Measurement`: measured → ``ok`` with
+Outcome as a :class:`~kiln.runtime.measurement.Measurement`: measured → ``ok`` with
 ``correct`` from the baseline's own check against kiln's reference (``max_abs_error`` its
 error), its decode timing, and its prefill timing when the request asked for
 ``prefill_repeats`` (as a candidate's: ``prefill``, ``prefill_tokens_per_s``); skipped
@@ -27,15 +27,15 @@ import torch
 from kiln.baselines.names import BASELINE_CANDIDATE_PREFIX, BASELINE_NAMES, SKIPPED_PREFIX
 from kiln.baselines.result import BaselineResult
 from kiln.baselines.runner import run_named
-from kiln.engine_pool.measurement import Measurement, MemoryUsage, Timing
-from kiln.engine_pool.request import RunRequest
-from kiln.engine_pool.spec import EngineSpec
+from kiln.runtime.measurement import Measurement, MemoryUsage, Timing
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineSpec
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.weights import WeightStore
 
 
 class EngineLike(Protocol):
-    """What this module reads of :class:`kiln.engine_pool.engine.Engine`."""
+    """What this module reads of :class:`kiln.runtime.engine.Engine`."""
 
     spec: EngineSpec
     device: torch.device

@@ -15,7 +15,7 @@ class BaselineResult:
         name: the baseline (``hf_eager``, ``hf_static``, ``hf_compile``, ``gpt_fast``).
         tokens_per_s: ``batch / median_s``: decode tokens/s (0 when not measured).
         median_ms, p10_ms, p90_ms: percentiles of the timed decode steps, ms
-            (:func:`kiln.engine_pool.timing.summarize`).
+            (:func:`kiln.runtime.timing.summarize`).
         steps: timed decode steps.
         notes: what was run, in words (versions, cache, compile mode, operating point).
         skipped_reason: why it did not run ("transformers not installed", an unsupported

@@ -27,11 +27,19 @@ def export(
 ) -> None:
     """Export a compilation's winner as a standalone artifact directory."""
     from kiln.cli.ledger import run_with_ledger
+    from kiln.engine_pool.settings import EngineSettings
     from kiln.export.from_ledger import ExportError, export_compilation
 
+    try:  # the engine limits of this environment (KILN_ENGINE_*), as a pool here would use
+        limits = EngineSettings().limits()
+    except ValueError as exc:
+        raise CliError(f"KILN_ENGINE_* settings: {exc}") from None
     try:
         path, manifest = run_with_ledger(
-            ctx, lambda c: export_compilation(c, compilation_id, out, candidate_id=candidate)
+            ctx,
+            lambda c: export_compilation(
+                c, compilation_id, out, candidate_id=candidate, limits=limits
+            ),
         )
     except ExportError as exc:
         raise CliError(str(exc)) from None

@@ -93,7 +93,7 @@ class ExperimentWork(BaseModel):
         deadline_s: seconds the candidate may take (load, check and measure) before it is
             TIMED_OUT and its engine restarted.
         profile: also profile one extra eager decode step per op (``ExperimentCompleted.op_ms``;
-            :mod:`kiln.engine_pool.op_profile`).
+            :mod:`kiln.runtime.op_profile`).
         baseline: measure this baseline of :mod:`kiln.baselines` (``hf_eager``,
             ``hf_static``, ``hf_compile``, ``gpt_fast``) in the engine instead of the candidate;
             "" for a normal experiment (``RunRequest.baseline``).

@@ -32,13 +32,13 @@ from pydantic import ValidationError
 from kiln.common.errors import Aborted, AlreadyExists, InvalidArgument, KilnError, NotFound
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
-from kiln.engine_pool.measurement import Measurement
 from kiln.engine_pool.metrics import ANSWERED_ELSEWHERE, record_experiment
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.settings import EngineSettings
 from kiln.events.types import ExperimentCompleted
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
+from kiln.runtime.measurement import Measurement
 from kiln.v1 import ledger_pb2
 from kiln.workloads.candidate import Candidate
 

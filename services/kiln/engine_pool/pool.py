@@ -31,11 +31,11 @@ import structlog
 from kiln.common.errors import FailedPrecondition, InvalidArgument
 from kiln.common.work import ExperimentWork
 from kiln.engine_pool.devices import Device, resolve_devices, settings_for
-from kiln.engine_pool.measurement import Measurement
 from kiln.engine_pool.process import EngineProcess, EngineSnapshot, EngineStartError
-from kiln.engine_pool.request import RunRequest
 from kiln.engine_pool.settings import EngineSettings
-from kiln.engine_pool.spec import EngineSpec, SpecError
+from kiln.runtime.measurement import Measurement
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineSpec, SpecError
 from kiln.workloads.candidate import Candidate
 
 log = structlog.get_logger("kiln.engine_pool")

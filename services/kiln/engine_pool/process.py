@@ -40,10 +40,10 @@ from typing import Any, Literal
 
 import structlog
 
-from kiln.engine_pool.measurement import Measurement, MemoryUsage
-from kiln.engine_pool.request import FAILED, READY, RUN, STOP, RunRequest
-from kiln.engine_pool.spec import EngineSpec
 from kiln.engine_pool.worker import worker_main
+from kiln.runtime.measurement import Measurement, MemoryUsage
+from kiln.runtime.request import FAILED, READY, RUN, STOP, RunRequest
+from kiln.runtime.spec import EngineSpec
 
 log = structlog.get_logger("kiln.engine_pool")
 

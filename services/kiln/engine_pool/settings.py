@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kiln.engine_pool.spec import EngineLimits
+from kiln.runtime.spec import EngineLimits
 
 CUDA_DEFAULTS: dict[str, Any] = {
     "max_batch": 1024,
@@ -27,7 +27,7 @@ CUDA_DEFAULTS: dict[str, Any] = {
     "prefill_repeats": 3,
 }
 """Defaults for CUDA engines: the traffic shape is capped by device memory, not by these
-(``kiln.engine_pool.device_memory``). A decode step takes 0.4–20 ms on an H200 (Llama-3.2-1B
+(``kiln.runtime.device_memory``). A decode step takes 0.4–20 ms on an H200 (Llama-3.2-1B
 batch 1, fast tier with a CUDA graph to full tier eager), so timing stops after 10 steps and
 10 ms of them (about 20 steps of a graphed fast-tier step, whose spread is under 1 %; Triton's
 ``do_bench`` uses 100 ms); the spread is reported with every measurement."""
@@ -210,7 +210,7 @@ class EngineSettings(BaseSettings):
         return self
 
     def limits(self) -> EngineLimits:
-        """The part of the settings that shapes an :class:`~kiln.engine_pool.spec.EngineSpec`."""
+        """The part of the settings that shapes an :class:`~kiln.runtime.spec.EngineSpec`."""
         return EngineLimits(
             device=self.device,
             dtype=None if self.dtype == "auto" else self.dtype,

@@ -1,10 +1,10 @@
-"""The engine process: build an :class:`~kiln.engine_pool.engine.Engine` once, then serve runs
+"""The engine process: build an :class:`~kiln.runtime.engine.Engine` once, then serve runs
 from a pipe until told to stop or the parent goes away.
 
 Started by :class:`kiln.engine_pool.process.EngineProcess` with the ``spawn`` start method, so
 the process begins from a fresh interpreter: it imports torch, ``kiln.workloads`` and
-``kiln.ops`` (through :mod:`kiln.engine_pool.engine`) and never gRPC, NATS or SQLAlchemy.
-The pipe protocol is in :mod:`kiln.engine_pool.request`.
+``kiln.ops`` (through :mod:`kiln.runtime.engine`) and never gRPC, NATS or SQLAlchemy.
+The pipe protocol is in :mod:`kiln.runtime.request`.
 
 The process exits when:
 
@@ -23,8 +23,9 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kiln.engine_pool.request import FAILED, READY, RESULT, RUN, STOP, RunRequest
-from kiln.engine_pool.spec import EngineSpec
+from kiln.runtime.measurement import Measurement
+from kiln.runtime.request import FAILED, READY, RESULT, RUN, STOP, RunRequest
+from kiln.runtime.spec import EngineSpec
 
 _PR_SET_PDEATHSIG = 1
 _INVALID_BUILD_ERRORS = ("UnbuildableModelError", "UnsupportedModelError", "WeightError")
@@ -76,7 +77,7 @@ def worker_main(conn: Connection, spec: dict[str, Any], engine_id: str) -> None:
     try:
         import torch
 
-        from kiln.engine_pool.engine import Engine
+        from kiln.runtime.engine import Engine
 
         torch.set_num_threads(cpu_threads(os.environ.get("KILN_ENGINE_THREADS", "")))
         engine = Engine(EngineSpec.from_dict(spec), engine_id)
@@ -94,6 +95,18 @@ def worker_main(conn: Connection, spec: dict[str, Any], engine_id: str) -> None:
     serve(conn, engine)
 
 
+def run_request(engine: Any, request: RunRequest) -> Measurement:
+    """One request on ``engine``: a baseline of :mod:`kiln.baselines` when it names one,
+    else its candidate (:meth:`kiln.runtime.engine.Engine.run`)."""
+    if request.baseline:
+        from kiln.baselines.in_engine import measure_baseline
+
+        result: Measurement = engine.run_external(request, measure_baseline)
+        return result
+    measured: Measurement = engine.run(request)
+    return measured
+
+
 def serve(conn: Connection, engine: Any) -> None:
     """Answer run requests until stop, EOF, or a measurement that asks for a restart."""
     while True:
@@ -106,7 +119,7 @@ def serve(conn: Connection, engine: Any) -> None:
             return
         if kind != RUN:
             continue
-        measurement = engine.run(RunRequest.from_dict(msg["request"]))
+        measurement = run_request(engine, RunRequest.from_dict(msg["request"]))
         try:
             conn.send({"type": RESULT, "result": measurement.to_dict()})
         except (BrokenPipeError, OSError):

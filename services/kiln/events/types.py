@@ -279,7 +279,7 @@ class ExperimentCompleted(EventSchema):
         default_factory=dict,
         description="Per-op profile of one extra eager decode step at the traffic shape: op name "
         "-> ms per step, summed over the layers held; empty unless the request asked for it "
-        "(kiln.engine_pool.op_profile).",
+        "(kiln.runtime.op_profile).",
     )
     op_profile_shape: dict[str, int] = Field(
         default_factory=dict,

@@ -7,8 +7,8 @@ full tier), or a given candidate's correct full-tier experiment. The manifest ta
 - the figures, engine and versions from its ``ExperimentCompleted``;
 - the model config, weights source (seed or safetensors directory) and operating point from
   the submitted workload, derived as the engine pool derives its engines
-  (:meth:`kiln.engine_pool.spec.EngineSpec.from_workload` and
-  :func:`kiln.engine_pool.spec.engine_operating_point` with the engine settings of this
+  (:meth:`kiln.runtime.spec.EngineSpec.from_workload` and
+  :func:`kiln.runtime.spec.engine_operating_point` with the engine settings of this
   environment, ``KILN_ENGINE_*``) unless the experiment recorded the batch and context it was
   measured at (``ExperimentCompleted.batch_size``/``context_len``, which also carry a CUDA
   engine's fit of the batch to free memory), which win
@@ -29,7 +29,6 @@ from kiln.agent_runner.snapshot import EXPERIMENT_TYPES
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.workload import workload_to_json
 from kiln.common.errors import NotFound
-from kiln.engine_pool.spec import EngineLimits, EngineSpec, engine_operating_point
 from kiln.export.artifact import (
     ArtifactError,
     Manifest,
@@ -39,6 +38,7 @@ from kiln.export.artifact import (
     check_out_dir,
     write_artifact,
 )
+from kiln.runtime.spec import EngineLimits, EngineSpec, engine_operating_point
 
 if TYPE_CHECKING:
     from kiln.ledger.client import LedgerClient
@@ -58,17 +58,6 @@ class Winner:
     speedup: float
 
 
-def engine_limits() -> EngineLimits:
-    """The engine settings of this environment (``KILN_ENGINE_*``), as an engine pool here
-    would derive its engines; the defaults when the settings cannot be read."""
-    try:
-        from kiln.engine_pool.settings import EngineSettings
-
-        return EngineSettings().limits()
-    except Exception:
-        return EngineLimits()
-
-
 def manifest_for(
     state: CompilationState, winner: Winner, limits: EngineLimits
 ) -> tuple[Manifest, dict[str, object]]:
@@ -78,7 +67,7 @@ def manifest_for(
         ExportError: the experiment did not measure correct with tokens/s > 0, or its
             workload cannot be built.
     """
-    from kiln.engine_pool.spec import SpecError
+    from kiln.runtime.spec import SpecError
 
     result = winner.completed.result
     if not winner.completed.ok or result.tokens_per_s <= 0 or result.median_ms <= 0:
@@ -207,7 +196,7 @@ async def export_compilation(
         raise ExportError(f"no compilation {compilation_id!r}") from None
     state = CompilationState.from_events(events)
     winner = await find_winner(client, state, candidate_id)
-    manifest, config = manifest_for(state, winner, limits or engine_limits())
+    manifest, config = manifest_for(state, winner, limits or EngineLimits())
     try:
         write_artifact(out, manifest, winner.requested.candidate, config)
     except ArtifactError as exc:

@@ -2,9 +2,9 @@
 
 The model is built with the builder engines use (:func:`kiln.workloads.models.build_model`:
 seeded random weights from the manifest's seed, or a local safetensors directory), the
-candidate's code modules are loaded (:func:`kiln.engine_pool.reload.load_code_modules`), its
+candidate's code modules are loaded (:func:`kiln.runtime.reload.load_code_modules`), its
 ops bound (:meth:`OpBinding.from_recipe`) and its transforms applied with the engine's own code
-(:func:`kiln.engine_pool.transforms.apply_transforms`: ``threads``, ``torch_compile``,
+(:func:`kiln.runtime.transforms.apply_transforms`: ``threads``, ``torch_compile``,
 ``cuda_graph``). Like an engine, the KV cache is then filled with seeded random K/V and every
 sequence set at the operating point's context (``batch_size`` sequences of ``context_len``
 tokens), so :meth:`OptimizedModel.decode_step` runs at the shape the candidate was measured at
@@ -26,8 +26,8 @@ from kiln.export.artifact import Artifact, ArtifactError, read_artifact
 if TYPE_CHECKING:
     import torch
 
-    from kiln.engine_pool.reload import RegistrySnapshot
-    from kiln.engine_pool.transforms import AppliedTransforms
+    from kiln.runtime.reload import RegistrySnapshot
+    from kiln.runtime.transforms import AppliedTransforms
     from kiln.workloads.models import DecoderModel
 
 
@@ -84,7 +84,7 @@ class OptimizedModel:
     def fill_operating_point(self) -> None:
         """Seeded random K/V (unit normal) in every cache slot and every sequence at
         ``context_len`` tokens, as an engine's measured model is
-        (``kiln.engine_pool.engine.Engine._fill_cache``)."""
+        (``kiln.runtime.engine.Engine._fill_cache``)."""
         import torch
 
         self._live()
@@ -146,7 +146,7 @@ class OptimizedModel:
         self._released = True
         self._applied.revert()
         self._registry.restore()
-        from kiln.engine_pool.reload import forget_sources
+        from kiln.runtime.reload import forget_sources
 
         forget_sources(self.artifact.candidate.code_modules)
 
@@ -184,17 +184,17 @@ def load_optimized(
 
     Raises:
         ArtifactError: a bad artifact (:func:`kiln.export.artifact.read_artifact`).
-        kiln.engine_pool.transforms.RejectedCandidate: an op, implementation or transform this
+        kiln.runtime.transforms.RejectedCandidate: an op, implementation or transform this
             kiln does not know, or ``cuda_graph`` on a CPU device.
         kiln.workloads.weights.WeightError: missing or mis-shaped weights.
         Exception: whatever a code module raises while loading.
     """
     import torch
 
-    from kiln.engine_pool.environment import differences, environment
-    from kiln.engine_pool.reload import RegistrySnapshot, forget_sources, load_code_modules
-    from kiln.engine_pool.transforms import RejectedCandidate, apply_transforms
     from kiln.ops.registry import OpLookupError
+    from kiln.runtime.environment import differences, environment
+    from kiln.runtime.reload import RegistrySnapshot, forget_sources, load_code_modules
+    from kiln.runtime.transforms import RejectedCandidate, apply_transforms
     from kiln.workloads.config import parse_config
     from kiln.workloads.models import DecoderModel, OpBinding, build_model
     from kiln.workloads.models.binding import BindError, LossyImplementationError
@@ -236,7 +236,7 @@ def load_optimized(
             model.rebind(OpBinding.from_recipe(dict(candidate.ops), allow_lossy=candidate.lossy))
         except (OpLookupError, LossyImplementationError, BindError) as exc:
             raise RejectedCandidate(str(exc)) from exc
-        from kiln.engine_pool.transforms import AppliedTransforms
+        from kiln.runtime.transforms import AppliedTransforms
 
         out = OptimizedModel(art, model, reference, AppliedTransforms(), registry, m.weights.seed)
         out.fill_operating_point()  # before the transforms: a CUDA graph captures at it

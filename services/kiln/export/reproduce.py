@@ -4,11 +4,11 @@ exported winner in a fresh process and check it against the reference forward.
 1. Load it (:func:`kiln.export.load.load_optimized`).
 2. Check: at the operating point, the optimized decode step against the reference-ops model's
    on the same weights and cache state; then a prefill of fresh right-padded prompts and a
-   decode step, optimized then reference (:class:`kiln.engine_pool.check.CheckInputs`),
+   decode step, optimized then reference (:class:`kiln.runtime.check.CheckInputs`),
    outputs poisoned between calls, compared with the engine's tolerance rules
-   (:func:`kiln.engine_pool.check.compare`, ``RTOL`` by dtype, ``LOSSY_RTOL`` for lossy).
+   (:func:`kiln.runtime.check.compare`, ``RTOL`` by dtype, ``LOSSY_RTOL`` for lossy).
 3. Time ``--warmup`` untimed then ``--repeats`` decode steps at the operating point, each from
-   ``context_len`` tokens, with the engine's timer (:func:`kiln.engine_pool.timing.timer_for`:
+   ``context_len`` tokens, with the engine's timer (:func:`kiln.runtime.timing.timer_for`:
    ``perf_counter`` on CPU, CUDA events to a device-wide sync on CUDA); tokens/s =
    ``batch_size / median_s`` as the engine derives it.
 
@@ -101,7 +101,8 @@ def reproduce(
     """
     import torch
 
-    from kiln.engine_pool.check import (
+    from kiln.export.load import load_optimized
+    from kiln.runtime.check import (
         LOSSY_RTOL,
         RTOL,
         CheckInputs,
@@ -109,8 +110,7 @@ def reproduce(
         compare,
         run_steps,
     )
-    from kiln.engine_pool.timing import summarize, timer_for
-    from kiln.export.load import load_optimized
+    from kiln.runtime.timing import summarize, timer_for
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")

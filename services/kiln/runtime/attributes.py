@@ -1,6 +1,6 @@
 """Snapshots of a module's, class's or instance's attributes by identity, down to what each
 function, method, property or partial wraps (code, defaults, closure cells): what changed since,
-and putting it back. The building block of :class:`kiln.engine_pool.integrity.HarnessFingerprint`
+and putting it back. The building block of :class:`kiln.runtime.integrity.HarnessFingerprint`
 and of the engine's watch on its measured model.
 """
 
@@ -144,7 +144,7 @@ class AttributeSnapshot:
     functions, methods, properties and partials, what they wrap: see :func:`_parts`).
 
     Args:
-        label: how changes are named (``"kiln.engine_pool.engine.compare"``).
+        label: how changes are named (``"kiln.runtime.engine.compare"``).
         owner: the module, class or instance.
         additions: whether a new attribute counts as a change (classes: it can shadow an
             inherited one; modules gain attributes legitimately, e.g. lazily imported

@@ -9,20 +9,20 @@ Known transforms (parameter values are strings, as candidates carry them):
   (``T == 1``) runs through ``torch.compile``; prefill stays eager. Compilation happens on the
   first decode call, i.e. in the engine's warm-up (the ``compile`` phase).
 
-- ``fused_decode``: kernel parameters (:data:`kiln.engine_pool.fused_decode.PARAMS`) — the decode
-  step as a chain of fused Triton kernels (:mod:`kiln.engine_pool.fused_decode`); dense
+- ``fused_decode``: kernel parameters (:data:`kiln.runtime.fused_decode.PARAMS`) — the decode
+  step as a chain of fused Triton kernels (:mod:`kiln.runtime.fused_decode`); dense
   Llama-shaped models on a CUDA engine. Applied after the other transforms and before
   ``cuda_graph``, which then captures the fused step.
 
 - ``cuda_graph``: no parameters — the decode step at the traffic shape captured as one CUDA
-  graph and replayed (:mod:`kiln.engine_pool.cuda_graph`); CUDA engines only. Applied last,
+  graph and replayed (:mod:`kiln.runtime.cuda_graph`); CUDA engines only. Applied last,
   whatever its place in the list, so it captures the other transforms' forward (a
   ``torch_compile`` forward is compiled during the capture's warm-up). Its warm-up and capture
   time is reported as the ``graph_capture`` phase.
 
-What applies to the model on this engine's device is :mod:`kiln.engine_pool.support`'s to say
+What applies to the model on this engine's device is :mod:`kiln.runtime.support`'s to say
 (``threads`` on CPU engines, ``cuda_graph`` on CUDA ones, ``fused_decode`` per
-:func:`~kiln.engine_pool.fused_decode.unsupported_reason`, ``cuda_graph`` not with ops that
+:func:`~kiln.runtime.fused_decode.unsupported_reason`, ``cuda_graph`` not with ops that
 synchronise with the host): a transform it refuses is rejected with its reason before any is
 applied. Anything else unknown is rejected too: the candidate is REJECTED with the reason, not
 run.
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.engine_pool import cuda_graph, fused_decode
-from kiln.engine_pool.support import COMPILE_MODES, TRANSFORMS, ModelSupport, support_for
 from kiln.ops.kernels.runtime import KernelUnavailableError
+from kiln.runtime import cuda_graph, fused_decode
+from kiln.runtime.support import COMPILE_MODES, TRANSFORMS, ModelSupport, support_for
 from kiln.workloads.candidate import Transform
 from kiln.workloads.models import DecoderModel
 

@@ -10,10 +10,10 @@ Built once (:class:`Engine`):
   ``cache_len`` slots, filled to ``context_len`` tokens (the traffic shape's operating point);
 - a reference model over the measured model's cache, for the check at the traffic shape.
 
-Per candidate (:meth:`Engine.run`): the gate's phases (:mod:`kiln.engine_pool.gate`: load,
-bind, compile, check, measure, verify; the comparisons in :mod:`kiln.engine_pool.gate_check`).
+Per candidate (:meth:`Engine.run`): the gate's phases (:mod:`kiln.runtime.gate`: load,
+bind, compile, check, measure, verify; the comparisons in :mod:`kiln.runtime.gate_check`).
 
-Around all of it (:mod:`kiln.engine_pool.integrity`): the engine's code, reference models,
+Around all of it (:mod:`kiln.runtime.integrity`): the engine's code, reference models,
 timer and numerics flags are fingerprinted before the candidate loads and compared after; a
 change (or a candidate thread still running) makes the experiment INCORRECT whatever the
 gate said, is put back, and restarts the engine. ``tests/red_team`` holds the cheating
@@ -30,35 +30,37 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from kiln.engine_pool.attributes import AttributeSnapshot
-from kiln.engine_pool.device_memory import (
+from kiln.ops import registry
+from kiln.ops.registry import REFERENCE
+from kiln.runtime.attributes import AttributeSnapshot
+from kiln.runtime.device_memory import (
     activation_bytes_per_sequence,
     fit_batch,
     free_bytes,
     peak_allocated,
     reset_peak,
 )
-from kiln.engine_pool.environment import environment
-from kiln.engine_pool.gate import Gate
-from kiln.engine_pool.integrity import HarnessFingerprint
-from kiln.engine_pool.measurement import Measurement, MemoryUsage
-from kiln.engine_pool.reload import RegistrySnapshot, forget_sources
-from kiln.engine_pool.request import RunRequest
-from kiln.engine_pool.spec import EngineSpec
-from kiln.engine_pool.thread_watch import ThreadWatch
-from kiln.engine_pool.timing import timer_for
-from kiln.engine_pool.transforms import AppliedTransforms
-from kiln.ops import registry
-from kiln.ops.registry import REFERENCE
+from kiln.runtime.environment import environment
+from kiln.runtime.gate import Gate
+from kiln.runtime.integrity import HarnessFingerprint
+from kiln.runtime.measurement import Measurement, MemoryUsage
+from kiln.runtime.reload import RegistrySnapshot, forget_sources
+from kiln.runtime.request import RunRequest
+from kiln.runtime.spec import EngineSpec
+from kiln.runtime.thread_watch import ThreadWatch
+from kiln.runtime.timing import timer_for
+from kiln.runtime.transforms import AppliedTransforms
 from kiln.workloads.candidate import Candidate
 from kiln.workloads.models import DecoderModel, OpBinding, build_model
 
 Tensor = torch.Tensor
+ExternalMeasure = Callable[[Any, RunRequest, dict[str, Any]], Measurement]
+"""``(engine, request, base) -> Measurement``: what :meth:`Engine.run_external` runs."""
 SAMPLES_PER_TENSOR = 1 << 16
 MODEL_BINDING = ("binding", "ops")
 """Attributes of the measured model hot reload swaps (everything else only transforms may set,
@@ -249,7 +251,7 @@ class Engine(Gate):
         measured: the peak PyTorch allocated since the experiment (or the build) began, less
         weights and caches (derived layouts, activations, CUDA graph pools, compiled code's
         buffers). On CPU it is derived layouts plus an estimate of one decode step's
-        activations (:func:`~kiln.engine_pool.device_memory.activation_bytes_per_sequence`)."""
+        activations (:func:`~kiln.runtime.device_memory.activation_bytes_per_sequence`)."""
         weights = self.weights.nbytes()
         kv = self.model.cache.nbytes() + self.reference.cache.nbytes()
         peak = peak_allocated(self.device)
@@ -272,14 +274,9 @@ class Engine(Gate):
         }
 
     # ------------------------------------------------------------------ one experiment
-    def run(self, request: RunRequest) -> Measurement:
-        """Hot-reload the candidate, check it, time it, and put the engine back.
-
-        Never raises for a candidate's fault: it is a CRASHED / REJECTED / INCORRECT
-        measurement. Raises only what the worker should die of (KeyboardInterrupt).
-        """
-        started = time.perf_counter()
-        base: dict[str, Any] = {
+    def _measurement_fields(self) -> dict[str, Any]:
+        """The fields every measurement of this engine carries."""
+        return {
             "engine_id": self.engine_id,
             "tier": self.spec.tier,
             "environment": {
@@ -289,14 +286,31 @@ class Engine(Gate):
             "batch_size": self.spec.batch_size,
             "context_len": self.spec.context_len,
         }
-        reset_peak(self.device)
-        if request.baseline:  # a baseline of kiln.baselines instead of the candidate
-            from kiln.baselines.in_engine import measure_baseline
 
-            self._collect = True  # its models and compiled graphs: collected after the reply
-            result = measure_baseline(self, request, base)
-            result.device_ms = (time.perf_counter() - started) * 1e3
-            return result
+    def run_external(self, request: RunRequest, measure: ExternalMeasure) -> Measurement:
+        """Measure something other than a candidate on this engine's weights and operating
+        point (a baseline's forward): ``measure(engine, request, base)`` with ``base`` the
+        fields every measurement carries; its models are collected after the reply."""
+        started = time.perf_counter()
+        base = self._measurement_fields()
+        reset_peak(self.device)
+        self._collect = True
+        result = measure(self, request, base)
+        result.device_ms = (time.perf_counter() - started) * 1e3
+        return result
+
+    def run(self, request: RunRequest) -> Measurement:
+        """Hot-reload the candidate, check it, time it, and put the engine back.
+
+        Never raises for a candidate's fault: it is a CRASHED / REJECTED / INCORRECT
+        measurement. Raises only what the worker should die of (KeyboardInterrupt).
+        """
+        started = time.perf_counter()
+        base = self._measurement_fields()
+        if request.baseline:
+            message = f"baseline {request.baseline!r}: measured through run_external, not run"
+            return Measurement.failed("rejected", message, **base)
+        reset_peak(self.device)
         try:
             candidate = Candidate.from_canonical(request.candidate)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -331,7 +345,7 @@ class Engine(Gate):
         applied: AppliedTransforms,
         base: dict[str, Any],
     ) -> Measurement:
-        """The gate (:meth:`_gate`) under the watches of :mod:`kiln.engine_pool.integrity`:
+        """The gate (:meth:`_gate`) under the watches of :mod:`kiln.runtime.integrity`:
         the engine's code and numerics flags fingerprinted before the candidate loads and
         compared after, the measured model's own attributes compared, threads running candidate
         code looked for. Any of those makes the experiment INCORRECT (whatever the gate said),

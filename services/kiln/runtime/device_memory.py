@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from kiln.engine_pool.spec import EngineSpec
+from kiln.runtime.spec import EngineSpec
 from kiln.workloads.config import ModelConfig
 
 USABLE_FRACTION = 0.9

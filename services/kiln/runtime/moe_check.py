@@ -6,7 +6,7 @@ rounded differently) may pick different experts, and that token's output then di
 whole expert's share, which later layers and attention carry on. In bfloat16 such near-ties
 are common (logits keep 8 significant bits), so comparing logits end to end judged correct
 MoE candidates incorrect. For a model with ``moe`` layers, :class:`RoutedCheck` changes the
-gate of :mod:`kiln.engine_pool.check` in three ways:
+gate of :mod:`kiln.runtime.check` in three ways:
 
 1. every reference forward of the check runs through a recording view of the reference model
    (:meth:`RoutedCheck.record`), which keeps each MoE layer's input ``x`` and its site's params;
@@ -72,8 +72,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kiln.engine_pool.check import CheckResult
 from kiln.ops.moe import route
+from kiln.runtime.check import CheckResult
 from kiln.workloads.models.decoder import DecoderModel
 
 Tensor = torch.Tensor

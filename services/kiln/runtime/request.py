@@ -37,11 +37,11 @@ class RunRequest:
         seed: seed of this experiment's fresh random check inputs (a new one per request).
         verify_timed_steps: timed steps whose outputs are verified against the reference after
             timing, chosen at random after each call returns (0: none; see
-            :class:`kiln.engine_pool.check.TimedOutputs`); each costs one reference decode step.
+            :class:`kiln.runtime.check.TimedOutputs`); each costs one reference decode step.
         prefill_repeats: timed prefills of ``batch_size`` prompts of ``context_len`` tokens after
             the decode timing (0: none).
         profile: after everything else, time each op of one extra eager decode step at the
-            traffic shape (:mod:`kiln.engine_pool.op_profile`; ``Measurement.op_ms``).
+            traffic shape (:mod:`kiln.runtime.op_profile`; ``Measurement.op_ms``).
         baseline: instead of the candidate, measure this baseline of :mod:`kiln.baselines`
             (``hf_eager``, ``hf_static``, ``hf_compile``, ``gpt_fast``) in the engine's process
             at its operating point, on its weights (``warmup`` and ``repeats`` steps); "" for a

@@ -2,7 +2,7 @@
 or keep working after its call returned.
 
 A candidate's code modules run in the engine's process with all of Python at hand, so the
-correctness gate (:mod:`kiln.engine_pool.check`) is backed by two watches:
+correctness gate (:mod:`kiln.runtime.check`) is backed by two watches:
 
 - :class:`HarnessFingerprint`: taken (or refreshed) before a candidate loads, compared after
   its experiment. It records *which objects* make up the code the reference forward, the check
@@ -12,14 +12,14 @@ correctness gate (:mod:`kiln.engine_pool.check`) is backed by two watches:
   bound ops, the timer — down to each Python function's code object, defaults and closure
   cells; plus the global state that changes what the reference computes (float32 matmul
   precision, TF32 and reduced-precision flags, torch function/dispatch modes, the dispatcher's
-  kernels for ``aten`` ops (:mod:`kiln.engine_pool.dispatch_watch`), the trace and profile
+  kernels for ``aten`` ops (:mod:`kiln.runtime.dispatch_watch`), the trace and profile
   hooks). A candidate that patches ``DecoderModel._layer``,
   ``torch.nn.functional.linear``, ``time.perf_counter`` or the engine's ``compare``, or turns on
   TF32, or overrides ``aten::mm`` through ``torch.library``, changes the reference too — the
   comparison alone cannot see that; this can. What it changed is put back
   (:meth:`HarnessFingerprint.restore`, through the attribute snapshots of
-  :mod:`kiln.engine_pool.attributes`) and the engine restarts anyway.
-- :class:`~kiln.engine_pool.thread_watch.ThreadWatch`: after each timed call, no thread may
+  :mod:`kiln.runtime.attributes`) and the engine restarts anyway.
+- :class:`~kiln.runtime.thread_watch.ThreadWatch`: after each timed call, no thread may
   still be running candidate code (a frame of a ``<candidate:...>`` file on its stack, or a
   candidate function as its target), and no thread started during the call may outlive it.
   Work finished on a thread after the call returned is work the timer did not see.
@@ -45,20 +45,20 @@ from typing import Any
 
 import torch
 
-from kiln.engine_pool.attributes import AttributeSnapshot
-from kiln.engine_pool.dispatch_watch import DispatchTables
+from kiln.runtime.attributes import AttributeSnapshot
+from kiln.runtime.dispatch_watch import DispatchTables
 
 WATCHED_PACKAGES = (
-    "kiln.engine_pool.check",
-    "kiln.engine_pool.moe_check",
-    "kiln.engine_pool.exact",
-    "kiln.engine_pool.engine",
-    "kiln.engine_pool.gate",
-    "kiln.engine_pool.gate_check",
-    "kiln.engine_pool.integrity",
-    "kiln.engine_pool.attributes",
-    "kiln.engine_pool.thread_watch",
-    "kiln.engine_pool.timing",
+    "kiln.runtime.check",
+    "kiln.runtime.moe_check",
+    "kiln.runtime.exact",
+    "kiln.runtime.engine",
+    "kiln.runtime.gate",
+    "kiln.runtime.gate_check",
+    "kiln.runtime.integrity",
+    "kiln.runtime.attributes",
+    "kiln.runtime.thread_watch",
+    "kiln.runtime.timing",
     "kiln.ops",
     "kiln.workloads.models",
     "kiln.workloads.weights",
@@ -206,7 +206,7 @@ class HarnessFingerprint:
     back what it can. Some 5,000 attributes are compared by identity, their insides through
     C-level ``map``: a take costs a few milliseconds, a comparison or a refresh with nothing
     changed about one (on the CPUs of an H200 host; 2 ms on a loaded 2-core VM), plus one dump
-    of the dispatcher's tables each (:mod:`kiln.engine_pool.dispatch_watch`).
+    of the dispatcher's tables each (:mod:`kiln.runtime.dispatch_watch`).
     """
 
     namespaces: list[AttributeSnapshot]

@@ -2,10 +2,10 @@
 the traffic shape and a fresh prefill/decode check (:meth:`GateChecks._check`), and the kept
 timed steps after timing (:meth:`GateChecks._verify`).
 
-Tolerances by dtype (:mod:`kiln.engine_pool.check`); in bfloat16 / float16 each comparison also
-runs the float32 exact forward (:mod:`kiln.engine_pool.exact`); on an MoE model comparisons are
+Tolerances by dtype (:mod:`kiln.runtime.check`); in bfloat16 / float16 each comparison also
+runs the float32 exact forward (:mod:`kiln.runtime.exact`); on an MoE model comparisons are
 routing-aware and every MoE layer is also checked on the reference's own inputs
-(:mod:`kiln.engine_pool.moe_check`). The reference always gets its own copy of every input.
+(:mod:`kiln.runtime.moe_check`). The reference always gets its own copy of every input.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kiln.engine_pool.check import (
+from kiln.runtime.check import (
     LOSSY_RTOL,
     CheckInputs,
     CheckResult,
@@ -25,9 +25,9 @@ from kiln.engine_pool.check import (
     compare,
     run_steps,
 )
-from kiln.engine_pool.exact import exact_model, exact_step
-from kiln.engine_pool.moe_check import RoutedCheck
-from kiln.engine_pool.spec import EngineSpec
+from kiln.runtime.exact import exact_model, exact_step
+from kiln.runtime.moe_check import RoutedCheck
+from kiln.runtime.spec import EngineSpec
 from kiln.workloads.models import DecoderModel
 
 Tensor = torch.Tensor
@@ -40,13 +40,13 @@ def _compare(
     rows: list[Tensor] | None,
     exact: list[Tensor] | None,
 ) -> CheckResult:
-    """:func:`~kiln.engine_pool.check.compare`, with ``rows`` and ``exact`` only when given."""
+    """:func:`~kiln.runtime.check.compare`, with ``rows`` and ``exact`` only when given."""
     extra = {k: v for k, v in (("rows", rows), ("exact", exact)) if v is not None}
     return compare(got, want, rtol, **extra)
 
 
 class GateChecks:
-    """The comparison phases of :class:`~kiln.engine_pool.engine.Engine` (a base class of it;
+    """The comparison phases of :class:`~kiln.runtime.engine.Engine` (a base class of it;
     the attributes below are the engine's, set when it is built)."""
 
     spec: EngineSpec
@@ -69,7 +69,7 @@ class GateChecks:
         (every timed step starts at ``context_len``), against the kept logits.
 
         Args:
-            kept: the timed steps' outputs kept (see :class:`~kiln.engine_pool.check.TimedOutputs`).
+            kept: the timed steps' outputs kept (see :class:`~kiln.runtime.check.TimedOutputs`).
             tokens: ``[repeats, batch_size, 1]`` int64 on the CPU: the engine's own copy of the
                 timed steps' tokens (a candidate writing into its input changes only its copy).
             rtol: relative tolerance.
@@ -132,7 +132,7 @@ class GateChecks:
 
         Args:
             seed: the experiment's check seed (fresh inputs every experiment).
-            rtol: relative tolerance (see :mod:`kiln.engine_pool.check`).
+            rtol: relative tolerance (see :mod:`kiln.runtime.check`).
             at_shape: the candidate's logits of its first step at the traffic shape (full batch,
                 full context; ``[[batch_size, V]]`` float32), on :meth:`_shape_token`, taken
                 right before this call with nothing run since.
@@ -146,7 +146,7 @@ class GateChecks:
         that writes into its inputs cannot steer the reference.
 
         On an MoE model the comparisons are routing-aware and every MoE layer is also checked on
-        the reference's own inputs (:mod:`kiln.engine_pool.moe_check`).
+        the reference's own inputs (:mod:`kiln.runtime.moe_check`).
         """
         spec = self.spec
         ref_guard = OutputGuard(self._protected)

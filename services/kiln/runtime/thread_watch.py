@@ -1,6 +1,6 @@
 """Threads doing a candidate's work after its call returned: :class:`ThreadWatch` names them,
 :class:`OutsideWork` is what the engine raises when a timed call left one (module docstring of
-:mod:`kiln.engine_pool.integrity`: what this sees and what it cannot)."""
+:mod:`kiln.runtime.integrity`: what this sees and what it cannot)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import types
 
 CANDIDATE_FILE_PREFIX = "<candidate:"
 """Code modules are compiled under ``<candidate:NAME#i>`` (see
-:func:`kiln.engine_pool.reload.module_filename`)."""
+:func:`kiln.runtime.reload.module_filename`)."""
 
 
 def is_candidate_code(code: types.CodeType) -> bool:

@@ -10,7 +10,7 @@ no experiment is spent on a candidate the engine is known to reject.
 
 Where each answer comes from:
 
-- ``fused_decode``: :func:`kiln.engine_pool.fused_decode.unsupported_reason` (the model), and a
+- ``fused_decode``: :func:`kiln.runtime.fused_decode.unsupported_reason` (the model), and a
   device where its Triton kernels run (CUDA; CPU only under ``TRITON_INTERPRET=1``, for tests).
 - ``cuda_graph``: CUDA engines; not together with an op implementation registered as not
   capturable (:attr:`kiln.ops.registry.OpImpl.capturable`: it synchronises with the host, which
@@ -41,7 +41,7 @@ Reason = str | None
 """Why something does not apply; None when it does."""
 
 TRANSFORMS = ("threads", "torch_compile", "fused_decode", "cuda_graph")
-"""The transforms engines know (:mod:`kiln.engine_pool.transforms`)."""
+"""The transforms engines know (:mod:`kiln.runtime.transforms`)."""
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """``torch_compile`` modes engines know."""
 CUDA = "cuda"
@@ -181,7 +181,7 @@ def _triton_devices() -> tuple[str, ...]:
 
 
 def _transforms(config: ModelConfig, device: str) -> dict[str, Reason]:
-    from kiln.engine_pool.fused_decode import unsupported_reason
+    from kiln.runtime.fused_decode import unsupported_reason
 
     fused = unsupported_reason(config)
     if fused is None and device not in _triton_devices():

@@ -3,13 +3,13 @@
 Both timers take ``keep``, a callback that sees each call's result right after the call
 returns and may hand back device work to run outside the timed interval; the engine uses it to
 copy the outputs of the timed steps it verifies afterwards
-(:class:`kiln.engine_pool.check.TimedOutputs`).
+(:class:`kiln.runtime.check.TimedOutputs`).
 
 - CPU: ``time.perf_counter`` read around the call (CPU ops are synchronous). The clock is bound
   when the timer is made (at engine build), so a candidate that replaces ``time.perf_counter``
-  does not change the timer (and is caught by :mod:`kiln.engine_pool.integrity`). ``keep`` runs
+  does not change the timer (and is caught by :mod:`kiln.runtime.integrity`). ``keep`` runs
   after the second reading. Work a candidate leaves to a thread after returning is not timed;
-  the engine rejects it (:class:`kiln.engine_pool.thread_watch.ThreadWatch`).
+  the engine rejects it (:class:`kiln.runtime.thread_watch.ThreadWatch`).
 - CUDA: CUDA events on the current stream, the end event recorded *after a device-wide
   synchronize*, so work a candidate queued on any other stream without making the current
   stream wait is counted (event timing on one stream would end when that stream's work ends).
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kiln.engine_pool.measurement import Timing
+from kiln.runtime.measurement import Timing
 
 Keep = Callable[[Any], Callable[[], None] | None]
 """Called with a timed call's result right after the call returns (host work only); returns
@@ -110,7 +110,7 @@ def time_after_untimed(
 ) -> list[float]:
     """``fn`` once untimed (lazy initialisation, compilation land there), then ``repeats``
     timed calls with ``timer``: ms each. How the engines time prefill, a candidate's
-    (:meth:`kiln.engine_pool.engine.Engine._time_prefill`) and a baseline's
+    (:meth:`kiln.runtime.engine.Engine._time_prefill`) and a baseline's
     (:func:`kiln.baselines.harness.time_prefill`)."""
     fn()
     return [timer.time_ms(fn) for _ in range(repeats)]

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from kiln.domain.operating_point import DerivedPoint, OperatingPoint, OperatingPointError
-from kiln.engine_pool.native_dtype import is_native
+from kiln.runtime.native_dtype import is_native
 from kiln.workloads.config import ModelConfig, UnsupportedModelError, parse_config
 from kiln.workloads.traffic.experts import exponent_for_hot_ratio, hot_ratio
 

@@ -6,7 +6,7 @@ inputs (the reference on its own copy of them), and compares every step's logits
 call the outputs already returned are poisoned (filled with NaN), so a candidate that hands back
 a stale tensor fails instead of passing with the previous answer.
 
-The gate (:meth:`kiln.engine_pool.engine.Engine.run`) checks three kinds of calls:
+The gate (:meth:`kiln.runtime.engine.Engine.run`) checks three kinds of calls:
 
 1. the first decode step at the traffic shape (full batch, full context), which the candidate
    cannot tell from a warm-up or timed step;
@@ -34,18 +34,18 @@ float16    1e-2    10 mantissa bits (8x finer than bfloat16)
 =========  ======  ==========================================================================
 
 In reduced precision (bfloat16, float16) the fixed table is a floor: each comparison also runs
-the reference in float32 arithmetic over the same weights (:mod:`kiln.engine_pool.exact`) and
+the reference in float32 arithmetic over the same weights (:mod:`kiln.runtime.exact`) and
 accepts a candidate as far from that as :data:`NOISE_FACTOR` times the reference's own rounding
 error on the same inputs (:func:`compare`). A deep model's honest bf16 forwards differ by more
 than 5e-2 (Qwen3-8B's 36 layers: 0.39-0.42 at logits of about 6, benchmarks/notes/
 qwen3_hf_bf16.md), so the fixed table alone rejected correct candidates there.
 
-On models with ``moe`` layers the comparison is routing-aware (:mod:`kiln.engine_pool.moe_check`):
+On models with ``moe`` layers the comparison is routing-aware (:mod:`kiln.runtime.moe_check`):
 rows whose route may have flipped (a router score within rounding and drift of a tie) are left
 out, and every MoE layer is also checked on the reference's own inputs. Lossy candidates (opted
 in) are held to :data:`LOSSY_RTOL` and labelled as such. What a candidate may not do besides
 computing (change the engine's code or numerics flags, keep working after returning) is watched
-by :mod:`kiln.engine_pool.integrity`.
+by :mod:`kiln.runtime.integrity`.
 """
 
 from __future__ import annotations
@@ -179,10 +179,10 @@ def compare(
         rtol: the tolerance is ``rtol x max |reference|`` over every step and row.
         rows: per step, ``[B]`` bool rows to compare (the rest need only be finite); all rows
             when None. MoE models pass the rows whose routing was determined
-            (:meth:`kiln.engine_pool.moe_check.RoutedCheck.rows`); the scale stays the
+            (:meth:`kiln.runtime.moe_check.RoutedCheck.rows`); the scale stays the
             reference's largest logit over all rows.
         exact: the same steps computed in float32 arithmetic over the same weights
-            (:mod:`kiln.engine_pool.exact`), for a reduced-precision model. The candidate is
+            (:mod:`kiln.runtime.exact`), for a reduced-precision model. The candidate is
             then compared with it, within ``max(NOISE_FACTOR x noise, rtol x max |reference|
             + noise)``, ``noise`` = max |reference - exact| over the compared rows: as far from
             exact as twice the reference's own rounding error, and never stricter than the
@@ -263,7 +263,7 @@ class TimedOutputs:
     def offer(self, step: int, out: object) -> Callable[[], None] | None:
         """Consider the output of timed step ``step`` (0-based): draw whether to keep it (host
         only) and return the copy to make, or None. The timer runs the copy outside the timed
-        interval (:mod:`kiln.engine_pool.timing`).
+        interval (:mod:`kiln.runtime.timing`).
 
         Raises:
             TypeError: ``out`` is not a tensor (the forward must return logits).

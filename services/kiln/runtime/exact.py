@@ -1,6 +1,6 @@
 """The reference forward in float32 arithmetic over the model's own (e.g. bfloat16) weights.
 
-The correctness gate (:mod:`kiln.engine_pool.check`) uses it to measure the reference's own
+The correctness gate (:mod:`kiln.runtime.check`) uses it to measure the reference's own
 rounding error on the very inputs it checks: ``noise = max |reference - exact|``. A reduced-
 precision model's honest candidates differ from the reference by about that much, whatever the
 depth (a 36-layer bfloat16 Qwen3-8B's reference lands 0.25-0.40 from float32 at logits of

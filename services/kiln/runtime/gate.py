@@ -1,8 +1,8 @@
 """The gate: one candidate through the phases of an experiment on a built engine, to a
-:class:`~kiln.engine_pool.measurement.Measurement` (:meth:`Gate._gate`). Phases, timed in ms:
+:class:`~kiln.runtime.measurement.Measurement` (:meth:`Gate._gate`). Phases, timed in ms:
 
 1. ``load``: execute its code modules in fresh namespaces (they register implementations);
-2. ``bind``: what :func:`~kiln.engine_pool.support.support_for` says does not apply to the
+2. ``bind``: what :func:`~kiln.runtime.support.support_for` says does not apply to the
    model on this device is REJECTED with its reason; then ``OpBinding.from_recipe(candidate.ops)``
    and ``model.rebind`` (derived layouts come from the weight store's cache: no weight is read
    again), then its transforms;
@@ -13,12 +13,12 @@
    kept logits; then fresh random prompts (``check_batch`` of them), prefill + ``check_steps``
    decode steps, candidate then reference (on its own copy of the inputs), outputs poisoned
    between calls; on an MoE model routing-aware, with every MoE layer also checked on the
-   reference's own inputs (:mod:`~kiln.engine_pool.moe_check`);
+   reference's own inputs (:mod:`~kiln.runtime.moe_check`);
 5. ``measure``: timed decode steps at (batch_size, context_len) — ``min_repeats`` to
    ``repeats`` of them within ``measure_budget_s`` — median, p10, p90, stdev;
    tokens/s = batch_size / median_s. The previous output is poisoned before each call; after
    each call returns (outside the timed interval) a random choice keeps a copy of its output
-   (:class:`~kiln.engine_pool.check.TimedOutputs`), and no thread may still be running
+   (:class:`~kiln.runtime.check.TimedOutputs`), and no thread may still be running
    candidate code (else INCORRECT: work outside the timed call);
 6. ``verify``: the reference's step on each kept timed step's token (``verify_timed_steps``,
    default 1), at the same cache state, against the kept copy;
@@ -27,7 +27,7 @@
 
 An exception in any phase makes the experiment CRASHED (with the exception and the tail of its
 traceback); an unknown op, implementation or transform, or one the support statement refuses,
-makes it REJECTED. The engine (:class:`~kiln.engine_pool.engine.Engine`) runs this under its
+makes it REJECTED. The engine (:class:`~kiln.runtime.engine.Engine`) runs this under its
 integrity watches and puts itself back afterwards.
 """
 
@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln.engine_pool.attributes import AttributeSnapshot
-from kiln.engine_pool.check import (
+from kiln.ops.registry import OpLookupError
+from kiln.runtime.attributes import AttributeSnapshot
+from kiln.runtime.check import (
     LOSSY_RTOL,
     RTOL,
     CheckResult,
@@ -52,16 +53,15 @@ from kiln.engine_pool.check import (
     TimedOutputs,
     run_steps,
 )
-from kiln.engine_pool.gate_check import GateChecks
-from kiln.engine_pool.measurement import Measurement, MemoryUsage, Timing
-from kiln.engine_pool.op_profile import profile_decode_step, profile_fields
-from kiln.engine_pool.reload import load_code_modules
-from kiln.engine_pool.request import RunRequest
-from kiln.engine_pool.support import support_for
-from kiln.engine_pool.thread_watch import OutsideWork, ThreadWatch
-from kiln.engine_pool.timing import CpuTimer, CudaTimer, summarize, time_after_untimed
-from kiln.engine_pool.transforms import AppliedTransforms, RejectedCandidate, apply_transforms
-from kiln.ops.registry import OpLookupError
+from kiln.runtime.gate_check import GateChecks
+from kiln.runtime.measurement import Measurement, MemoryUsage, Timing
+from kiln.runtime.op_profile import profile_decode_step, profile_fields
+from kiln.runtime.reload import load_code_modules
+from kiln.runtime.request import RunRequest
+from kiln.runtime.support import support_for
+from kiln.runtime.thread_watch import OutsideWork, ThreadWatch
+from kiln.runtime.timing import CpuTimer, CudaTimer, summarize, time_after_untimed
+from kiln.runtime.transforms import AppliedTransforms, RejectedCandidate, apply_transforms
 from kiln.workloads.candidate import Candidate
 from kiln.workloads.models import OpBinding
 from kiln.workloads.models.binding import BindError, LossyImplementationError
@@ -86,7 +86,7 @@ def _crash_text(phase: str, exc: BaseException) -> str:
 
 
 class Gate(GateChecks):
-    """The phases of one experiment, as methods of :class:`~kiln.engine_pool.engine.Engine`
+    """The phases of one experiment, as methods of :class:`~kiln.runtime.engine.Engine`
     (a base class of it; the attributes below are the engine's)."""
 
     timer: CpuTimer | CudaTimer

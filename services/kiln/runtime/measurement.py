@@ -80,11 +80,11 @@ class Measurement:
             verify), ms.
         device_ms: the engine's busy time for the experiment, ms: :meth:`Engine.run` from
             start to the engine put back (phases plus fingerprinting, restore, memory reading).
-        environment: versions measured with (:mod:`kiln.engine_pool.environment`).
+        environment: versions measured with (:mod:`kiln.runtime.environment`).
         batch_size, context_len: the operating point measured at (sequences, tokens; after a
             CUDA engine fitted the batch to free memory); 0 when unknown.
         op_ms: per-op profile of one extra eager decode step (op name -> ms per step, summed
-            over layers; :mod:`kiln.engine_pool.op_profile`); empty unless asked for.
+            over layers; :mod:`kiln.runtime.op_profile`); empty unless asked for.
         op_profile_shape: the operating point of ``op_ms`` (layers, batch_size, context_len,
             dtype_bytes).
         notes: clamps and defaults applied, check seed, transforms applied, in words.
