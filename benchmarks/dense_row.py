@@ -46,12 +46,12 @@ from datetime import UTC
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.agent_runner import records
-from kiln.agent_runner.experiment import event_data
 from kiln.agent_runner.snapshot import WATCHED_TYPES, Snapshot
 from kiln.baselines.table import Comparison
 from kiln.cli.compile_view import comparison_limit, describe_candidate, time_to_95
 from kiln.common.errors import KilnError, NotFound
+from kiln.domain.streams import compilation_stream
+from kiln.ledger.convert import recorded_data
 from kiln.v1 import common_pb2, compiler_pb2
 from kiln.workloads.candidate import REFERENCE_CANDIDATE
 
@@ -76,7 +76,7 @@ async def read_compilation(
         LookupError: no such compilation.
     """
     try:
-        first = await client.read_stream(records.compilation_stream(compilation_id), max_count=1)
+        first = await client.read_stream(compilation_stream(compilation_id), max_count=1)
     except NotFound:
         first = []
     if not first:
@@ -89,7 +89,7 @@ async def read_compilation(
             if not snap.belongs(event):
                 continue
             snap.apply(event)
-            comparison.update(event.type, event_data(event))
+            comparison.update(event.type, recorded_data(event))
             if snap.ended and event.stream_id == snap.stream_id:
                 break
     finally:

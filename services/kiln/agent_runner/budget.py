@@ -108,6 +108,13 @@ class ExperimentBudget:
         """True when the completed experiments reached the limit."""
         return bool(self.limit) and self.completed >= self.limit
 
+    def end_reason(self) -> str:
+        """Why a search that stopped by itself ended: the budget spent, or nothing left to
+        propose."""
+        if self.spent:
+            return f"the experiment budget is spent ({self.completed} of {self.limit} experiments)"
+        return f"the agents have nothing left to propose ({self.completed} experiments)"
+
 
 @dataclass(frozen=True)
 class WallClock:
@@ -119,3 +126,7 @@ class WallClock:
     def remaining_s(self, now: datetime) -> float:
         """Seconds left at ``now`` (negative when spent)."""
         return self.wall_seconds - (now - self.started_at).total_seconds()
+
+    def end_reason(self) -> str:
+        """Why a search that ran out of time ended."""
+        return f"the wall-clock budget of {self.wall_seconds:g} s is spent"

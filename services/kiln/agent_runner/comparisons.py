@@ -33,7 +33,8 @@ class BaselineComparisons:
 
     Args:
         state: the compilation (its baseline experiments are taken out of
-            ``state.experiments``: never judged, not in the experiment budget).
+            ``state.experiments``: never judged, not in the experiment budget; their
+            completions are counted by ``state.compilation``).
         dispatcher: records, queues and waits for experiments.
         workload_json: the work items' workload (JSON object).
         cancelled: set once the compilation is cancelled.
@@ -81,8 +82,7 @@ class BaselineComparisons:
                 completed = rec.completed or await self._unless_cancelled(rec.requested)
                 if completed is None:
                     return
-                dispatcher.forget(rec.requested.experiment_id)
-                self.records[name] = ExperimentRecord(rec.requested, completed)
+                self._completed(rec.requested, completed)
                 await shielded(append(compared_event(st, rec.requested, completed)))
                 if completed.result.status == "timed_out":
                     log.warning("baselines stopped: no engine answered", baseline=name)
@@ -94,10 +94,16 @@ class BaselineComparisons:
 
     async def close_pending(self, why: str) -> None:
         """Close the baseline experiments no engine answered (``cancelled``, ``why``)."""
-        for name, rec in list(self.records.items()):
+        for rec in list(self.records.values()):
             if rec.completed is None:
                 completed = await self._dispatcher.close(rec.requested, why, status="cancelled")
-                self.records[name] = ExperimentRecord(rec.requested, completed)
+                self._completed(rec.requested, completed)
+
+    def _completed(self, req: Requested, completed: Completed) -> None:
+        """Take a baseline experiment's completion, counted by the compilation aggregate."""
+        self._dispatcher.forget(req.experiment_id)
+        self.records[req.baseline] = ExperimentRecord(req, completed)
+        self.state.compilation.count(req.experiment_id, completed.result.status)
 
     async def _unless_cancelled(self, req: Requested) -> Completed | None:
         """The experiment's completion, or None once the compilation is cancelled first."""

@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 
 from kiln.agent_runner import records
 from kiln.agent_runner.config import RunnerConfig
-from kiln.agent_runner.experiment import Completed, Requested, event_data
+from kiln.agent_runner.experiment import Completed, Requested, completed_of, event_data
 from kiln.agent_runner.ledger_access import LedgerPool, retry_unavailable
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.common import nats as kn
@@ -166,7 +166,7 @@ class ExperimentDispatcher:
         events = await self._ledger.system.read_stream(records.experiment_stream(req.experiment_id))
         for event in events:
             if event.type == "ExperimentCompleted":
-                self._resolve(Completed.from_event(event))
+                self._resolve(completed_of(event))
                 return
         await self.publish(req, workload)
 
@@ -210,7 +210,7 @@ class ExperimentDispatcher:
         completed = None
         for recorded in await client.read_stream(stream):
             if recorded.type == "ExperimentCompleted":
-                completed = Completed.from_event(recorded)
+                completed = completed_of(recorded)
                 break
         if completed is None:
             raise KilnError(f"{stream} has no ExperimentCompleted after closing it")
@@ -269,7 +269,7 @@ class ExperimentDispatcher:
     def _dispatch(self, event: Any) -> None:
         try:
             if event.type == "ExperimentCompleted":
-                self._resolve(Completed.from_event(event))
+                self._resolve(completed_of(event))
             elif event.type == "CompilationCancelRequested":
                 cid = records.stream_suffix(event.stream_id, records.COMPILATION_PREFIX)
                 if cid is not None:

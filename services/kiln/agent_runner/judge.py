@@ -45,6 +45,9 @@ Tier agreement (:func:`tier_agreement`): Spearman's rank correlation between fas
 full-tier tokens/s over the candidates measured correct on both tiers (the reference
 included, with the median of its full-tier measurements), recorded as ``TierAgreement``
 before the compilation ends.
+
+The tier and agent names, the speedup rule and the agreement text are
+:mod:`kiln.domain.judging`'s; this module applies them to the runner's state.
 """
 
 from __future__ import annotations
@@ -55,9 +58,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from kiln.agent_runner import records
-from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.usage import device_ms_of
+from kiln.domain import judging
+from kiln.domain.experiment import Completed, Requested
+from kiln.domain.judging import AGREEMENT_PREFIX as AGREEMENT_PREFIX
+from kiln.domain.judging import BASELINE_AGENT, CONFIRM_TIER, SEARCH_TIER, Result
+from kiln.domain.judging import CONFIRM_AGENT as CONFIRM_AGENT
+from kiln.domain.judging import agreement_text as agreement_text
 from kiln.events.types import (
     BaselineCompared,
     BestCandidateImproved,
@@ -69,26 +77,11 @@ from kiln.events.types import (
 from kiln.ledger.model import NewEvent
 from kiln.workloads.candidate import Candidate
 
-BASELINE_AGENT = "baseline"
-"""The agent name of the reference-forward experiment on the fast tier."""
-CONFIRM_AGENT = "confirm"
-"""The agent name of full-tier experiments (the reference and the candidates confirmed)."""
-SEARCH_TIER: Tier = "fast"
-"""The tier agents search on."""
-CONFIRM_TIER: Tier = "full"
-"""The tier winners are confirmed on."""
-
-Result = tuple[Requested, Completed]
-
 
 def completed_on(state: CompilationState, tier: Tier) -> list[Result]:
-    """The completed experiments requested on ``tier``, in the order they completed."""
-    done = [
-        (r.requested, r.completed)
-        for r in state.experiments.values()
-        if r.completed is not None and r.requested.tier == tier
-    ]
-    return sorted(done, key=lambda p: p[1].position)
+    """The completed experiments requested on ``tier``, in the order they completed
+    (:func:`kiln.domain.judging.completed_on`)."""
+    return judging.completed_on(state.experiments.values(), tier)
 
 
 def fast_leader(state: CompilationState) -> Result | None:
@@ -132,14 +125,8 @@ def needs_reference(state: CompilationState) -> bool:
 
 def full_reference(state: CompilationState, before: int) -> Completed | None:
     """The reference's correct full-tier measurement completed last before ledger position
-    ``before`` (with tokens/s > 0), or None."""
-    nearest: Completed | None = None
-    for req, done in completed_on(state, CONFIRM_TIER):
-        if done.position >= before:
-            break
-        if req.candidate.is_reference and done.ok and done.result.tokens_per_s > 0:
-            nearest = done
-    return nearest
+    ``before`` (with tokens/s > 0), or None (:func:`kiln.domain.judging.full_reference`)."""
+    return judging.full_reference(state.experiments.values(), before)
 
 
 def distinguishable(candidate: ExperimentCompleted, reference: ExperimentCompleted) -> bool:
@@ -157,15 +144,9 @@ def distinguishable(candidate: ExperimentCompleted, reference: ExperimentComplet
 def speedup(state: CompilationState, completed: Completed) -> float | None:
     """tokens/s over the baseline of a correct measurement: on the fast tier, over the
     baseline (``BaselineMeasured``); on the full tier, over the nearest earlier full-tier
-    reference (:func:`full_reference`). None when either is missing."""
-    if not completed.ok:
-        return None
-    if completed.result.tier == CONFIRM_TIER:
-        ref = full_reference(state, completed.position)
-        return None if ref is None else completed.result.tokens_per_s / ref.result.tokens_per_s
-    if state.baseline is None or state.baseline.tokens_per_s <= 0:
-        return None
-    return completed.result.tokens_per_s / state.baseline.tokens_per_s
+    reference (:func:`full_reference`). None when either is missing
+    (:func:`kiln.domain.judging.speedup`)."""
+    return judging.speedup(state.experiments.values(), state.baseline, completed)
 
 
 def ranks_by_tokens_per_s(state: CompilationState) -> bool:
@@ -315,21 +296,6 @@ def tier_agreement(state: CompilationState) -> NewEvent:
     points = tier_points(state)
     rho = spearman([p.fast_tokens_per_s for p in points], [p.full_tokens_per_s for p in points])
     return records.tier_agreement(state.compilation_id, len(points), rho, points)
-
-
-AGREEMENT_PREFIX = "fast vs full tier: "
-"""How :func:`agreement_text` starts (a succeeded compilation's reason ends with it)."""
-
-
-def agreement_text(n: int, rho: float | None) -> str:
-    """One line for people, e.g. ``fast vs full tier: Spearman rho 0.80 over 5 candidates``."""
-    if rho is not None:
-        return f"{AGREEMENT_PREFIX}Spearman rho {rho:.2f} over {n} candidates"
-    if n == 0:
-        return f"{AGREEMENT_PREFIX}no candidate was measured correct on both tiers"
-    if n == 1:
-        return f"{AGREEMENT_PREFIX}1 candidate measured on both tiers, too few to rank"
-    return f"{AGREEMENT_PREFIX}no rank correlation over {n} candidates (one tier ties them all)"
 
 
 # ---------------------------------------------------------------------- baselines compared

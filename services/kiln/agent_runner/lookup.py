@@ -57,7 +57,8 @@ async def compilation_snapshot(
             continue
     m = snap.message
     if runner is not None and not runner.finished.is_set():
-        m.experiments_done, m.failures = runner.experiments_done, runner.failures
+        live = runner.state.compilation  # the same fold as the projection, without its lag
+        m.experiments_done, m.failures = live.experiments_done, live.failures
     else:
         rows = await ledger.system.query("compilations", {"compilation_id": compilation_id})
         if rows:

@@ -9,7 +9,6 @@ Stream names come from :mod:`kiln.domain.streams` (re-exported here).
 
 from __future__ import annotations
 
-import re
 import uuid
 from typing import Any, Literal
 
@@ -42,22 +41,19 @@ experiment_stream = streams.experiment_stream
 stream_suffix = streams.stream_suffix
 
 _NAMESPACE = uuid.UUID("6b1f4a52-3c1e-4a8e-9c57-1a2b8e0d7f11")
-_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,127}$")
 
 
 def check_compilation_id(value: str) -> str:
-    """``value`` if it can name a compilation (a ledger stream id and a NATS subject token).
+    """``value`` if it can name a compilation (:func:`kiln.domain.streams.check_id`).
 
     Raises:
         InvalidArgument: not 1-128 characters of ``[A-Za-z0-9_-]`` starting with a letter,
             digit or ``_``.
     """
-    if not _ID_RE.match(value):
-        raise InvalidArgument(
-            f"invalid compilation_id {value[:140]!r}: expected 1-128 characters of "
-            "[A-Za-z0-9_-], not starting with '-'"
-        )
-    return value
+    try:
+        return streams.check_id(value, "compilation_id")
+    except streams.InvalidId as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def new_compilation_id() -> str:

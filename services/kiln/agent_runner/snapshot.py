@@ -4,9 +4,10 @@
 ``ExperimentCompleted`` events of its experiments, in global order, through the domain aggregate
 (:class:`kiln.domain.compilation.Compilation`: status, counters, reason, plan, baseline, best;
 events already folded are skipped), and presents it as the message, plus the candidates and
-measurements of the experiments it has seen, the per-agent usage and the best-so-far curve
-(:mod:`kiln.agent_runner.usage`). ``TierAgreement`` has no field of its own in the message:
-Watch sends it as an event, and a succeeded compilation's reason ends with it.
+measurements of the experiments it has seen, the per-agent usage
+(:mod:`kiln.agent_runner.usage`) and the best-so-far curve (:mod:`kiln.domain.curve`).
+``TierAgreement`` has no field of its own in the message: Watch sends it as an event, and a
+succeeded compilation's reason ends with it.
 :func:`from_row` turns a compilations projection row into a summary ``Compilation`` (List).
 """
 
@@ -20,9 +21,10 @@ from google.protobuf.struct_pb2 import Struct
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kiln.agent_runner.experiment import domain_event, event_data, experiment_id_of
-from kiln.agent_runner.usage import UsageBook, curve_point
+from kiln.agent_runner.usage import UsageBook
 from kiln.agent_runner.workload import workload_from_json
 from kiln.domain import compilation as domain
+from kiln.domain.curve import curve_point
 from kiln.domain.streams import compilation_stream
 from kiln.v1 import common_pb2, compiler_pb2, ledger_pb2
 

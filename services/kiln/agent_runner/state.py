@@ -10,29 +10,23 @@ and completion), filled by the runner and, on resume, by :meth:`apply_experiment
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from kiln.agent_runner.experiment import (
-    Completed,
-    Requested,
-    domain_event,
-    experiment_id_of,
-)
+from kiln.agent_runner.experiment import domain_event
 from kiln.agent_runner.workload import workload_from_json
-from kiln.domain.compilation import CANCEL_DEFAULT_REASON, Baseline, Best, Compilation, Event
+from kiln.domain.compilation import (
+    CANCEL_DEFAULT_REASON,
+    EXPERIMENT_COMPLETED,
+    Baseline,
+    Best,
+    Compilation,
+    Event,
+)
+from kiln.domain.experiment import ExperimentRecord, fold_experiment
 from kiln.v1 import common_pb2, ledger_pb2
 
 __all__ = ["Baseline", "Best", "CompilationState", "ExperimentRecord"]
-
-
-@dataclass
-class ExperimentRecord:
-    """One experiment of the compilation: its request and, once known, its completion."""
-
-    requested: Requested
-    completed: Completed | None = None
 
 
 class CompilationState:
@@ -131,16 +125,13 @@ class CompilationState:
     def apply_experiment(self, event: ledger_pb2.RecordedEvent) -> None:
         """Fold one of this compilation's ``ExperimentRequested`` / ``ExperimentCompleted``
         events (read from its experiment stream) into :attr:`experiments`; a completion
-        without its request, or after the first, is ignored."""
-        eid = experiment_id_of(event)
-        if eid is None:
-            return
-        if event.type == "ExperimentRequested":
-            self.experiments[eid] = ExperimentRecord(Requested.from_event(event))
-        elif event.type == "ExperimentCompleted":
-            record = self.experiments.get(eid)
-            if record is not None and record.completed is None:
-                record.completed = Completed.from_event(event)
+        without its request, or after the first, is ignored
+        (:func:`kiln.domain.experiment.fold_experiment`). A completion is also counted by
+        :attr:`compilation` (the compilations projection's rules)."""
+        ev = domain_event(event)
+        fold_experiment(self.experiments, ev)
+        if ev.type == EXPERIMENT_COMPLETED and self.compilation.belongs(ev):
+            self.compilation.apply(ev)
 
     # ------------------------------------------------------------------ the aggregate's facts
     @property

@@ -68,7 +68,7 @@ class Comparison:
             full-tier measurement of kiln's reference, in order.
         confirmed: candidate id -> (its last correct full-tier ``ExperimentCompleted``, the
             reference's correct full-tier one folded last before it: the one measured next to
-            it, as :func:`kiln.agent_runner.judge.full_reference` pairs them; None if none).
+            it, as :func:`kiln.domain.judging.full_reference` pairs them; None if none).
     """
 
     reference_id: str

@@ -51,7 +51,7 @@ def _tps(value: float) -> str:
 def tier_agreement_text(detail: dict[str, Any]) -> str:
     """A ``TierAgreement`` payload as one line (its ``n`` may arrive as a float from a
     Struct)."""
-    from kiln.agent_runner.judge import agreement_text
+    from kiln.domain.judging import agreement_text
 
     rho = detail.get("rho")
     return agreement_text(int(detail.get("n", 0) or 0), None if rho is None else float(rho))
@@ -173,7 +173,7 @@ def usage_text(u: compiler_pb2.AgentUsage) -> str:
     """One agent's spending as one line, e.g. ``12 experiments (11 ok, 1 failed), device
     3.4 s, best 1,234.5 tok/s (fast tier)`` ("confirm" measures on the full tier, every other
     agent on the fast tier)."""
-    from kiln.agent_runner.judge import CONFIRM_AGENT, CONFIRM_TIER, SEARCH_TIER
+    from kiln.domain.judging import CONFIRM_AGENT, CONFIRM_TIER, SEARCH_TIER
 
     tier = CONFIRM_TIER if u.agent == CONFIRM_AGENT else SEARCH_TIER
     best = f", best {_tps(u.best_tokens_per_s)} ({tier} tier)" if u.best_tokens_per_s else ""
@@ -183,8 +183,8 @@ def usage_text(u: compiler_pb2.AgentUsage) -> str:
 
 def time_to_95(snap: compiler_pb2.Compilation) -> float | None:
     """Seconds from the submission until the best-so-far first reached 95 % of the final
-    best's tokens/s (:func:`kiln.agent_runner.usage.time_to_fraction`); None without a best."""
-    from kiln.agent_runner.usage import CurvePoint, time_to_fraction
+    best's tokens/s (:func:`kiln.domain.curve.time_to_fraction`); None without a best."""
+    from kiln.domain.curve import CurvePoint, time_to_fraction
 
     points = [
         CurvePoint(
@@ -226,7 +226,7 @@ def summary_table(snap: compiler_pb2.Compilation) -> Table:
     )
     table.add_column("", style="bold")
     table.add_column("")
-    from kiln.agent_runner.judge import AGREEMENT_PREFIX
+    from kiln.domain.judging import AGREEMENT_PREFIX
 
     reason, cut, tiers = snap.reason.partition(f"; {AGREEMENT_PREFIX}")
     table.add_row("status", STATUS_NAMES.get(snap.status, "?") + (f" ({reason})" if reason else ""))

@@ -24,7 +24,7 @@ COLUMNS = (
     "candidate_id",
     "experiment_id",
 )
-"""The fields of a point (:class:`kiln.agent_runner.usage.CurvePoint`), in output order."""
+"""The fields of a point (:class:`kiln.domain.curve.CurvePoint`), in output order."""
 
 
 def curve_rows(snap: compiler_pb2.Compilation) -> list[dict[str, object]]:

@@ -5,4 +5,9 @@
 - :mod:`kiln.domain.streams`: ledger stream names (``compilation-<id>``, ``experiment-<id>``).
 - :mod:`kiln.domain.compilation`: the compilation aggregate, one fold of a compilation's
   events (status machine, counters) for the runner, the Compiler API and the projection.
+- :mod:`kiln.domain.experiment`: one experiment's request and completion as plain data, and
+  the fold of a compilation's experiments.
+- :mod:`kiln.domain.judging`: the tiers, the runner's own agent names, a measurement's speedup
+  over its reference (the fast tier's baseline, the adjacent full-tier reference).
+- :mod:`kiln.domain.curve`: the best-so-far curve and the time to a fraction of the final best.
 """

@@ -3,11 +3,14 @@
 Two categories exist: ``compilation-<compilation id>`` (one compilation's life) and
 ``experiment-<experiment id>`` (one experiment: requested, completed). The grammar every stream
 id follows (category ``[a-z][a-z0-9_]*``, id ``[A-Za-z0-9_][A-Za-z0-9_-]*``) is checked by the
-ledger on append (:func:`kiln.events.registry.parse_stream_id`); these helpers only build and
-split names. Stdlib only.
+ledger on append (:func:`kiln.events.registry.parse_stream_id`); these helpers build and split
+names, and :func:`check_id` holds an id to the stricter grammar of the ids kiln makes and accepts
+(1-128 characters, so it is also a NATS subject token). Stdlib only.
 """
 
 from __future__ import annotations
+
+import re
 
 COMPILATION = "compilation"
 EXPERIMENT = "experiment"
@@ -41,3 +44,26 @@ def compilation_id_in(stream_id: str) -> str | None:
 def experiment_id_in(stream_id: str) -> str | None:
     """The experiment id of an ``experiment-<id>`` stream, else None."""
     return stream_suffix(stream_id, EXPERIMENT_PREFIX)
+
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,127}$")
+
+
+class InvalidId(ValueError):
+    """A value that cannot name a compilation or an experiment; the message says why."""
+
+
+def check_id(value: str, what: str = "compilation_id") -> str:
+    """``value`` if it can name a compilation or an experiment (a ledger stream id and a NATS
+    subject token).
+
+    Raises:
+        InvalidId: not 1-128 characters of ``[A-Za-z0-9_-]`` starting with a letter, digit or
+            ``_`` (the message names ``what``).
+    """
+    if not _ID_RE.match(value):
+        raise InvalidId(
+            f"invalid {what} {value[:140]!r}: expected 1-128 characters of "
+            "[A-Za-z0-9_-], not starting with '-'"
+        )
+    return value

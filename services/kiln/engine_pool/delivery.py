@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from kiln.common.errors import Aborted, AlreadyExists, InvalidArgument, KilnError, NotFound
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
+from kiln.domain import streams
 from kiln.engine_pool.metrics import ANSWERED_ELSEWHERE, record_experiment
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.settings import EngineSettings
@@ -162,7 +163,7 @@ class Deliveries:
             heartbeat.cancel()
 
     async def _handle(self, msg: Msg, work: ExperimentWork, device: str | None) -> None:
-        stream = f"experiment-{work.experiment_id}"
+        stream = streams.experiment_stream(work.experiment_id)
         ledger = self.ledger(work.team)
         bound = log.bind(experiment_id=work.experiment_id, tier=work.tier, device=device)
         requested, completed = await self._ledger_state(ledger, stream)

@@ -21,14 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kiln.agent_runner import records
-from kiln.agent_runner.experiment import Completed, Requested, event_data
-from kiln.agent_runner.judge import CONFIRM_TIER
-from kiln.agent_runner.judge import speedup as judge_speedup
-from kiln.agent_runner.snapshot import EXPERIMENT_TYPES
-from kiln.agent_runner.state import CompilationState
-from kiln.agent_runner.workload import workload_to_json
-from kiln.common.errors import NotFound
+from kiln.common.errors import InvalidArgument, NotFound
+from kiln.domain import streams
+from kiln.domain.compilation import EXPERIMENT_TYPES, Compilation
+from kiln.domain.experiment import Completed, ExperimentRecord, Requested, fold_experiment
+from kiln.domain.judging import CONFIRM_TIER, speedup
 from kiln.export.artifact import (
     ArtifactError,
     Manifest,
@@ -38,10 +35,12 @@ from kiln.export.artifact import (
     check_out_dir,
     write_artifact,
 )
+from kiln.ledger.convert import recorded_to_domain
 from kiln.runtime.spec import EngineLimits, EngineSpec, engine_operating_point
 
 if TYPE_CHECKING:
     from kiln.ledger.client import LedgerClient
+    from kiln.v1 import ledger_pb2
 
 
 class ExportError(ValueError):
@@ -58,10 +57,25 @@ class Winner:
     speedup: float
 
 
+def compilation_of(events: list[ledger_pb2.RecordedEvent]) -> Compilation:
+    """A compilation folded from its stream's events (in version order).
+
+    Raises:
+        ValueError: the stream does not start with ``CompilationSubmitted`` or breaks the
+            status machine; KeyError: a payload misses a required field.
+    """
+    if not events:
+        raise ValueError("a compilation stream starts with CompilationSubmitted")
+    compilation = Compilation.submitted(recorded_to_domain(events[0]))
+    for event in events[1:]:
+        compilation.apply(recorded_to_domain(event))
+    return compilation
+
+
 def manifest_for(
-    state: CompilationState, winner: Winner, limits: EngineLimits
+    compilation: Compilation, winner: Winner, limits: EngineLimits
 ) -> tuple[Manifest, dict[str, object]]:
-    """The manifest and model config of ``winner`` in ``state``'s compilation.
+    """The manifest and model config of ``winner`` in ``compilation``.
 
     Raises:
         ExportError: the experiment did not measure correct with tokens/s > 0, or its
@@ -74,7 +88,7 @@ def manifest_for(
         raise ExportError(
             f"experiment {winner.requested.experiment_id} did not measure correct ({result.status})"
         )
-    workload = workload_to_json(state.workload)
+    workload = compilation.workload
     try:
         spec = EngineSpec.from_workload(workload, result.tier, limits)
         derived = engine_operating_point(workload.get("traffic"), spec.model_config(), limits)
@@ -108,9 +122,9 @@ def manifest_for(
             p90_ms=result.p90_ms,
             max_abs_error=result.max_abs_error,
             tier=result.tier,
-            hardware=state.workload.hardware.name,
+            hardware=str((workload.get("hardware") or {}).get("name", "")),
             engine_id=result.engine_id,
-            compilation_id=state.compilation_id,
+            compilation_id=compilation.compilation_id,
             experiment_id=winner.requested.experiment_id,
             speedup=winner.speedup,
         ),
@@ -120,7 +134,10 @@ def manifest_for(
 
 
 async def _experiment(client: LedgerClient, experiment_id: str) -> tuple[Requested, Completed]:
-    events = await client.read_stream(records.experiment_stream(experiment_id))
+    events = [
+        recorded_to_domain(e)
+        for e in await client.read_stream(streams.experiment_stream(experiment_id))
+    ]
     req = next((Requested.from_event(e) for e in events if e.type == "ExperimentRequested"), None)
     done = next((Completed.from_event(e) for e in events if e.type == "ExperimentCompleted"), None)
     if req is None or done is None:
@@ -129,7 +146,7 @@ async def _experiment(client: LedgerClient, experiment_id: str) -> tuple[Request
 
 
 async def find_winner(
-    client: LedgerClient, state: CompilationState, candidate_id: str | None
+    client: LedgerClient, compilation: Compilation, candidate_id: str | None
 ) -> Winner:
     """The compilation's best (``candidate_id`` None) or ``candidate_id``'s fastest correct
     full-tier experiment.
@@ -137,22 +154,25 @@ async def find_winner(
     Raises:
         ExportError: no confirmed best yet; the candidate has no correct full-tier experiment.
     """
+    cid = compilation.compilation_id
     if candidate_id is None:
-        if state.best is None:
+        if compilation.best is None:
             raise ExportError(
-                f"compilation {state.compilation_id} has no confirmed best candidate yet "
+                f"compilation {cid} has no confirmed best candidate yet "
                 "(none beat the reference on the full tier)"
             )
-        req, done = await _experiment(client, state.best.experiment_id)
-        return Winner(req, done, state.best.speedup)
-    async for event in client.read_all(
-        state.submitted_position - 1,
+        req, done = await _experiment(client, compilation.best.experiment_id)
+        return Winner(req, done, compilation.best.speedup)
+    experiments: dict[str, ExperimentRecord] = {}
+    async for recorded in client.read_all(
+        compilation.submitted_position - 1,
         types=EXPERIMENT_TYPES,
-        stream_prefix=records.EXPERIMENT_PREFIX,
+        stream_prefix=streams.EXPERIMENT_PREFIX,
     ):
-        if event_data(event).get("compilation_id") == state.compilation_id:
-            state.apply_experiment(event)
-    found = [r for r in state.experiments.values() if r.requested.candidate.id == candidate_id]
+        event = recorded_to_domain(recorded)
+        if event.data.get("compilation_id") == cid:
+            fold_experiment(experiments, event)
+    found = [r for r in experiments.values() if r.requested.candidate.id == candidate_id]
     best: Winner | None = None
     for record in found:
         result = record.completed
@@ -160,12 +180,13 @@ async def find_winner(
             continue
         if best is None or result.result.tokens_per_s > best.completed.result.tokens_per_s:
             # over the reference measured last before it on the full tier, as the judge has it
-            best = Winner(record.requested, result, judge_speedup(state, result) or 0.0)
+            gain = speedup(experiments.values(), compilation.baseline, result)
+            best = Winner(record.requested, result, gain or 0.0)
     if best is None:
         where = "measured" if found else "requested"
         raise ExportError(
             f"candidate {candidate_id} was not {where} correct on the full tier in compilation "
-            f"{state.compilation_id}"
+            f"{cid}"
         )
     return best
 
@@ -189,14 +210,17 @@ async def export_compilation(
         out = check_out_dir(out_dir)
     except ArtifactError as exc:
         raise ExportError(str(exc)) from None
-    records.check_compilation_id(compilation_id)
     try:
-        events = await client.read_stream(records.compilation_stream(compilation_id))
+        streams.check_id(compilation_id, "compilation_id")
+    except streams.InvalidId as exc:
+        raise InvalidArgument(str(exc)) from None
+    try:
+        events = await client.read_stream(streams.compilation_stream(compilation_id))
     except NotFound:
         raise ExportError(f"no compilation {compilation_id!r}") from None
-    state = CompilationState.from_events(events)
-    winner = await find_winner(client, state, candidate_id)
-    manifest, config = manifest_for(state, winner, limits or EngineLimits())
+    compilation = compilation_of(events)
+    winner = await find_winner(client, compilation, candidate_id)
+    manifest, config = manifest_for(compilation, winner, limits or EngineLimits())
     try:
         write_artifact(out, manifest, winner.requested.candidate, config)
     except ArtifactError as exc:

@@ -1,14 +1,16 @@
-"""Conversions between kiln.v1 ledger messages and the store's plain types."""
+"""Conversions between kiln.v1 ledger messages, the store's plain types and the domain's
+:class:`kiln.domain.compilation.Event`."""
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kiln.common.errors import InvalidArgument
+from kiln.domain.compilation import Event
 from kiln.ledger.model import ExpectedVersion, NewEvent, StoredEvent
 from kiln.v1 import ledger_pb2
 
@@ -117,4 +119,28 @@ def row_to_json(row: dict[str, Any]) -> str:
     return json.dumps(
         {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()},
         ensure_ascii=False,
+    )
+
+
+def recorded_data(event: ledger_pb2.RecordedEvent) -> dict[str, Any]:
+    """A recorded event's payload as a dict ({} when it is not a JSON object)."""
+    data = json.loads(event.data or b"{}")
+    return data if isinstance(data, dict) else {}
+
+
+def recorded_time(event: ledger_pb2.RecordedEvent) -> datetime:
+    """When the ledger recorded ``event`` (UTC)."""
+    return event.recorded_at.ToDatetime(tzinfo=UTC)
+
+
+def recorded_to_domain(event: ledger_pb2.RecordedEvent) -> Event:
+    """A recorded event as the domain folds read it (:class:`kiln.domain.compilation.Event`)."""
+    return Event(
+        type=event.type,
+        data=recorded_data(event),
+        stream_id=event.stream_id,
+        version=event.stream_version,
+        position=event.position,
+        recorded_at=recorded_time(event),
+        team=event.metadata.team,
     )

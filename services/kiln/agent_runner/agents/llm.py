@@ -66,8 +66,7 @@ def require_llm(settings: LLMSettings | None = None) -> LLMSettings:
 
 def workload_facts(lab: object) -> WorkloadFacts:
     """Hardware and model facts of ``lab``'s workload: its ``workload`` attribute, or its
-    ``state.workload`` (the runner's :class:`CompilationRunner`), a ``kiln.v1.Workload``; empty
-    facts when it has neither."""
+    ``state.workload``, a ``kiln.v1.Workload``; empty facts when it has neither."""
     workload: Any = getattr(lab, "workload", None)
     if workload is None:
         workload = getattr(getattr(lab, "state", None), "workload", None)

@@ -1,0 +1,209 @@
+"""A compilation's lab: how its agents (and its runner) measure candidates and judge results.
+
+The lab is the agents' :class:`~kiln.agent_runner.agents.Lab`. A search-tier measurement takes
+an experiment slot of the :class:`~kiln.agent_runner.budget.ExperimentBudget`, passes the
+confirmations' gate (:class:`~kiln.agent_runner.confirmations.Confirmations`, which the lab
+feeds with full-tier measurements), is requested and completed once through the
+:class:`~kiln.agent_runner.tracker.ExperimentTracker`, and is judged
+(:func:`~kiln.agent_runner.judge.judgement`, one at a time): a judgement that calls for
+``BaselineMeasured`` or ``BestCandidateImproved`` appends it to the compilation's stream.
+Once ``stop`` is set, no slot is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from kiln.agent_runner.agents import Outcome
+from kiln.agent_runner.budget import ExperimentBudget
+from kiln.agent_runner.confirmations import Confirmations
+from kiln.agent_runner.dispatcher import ExperimentDispatcher
+from kiln.agent_runner.errors import Failure
+from kiln.agent_runner.experiment import Completed, Requested
+from kiln.agent_runner.judge import CONFIRM_AGENT, CONFIRM_TIER, SEARCH_TIER, judgement, speedup
+from kiln.agent_runner.space import CandidateSpace, model_space
+from kiln.agent_runner.state import CompilationState
+from kiln.agent_runner.tracker import ExperimentTracker
+from kiln.board import Board
+from kiln.common.logging import get_logger
+from kiln.ledger.model import NewEvent
+from kiln.runtime.support import ModelNotSupported
+from kiln.v1 import common_pb2
+from kiln.workloads.candidate import Candidate
+
+log = get_logger(__name__)
+
+
+class CompilationLab:
+    """The measuring side of one compilation.
+
+    Args:
+        state: the compilation.
+        experiments: its experiments (requests and completions).
+        budget: its experiment slots.
+        dispatcher: waits for experiments.
+        board: the message board.
+        space: the candidate space of a hardware target.
+        append: appends an event to the compilation's stream (and folds it).
+        stop: set when the compilation stops (no slot is given after).
+    """
+
+    def __init__(
+        self,
+        state: CompilationState,
+        experiments: ExperimentTracker,
+        budget: ExperimentBudget,
+        *,
+        dispatcher: ExperimentDispatcher,
+        board: Board,
+        space: Callable[[str], CandidateSpace],
+        append: Callable[[NewEvent], Coroutine[Any, Any, Any]],
+        stop: asyncio.Event,
+    ) -> None:
+        self.state, self.experiments, self.budget = state, experiments, budget
+        self._dispatcher, self._board, self._space_of = dispatcher, board, space
+        self._append, self._stop = append, stop
+        self._space: CandidateSpace | None = None
+        self._judge_lock = asyncio.Lock()
+        self.confirmations = Confirmations(
+            state,
+            reserve=self.reserve,
+            release=self.release,
+            measure=self._measure_full,
+            finish=self.finish,
+        )
+
+    @property
+    def compilation_id(self) -> str:
+        """The compilation."""
+        return self.state.compilation_id
+
+    @property
+    def space(self) -> CandidateSpace:
+        """The candidate space of the workload's hardware restricted to what an engine runs for
+        the model (:func:`~kiln.agent_runner.space.model_space`): agents draw only from it.
+
+        Raises:
+            Failure: kiln cannot build the model, so it has no space (the reason says why).
+        """
+        if self._space is None:
+            hardware = self.state.workload.hardware.name
+            model = self.state.workload.model
+            try:
+                config = json.loads(model.config_json)
+                self._space = model_space(
+                    self._space_of(hardware), config, hardware, name=model.name or "model"
+                )
+            except (ValueError, ModelNotSupported) as exc:
+                raise Failure(str(exc)) from exc
+            log.info(
+                "search space",
+                compilation=self.compilation_id,
+                dimensions=len(self._space.dims),
+                points=self._space.size,
+                refused=self._space.support.summary() if self._space.support else [],
+            )
+        return self._space
+
+    @property
+    def board(self) -> Board:
+        """The message board."""
+        return self._board
+
+    @property
+    def workload(self) -> common_pb2.Workload:
+        """The compilation's workload (model config, traffic shape, hardware target)."""
+        return self.state.workload
+
+    def reserve(self) -> bool:
+        """Take an experiment slot; False when the experiment budget is spent or the
+        compilation is stopping."""
+        return not self._stop.is_set() and self.budget.reserve()
+
+    async def acquire(self) -> bool:
+        """Take an experiment slot for an agent once no confirmation holds the gate (the
+        confirmations due get their slots first), waiting while the last slots are only
+        reserved (see :meth:`ExperimentBudget.acquire`); False once the budget is spent or the
+        compilation is stopping."""
+        if self._stop.is_set() or not await self.budget.acquire(self.confirmations.gate):
+            return False
+        if self._stop.is_set():  # stopped while waiting: the slot is not used
+            self.budget.release()
+            return False
+        return True
+
+    def release(self) -> None:
+        """Give back an unused slot."""
+        self.budget.release()
+
+    async def measure(
+        self, candidate: Candidate, agent: str, *, profile: bool = False
+    ) -> Outcome | None:
+        """Request an experiment on the search tier for a reserved slot (after any
+        confirmation under way), wait for it and judge it; ``profile`` asks the engine for the
+        per-op profile (``ExperimentCompleted.op_ms``).
+
+        Returns:
+            The outcome; None (slot released) when the candidate was requested before in this
+            compilation.
+
+        Raises:
+            KilnError, nats.errors.Error: the ledger or NATS failed (the slot is released when
+                nothing was requested).
+        """
+        try:
+            await self.confirmations.gate.wait()
+        except asyncio.CancelledError:
+            self.release()
+            raise
+        if candidate.id in self.experiments.requested:
+            self.release()
+            return None
+        self.experiments.requested.add(candidate.id)
+        with self.confirmations.searching():
+            try:
+                req = await self.experiments.shielded(
+                    self.experiments.request(candidate, agent, SEARCH_TIER, profile=profile)
+                )
+            except Exception:
+                self.release()  # nothing was requested (a cancelled caller keeps its slot:
+                raise  # the request goes on and is settled when the compilation ends)
+            completed = await self._dispatcher.wait(req)
+            return await self.experiments.shielded(self.complete(req, completed))
+
+    async def finish(self, req: Requested) -> Outcome:
+        """Wait for an experiment already requested, then complete and judge it."""
+        completed = await self._dispatcher.wait(req)
+        outcome: Outcome = await self.experiments.shielded(self.complete(req, completed))
+        return outcome
+
+    async def complete(self, req: Requested, completed: Completed) -> Outcome:
+        """Take a completed experiment (its slot once) and judge it."""
+        if self.experiments.complete(req, completed):
+            self.budget.complete()
+        return await self.judge(req, completed)
+
+    async def judge(self, req: Requested, completed: Completed) -> Outcome:
+        """Record the baseline or a new best if it calls for one, and ask for a confirmation
+        when a search-tier result makes one due (one judgement at a time)."""
+        async with self._judge_lock:
+            event = judgement(self.state, req, completed)
+            if event is not None:
+                await self._append(event)
+            if req.tier == SEARCH_TIER:
+                self.confirmations.search_result()
+        return Outcome(req.experiment_id, req.candidate, completed, speedup(self.state, completed))
+
+    async def _measure_full(self, candidate: Candidate) -> None:
+        """Request ``candidate`` on the full tier for a taken slot, wait for it, judge it."""
+        try:
+            req = await self.experiments.shielded(
+                self.experiments.request(candidate, CONFIRM_AGENT, CONFIRM_TIER)
+            )
+        except Exception:
+            self.release()
+            raise
+        await self.finish(req)

@@ -1,0 +1,124 @@
+"""The experiments a compilation's runner requests (search, reference, confirmations), each
+tracked from its request to its one completion.
+
+A request is recorded in the ledger, tracked as in flight and queued for the engines; work that
+cannot be queued closes the experiment at once (``timed_out`` with the NATS error), so none is
+left open. A completion is taken once: it fills the state's record and is counted by the
+compilation aggregate (:meth:`kiln.domain.compilation.Compilation.count`, the compilations
+projection's rules). Steps a cancelled caller must not cut run *shielded*; :meth:`drain` waits
+for them. The baseline comparisons are tracked apart (:mod:`kiln.agent_runner.comparisons`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine
+from typing import Any
+
+from kiln.agent_runner.config import RunnerConfig
+from kiln.agent_runner.dispatcher import ExperimentDispatcher
+from kiln.agent_runner.experiment import Completed, Requested
+from kiln.agent_runner.judge import BASELINE_AGENT, SEARCH_TIER
+from kiln.agent_runner.state import CompilationState, ExperimentRecord
+from kiln.agent_runner.tasks import cancel_and_wait
+from kiln.common.logging import get_logger
+from kiln.events.types import Tier
+from kiln.workloads.candidate import Candidate
+
+log = get_logger(__name__)
+
+
+class ExperimentTracker:
+    """One compilation's experiments in flight (after a restart: those of ``state``).
+
+    Args:
+        state: the compilation; its experiments are the records kept.
+        dispatcher: records, queues, waits for and closes experiments.
+        config: tunables (a search candidate's deadline).
+        workload_json: the work items' workload (JSON object).
+
+    Attributes:
+        in_flight: experiment id -> request, not completed yet.
+        requested: ids of the candidates requested on the search tier (each is measured once).
+    """
+
+    def __init__(
+        self,
+        state: CompilationState,
+        dispatcher: ExperimentDispatcher,
+        config: RunnerConfig,
+        workload_json: dict[str, Any],
+    ) -> None:
+        self.state, self._dispatcher, self._config = state, dispatcher, config
+        self._workload_json = workload_json
+        self.in_flight: dict[str, Requested] = {}
+        self.requested: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        for rec in state.experiments.values():
+            if rec.requested.tier == SEARCH_TIER:
+                self.requested.add(rec.requested.candidate.id)
+            if rec.completed is None:
+                self.in_flight[rec.requested.experiment_id] = rec.requested
+
+    async def adopt(self) -> None:
+        """Queue the work of the experiments in flight again (after a restart)."""
+        for req in list(self.in_flight.values()):
+            await self._dispatcher.adopt(req, self._workload_json)
+
+    async def request(
+        self, candidate: Candidate, agent: str, tier: Tier, *, profile: bool = False
+    ) -> Requested:
+        """Record the experiment, track it, queue its work (``profile``: ask for the per-op
+        profile).
+
+        Raises:
+            KilnError: the ledger refused the request (nothing was requested).
+        """
+        st, dispatcher = self.state, self._dispatcher
+        req = await dispatcher.record(
+            team=st.team,
+            compilation_id=st.compilation_id,
+            candidate=candidate,
+            agent=agent,
+            tier=tier,
+            profile=profile,
+        )
+        self.in_flight[req.experiment_id] = req
+        st.experiments[req.experiment_id] = ExperimentRecord(req)
+        deadline = None  # a search candidate's share of the budget; the reference's in full
+        if tier == SEARCH_TIER and agent != BASELINE_AGENT:
+            deadline = self._config.search_deadline_s(st.wall_seconds)
+        try:
+            await dispatcher.publish(req, self._workload_json, deadline)
+        except Exception as exc:
+            log.error("cannot queue the work", experiment=req.experiment_id, error=repr(exc))
+            with contextlib.suppress(Exception):  # else the end of the compilation closes it
+                await dispatcher.close(req, f"the work could not be queued on NATS: {exc!r}")
+        return req
+
+    def complete(self, req: Requested, completed: Completed) -> bool:
+        """Take an experiment's completion; False when it was taken before."""
+        if self.in_flight.pop(req.experiment_id, None) is None:
+            return False
+        self.state.experiments[req.experiment_id] = ExperimentRecord(req, completed)
+        self.state.compilation.count(req.experiment_id, completed.result.status)
+        self._dispatcher.forget(req.experiment_id)
+        return True
+
+    async def shielded(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coro`` as a task that a cancelled caller does not cancel (:meth:`drain` waits
+        for it)."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def drain(self) -> None:
+        """Wait for the shielded steps under way (and those they start)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def abandon(self) -> None:
+        """Cancel the shielded steps under way (shutdown: a restart redoes them)."""
+        await asyncio.gather(*(cancel_and_wait(t) for t in list(self._tasks)))
