@@ -33,10 +33,10 @@ from kiln.cost_model.roofline import (
     held_kv_bytes_per_token,
     weights_read_bytes,
 )
+from kiln.domain.candidate import Candidate, Transform
 from kiln.engine_pool.process import EngineProcess
 from kiln.engine_pool.settings import EngineSettings
 from kiln.runtime.spec import EngineSpec
-from kiln.workloads.candidate import Candidate, Transform
 from kiln.workloads.config import DTYPE_BYTES
 
 FUSED_OPS = {

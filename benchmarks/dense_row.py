@@ -50,10 +50,10 @@ from kiln.agent_runner.snapshot import WATCHED_TYPES, Snapshot
 from kiln.baselines.table import Comparison
 from kiln.cli.compile_view import comparison_limit, describe_candidate, time_to_95
 from kiln.common.errors import KilnError, NotFound
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.domain.streams import compilation_stream
 from kiln.ledger.convert import recorded_data
 from kiln.v1 import common_pb2, compiler_pb2
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
 
 if TYPE_CHECKING:
     from kiln.ledger.client import LedgerClient

@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.domain.candidate import Candidate, CodeModule, Transform
 from kiln.engine_pool.process import EngineProcess
 from kiln.engine_pool.settings import EngineSettings
 from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineSpec
-from kiln.workloads.candidate import Candidate, CodeModule, Transform
 from kiln.workloads.traffic import TrafficShape, read_trace
 
 SHARED = Path(

@@ -25,10 +25,10 @@ import pytest_asyncio
 
 from kiln.common.client import team_channel
 from kiln.common.settings import KilnSettings
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.ledger.db import create_engine, libpq_dsn
 from kiln.ledger.replay import replay
 from kiln.v1 import compiler_pb2_grpc, engine_pool_pb2, engine_pool_pb2_grpc
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
 
 from .processes import ServiceProcess, free_port, service_env
 

@@ -13,12 +13,12 @@ import dataclasses
 import pytest
 import torch
 
+from kiln.domain.candidate import Candidate, Transform
 from kiln.engine_pool.process import EngineProcess
 from kiln.engine_pool.settings import EngineSettings
 from kiln.runtime.engine import Engine
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineSpec
-from kiln.workloads.candidate import Candidate, Transform
 from tests.unit.engine_testing import module, tiny_workload
 
 pytestmark = [

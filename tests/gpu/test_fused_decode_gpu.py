@@ -75,8 +75,8 @@ def _run(models, transforms) -> list[torch.Tensor]:  # type: ignore[no-untyped-d
 
 
 def test_fused_graph_matches_the_reference_and_pdl_changes_nothing(models) -> None:  # type: ignore[no-untyped-def]
+    from kiln.domain.candidate import Transform
     from kiln.ops.kernels.runtime import pdl_available
-    from kiln.workloads.candidate import Transform
 
     reference = _run(models, [])
     runs = {

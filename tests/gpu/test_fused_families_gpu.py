@@ -59,7 +59,7 @@ def _steps(config, batch: int, transforms, weights=None):  # type: ignore[no-unt
 @pytest.mark.parametrize("batch", [1, 24])
 @pytest.mark.parametrize("name", MODELS)
 def test_fused_graph_matches_the_reference(name: str, batch: int) -> None:
-    from kiln.workloads.candidate import Transform
+    from kiln.domain.candidate import Transform
 
     config = _config(name)
     weights, reference = _steps(config, batch, [])

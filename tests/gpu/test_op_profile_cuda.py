@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 from kiln.engine_pool.settings import EngineSettings
 from kiln.runtime.engine import Engine
 from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineSpec
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 from tests.unit.engine_testing import tiny_workload
 
 pytestmark = [

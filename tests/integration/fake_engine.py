@@ -178,6 +178,6 @@ class FakeEngine:
 
 
 def _candidate_id(candidate: dict[str, Any]) -> str:
-    from kiln.workloads.candidate import Candidate
+    from kiln.domain.candidate import Candidate
 
     return Candidate.from_canonical(candidate).id

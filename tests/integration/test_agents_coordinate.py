@@ -31,8 +31,8 @@ from kiln.agent_runner.experiment import Completed
 from kiln.agent_runner.op_roofline import bandwidth_bytes_per_s, op_bytes, roofline_ms
 from kiln.agent_runner.space import CandidateSpace, Dimension
 from kiln.board import Board
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.events.types import ExperimentCompleted
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.workloads.config import parse_config
 
 pytestmark = pytest.mark.integration

@@ -34,10 +34,10 @@ from kiln.common.client import team_channel
 from kiln.common.server import serve
 from kiln.common.settings import KilnSettings
 from kiln.cost_model.app import create_app as create_cost_model
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.ledger.app import LedgerApp
 from kiln.ledger.client import LedgerClient
 from kiln.v1 import common_pb2, compiler_pb2, compiler_pb2_grpc, ledger_pb2
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
 
 from .fake_engine import FAKE_BATCH, FAKE_CONTEXT, FakeEngine
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 from tests.unit.test_baselines_table_limit import KV_PER_TOKEN, LLAMA_1B, WEIGHTS
 
 from .events_factory import new_id

@@ -16,10 +16,10 @@ from google.protobuf.json_format import ParseDict
 from kiln.common.client import team_channel
 from kiln.common.server import serve
 from kiln.common.settings import KilnSettings
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.engine_pool.app import EnginePoolApp
 from kiln.engine_pool.service import NOTES_METADATA_KEY
 from kiln.v1 import common_pb2, engine_pool_pb2, engine_pool_pb2_grpc
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 
 from ..unit.engine_testing import TINY_LLAMA, ZEROS_ATTENTION, engine_settings, tiny_workload
 from ..unit.runtime_app import free_port

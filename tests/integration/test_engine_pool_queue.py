@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY
 from kiln.common.nats import delete_streams, parse_work_subject, work_stream_name
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
+from kiln.domain.candidate import Candidate
 from kiln.engine_pool.app import EnginePoolApp
 from kiln.engine_pool.queue import durable_name
 from kiln.engine_pool.registry import KEY_PREFIX, PoolRecord, registry_bucket
@@ -27,7 +28,6 @@ from kiln.ledger.app import LedgerApp
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from kiln.v1 import ledger_pb2
-from kiln.workloads.candidate import Candidate
 
 from ..unit.engine_testing import (
     EXIT_AT_LOAD,

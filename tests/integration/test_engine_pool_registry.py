@@ -25,6 +25,7 @@ from kiln.common.client import team_channel
 from kiln.common.nats import delete_streams, parse_work_subject, work_stream_name
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
+from kiln.domain.candidate import Candidate
 from kiln.engine_pool.app import EnginePoolApp
 from kiln.engine_pool.queue import durable_name
 from kiln.engine_pool.settings import EngineSettings
@@ -32,7 +33,6 @@ from kiln.ledger.app import LedgerApp
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from kiln.v1 import engine_pool_pb2, engine_pool_pb2_grpc
-from kiln.workloads.candidate import Candidate
 
 from ..unit.engine_testing import work
 from ..unit.runtime_app import free_port

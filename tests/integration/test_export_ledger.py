@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import kiln
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.export.artifact import read_artifact
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from kiln.runtime.environment import environment
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 from tests.unit.engine_testing import HANDWRITTEN_MLP, tiny_workload
 
 from .events_factory import new_id

@@ -33,11 +33,11 @@ from kiln.agent_runner.llm import ChatClient, LLMReplyError, LLMRequestError, LL
 from kiln.agent_runner.space import CandidateSpace, space_for
 from kiln.board import Board
 from kiln.common.errors import InvalidArgument
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.events.types import ExperimentCompleted
 from kiln.ops import registry
 from kiln.runtime.reload import RegistrySnapshot, forget_sources, load_code_modules
 from kiln.v1 import common_pb2
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 
 from kiln.agent_runner.agents.optuna_search import OptunaAgent, study_name
 from kiln.agent_runner.space import CandidateSpace, Dimension
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 
 from ..unit.agent_board import claim, result, view_of
 

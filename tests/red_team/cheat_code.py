@@ -8,7 +8,7 @@ a plain MLP, and ``_layer()`` (which layer a weight belongs to).
 
 from __future__ import annotations
 
-from kiln.workloads.candidate import CodeModule
+from kiln.domain.candidate import CodeModule
 
 PRELUDE = '''
 import gc

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.workloads.candidate import Candidate, CodeModule
+from kiln.domain.candidate import Candidate, CodeModule
 
 from .cheat_code import (
     BORROWED_LOGITS,

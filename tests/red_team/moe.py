@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kiln.workloads.candidate import Candidate, CodeModule
+from kiln.domain.candidate import Candidate, CodeModule
 from kiln.workloads.config import MoEConfig
 
 PRELUDE = '''

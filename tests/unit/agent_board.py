@@ -6,7 +6,7 @@ from typing import Any, cast
 
 from kiln.agent_runner.agents.view import BoardView, result_body
 from kiln.board import Board, BoardPost
-from kiln.workloads.candidate import Candidate
+from kiln.domain.candidate import Candidate
 
 
 def view_of(*posts: BoardPost, compilation_id: str = "c1") -> BoardView:

@@ -7,8 +7,8 @@ import uuid
 from typing import Any
 
 from kiln.common.work import ExperimentWork
+from kiln.domain.candidate import Candidate, CodeModule
 from kiln.engine_pool.settings import EngineSettings
-from kiln.workloads.candidate import Candidate, CodeModule
 
 # The Llama-3.2-1B config shrunk: same architecture (GQA, llama3 RoPE, tied embeddings).
 TINY_LLAMA: dict[str, Any] = {

@@ -6,7 +6,7 @@ import pytest
 
 from kiln.agent_runner.agents.combiner import CombinerAgent, best_moves, compositions
 from kiln.agent_runner.space import CandidateSpace, Dimension
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 
 from .agent_board import claim, result, view_of
 

@@ -14,10 +14,10 @@ from kiln.agent_runner.dispatcher import ExperimentDispatcher
 from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.tracker import ExperimentTracker
+from kiln.domain.candidate import Candidate
 from kiln.domain.compilation import Compilation, Event
 from kiln.events.types import ExperimentCompleted
 from kiln.v1 import common_pb2, ledger_pb2
-from kiln.workloads.candidate import Candidate
 
 CID = "c1"
 STATUSES = ["ok", "incorrect", "cancelled", "timed_out", "ok"]

@@ -25,10 +25,10 @@ from kiln.agent_runner.judge import (
 from kiln.agent_runner.resume import orphan_claims
 from kiln.agent_runner.state import Baseline, Best, CompilationState, ExperimentRecord
 from kiln.board import BoardPost
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.events.registry import validate_event
 from kiln.events.types import ExperimentCompleted, Tier
 from kiln.v1 import common_pb2
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 
 REF = REFERENCE_CANDIDATE
 A = Candidate.make({"attention": "sdpa"})

@@ -14,7 +14,7 @@ from kiln.agent_runner.agents.optuna_search import (
     sync_url,
 )
 from kiln.agent_runner.space import CandidateSpace, Dimension
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 
 from .agent_board import claim, result, view_of
 

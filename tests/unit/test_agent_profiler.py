@@ -13,7 +13,7 @@ from kiln.agent_runner.agents.base import Lab
 from kiln.agent_runner.agents.profiler import ProfilerAgent, rank_gaps
 from kiln.agent_runner.op_roofline import bandwidth_bytes_per_s, op_bytes, roofline_ms
 from kiln.agent_runner.space import CandidateSpace, Dimension
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.workloads.config import load_config
 
 from .agent_board import claim, result, view_of

@@ -9,9 +9,9 @@ from typing import Any
 from kiln.agent_runner import records
 from kiln.agent_runner.snapshot import Snapshot, from_row
 from kiln.agent_runner.state import CompilationState
+from kiln.domain.candidate import Candidate
 from kiln.ledger.model import NewEvent
 from kiln.v1 import common_pb2, compiler_pb2, ledger_pb2
-from kiln.workloads.candidate import Candidate
 
 CID = "c1"
 

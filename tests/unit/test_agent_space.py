@@ -19,8 +19,8 @@ from kiln.agent_runner.space import (
     thread_counts,
     unused_ops,
 )
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 from kiln.ops import registry
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 from kiln.workloads.config import parse_config
 
 MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"

@@ -24,8 +24,8 @@ from kiln.agent_runner.experiment import Completed
 from kiln.agent_runner.space import space_for
 from kiln.board import Board, BoardPost
 from kiln.common.errors import InvalidArgument
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.events.types import ExperimentCompleted
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 
 SPACE = space_for("cpu", cpus=2)
 

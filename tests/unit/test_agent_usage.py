@@ -17,11 +17,11 @@ from kiln.agent_runner.state import Baseline, CompilationState, ExperimentRecord
 from kiln.agent_runner.usage import device_ms_of, usage_from
 from kiln.cli.compile_view import summary_table, time_to_95
 from kiln.cli.curve import curve_rows, to_csv
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.domain.curve import CurvePoint, curve_point, time_to_fraction
 from kiln.events.registry import parse_payload
 from kiln.events.types import BestCandidateImproved, ExperimentCompleted
 from kiln.v1 import common_pb2, compiler_pb2, ledger_pb2
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

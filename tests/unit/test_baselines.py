@@ -27,13 +27,13 @@ from kiln.baselines.runner import run_named
 from kiln.baselines.table import Comparison, bandwidth_limit
 from kiln.cli.compile_view import comparison_table
 from kiln.common.errors import InvalidArgument
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.engine_pool.delivery import completed_payload
 from kiln.engine_pool.worker import run_request
 from kiln.runtime.engine import Engine
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineLimits, EngineSpec
 from kiln.v1 import common_pb2, compiler_pb2
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.workloads.config import parse_config
 
 from .engine_testing import TINY_LLAMA, tiny_workload

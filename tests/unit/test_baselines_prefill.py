@@ -13,9 +13,9 @@ from rich.console import Console
 
 from kiln.baselines.table import Comparison, PrefillCheck
 from kiln.cli.compile_view import comparison_table, prefill_text
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.events.registry import SchemaError, validate_event
 from kiln.v1 import common_pb2
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 
 from .test_baselines_table_limit import _events, _snapshot
 

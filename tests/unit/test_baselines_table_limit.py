@@ -22,10 +22,10 @@ from kiln.cost_model.roofline import (
     held_kv_bytes_per_token,
 )
 from kiln.cost_model.sharding import Parallelism
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.domain.operating_point import OperatingPoint
 from kiln.events.registry import validate_event
 from kiln.v1 import common_pb2, compiler_pb2
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
 from kiln.workloads.config import parse_config
 
 LLAMA_1B: dict[str, Any] = {  # Llama-3.2-1B's shape: 16 layers, 8 KV heads of 64

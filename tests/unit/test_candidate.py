@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate, CodeModule, Transform
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate, CodeModule, Transform
 
 
 def test_same_content_same_id_regardless_of_order_and_reference_entries() -> None:

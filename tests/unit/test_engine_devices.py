@@ -12,12 +12,12 @@ import pytest
 from kiln.common.errors import InvalidArgument
 from kiln.common.nats import parse_work_subject, work_filter, work_subject
 from kiln.common.work import device_kind, model_key
+from kiln.domain.candidate import Candidate
 from kiln.engine_pool import devices as devmod
 from kiln.engine_pool.devices import CPU, DeviceError, Gpu, gpu_kind, resolve_devices
 from kiln.engine_pool.process import _environ
 from kiln.engine_pool.queue import durable_name
 from kiln.engine_pool.settings import EngineSettings
-from kiln.workloads.candidate import Candidate
 
 from .engine_testing import tiny_workload, work
 

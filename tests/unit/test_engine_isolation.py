@@ -13,10 +13,10 @@ import pytest
 import pytest_asyncio
 
 from kiln.common.errors import InvalidArgument
+from kiln.domain.candidate import Candidate
 from kiln.engine_pool.devices import Device
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.process import is_device_fault
-from kiln.workloads.candidate import Candidate
 
 from .engine_testing import (
     EXIT_AT_LOAD,

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kiln.domain.candidate import Candidate, Transform
 from kiln.ops import registry
 from kiln.runtime.check import OutputGuard, compare, run_steps
 from kiln.runtime.engine import Engine
@@ -16,7 +17,6 @@ from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineLimits, EngineSpec, SpecError
 from kiln.workloads import weights as weights_module
-from kiln.workloads.candidate import Candidate, Transform
 from kiln.workloads.models import build as build_module
 
 from .engine_testing import (

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.domain.candidate import Candidate, Transform
 from kiln.export.artifact import (
     MANIFEST,
     ArtifactError,
@@ -27,7 +28,6 @@ from kiln.export.load import VersionWarning, load_optimized
 from kiln.ops import registry
 from kiln.runtime.environment import environment
 from kiln.runtime.transforms import RejectedCandidate
-from kiln.workloads.candidate import Candidate, Transform
 from tests.unit.engine_testing import HANDWRITTEN_MLP, TINY_LLAMA, ZEROS_ATTENTION
 
 SWAPS = Candidate.make(

@@ -17,10 +17,10 @@ import copy
 import pytest
 import torch
 
+from kiln.domain.candidate import Transform
 from kiln.ops.kernels import runtime
 from kiln.runtime.fused_decode import FusedDecodeUnsupported, install
 from kiln.runtime.transforms import RejectedCandidate, apply_transforms
-from kiln.workloads.candidate import Transform
 from kiln.workloads.config import parse_config
 from kiln.workloads.models import build_model
 

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "services" / "kiln"
 
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "domain": ("kiln.",),  # but kiln.events and the candidate (below)
+    "domain": ("kiln.",),  # but kiln.events and kiln.v1 (below)
     "ops": ("kiln.workloads", "kiln.runtime", "kiln.engine_pool", "kiln.agent_runner"),
     "runtime": (
         "kiln.engine_pool",
@@ -36,8 +36,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }
 """Package -> module prefixes none of its files may import."""
 ALLOWED: dict[str, tuple[str, ...]] = {
-    # the candidate is stdlib-only content-addressed data (its proto conversion imports lazily)
-    "domain": ("kiln.domain", "kiln.events", "kiln.workloads.candidate"),
+    # kiln.v1: the candidate's proto conversion (imported lazily, protobuf only)
+    "domain": ("kiln.domain", "kiln.events", "kiln.v1"),
 }
 
 

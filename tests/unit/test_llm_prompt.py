@@ -14,10 +14,10 @@ from kiln.agent_runner.llm import WorkloadFacts, build_messages
 from kiln.agent_runner.llm.history import history_text, op_profile, read_op_ms
 from kiln.agent_runner.llm.parse import ParsedModule
 from kiln.agent_runner.space import space_for
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate, CodeModule, Transform
 from kiln.ops import registry
 from kiln.ops import rms_norm as rms_norm_module
 from kiln.v1 import common_pb2
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate, CodeModule, Transform
 
 FACTS = WorkloadFacts(hardware="h200", model="llama-3.2-1b", batch=8, context=2048, dtype="bf16")
 

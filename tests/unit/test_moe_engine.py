@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
+from kiln.domain.candidate import Candidate, Transform
 from kiln.engine_pool.settings import EngineSettings
 from kiln.ops import registry
 from kiln.runtime.engine import Engine
 from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineLimits, EngineSpec, SpecError
-from kiln.workloads.candidate import Candidate, Transform
 from kiln.workloads.traffic.experts import exponent_for_hot_ratio, zipf_shares
 
 from .engine_testing import module, tiny_workload

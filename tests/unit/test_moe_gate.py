@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import torch
 
+from kiln.domain.candidate import Candidate
 from kiln.runtime import moe_check
 from kiln.runtime.engine import Engine
 from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineLimits, EngineSpec
-from kiln.workloads.candidate import Candidate
 from tests.red_team import moe as red_team_moe
 
 from .engine_testing import module, tiny_workload

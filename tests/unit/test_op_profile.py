@@ -7,13 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 from kiln.engine_pool.delivery import completed_payload
 from kiln.engine_pool.service import measurement_to_proto
 from kiln.runtime.engine import Engine
 from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineLimits, EngineSpec
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 
 from .engine_testing import tiny_workload, work
 

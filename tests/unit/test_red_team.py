@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from kiln.domain.candidate import Candidate
 from kiln.runtime.check import TimedOutputs
 from kiln.runtime.dispatch_watch import DispatchTables
 from kiln.runtime.engine import Engine
@@ -31,7 +32,6 @@ from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineLimits, EngineSpec
 from kiln.runtime.thread_watch import ThreadWatch
 from kiln.runtime.timing import CpuTimer
-from kiln.workloads.candidate import Candidate
 from kiln.workloads.models.decoder import DecoderModel
 from tests.red_team import cheats as red_team
 

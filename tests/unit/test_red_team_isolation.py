@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 
 import pytest_asyncio
 
+from kiln.domain.candidate import Candidate
 from kiln.engine_pool.process import EngineProcess
 from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineLimits, EngineSpec
-from kiln.workloads.candidate import Candidate
 from tests.red_team import cheats as red_team
 
 from .engine_testing import module, tiny_workload

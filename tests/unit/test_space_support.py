@@ -38,10 +38,10 @@ from kiln.agent_runner.space import (
     model_space,
     space_for,
 )
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 from kiln.ops.kernels import runtime
 from kiln.runtime.support import ModelNotSupported, support_for
 from kiln.runtime.transforms import RejectedCandidate, apply_transforms
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 from kiln.workloads.config import UnsupportedModelError, parse_config
 from kiln.workloads.models import OpBinding, UnbuildableModelError, build_model
 

@@ -22,8 +22,8 @@ from kiln.agent_runner.state import CompilationState, ExperimentRecord
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.baselines.names import compare_agent
 from kiln.common.logging import get_logger
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.ledger.model import NewEvent
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
 
 log = get_logger(__name__)
 

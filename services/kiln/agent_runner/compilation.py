@@ -67,8 +67,8 @@ from kiln.agent_runner.tracker import ExperimentTracker
 from kiln.agent_runner.workload import workload_to_json
 from kiln.board import Board
 from kiln.common.logging import get_logger
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.events.types import EndStatus
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
 
 log = get_logger("kiln.agent_runner.compilation")
 

@@ -22,7 +22,7 @@ from kiln.agent_runner.experiment import Requested
 from kiln.agent_runner.judge import CONFIRM_TIER, confirmation_due, needs_reference
 from kiln.agent_runner.state import CompilationState
 from kiln.common.logging import get_logger
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 
 log = get_logger(__name__)
 

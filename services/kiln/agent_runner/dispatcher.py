@@ -33,8 +33,8 @@ from kiln.common import nats as kn
 from kiln.common.errors import Aborted, AlreadyExists, KilnError
 from kiln.common.logging import get_logger
 from kiln.common.work import ExperimentWork
+from kiln.domain.candidate import Candidate
 from kiln.events.types import Tier
-from kiln.workloads.candidate import Candidate
 
 log = get_logger("kiln.agent_runner.dispatcher")
 

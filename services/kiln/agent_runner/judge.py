@@ -61,6 +61,7 @@ from kiln.agent_runner import records
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.usage import device_ms_of
 from kiln.domain import judging
+from kiln.domain.candidate import Candidate
 from kiln.domain.experiment import Completed, Requested
 from kiln.domain.judging import AGREEMENT_PREFIX as AGREEMENT_PREFIX
 from kiln.domain.judging import BASELINE_AGENT, CONFIRM_TIER, SEARCH_TIER, Result
@@ -75,7 +76,6 @@ from kiln.events.types import (
     is_counted,
 )
 from kiln.ledger.model import NewEvent
-from kiln.workloads.candidate import Candidate
 
 
 def completed_on(state: CompilationState, tier: Tier) -> list[Result]:

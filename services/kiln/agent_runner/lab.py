@@ -29,10 +29,10 @@ from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.tracker import ExperimentTracker
 from kiln.board import Board
 from kiln.common.logging import get_logger
+from kiln.domain.candidate import Candidate
 from kiln.ledger.model import NewEvent
 from kiln.runtime.support import ModelNotSupported
 from kiln.v1 import common_pb2
-from kiln.workloads.candidate import Candidate
 
 log = get_logger(__name__)
 

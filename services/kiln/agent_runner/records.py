@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from kiln.common.errors import InvalidArgument
 from kiln.domain import streams
+from kiln.domain.candidate import Candidate
 from kiln.events.types import (
     BaselineCompared,
     BaselineMeasured,
@@ -31,7 +32,6 @@ from kiln.events.types import (
     TierPoint,
 )
 from kiln.ledger.model import NewEvent
-from kiln.workloads.candidate import Candidate
 
 # stream names, re-exported from kiln.domain.streams (the runner's modules name them through here)
 COMPILATION_PREFIX = streams.COMPILATION_PREFIX

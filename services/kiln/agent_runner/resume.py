@@ -28,8 +28,8 @@ from kiln.agent_runner.ledger_access import LedgerPool
 from kiln.agent_runner.state import CompilationState
 from kiln.board import BoardPost
 from kiln.common.logging import get_logger
+from kiln.domain.candidate import Candidate
 from kiln.domain.compilation import OPEN_STATUSES
-from kiln.workloads.candidate import Candidate
 
 log = get_logger("kiln.agent_runner.resume")
 

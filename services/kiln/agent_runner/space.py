@@ -40,8 +40,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kiln.domain.candidate import REFERENCE, Candidate, Transform
 from kiln.runtime.support import unused_ops as unused_ops  # re-exported (lives there)
-from kiln.workloads.candidate import REFERENCE, Candidate, Transform
 
 if TYPE_CHECKING:
     from kiln.runtime.support import ModelSupport

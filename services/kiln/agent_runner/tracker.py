@@ -23,8 +23,8 @@ from kiln.agent_runner.judge import BASELINE_AGENT, SEARCH_TIER
 from kiln.agent_runner.state import CompilationState, ExperimentRecord
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.common.logging import get_logger
+from kiln.domain.candidate import Candidate
 from kiln.events.types import Tier
-from kiln.workloads.candidate import Candidate
 
 log = get_logger(__name__)
 

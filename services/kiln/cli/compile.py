@@ -24,8 +24,8 @@ from kiln.cli.errors import CliError, err_console
 from kiln.cli.render import console
 from kiln.common.errors import Unavailable, from_rpc_error
 from kiln.common.settings import KilnSettings
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.v1 import common_pb2, compiler_pb2, compiler_pb2_grpc
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
 
 EXIT_BY_STATUS = {
     compiler_pb2.COMPILATION_STATUS_SUCCEEDED: 0,

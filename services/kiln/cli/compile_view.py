@@ -32,7 +32,7 @@ ENDED = {
 
 def describe_candidate(candidate: Any) -> str:
     """A candidate (proto message or canonical dict) as short text, e.g. ``attention=sdpa``."""
-    from kiln.workloads.candidate import Candidate
+    from kiln.domain.candidate import Candidate
 
     if candidate is None:
         return ""

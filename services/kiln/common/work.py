@@ -87,7 +87,7 @@ class ExperimentWork(BaseModel):
         compilation_id: the compilation it belongs to.
         team: the team that submitted the compilation (appends on its behalf carry it).
         tier: "fast" (a few layers) or "full" (all layers).
-        candidate: ``kiln.workloads.candidate.Candidate.canonical()``.
+        candidate: ``kiln.domain.candidate.Candidate.canonical()``.
         workload: the ``kiln.v1.Workload`` message as JSON (``MessageToDict`` with
             ``preserving_proto_field_name=True``).
         deadline_s: seconds the candidate may take (load, check and measure) before it is

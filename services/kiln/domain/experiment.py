@@ -15,10 +15,10 @@ from datetime import datetime
 from typing import Any
 
 from kiln.domain import streams
+from kiln.domain.candidate import Candidate
 from kiln.domain.compilation import EXPERIMENT_COMPLETED, EXPERIMENT_REQUESTED, Event
 from kiln.events.registry import parse_payload
 from kiln.events.types import ExperimentCompleted, ExperimentRequested, Tier
-from kiln.workloads.candidate import Candidate
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from kiln.common.errors import Aborted, AlreadyExists, InvalidArgument, KilnErro
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
 from kiln.domain import streams
+from kiln.domain.candidate import Candidate
 from kiln.engine_pool.metrics import ANSWERED_ELSEWHERE, record_experiment
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.settings import EngineSettings
@@ -41,7 +42,6 @@ from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from kiln.runtime.measurement import Measurement
 from kiln.v1 import ledger_pb2
-from kiln.workloads.candidate import Candidate
 
 log = structlog.get_logger("kiln.engine_pool.queue")
 

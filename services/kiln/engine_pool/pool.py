@@ -30,13 +30,13 @@ import structlog
 
 from kiln.common.errors import FailedPrecondition, InvalidArgument
 from kiln.common.work import ExperimentWork
+from kiln.domain.candidate import Candidate
 from kiln.engine_pool.devices import Device, resolve_devices, settings_for
 from kiln.engine_pool.process import EngineProcess, EngineSnapshot, EngineStartError
 from kiln.engine_pool.settings import EngineSettings
 from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineSpec, SpecError
-from kiln.workloads.candidate import Candidate
 
 log = structlog.get_logger("kiln.engine_pool")
 

@@ -36,13 +36,13 @@ from kiln.baselines.names import BASELINE_NAMES
 from kiln.common.errors import InvalidArgument
 from kiln.common.identity import current_call
 from kiln.common.work import ExperimentWork
+from kiln.domain.candidate import Candidate
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.process import EngineSnapshot
 from kiln.engine_pool.registry import PoolRecord, Registry
 from kiln.engine_pool.settings import EngineSettings
 from kiln.runtime.measurement import Measurement, MemoryUsage, Timing
 from kiln.v1 import common_pb2, engine_pool_pb2, engine_pool_pb2_grpc
-from kiln.workloads.candidate import Candidate
 
 NOTES_METADATA_KEY = "kiln-engine-notes"
 

@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kiln.domain.candidate import Candidate
 from kiln.domain.operating_point import OperatingPoint
-from kiln.workloads.candidate import Candidate
 
 SCHEMA_VERSION: Literal[1] = 1
 MANIFEST = "manifest.json"

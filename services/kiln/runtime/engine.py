@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kiln.domain.candidate import Candidate
 from kiln.ops import registry
 from kiln.ops.registry import REFERENCE
 from kiln.runtime.attributes import AttributeSnapshot
@@ -55,7 +56,6 @@ from kiln.runtime.spec import EngineSpec
 from kiln.runtime.thread_watch import ThreadWatch
 from kiln.runtime.timing import timer_for
 from kiln.runtime.transforms import AppliedTransforms
-from kiln.workloads.candidate import Candidate
 from kiln.workloads.models import DecoderModel, OpBinding, build_model
 
 Tensor = torch.Tensor

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.domain.candidate import Candidate
 from kiln.ops.registry import OpLookupError
 from kiln.runtime.attributes import AttributeSnapshot
 from kiln.runtime.check import (
@@ -62,7 +63,6 @@ from kiln.runtime.support import support_for
 from kiln.runtime.thread_watch import OutsideWork, ThreadWatch
 from kiln.runtime.timing import CpuTimer, CudaTimer, summarize, time_after_untimed
 from kiln.runtime.transforms import AppliedTransforms, RejectedCandidate, apply_transforms
-from kiln.workloads.candidate import Candidate
 from kiln.workloads.models import OpBinding
 from kiln.workloads.models.binding import BindError, LossyImplementationError
 

@@ -16,9 +16,9 @@ import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kiln.domain.candidate import CodeModule
 from kiln.ops import registry
 from kiln.ops.registry import REFERENCE, OpImpl
-from kiln.workloads.candidate import CodeModule
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.workloads.candidate import REFERENCE, Candidate, Transform
+from kiln.domain.candidate import REFERENCE, Candidate, Transform
 from kiln.workloads.config import ModelConfig, UnsupportedModelError, parse_config
 
 Reason = str | None

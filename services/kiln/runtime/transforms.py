@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.domain.candidate import Transform
 from kiln.ops.kernels.runtime import KernelUnavailableError
 from kiln.runtime import cuda_graph, fused_decode
 from kiln.runtime.support import COMPILE_MODES, TRANSFORMS, ModelSupport, support_for
-from kiln.workloads.candidate import Transform
 from kiln.workloads.models import DecoderModel
 
 KNOWN_TRANSFORMS = TRANSFORMS

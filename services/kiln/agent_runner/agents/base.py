@@ -23,7 +23,7 @@ from kiln.agent_runner.experiment import Completed
 from kiln.agent_runner.space import CandidateSpace
 from kiln.board import Board
 from kiln.common.logging import get_logger
-from kiln.workloads.candidate import Candidate
+from kiln.domain.candidate import Candidate
 
 log = get_logger("kiln.agent_runner.agent")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from kiln.agent_runner.agents.base import Agent, Proposal
 from kiln.agent_runner.agents.view import BoardView, Seen
 from kiln.agent_runner.space import CandidateSpace
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 
 
 class CoordinateAgent(Agent):

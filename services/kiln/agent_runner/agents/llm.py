@@ -38,7 +38,7 @@ from kiln.agent_runner.llm.prompt import WorkloadFacts, build_messages
 from kiln.agent_runner.space import CandidateSpace
 from kiln.common.errors import InvalidArgument
 from kiln.common.logging import get_logger
-from kiln.workloads.candidate import REFERENCE_CANDIDATE, Candidate
+from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 
 log = get_logger("kiln.agent_runner.llm_agent")
 

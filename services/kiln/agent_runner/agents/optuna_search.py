@@ -41,7 +41,7 @@ from kiln.agent_runner.agents.view import BoardView, Seen
 from kiln.agent_runner.config import OptunaSettings
 from kiln.agent_runner.space import CandidateSpace
 from kiln.common.logging import get_logger
-from kiln.workloads.candidate import Candidate
+from kiln.domain.candidate import Candidate
 
 log = get_logger("kiln.agent_runner.optuna")
 optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -31,7 +31,7 @@ from kiln.agent_runner.op_roofline import bandwidth_bytes_per_s, op_bytes, roofl
 from kiln.agent_runner.space import OP_PREFIX, CandidateSpace
 from kiln.common.errors import NotFound
 from kiln.common.logging import get_logger
-from kiln.workloads.candidate import REFERENCE_CANDIDATE
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.workloads.config import ModelConfig, parse_config
 
 log = get_logger("kiln.agent_runner.profiler")

@@ -14,7 +14,7 @@ import random
 from kiln.agent_runner.agents.base import Agent, Proposal
 from kiln.agent_runner.agents.view import BoardView
 from kiln.agent_runner.space import CandidateSpace
-from kiln.workloads.candidate import Candidate
+from kiln.domain.candidate import Candidate
 
 ENUMERATE_LIMIT = 100_000
 """Spaces up to this many points are enumerated and shuffled; larger ones are sampled."""

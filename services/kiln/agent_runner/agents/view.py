@@ -17,7 +17,7 @@ import nats.errors
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.board import Board, BoardPost
 from kiln.common.logging import get_logger
-from kiln.workloads.candidate import Candidate
+from kiln.domain.candidate import Candidate
 
 log = get_logger("kiln.agent_runner.view")
 

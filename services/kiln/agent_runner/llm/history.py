@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.workloads.candidate import Candidate
+from kiln.domain.candidate import Candidate
 
 ERROR_CHARS = 240
 """Longest error excerpt per failed result, characters."""

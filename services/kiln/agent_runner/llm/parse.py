@@ -18,7 +18,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from kiln.agent_runner.llm.errors import LLMReplyError
-from kiln.workloads.candidate import CodeModule
+from kiln.domain.candidate import CodeModule
 
 MAX_SOURCE_BYTES = 64 * 1024
 """Largest accepted module, bytes (UTF-8)."""
