@@ -1,26 +1,15 @@
-"""What every baseline shares: the operating point, kiln's weights and reference logits, the
-sanity check, the timed decode loop, freeing device memory, and each baseline module's ``run``
-(:class:`Baseline`, :class:`CompiledBaseline`: the module supplies only its build function).
+"""What every baseline shares: the operating point, kiln's weights and reference logits, the sanity
+check, the timed decode loop, freeing device memory, and each baseline module's ``run``
+(:class:`Baseline`, :class:`CompiledBaseline`: the module supplies its build function).
 
-Protocol of one baseline run (:func:`measure`):
-
-1. kiln's seeded random weights for the config (:func:`kiln.workloads.weights.seeded_random`,
-   the engines' weights for the same seed), or the weights given;
-2. a seeded random prompt ``[batch, context]`` and first decode token ``[batch, 1]``;
-3. kiln's reference forward (reference ops) prefills the prompt and runs the decode step:
-   ``[batch, V]`` float32 logits, kept; its model is dropped before the baseline builds;
-4. the baseline builds its model, prefills the same prompt, and runs its first decode step on
-   the same token (compilation lands here: untimed); its logits are compared with the
-   reference's as the engines check candidates (:func:`kiln.runtime.check.compare`: rtol
-   by dtype, and in reduced precision against kiln's forward in float32 arithmetic, within
-   twice the reference's own rounding error);
-5. ``warmup`` more untimed decode steps, then ``steps`` timed ones, each on a pre-drawn token at
-   the next position (the cache grows by one token per step: ``context + 1 + warmup + steps``
-   slots), timed as the engines time (:func:`kiln.runtime.timing.timer_for`: CUDA events up
-   to a device-wide synchronize, ``perf_counter`` on CPU);
-6. after the decode timing (which it cannot change), the prefill of the same prompt: one
-   untimed, then ``prefill_repeats`` timed, as the engines time a candidate's
-   (:func:`time_prefill`).
+One run (:func:`measure`): (1) kiln's seeded weights (:func:`kiln.workloads.weights.seeded_random`,
+the engines' for the same seed) or those given; (2) a seeded prompt ``[batch, context]`` and first
+token ``[batch, 1]``; (3) kiln's reference forward prefills and decodes one step (``[batch, V]``
+float32 logits, kept; its model dropped); (4) the baseline builds, prefills and runs its first
+decode step untimed, compared as the engines check candidates (:func:`kiln.runtime.check.compare`);
+(5) ``warmup`` untimed then ``steps`` timed decode steps on pre-drawn tokens (cache of ``context + 1
++ warmup + steps`` slots), timed by :func:`kiln.runtime.timing.timer_for`; (6) after decode timing,
+one untimed and ``prefill_repeats`` timed prefills (:func:`time_prefill`).
 """
 
 from __future__ import annotations
@@ -52,8 +41,9 @@ PREFILL_REPEATS = 3
 
 
 class SkipBaseline(Exception):
-    """The baseline cannot run here (a missing package, an unsupported architecture); the
-    message is its ``skipped_reason``."""
+    """The baseline cannot run here (missing package, unsupported architecture); the message is its
+    ``skipped_reason``.
+    """
 
 
 @dataclass
@@ -61,16 +51,15 @@ class BaselineSetup:
     """Where a baseline is measured and on what.
 
     Attributes:
-        config: the architecture (all its layers are built).
-        batch: sequences decoded together.
-        context: prompt tokens prefilled before the first decode step.
+        config: the architecture (all layers built). batch: sequences decoded together. context:
+            prompt tokens prefilled before the first decode step.
         device, dtype: of weights, activations and cache.
-        seed: of the weights (when drawn here) and of the prompt and decode tokens.
-        steps: timed decode steps; warmup: untimed decode steps after the checked one.
+        seed: of the weights (when drawn here), prompt and decode tokens.
+        steps: timed decode steps; warmup: untimed ones after the checked one.
         weights: kiln's weights (drawn from ``seed`` when None).
-        prefill_repeats: timed prefills of the prompt after the decode timing (<= 0: none).
+        prefill_repeats: timed prefills after the decode timing (<= 0: none).
         prompt: ``[batch, context]`` int64; tokens: ``[1 + warmup + steps, batch, 1]`` int64
-            (the checked step's token first); both on ``device``.
+            (checked step first); both on ``device``.
     """
 
     config: ModelConfig
@@ -135,8 +124,9 @@ def baseline_setup(
 
 
 def reference_model(point: BaselineSetup, max_seq_len: int) -> DecoderModel:
-    """kiln's ``DecoderModel`` with reference ops over the point's weights, in its dtype on its
-    device, with a cache of ``max_seq_len`` slots for ``point.batch`` sequences."""
+    """kiln's ``DecoderModel`` with reference ops over the point's weights, dtype and device, with a
+    cache of ``max_seq_len`` slots for ``point.batch`` sequences.
+    """
     return build_model(
         point.config,
         weights=point.weights,
@@ -148,10 +138,10 @@ def reference_model(point: BaselineSetup, max_seq_len: int) -> DecoderModel:
 
 
 def reference_logits(point: BaselineSetup) -> tuple[Tensor, Tensor | None]:
-    """kiln's reference forward on the point's weights: prefill the prompt, one decode step on
-    the first token. Returns ``[batch, V]`` float32 logits, and in reduced precision the same
-    computed in float32 arithmetic (:func:`kiln.runtime.exact.exact_model`), else None
-    (the models and their caches are dropped)."""
+    """kiln's reference forward (prefill, one decode step on the first token): ``[batch, V]``
+    float32 logits, and in reduced precision the float32-arithmetic ones
+    (:func:`kiln.runtime.exact.exact_model`), else None.
+    """
     model = reference_model(point, point.context + 1)
     model.prefill(point.prompt)
     logits = model.decode_step(point.tokens[0]).float().clone()
@@ -169,9 +159,9 @@ def reference_logits(point: BaselineSetup) -> tuple[Tensor, Tensor | None]:
 def compare(
     got: Tensor, want: Tensor, dtype: torch.dtype, exact: Tensor | None = None
 ) -> tuple[bool, float, float]:
-    """``(correct, max_abs_error, tolerance)`` of ``got`` vs ``want`` (``[batch, V]``) by the
-    engines' rule (:func:`kiln.runtime.check.compare` with ``RTOL[dtype]``; against
-    ``exact``, the float32 forward, when given). Non-finite values are an error of ``inf``.
+    """``(correct, max_abs_error, tolerance)`` of ``got`` vs ``want`` (``[batch, V]``) by
+    :func:`kiln.runtime.check.compare` with ``RTOL[dtype]`` (against ``exact`` when given);
+    non-finite values are an error of ``inf``.
 
     Raises:
         ValueError: the shapes differ.
@@ -185,8 +175,7 @@ def compare(
 
 
 def free(device: torch.device) -> None:
-    """Collect garbage and give cached device memory back (after a baseline, so the engine
-    that ran it has its memory again)."""
+    """Collect garbage and give cached device memory back."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -215,9 +204,10 @@ Build = Callable[[BaselineSetup], Runner]
 def compiled(
     fn: Callable[..., Any], compile_mode: str | None, label: str, purpose: str = ""
 ) -> tuple[Callable[..., Any], str]:
-    """``(fn compiled, how in words)``: ``torch.compile(fn, mode=compile_mode, fullgraph=True)``,
-    or ``fn`` itself ("eager (no compile)") when ``compile_mode`` is None or empty. ``label``
-    names ``fn`` in the words, ``purpose`` follows them (e.g. ``" for decode"``)."""
+    """``(fn compiled, how in words)``: ``torch.compile(fn, mode=compile_mode, fullgraph=True)``, or
+    ``fn`` ("eager (no compile)") when ``compile_mode`` is None or empty; ``label`` and ``purpose``
+    frame the words.
+    """
     if not compile_mode:
         return fn, "eager (no compile)"
     how = f"torch.compile({label}, mode={compile_mode!r}, fullgraph=True){purpose}"
@@ -227,11 +217,10 @@ def compiled(
 def time_prefill(
     point: BaselineSetup, runner: Runner, timer: CpuTimer | CudaTimer
 ) -> tuple[Timing | None, str]:
-    """The baseline's prefill of the point's prompt ``[batch, context]``, timed as the engines
-    time a candidate's (:func:`kiln.runtime.timing.time_after_untimed`: one untimed, where
-    lazy initialisation and any compilation land, then ``point.prefill_repeats`` timed), in ms.
-    ``(timing, note)``; ``(None, "")`` when no repeats are asked, ``(None, why)`` when the
-    prefill raised (the decode measurement stands without it)."""
+    """The prefill of ``[batch, context]``, timed by :func:`kiln.runtime.timing.time_after_untimed`
+    (one untimed, ``point.prefill_repeats`` timed), ms: ``(timing, note)``; ``(None, "")`` with no
+    repeats, ``(None, why)`` when it raised.
+    """
     if point.prefill_repeats <= 0:
         return None, ""
     call = functools.partial(runner.prefill, point.prompt)
@@ -255,9 +244,9 @@ def measure(name: str, point: BaselineSetup, build: Build) -> BaselineResult:
         build: makes the baseline's model and caches (called after the reference is dropped).
 
     Returns:
-        The result: timings, the check's verdict and error, notes. A baseline that raises
-        :class:`SkipBaseline` is *skipped*; any other exception is reported in ``error``
-        (the result is then neither correct nor measured). Device memory is freed either way.
+        Timings, the check's verdict and error, notes. :class:`SkipBaseline` makes it *skipped*; any
+        other exception goes to ``error`` (neither correct nor measured). Device memory is freed
+        either way.
     """
     batch, context = point.batch, point.context
     notes = [
@@ -394,16 +383,12 @@ Raises:
 
 class Baseline:
     """A baseline module's ``run(config, *, batch, context, device, dtype, seed, steps, warmup,
-    weights=None, prefill_repeats=PREFILL_REPEATS) -> BaselineResult``: :func:`run_baseline`
-    with the module's name, build function and precheck.
+    weights=None, prefill_repeats=PREFILL_REPEATS) -> BaselineResult``: :func:`run_baseline` with
+    the module's name, build and precheck.
 
     Args:
-        name: the baseline's name (reported).
-        build: its build function.
-        precheck: see :func:`run_baseline`.
-        measures: what it measures, in words (the first line of its docstring).
-        skipped: when it is skipped, in words (its docstring's ``Returns``).
-        option: more of its docstring's ``Args`` (lines starting with a newline).
+        name: the baseline's name. build: its build function. precheck: see :func:`run_baseline`.
+        measures, skipped, option: its docstring's first line, ``Returns`` and extra ``Args`` lines.
     """
 
     def __init__(
@@ -453,13 +438,11 @@ class Baseline:
 
 
 class CompiledBaseline(Baseline):
-    """A compiled baseline module's ``run(..., weights=None, compile_mode=COMPILE_MODE)``: as
-    :class:`Baseline`, building with ``builder(compile_mode)``.
+    """A compiled baseline module's ``run(..., weights=None, compile_mode=COMPILE_MODE)``, building
+    with ``builder(compile_mode)`` (None: eager).
 
     Args:
-        builder: ``compile_mode -> build function`` (None: eager).
-        compiles: what ``compile_mode`` compiles, in words (its docstring's ``Args``).
-        name, precheck, measures, skipped: as :class:`Baseline`.
+        compiles: what ``compile_mode`` compiles, in words. Others as :class:`Baseline`.
     """
 
     def __init__(

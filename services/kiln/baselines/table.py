@@ -1,24 +1,17 @@
-"""The side-by-side table ``kiln compile`` prints at the end: the baselines, kiln's reference,
+"""The side-by-side table ``kiln compile`` prints at the end: the baselines, kiln's reference and
 kiln's best, each with tokens/s, ms/step, speedup over kiln's reference, the fraction of the
-memory-bandwidth limit and the prefill time (no torch).
+bandwidth limit and the prefill time (no torch).
 
-Prefill is the median of the engine's timed prefills of ``batch x context`` prompt tokens on the
-full-tier engine (``prefill_median_ms`` of ``BaselineCompared`` / ``ExperimentCompleted``; 0, shown
-blank, when not timed: the engine's ``prefill_repeats`` was 0 or the event predates it). kiln's
-best carries a note when its prefill is slower than the reference's measured next to it beyond
-the reference's prefill spread in the run (:meth:`Comparison.prefill_check`): a note, never a
-rejection.
+Prefill: the median of the full-tier engine's timed prefills of ``batch x context`` prompt tokens
+(``prefill_median_ms``; 0, shown blank, when not timed). kiln's best gets a note, never a rejection,
+when its prefill is slower than the adjacent reference's beyond the reference's spread
+(:meth:`Comparison.prefill_check`).
 
-The bandwidth limit of a decode step is reading its bytes once: the weights plus the KV cache of
-every sequence of the batch at the measured context,
-``batch x bandwidth / (weights_bytes + batch x context x kv_bytes_per_token)`` tokens/s
-(:func:`kiln.cost_model.roofline.decode_step_bytes`, the roofline's own decode bytes). E.g. an
-H200's measured 4.26 TB/s copy bandwidth, Llama-3.2-1B's 2.47 GB of bf16 weights and its
-32 KiB/token of bf16 KV at context 7,084: about 1,575 tokens/s at batch 1 (1,725 counting the
-weights alone). The bandwidth is the hardware catalogue's achievable figure for the target
-(:attr:`kiln.cost_model.hardware.Hardware.achievable_bandwidth_bytes_per_s`, with its source).
-Where the context is unknown (events written before it was recorded) the limit counts the
-weights only and says so: an upper bound that flatters long contexts.
+Bandwidth limit: ``batch x bandwidth / (weights_bytes + batch x context x kv_bytes_per_token)``
+tokens/s (:func:`kiln.cost_model.roofline.decode_step_bytes`) at the catalogue's achievable
+bandwidth (:attr:`kiln.cost_model.hardware.Hardware.achievable_bandwidth_bytes_per_s`); e.g. an H200
+(4.26 TB/s), Llama-3.2-1B bf16 at context 7,084: about 1,575 tokens/s at batch 1. With the context
+unknown it counts the weights only and says so (an upper bound).
 """
 
 from __future__ import annotations
@@ -36,10 +29,10 @@ class Row:
     """One line of the table.
 
     Attributes:
-        label: what was measured. tokens_per_s: decode tokens/s (0 = none). median_ms: ms per
-        decode step. tier: engine tier ("full", "fast", "" unknown). note: skipped or failure
-        reason, correctness flag, prefill check. prefill_ms: median prefill of the operating
-        point's ``batch x context`` prompt tokens, ms (0 = not timed).
+        label: what was measured. tokens_per_s: decode tokens/s (0 = none). median_ms: ms per decode
+            step. tier: "full", "fast", "" unknown. note: skipped or failure reason, correctness
+            flag, prefill check. prefill_ms: median prefill of ``batch x context`` prompt tokens, ms
+            (0 = not timed).
     """
 
     label: str
@@ -56,19 +49,16 @@ class Comparison:
 
     Attributes:
         baselines: baseline name -> its ``BaselineCompared`` payload.
-        reference_full: the last correct full-tier ``ExperimentCompleted`` of kiln's reference
-            candidate (the same tier and engine as the baselines).
+        reference_full: the last correct full-tier ``ExperimentCompleted`` of kiln's reference (same
+            tier and engine as the baselines).
         reference_fast: the ``BaselineMeasured`` payload (fast tier).
         reference_id: the reference candidate's id.
-        full_point: the first full-tier ``ExperimentCompleted`` of a baseline or kiln's
-            reference that says where it was measured (``context_len`` > 0): the baselines'
-            engine's operating point, dtype (``environment.dtype``) and layers held
-            (``op_profile_shape.layers`` when profiled).
-        reference_prefills: the prefill medians (ms, timed ones only) of every correct
-            full-tier measurement of kiln's reference, in order.
+        full_point: the first full-tier ``ExperimentCompleted`` of a baseline or the reference with
+            ``context_len`` > 0: the baselines' operating point, dtype and layers held.
+        reference_prefills: the reference's timed full-tier prefill medians (ms), in order.
         confirmed: candidate id -> (its last correct full-tier ``ExperimentCompleted``, the
-            reference's correct full-tier one folded last before it: the one measured next to
-            it, as :func:`kiln.domain.judging.full_reference` pairs them; None if none).
+            reference's folded last before it, as :func:`kiln.domain.judging.full_reference` pairs
+            them; None if none).
     """
 
     reference_id: str
@@ -113,9 +103,9 @@ class Comparison:
         return None
 
     def best(self, tokens_per_s: float, median_ms: float, tier: str, candidate_id: str) -> Row:
-        """kiln's best (figures from the compilation's snapshot), with the prefill of its last
-        full-tier measurement and the short form of its :meth:`prefill_check` as the note when
-        it was confirmed on the full tier."""
+        """kiln's best (figures from the snapshot), with its last full-tier prefill and the short
+        :meth:`prefill_check` as the note when confirmed on the full tier.
+        """
         if tier != "full" or candidate_id not in self.confirmed:
             return Row("kiln best", tokens_per_s, median_ms, tier)
         check = self.prefill_check(candidate_id)
@@ -124,14 +114,16 @@ class Comparison:
 
     def prefill_of(self, candidate_id: str) -> float:
         """The prefill median (ms) of a candidate's last correct full-tier measurement; 0 when
-        it has none or it was not timed."""
+        it has none or it was not timed.
+        """
         detail, _ = self.confirmed.get(candidate_id, ({}, None))
         return _float(detail, "prefill_median_ms")
 
     def prefill_check(self, candidate_id: str) -> PrefillCheck | None:
-        """A confirmed candidate's full-tier prefill against the reference's measured next to it
-        (:attr:`confirmed`), with the reference's spread over :attr:`reference_prefills`; None
-        when the candidate was not confirmed or either prefill was not timed."""
+        """A confirmed candidate's full-tier prefill against the adjacent reference's
+        (:attr:`confirmed`), spread over :attr:`reference_prefills`; None when not confirmed or
+        either prefill was not timed.
+        """
         detail, ref = self.confirmed.get(candidate_id, ({}, None))
         mine, theirs = _float(detail, "prefill_median_ms"), _float(ref or {}, "prefill_median_ms")
         if mine <= 0 or theirs <= 0:
@@ -164,7 +156,8 @@ class Comparison:
 
     def batch(self) -> int:
         """The decode batch of the baselines' operating point: their ``batch``, else the full
-        tier's ``batch_size`` (1 when unknown)."""
+        tier's ``batch_size`` (1 when unknown).
+        """
         for d in self.baselines.values():
             if _int(d, "batch") > 0:
                 return _int(d, "batch")
@@ -172,7 +165,8 @@ class Comparison:
 
     def context(self) -> int:
         """Tokens in each sequence's KV cache at the baselines' operating point: their
-        ``context``, else the full tier's ``context_len`` (0 when unknown)."""
+        ``context``, else the full tier's ``context_len`` (0 when unknown).
+        """
         for d in self.baselines.values():
             if _int(d, "context") > 0:
                 return _int(d, "context")
@@ -202,15 +196,13 @@ class Comparison:
         dtype: str = "",
         expert_zipf_exponent: float = 0.0,
     ) -> BandwidthLimit | None:
-        """The bandwidth limit of the baselines' operating point on ``hardware``: weights plus
-        KV at :meth:`context` and :meth:`batch`, the KV per token from ``config`` (the
-        compilation's model, None when unknown) in the engine's :meth:`dtype` (else ``dtype``)
-        over the :meth:`layers` held; weights only, saying why, when any of those is unknown.
-        For an MoE model the weights are those the routing reads: the experts a step at this
-        batch is expected to leave untouched are left out
-        (:func:`~kiln.cost_model.roofline.moe_unread_expert_bytes`, under the traffic's
-        ``expert_zipf_exponent``, uniform at 0). None when the weights bytes or the hardware
-        are unknown."""
+        """The bandwidth limit of the baselines' operating point on ``hardware``: weights plus KV at
+        :meth:`context` and :meth:`batch` (KV per token from ``config`` in :meth:`dtype`, else
+        ``dtype``, over the :meth:`layers` held); weights only, saying why, when any is unknown.
+        MoE: the experts a step is expected to leave untouched are left out
+        (:func:`~kiln.cost_model.roofline.moe_unread_expert_bytes`, the traffic's
+        ``expert_zipf_exponent``). None when the weights bytes or hardware are unknown.
+        """
         context, dtype = self.context(), self.dtype() or dtype
         kv_per_token, why = 0, ""
         if context <= 0:
@@ -241,7 +233,8 @@ def _weights_read(
     config: ModelConfig, held: int, batch: int, layers: int, dtype: str, zipf: float
 ) -> tuple[int, str]:
     """(weight bytes a step reads, what was left out) of an engine holding ``held`` bytes
-    (:func:`~kiln.cost_model.roofline.weights_read_bytes`)."""
+    (:func:`~kiln.cost_model.roofline.weights_read_bytes`).
+    """
     from kiln.cost_model.roofline import expected_experts_read, weights_read_bytes
     from kiln.workloads.traffic.experts import zipf_shares
 
@@ -262,14 +255,13 @@ def _weights_read(
 
 @dataclass(frozen=True)
 class PrefillCheck:
-    """The "no prefill regression" check of a confirmed candidate: its prefill against kiln's
-    reference measured next to it on the full tier. A note, never a rejection.
+    """The "no prefill regression" check of a confirmed candidate against the adjacent full-tier
+    reference. A note, never a rejection.
 
     Attributes:
         candidate_ms, reference_ms: the two prefill medians, ms.
-        spread_ms: the reference's prefill spread in the run, ms: max - min of the medians of
-            its full-tier measurements (the run-to-run noise of one forward on one engine; the
-            events carry prefill medians only, no per-run p10/p90); None with fewer than two.
+        spread_ms: max - min of the reference's full-tier prefill medians, ms; None with fewer than
+            two.
         runs: the reference's timed full-tier prefills the spread is over.
     """
 
@@ -296,14 +288,16 @@ class PrefillCheck:
 
     def note(self) -> str:
         """Short, for the row: ``PREFILL SLOWER +6%``, ``prefill +1% (within noise)``,
-        ``prefill +6% (noise unknown)``, ``prefill -12%``."""
+        ``prefill +6% (noise unknown)``, ``prefill -12%``.
+        """
         change = f"{self.candidate_ms / self.reference_ms - 1:+.0%}"
         short, _ = self._verdict()
         return f"PREFILL SLOWER {change}" if self.slower else f"prefill {change}{short}"
 
     def describe(self) -> str:
         """One line, e.g. ``kiln best prefill 75.30 ms vs 71.00 ms for the reference measured
-        next to it (+6%): SLOWER, beyond the reference's spread (0.80 ms over 2 runs)``."""
+        next to it (+6%): SLOWER, beyond the reference's spread (0.80 ms over 2 runs)``.
+        """
         change = self.candidate_ms / self.reference_ms - 1
         _, long = self._verdict()
         return (
@@ -330,16 +324,15 @@ def _float(d: dict[str, Any], key: str) -> float:
 
 @dataclass(frozen=True)
 class BandwidthLimit:
-    """Decode tokens/s if a step did nothing but read its bytes once at the target's bandwidth.
+    """Decode tokens/s if a step only read its bytes once at the target's bandwidth.
 
     Attributes:
-        tokens_per_s: ``batch x bandwidth / (weights + KV)``
-            (:meth:`~kiln.cost_model.roofline.DecodeStepBytes.limit_tokens_per_s`).
+        tokens_per_s: ``batch x bandwidth / (weights + KV)``.
         bandwidth_bytes_per_s: the bandwidth used, bytes/s. source: where it comes from.
         step: the bytes a step reads (weights, KV at batch and context).
         weights_only_reason: why the KV cache is not counted ("" when it is).
-        moe_note: which held weights a step does not read and were left out (an untied
-            embedding table's rows, an MoE model's untouched experts); "" when none.
+        moe_note: held weights a step does not read, left out (untied embedding rows, untouched
+            experts); "" when none.
     """
 
     tokens_per_s: float
@@ -356,8 +349,8 @@ class BandwidthLimit:
 
     def describe(self) -> str:
         """E.g. ``1,575 tok/s = batch x 4.26 TB/s / (weights 2.47 GB + KV 0.23 GB at batch 1,
-        context 7,084) (h200 achievable bandwidth; ...)``; without a context, ``... / weights
-        2.47 GB at batch 1, weights only (context unknown) (...)``."""
+        context 7,084) (h200 achievable bandwidth; ...)``.
+        """
         s = self.step
         tb_s = self.bandwidth_bytes_per_s / 1e12
         head = f"{self.tokens_per_s:,.0f} tok/s = batch x {tb_s:.2f} TB/s"
@@ -394,12 +387,11 @@ def bandwidth_limit(
     weights_only_reason: str = "",
     moe_note: str = "",
 ) -> BandwidthLimit | None:
-    """The bandwidth limit on ``hardware`` (a catalogue name) of a decode step reading
-    ``weights_bytes`` once plus ``batch x context x kv_bytes_per_token`` of KV cache
-    (:func:`~kiln.cost_model.roofline.decode_step_bytes`); ``context`` or
-    ``kv_bytes_per_token`` 0: weights only (``weights_only_reason`` says why); ``moe_note``
-    says which experts ``weights_bytes`` counts. None when the hardware is unknown or
-    ``weights_bytes`` or ``batch`` is 0."""
+    """The bandwidth limit on ``hardware`` (catalogue name) of a step reading ``weights_bytes`` plus
+    ``batch x context x kv_bytes_per_token`` (:func:`~kiln.cost_model.roofline.decode_step_bytes`);
+    ``context`` or ``kv_bytes_per_token`` 0: weights only. None when the hardware is unknown or
+    ``weights_bytes`` or ``batch`` is 0.
+    """
     from kiln.common.errors import NotFound
     from kiln.cost_model.hardware import get_hardware
 
@@ -429,7 +421,8 @@ def table_rows(
     best_id: str = "",
 ) -> list[Row]:
     """Baselines, then kiln's reference, then kiln's best (when there is one; ``best_id`` its
-    candidate id, for its prefill: :meth:`Comparison.best`)."""
+    candidate id, for its prefill: :meth:`Comparison.best`).
+    """
     rows = comparison.baseline_rows()
     ref = comparison.reference()
     if ref is not None:

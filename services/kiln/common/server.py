@@ -1,15 +1,7 @@
-"""The gRPC service runtime every kiln service runs in.
-
-:func:`serve` hosts a :class:`ServiceApp` on a ``grpc.aio`` server with
-
-- health checking (``grpc.health.v1``): ``"liveness"`` is SERVING while the process runs;
-  ``""``, ``"readiness"`` and each of the app's gRPC services follow ``app.is_ready()``;
-- reflection for the health service and the app's services;
-- one interceptor on every kiln method (:class:`RuntimeInterceptor`): team identity from
-  metadata, log context, errors to status codes, Prometheus metrics;
-- a Prometheus endpoint;
-- graceful shutdown on SIGTERM/SIGINT or cancellation: NOT_SERVING everywhere, in-flight RPCs
-  get ``settings.grace_period_s``, then ``app.stop()``.
+"""The gRPC service runtime every kiln service runs in: :func:`serve` hosts a :class:`ServiceApp`
+with health (``"liveness"`` SERVING while the process runs; ``""``, ``"readiness"`` and the app's
+services follow ``app.is_ready()``), reflection, :class:`RuntimeInterceptor` on every kiln method, a
+Prometheus endpoint and graceful shutdown.
 """
 
 from __future__ import annotations
@@ -63,12 +55,9 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 
 @runtime_checkable
 class ServiceApp(Protocol):
-    """What a service plugs into :func:`serve`.
-
-    Optionally, an app may also define ``async def draining(self) -> None``: it is called when
-    shutdown begins, before in-flight RPCs are drained. End endless server streams there
-    (``ReadAll`` with follow, ``Compiler.Watch``); otherwise each holds the drain until the
-    grace period ends and is then cancelled.
+    """What a service plugs into :func:`serve`. An app may also define ``async def draining(self) ->
+    None``, called when shutdown begins, before in-flight RPCs drain: end endless server streams
+    there, or they hold the drain to the grace period's end.
     """
 
     @property
@@ -80,15 +69,15 @@ class ServiceApp(Protocol):
         """Full names of the gRPC services it adds, e.g. ``["kiln.v1.Ledger"]``."""
 
     async def start(self, server: grpc.aio.Server) -> None:
-        """Add servicers, connect backing servers, start background tasks (before the server
-        starts listening)."""
+        """Add servicers, connect backing servers, start background tasks (before listening)."""
 
     async def is_ready(self) -> bool:
         """Readiness: True when calls can be served (backing servers reachable, ...)."""
 
     async def stop(self) -> None:
-        """Stop background tasks and close connections (after the server has drained; also
-        called when ``start`` failed part-way, so it must tolerate a partial start)."""
+        """Stop background tasks and close connections (after draining; also after a failed
+        ``start``, so it must tolerate a partial start).
+        """
 
 
 class ServiceStartError(RuntimeError):
@@ -229,18 +218,12 @@ def wrap_handler(
 
 
 class RuntimeInterceptor(grpc.aio.ServerInterceptor):
-    """Server interceptor for every kiln method (health and reflection pass untouched).
-
-    - team identity: metadata ``kiln-team`` is required (UNAUTHENTICATED when missing,
-      INVALID_ARGUMENT when malformed); handlers read it with
-      :func:`kiln.common.identity.current_call`; ``team``, ``method`` and ``correlation_id``
-      are bound to the log context;
-    - errors: a :class:`KilnError` becomes its status code and message; any other exception is
-      logged with its traceback and becomes INTERNAL without details;
-    - metrics: ``kiln_rpc_requests_total``, ``kiln_rpc_latency_seconds``, ``kiln_rpc_in_flight``.
-
-    Handlers must be ``async`` (coroutines or async generators); a plain generator is
-    iterated on the event loop.
+    """Server interceptor for every kiln method (health and reflection pass untouched): metadata
+    ``kiln-team`` required (UNAUTHENTICATED when missing, INVALID_ARGUMENT when malformed; read with
+    :func:`kiln.common.identity.current_call`; ``team``, ``method``, ``correlation_id`` bound to the
+    log context); a :class:`KilnError` becomes its status, anything else INTERNAL without details
+    (logged); metrics ``kiln_rpc_requests_total``, ``kiln_rpc_latency_seconds``,
+    ``kiln_rpc_in_flight``. Handlers must be ``async``.
     """
 
     def __init__(self, service: str) -> None:
@@ -270,8 +253,7 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class HealthServicer(health_aio.HealthServicer):
     """grpcio-health-checking's asyncio servicer, except that ``Watch`` streams end (after
-    sending NOT_SERVING) once graceful shutdown begins: an open Watch, as gRPC clients with
-    client-side health checking keep, would otherwise hold the drain to the grace period's end.
+    NOT_SERVING) once graceful shutdown begins, so they do not hold the drain.
     """
 
     def __init__(self) -> None:
@@ -348,8 +330,9 @@ def _start_metrics(port: int, host: str, service: str) -> int:
 
 @contextlib.contextmanager
 def _signals_set(event: asyncio.Event, enabled: bool) -> Iterator[None]:
-    """While in the block, SIGTERM and SIGINT set ``event`` (main thread only; a repeated
-    signal is logged and otherwise ignored: the grace period already bounds the drain)."""
+    """While in the block, SIGTERM and SIGINT set ``event`` (main thread only; repeats are logged
+    and ignored).
+    """
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
 
@@ -383,19 +366,12 @@ async def serve(
     readiness_interval_s: float = 1.0,
     handle_signals: bool = True,
 ) -> None:
-    """Run ``app`` until SIGTERM/SIGINT or until this coroutine is cancelled.
-
-    Order: configure logging; health (``liveness`` SERVING, the rest NOT_SERVING) and
-    reflection; metrics endpoint; ``app.start(server)``; bind; start; readiness polling. On
-    shutdown: every health status NOT_SERVING (health Watch streams end), ``app.draining()``
-    if the app has it, ``server.stop(grace_period_s)`` (in-flight RPCs
-    may finish, new ones are refused; after the grace period the rest are cancelled), then
-    ``app.stop()``. Cancellation re-raises ``CancelledError`` after the shutdown; a signal makes
-    ``serve`` return normally.
+    """Run ``app`` until SIGTERM/SIGINT (returns normally) or cancellation (re-raises
+    ``CancelledError`` after shutting down). Shutdown: every health status NOT_SERVING,
+    ``app.draining()`` if defined, ``server.stop(grace_period_s)``, then ``app.stop()``.
 
     Args:
-        app: the service.
-        settings: logging, grace period, addresses and metrics port come from here.
+        app: the service. settings: logging, grace period, addresses, metrics port.
         listen: address to bind; default ``settings.listen_addr``, else the service's address.
         started: set once the server accepts calls.
         readiness_interval_s: how often ``app.is_ready()`` is polled, seconds.
@@ -451,7 +427,8 @@ async def _shut_down(
     poller: asyncio.Task[None] | None,
 ) -> None:
     """NOT_SERVING everywhere, ``app.draining()`` if defined, drain in-flight RPCs for up to
-    ``grace_s``, then ``app.stop()``."""
+    ``grace_s``, then ``app.stop()``.
+    """
     if poller is not None:
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -470,11 +447,9 @@ async def _shut_down(
 
 
 def run(app_factory: Callable[[KilnSettings], ServiceApp], settings: KilnSettings) -> None:
-    """Build the app with ``app_factory(settings)`` and serve it until SIGTERM/SIGINT (CLI).
-
-    The app is built inside the event loop that serves it: gRPC aio channels, asyncio locks
-    and futures bind to the running loop when created, so an app built before ``asyncio.run``
-    would fail later with "attached to a different loop"."""
+    """Build the app with ``app_factory(settings)`` inside the event loop that serves it (aio
+    channels, locks and futures bind to the running loop) and serve it until SIGTERM/SIGINT (CLI).
+    """
 
     async def main() -> None:
         await serve(app_factory(settings), settings)

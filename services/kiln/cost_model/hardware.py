@@ -29,24 +29,18 @@ _NCCL_LATENCY = (
 
 @dataclass(frozen=True)
 class Hardware:
-    """One device type and the node it comes in.
+    """One device type and the node it comes in (``sources``: field -> where the number comes from).
 
     Attributes:
-        name: catalogue key ("cpu", "h100", "h200", "b200").
-        description: what the entry describes.
-        memory_bytes: device memory capacity, bytes.
-        memory_bandwidth_bytes_per_s: peak device memory bandwidth, bytes/s.
-        dense_bf16_flops: dense BF16 tensor rate, FLOP/s.
-        dense_fp8_flops: dense FP8 tensor rate, FLOP/s (0 when the device has none).
-        interconnect_bandwidth_bytes_per_s: device-to-device bandwidth per device and per
-            direction, bytes/s (0 when there is no interconnect).
-        interconnect: the link's name, e.g. "NVLink 4".
-        max_devices_per_node: devices in one node (one NVLink domain), the default device count.
-        achievable_bandwidth_fraction: measured or assumed fraction of the peak memory bandwidth
-            a streaming read reaches; the roofline divides bytes by peak × this fraction.
-        collective_latency_s: fixed cost of one small collective (all-reduce, all-to-all, or a
-            point-to-point send) over the interconnect, seconds.
-        sources: field name -> where the number comes from.
+        name: catalogue key ("cpu", "h100", "h200", "b200"); description: what it describes.
+        memory_bytes: capacity, bytes; memory_bandwidth_bytes_per_s: peak, bytes/s.
+        dense_bf16_flops, dense_fp8_flops: dense tensor rates, FLOP/s (FP8 0 when none).
+        interconnect_bandwidth_bytes_per_s: per device and direction, bytes/s (0: no interconnect);
+            interconnect: the link's name, e.g. "NVLink 4".
+        max_devices_per_node: devices in one NVLink domain, the default device count.
+        achievable_bandwidth_fraction: fraction of peak bandwidth a streaming read reaches (measured
+            or assumed).
+        collective_latency_s: fixed cost of one small collective or send, seconds.
     """
 
     name: str

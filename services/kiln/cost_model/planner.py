@@ -1,33 +1,20 @@
 """Enumerate parallelism plans, prune the infeasible ones with a reason, rank the rest.
 
-Plans: ``tp``, ``pp``, ``dp`` are powers of two with ``tp × pp × dp ≤ num_devices``; for MoE
-models ``ep`` is a power of two ≤ ``tp × dp`` (the EP group is built from one pipeline stage's
-TP and DP ranks, see ``kiln.cost_model.sharding``), for dense models ``ep = 1``; ``dcp`` is a
-power of two dividing the KV replication factor ``tp / min(tp, kv heads)`` (other values would
-only be pruned, so they are not listed; :func:`static_reasons` still rejects them in Explain).
+Plans: ``tp``, ``pp``, ``dp`` powers of two with ``tp × pp × dp ≤ num_devices``; MoE ``ep`` a power
+of two ≤ ``tp × dp`` (dense: 1); ``dcp`` a power of two dividing ``tp / min(tp, kv heads)``
+(:func:`static_reasons` still rejects others in Explain).
 
-Pruning (every reason that applies is reported, joined by "; "):
+Pruning reasons (all that apply, joined by "; "): ``devices``; ``heads`` (``num_attention_heads %
+tp``); ``kv heads`` (``num_key_value_heads % tp``, or ``tp % num_key_value_heads`` when tp is
+larger); ``ffn`` (``intermediate_size % tp``, expert ``moe_intermediate_size % (tp / ep)``);
+``experts`` (ep > 1 on a dense model, ``num_experts % ep``, ``ep > tp × dp``); ``layers``
+(``num_hidden_layers % pp``); ``dcp``; ``topology`` (TP, EP, DCP groups within
+``max_devices_per_node``); ``interconnect`` (several devices without a link, ``cpu``); ``memory``
+(weights + KV + workspace > ``MEMORY_FRACTION`` × device memory, as vLLM's ``gpu_memory_utilization
+= 0.9``); ``estimate`` (non-finite TPOT or TTFT).
 
-- ``devices``: the plan needs more devices than the target has;
-- ``heads``: ``num_attention_heads % tp``; ``kv heads``: ``num_key_value_heads % tp`` when
-  ``tp`` ≤ KV heads, ``tp % num_key_value_heads`` when larger (KV heads are then replicated);
-- ``ffn``: dense ``intermediate_size % tp``, expert ``moe_intermediate_size % (tp / ep)``;
-- ``experts``: ``ep > 1`` on a dense model, ``num_experts % ep``, ``ep > tp × dp``;
-- ``layers``: ``num_hidden_layers % pp`` (this tier splits layers evenly);
-- ``dcp``: ``dcp`` must divide ``tp / min(tp, kv heads)``;
-- ``topology``: TP, EP and DCP groups stay inside one node's NVLink domain
-  (``max_devices_per_node``); PP and DP may span nodes;
-- ``interconnect``: a plan over several devices of a target whose catalogue entry has no link
-  between them (``cpu``);
-- ``memory``: weights + KV + workspace > ``MEMORY_FRACTION`` × device memory (the rest is left
-  to the CUDA context, allocator fragmentation and graphs, as vLLM's default
-  ``gpu_memory_utilization = 0.9``); when every plan fails on memory alone at the traffic's
-  batch, the batch is halved until one fits (:func:`plan_workload`);
-- ``estimate``: a TPOT or TTFT that is not finite.
-
-Objective: a latency-bound operating point (batch ≤ ``LATENCY_BOUND_BATCH``) ranks by TPOT,
-ties to fewer devices (extra DP replicas do not lower TPOT); a throughput-bound one ranks by
-output tokens/s per occupied device, ties to more total tokens/s, then lower TPOT.
+Objective: batch ≤ ``LATENCY_BOUND_BATCH`` ranks by TPOT, ties to fewer devices; larger batches by
+output tokens/s per occupied device, then total tokens/s, then TPOT.
 """
 
 from __future__ import annotations
@@ -190,14 +177,11 @@ def plan_workload(
     weight_dtype: str = "bfloat16",
     act_dtype: str = "bfloat16",
 ) -> PlanResult:
-    """Cost every candidate plan of ``cfg`` on ``num_devices`` (default
-    ``hw.max_devices_per_node``) of ``hw`` at ``point``; rank the feasible ones.
-
-    When no plan fits in memory at the traffic's batch but some plan would at a smaller one,
-    the batch is halved until one fits and the result is the plan set at that batch, with a
-    ``batch_note`` (a server admits only as many concurrent sequences as its KV cache holds,
-    as vLLM's scheduler does with its block pool). Plans infeasible for other reasons (heads,
-    devices, topology) are never rescued this way."""
+    """Cost every candidate plan of ``cfg`` on ``num_devices`` (default ``hw.max_devices_per_node``)
+    of ``hw`` at ``point``; rank the feasible ones. When plans fail on memory alone at the traffic's
+    batch, the batch is halved until one fits, with a ``batch_note`` (a server admits only the
+    sequences its KV cache holds, as vLLM's scheduler); other reasons are never rescued this way.
+    """
     result = _plan_at(cfg, hw, point, num_devices, weight_dtype, act_dtype)
     batch = point.batch_size
     while not result.feasible and batch > 1 and _memory_only(result):

@@ -1,42 +1,28 @@
 """Roofline estimates of one parallelism plan: memory per device, TPOT, TTFT and throughput.
 
-Pure functions over a :class:`~kiln.workloads.config.ModelConfig`, a
-:class:`~kiln.cost_model.hardware.Hardware` and a :class:`~kiln.cost_model.sharding.Parallelism`
-(how weights and KV split is documented in ``kiln.cost_model.sharding``). Every number that goes
-into an estimate is kept as a :class:`Term` (name, value, unit, formula/source) for ``Explain``.
+Pure functions of a :class:`~kiln.workloads.config.ModelConfig`, a
+:class:`~kiln.cost_model.hardware.Hardware` and a :class:`~kiln.cost_model.sharding.Parallelism`;
+every number is kept as a :class:`Term` (name, value, unit, formula/source) for ``Explain``. The
+model (Williams et al., "Roofline", CACM 2009; Pope et al., MLSys 2023):
 
-The model (Williams, Waterman & Patterson, "Roofline", CACM 2009, applied to LLM inference as in
-Pope et al., "Efficiently Scaling Transformer Inference", MLSys 2023):
+- **Decode step** (one token for each of B sequences of a DP replica): ``max(bytes / (peak bandwidth
+  × achievable fraction), FLOPs / dense rate) + comm``, not overlapped. Bytes: weights a step
+  touches (the embedding only B rows; MoE only the experts routed to, ``sharding.ExpertLoad``) plus
+  the KV of B × context tokens (:func:`decode_kv_bytes`). FLOPs: 2 per weight per token plus
+  attention.
+- **Communication**: ring all-reduce ``bytes × 2(n−1)/n / link + latency`` (Patarasuk & Yuan, JPDC
+  2009); TP two all-reduces of B × hidden per layer (Megatron-LM); EP all-to-all of B × top_k ×
+  hidden per MoE layer, (ep−1)/ep off-device; DCP one all-reduce of B × hidden per layer; PP B ×
+  hidden between stages.
+- **Pipeline**: one micro-batch, so latency is the whole model on one TP group plus (pp−1) sends; PP
+  buys capacity, not speed; bubbles not modelled.
+- **TTFT**: one ISL prompt alone: (2 × weights × ISL + ``L × ISL² × heads × (d_qk + d_v)``) / dense
+  rate against reading the weights once and writing ISL tokens of KV, plus communication with ISL
+  tokens for B.
+- **Throughput** = ``dp × B / TPOT`` output tokens/s.
 
-- **Decode step** (one token for each of B sequences of one DP replica):
-  ``max(bytes read / (peak bandwidth × achievable fraction), FLOPs / dense rate) + comm``.
-  Bytes read are the weights every step touches (all but the embedding table, of which only B
-  rows are read; for MoE only the distinct experts the batch routes to, see
-  ``sharding.ExpertLoad``) plus the whole KV cache of B × context tokens. FLOPs are 2 per weight
-  per token plus attention over the context. Compute and communication are not overlapped.
-  The KV bytes are :func:`decode_kv_bytes`; a measured step's weights + KV are
-  :func:`decode_step_bytes`, the bandwidth limit ``kiln compile``'s table prints.
-- **Communication** per collective: ``bytes × 2(n−1)/n / link bandwidth + latency`` for a ring
-  all-reduce over n ranks (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms", JPDC
-  2009); TP does two all-reduces of B × hidden activations per layer (after attention and after
-  the MLP, Megatron-LM, Shoeybi et al. 2019); EP does an all-to-all dispatch and combine of
-  B × top_k × hidden per MoE layer, of which (ep−1)/ep leaves the device; DCP merges partial
-  attention outputs with one all-reduce of B × hidden per layer; PP sends B × hidden between
-  consecutive stages.
-- **Pipeline parallelism**: a token still passes every layer in order, so per-token latency is
-  the sum over stages, i.e. the time of the whole model on one TP group, plus (pp−1) sends.
-  This tier runs one micro-batch (no interleaving), so PP buys memory capacity, not speed, and
-  steady-state bubbles are not modelled.
-- **TTFT**: prefill of one ISL-token prompt, alone (no queueing, no chunking, no prefix cache):
-  2 × weights × ISL + causal attention ``L × ISL² × heads × (d_qk + d_v)`` (= 2·L·ISL²·H·d
-  for d_qk = d_v = d), over the dense rate, against reading the weights once and writing
-  ISL tokens of KV; plus the same communication with ISL tokens in place of B.
-- **Throughput** (output tokens/s) = ``dp × B / TPOT``.
-
-MLA attention is costed as DeepSeek serves it: decode in the absorbed form (scores over the
-``kv_lora_rank + qk_rope_head_dim`` latent, values over ``kv_lora_rank``), prefill in the
-expanded form (``qk_nope + qk_rope`` and ``v_head_dim`` per head). FP8 block-quantisation scales
-(one float per 128×128 block, < 0.03 % of the weights) are not counted.
+MLA: decode in DeepSeek's absorbed form (latent ``kv_lora_rank + qk_rope_head_dim``), prefill
+expanded. FP8 block scales (< 0.03 % of weights) are not counted.
 """
 
 from __future__ import annotations
@@ -60,21 +46,19 @@ from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.config import DTYPE_BYTES, ModelConfig
 
 PREFILL_CHUNK_TOKENS = 8192
-"""Largest prefill the workspace estimate provisions for at once, tokens (an assumption in line
-with the chunked-prefill budgets of vLLM and SGLang, a few thousand tokens per step)."""
+"""Largest prefill the workspace estimate provisions for at once, tokens (an assumption in line with
+vLLM's and SGLang's chunked-prefill budgets).
+"""
 
 
 @dataclass(frozen=True)
 class DecodeStepBytes:
-    """Bytes one decode step reads from device memory at an operating point (the memory side of
-    the decode roofline, :func:`decode_step_bytes`).
+    """Bytes one decode step reads from device memory (:func:`decode_step_bytes`).
 
     Attributes:
-        weights: weight bytes, each read once per step whatever the batch.
-        kv: KV-cache bytes read: every sequence of the batch reads its whole context
-            (:func:`decode_kv_bytes`); 0 when the context is unknown.
-        batch: sequences decoded together (tokens produced per step).
-        context: tokens in each sequence's KV cache (0 = unknown: weights only).
+        weights: weight bytes, read once per step whatever the batch.
+        kv: KV-cache bytes read (:func:`decode_kv_bytes`); 0 when the context is unknown.
+        batch: sequences decoded together. context: tokens in each KV cache (0 = unknown).
         kv_bytes_per_token: KV bytes of one token over the layers held, in the cache's dtype.
     """
 
@@ -90,25 +74,25 @@ class DecodeStepBytes:
         return self.weights + self.kv
 
     def limit_tokens_per_s(self, bandwidth_bytes_per_s: float) -> float:
-        """The bandwidth limit: ``batch x bandwidth / (weights + kv)`` tokens/s (0 when no bytes
-        are read): the rate if a step did nothing but read its bytes once at that bandwidth."""
+        """The bandwidth limit ``batch x bandwidth / (weights + kv)`` tokens/s (0 when no bytes are
+        read).
+        """
         return self.batch * bandwidth_bytes_per_s / self.total if self.total > 0 else 0.0
 
 
 def decode_kv_bytes(batch: int, context: int, kv_bytes_per_token: float) -> float:
-    """KV-cache bytes one decode step reads: ``batch x context x kv_bytes_per_token`` (each of
-    ``batch`` sequences attends over its ``context`` cached tokens; ``kv_bytes_per_token`` from
-    :meth:`ModelConfig.kv_bytes_per_token` in the cache's dtype, over the layers held and per
-    device where the cache is sharded)."""
+    """KV-cache bytes one decode step reads: ``batch x context x kv_bytes_per_token`` (per token
+    from :meth:`ModelConfig.kv_bytes_per_token`, over the layers held, per device where sharded).
+    """
     return float(batch * context * kv_bytes_per_token)
 
 
 def decode_step_bytes(
     weights_bytes: float, batch: int, context: int, kv_bytes_per_token: float
 ) -> DecodeStepBytes:
-    """What one decode step reads: the weights once plus the KV cache at ``context`` tokens for
-    each of ``batch`` sequences (:func:`decode_kv_bytes`); bytes. ``context`` 0 gives the
-    weights alone (the caller says so: the limit is then an upper bound)."""
+    """What one decode step reads, bytes: the weights once plus :func:`decode_kv_bytes`; ``context``
+    0 gives the weights alone (an upper-bound limit).
+    """
     kv = decode_kv_bytes(batch, context, kv_bytes_per_token)
     return DecodeStepBytes(float(weights_bytes), kv, batch, context, float(kv_bytes_per_token))
 
@@ -116,11 +100,11 @@ def decode_step_bytes(
 def expected_experts_read(
     num_experts: int, top_k: int, batch: int, shares: Sequence[float] | None = None
 ) -> float:
-    """Expected distinct experts one MoE layer reads in a decode step of ``batch`` tokens, each
-    picking ``top_k`` distinct experts: ``sum_e 1 - (1 - min(1, top_k x share_e)) ** batch``,
-    ``share_e`` expert e's share of the routed assignments (uniform ``1/E`` when None; the
-    traffic's skew, :func:`kiln.workloads.traffic.experts.zipf_shares`, otherwise). Tokens
-    choose independently: a model of the routing, not a measurement of it."""
+    """Expected distinct experts one MoE layer reads in a decode step of ``batch`` tokens: ``sum_e 1
+    - (1 - min(1, top_k x share_e)) ** batch``, ``share_e`` uniform ``1/E`` when None, else the
+    traffic's skew (:func:`kiln.workloads.traffic.experts.zipf_shares`). A model (independent
+    tokens), not a measurement.
+    """
     probs = shares if shares is not None else [1.0 / num_experts] * num_experts
     return math.fsum(1.0 - (1.0 - min(1.0, top_k * p)) ** batch for p in probs)
 
@@ -133,11 +117,10 @@ def moe_unread_expert_bytes(
     layers: int = 0,
     shares: Sequence[float] | None = None,
 ) -> float:
-    """Bytes of routed experts a decode step at ``batch`` is expected not to read, over the
-    first ``layers`` layers held (0: all): per MoE layer, the experts
-    :func:`expected_experts_read` leaves untouched times one expert's gate, up and down weights.
-    Subtracted from the weights an engine holds, it gives the weights a step reads (0 for a
-    dense model)."""
+    """Bytes of routed experts a step at ``batch`` is expected not to read over the first ``layers``
+    layers (0: all): untouched experts (:func:`expected_experts_read`) times one expert's gate, up
+    and down weights; 0 for a dense model.
+    """
     m = cfg.moe
     if m is None:
         return 0.0
@@ -157,10 +140,10 @@ def weights_read_bytes(
     layers: int = 0,
     shares: Sequence[float] | None = None,
 ) -> float:
-    """Weight bytes a decode step at ``batch`` reads of the ``held_bytes`` an engine holds
-    (first ``layers`` layers, 0: all): all of them but an untied embedding table (a step reads
-    one row of it per sequence; a tied one is read whole as the LM head) and, for an MoE model,
-    the experts the routing is expected to leave untouched (:func:`moe_unread_expert_bytes`)."""
+    """Weight bytes a step at ``batch`` reads of ``held_bytes`` (first ``layers`` layers, 0: all):
+    all but an untied embedding table (a tied one is read whole as the LM head) and the experts
+    expected untouched (:func:`moe_unread_expert_bytes`).
+    """
     unread = moe_unread_expert_bytes(cfg, dtype_bytes, batch, layers=layers, shares=shares)
     if not cfg.tie_word_embeddings:
         unread += (cfg.vocab_size - batch) * cfg.hidden_size * dtype_bytes
@@ -168,8 +151,9 @@ def weights_read_bytes(
 
 
 def held_kv_bytes_per_token(cfg: ModelConfig, dtype: str, layers: int = 0) -> int:
-    """KV bytes of one token in ``dtype`` over the first ``layers`` layers an engine holds (the
-    fast tier holds a few; 0 or more than the model's: all of them)."""
+    """KV bytes of one token in ``dtype`` over the first ``layers`` layers held (0 or more than the
+    model's: all).
+    """
     if 0 < layers < cfg.num_hidden_layers:
         cfg = cfg.with_layers(layers)
     return cfg.kv_bytes_per_token(dtype)
@@ -190,14 +174,10 @@ class Estimate:
     """A plan's roofline estimate at an operating point.
 
     Attributes:
-        plan: the parallelism plan.
-        point: the operating point.
-        hardware: catalogue name of the device.
-        weight_bytes_per_device: weights the most loaded device stores, bytes.
-        kv_bytes_per_device: KV cache for B × context tokens on one device, bytes.
-        workspace_bytes_per_device: activation and logits workspace estimate, bytes.
-        tpot_ms: time per output token (one decode step), ms.
-        ttft_ms: time to first token (prefill of one ISL prompt), ms.
+        plan, point: the parallelism plan and operating point. hardware: catalogue name.
+            weight_bytes_per_device, kv_bytes_per_device (B × context tokens),
+        workspace_bytes_per_device: on the most loaded device, bytes.
+        tpot_ms: one decode step, ms. ttft_ms: prefill of one ISL prompt, ms.
         throughput_tokens_per_s: output tokens/s of the whole plan (dp × B / TPOT).
         terms: every intermediate number, for Explain.
     """
@@ -247,10 +227,10 @@ class _Terms:
 
 
 def collective_s(hw: Hardware, nbytes: float, ranks: int, ring: bool = True) -> float:
-    """Seconds for one collective of ``nbytes`` per device over ``ranks`` devices: ring
-    all-reduce ``nbytes × 2(n−1)/n / link + latency`` (``ring=False``: a send or all-to-all of
-    ``nbytes`` leaving the device, ``nbytes / link + latency``); 0 for one rank; infinite
-    without an interconnect."""
+    """Seconds for one collective of ``nbytes`` per device over ``ranks``: ring all-reduce ``nbytes
+    × 2(n−1)/n / link + latency`` (``ring=False``: ``nbytes / link + latency``); 0 for one rank;
+    infinite without an interconnect.
+    """
     if ranks <= 1:
         return 0.0
     if hw.interconnect_bandwidth_bytes_per_s <= 0:
@@ -285,9 +265,10 @@ def _pass(
     wdtype: str,
     adtype: str,
 ) -> float:
-    """One forward pass over ``tokens`` tokens (``logit_tokens`` of which reach the LM head)
-    through the whole pipeline on one TP group, ``ep_tokens`` tokens meeting in each MoE
-    layer's EP group; records its terms under ``phase`` and returns its time in seconds."""
+    """One forward pass over ``tokens`` (``logit_tokens`` reach the LM head) through the pipeline on
+    one TP group, ``ep_tokens`` per MoE layer's EP group; records terms under ``phase``, returns
+    seconds.
+    """
     dense_layer, moe_layer = layer_kinds(cfg, plan)
     n_dense, n_moe = layer_counts(cfg)
     h, wb, ab = cfg.hidden_size, DTYPE_BYTES[wdtype], DTYPE_BYTES[adtype]
@@ -364,12 +345,10 @@ def _pass(
 def workspace_bytes(
     cfg: ModelConfig, plan: Parallelism, point: OperatingPoint, adtype: str
 ) -> float:
-    """Activation and logits workspace on one device, bytes (an estimate).
-
-    ``chunk × width × act bytes + B × V/tp × 4`` with ``chunk = min(ISL, 8192)`` prefill tokens
-    and ``width`` the widest per-token activation set of a layer: residual, normed input and
-    attention output (3h), q/k/v ((H + 2·KV)·d / tp) and the FFN's gate and up outputs
-    (2·I/tp; MoE: top_k dispatched copies of h plus 2·I_e/expert_tp each); logits in float32.
+    """Activation and logits workspace on one device, bytes (an estimate): ``chunk × width × act
+    bytes + B × V/tp × 4``, ``chunk = min(ISL, 8192)``, ``width`` the widest per-token activation
+    set of a layer (3h + (H + 2·KV)·d / tp + 2·I/tp; MoE: top_k copies of h plus 2·I_e/expert_tp
+    each).
     """
     h, ab = cfg.hidden_size, DTYPE_BYTES[adtype]
     chunk = min(point.isl, PREFILL_CHUNK_TOKENS)
@@ -390,11 +369,9 @@ def estimate(
     weight_dtype: str = "bfloat16",
     act_dtype: str = "bfloat16",
 ) -> Estimate:
-    """The roofline estimate of ``plan`` for ``cfg`` on ``hw`` at ``point``.
-
-    ``weight_dtype`` sets weight bytes and the matmul rate (``Hardware.flops_for``);
-    ``act_dtype`` sets activation, communication and KV-cache bytes. Times in ms, memory in
-    bytes, throughput in output tokens/s; the formulas are in the module docstring.
+    """The roofline estimate of ``plan`` for ``cfg`` on ``hw`` at ``point``: ``weight_dtype`` sets
+    weight bytes and the matmul rate (``Hardware.flops_for``), ``act_dtype`` activation,
+    communication and KV bytes. Times in ms, memory in bytes, throughput in output tokens/s.
     """
     t = _Terms()
     B, ctx, isl = point.batch_size, point.context_len, point.isl

@@ -1,29 +1,21 @@
-"""How a parallelism plan splits a model's weights, KV cache and expert traffic over devices.
+"""How a parallelism plan splits a model's weights, KV cache and expert traffic over devices, after
+vLLM/SGLang (Megatron-style TP):
 
-The conventions follow vLLM/SGLang serving (Megatron-style tensor parallelism):
+- **TP** splits attention by heads (q, o by ``tp``; k, v by ``min(tp, num_key_value_heads)``, so KV
+  weights and cache are replicated ``tp / num_key_value_heads`` times beyond that), the dense FFN by
+  intermediate dim, embedding and LM head by vocabulary; norms and router replicated. MLA keeps
+  ``q_a_proj``, ``kv_a_proj_with_mqa`` replicated, splits up projections by heads, and every rank
+  holds the whole latent cache.
+- **EP** splits routed experts (``num_experts / ep`` a device); ``ep < tp`` splits each expert by
+  ``tp / ep``, ``ep > tp`` spans ``ep / tp`` DP replicas: routed experts over ``max(tp, ep)``
+  devices. Shared experts split by ``tp``.
+- **PP**: ``num_hidden_layers / pp`` consecutive layers a stage; the first holds the embedding, the
+  last the final norm and LM head (a tied head needs its own copy when ``pp > 1``).
+- **DP** replicates the tp × pp model. **DCP** splits replicated KV along the sequence (divides ``tp
+  / min(tp, kv_heads)``; no extra devices).
 
-- **TP** (``tp``) splits attention by heads (q and o projections by ``tp``; k/v projections by
-  ``min(tp, num_key_value_heads)``: when ``tp`` exceeds the KV heads each rank keeps one KV head,
-  i.e. KV weights and cache are *replicated* ``tp / num_key_value_heads`` times), the dense FFN by
-  its intermediate dimension, and the embedding and LM head by vocabulary (vocab-parallel).
-  Norms and the MoE router are replicated. MLA (DeepSeek) keeps its low-rank down projections
-  (``q_a_proj``, ``kv_a_proj_with_mqa``) replicated and splits the up projections by heads; its
-  latent KV cache has one "head", so every TP rank holds the whole cache.
-- **EP** (``ep``) splits routed experts: a device holds ``num_experts / ep`` of them. When
-  ``ep < tp`` each expert is further split by ``tp / ep`` (TP inside the expert, SGLang's
-  ``ep_size <= tp_size``); when ``ep > tp`` the EP group spans ``ep / tp`` DP replicas (vLLM's
-  DP attention + expert parallelism). Either way routed experts are sharded over
-  ``max(tp, ep)`` devices. Shared experts are split by ``tp`` like a dense FFN.
-- **PP** (``pp``) gives each stage ``num_hidden_layers / pp`` consecutive layers; the first
-  stage also holds the embedding, the last the final norm and the LM head (a tied LM head needs
-  its own copy of the embedding there when ``pp > 1``).
-- **DP** (``dp``) replicates the whole tp × pp model; each replica serves its own batch.
-- **DCP** (``dcp``, vLLM's decode context parallelism) re-uses the TP ranks that would hold
-  replicated KV to split the cache along the sequence instead, so ``dcp`` must divide the KV
-  replication factor ``tp / min(tp, kv_heads)``; it adds no devices.
-
-A plan uses ``tp × pp × dp`` devices. Element counts are returned as floats because a plan whose
-divisibility fails is still costed (and then pruned with the reason).
+A plan uses ``tp × pp × dp`` devices. Element counts are floats: an indivisible plan is still
+costed, then pruned.
 """
 
 from __future__ import annotations
@@ -223,16 +215,10 @@ def kv_bytes_per_device(
 
 @dataclass(frozen=True)
 class ExpertLoad:
-    """Routed-expert load on the busiest EP rank of one MoE layer.
-
-    Model: each of ``tokens`` tokens picks ``top_k`` distinct experts uniformly, so a given
-    expert is picked by a token with probability ``p = top_k / E`` and the expected distinct
-    experts among ``n`` is ``n × (1 − (1 − p)^tokens)`` (exact for ``tokens = 1``: ``top_k``;
-    to first order equal to ``E × (1 − (1 − 1/E)^(tokens·top_k))``). ``expert_load_skew`` s (the
-    hottest expert's share over the uniform share) is applied pessimistically to the whole
-    busiest rank: its experts are each picked with ``p_hot = min(1, min(s, ep) × p)`` (a rank
-    cannot take more than all the load, hence ``min(s, ep)``). Skew thus *widens* the busiest
-    rank's reads and work, which bound the step; with ``ep = 1`` it changes nothing.
+    """Routed-expert load on the busiest EP rank of one MoE layer. Each token picks ``top_k``
+    distinct experts uniformly (``p = top_k / E``): expected distinct experts among ``n`` is ``n ×
+    (1 − (1 − p)^tokens)``. ``expert_load_skew`` s applies pessimistically to the busiest rank:
+    ``p_hot = min(1, min(s, ep) × p)``; with ``ep = 1`` it changes nothing.
     """
 
     tokens: float

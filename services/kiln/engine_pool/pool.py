@@ -1,18 +1,9 @@
-"""The pool of persistent engines on this host: one slot per device, engines keyed by spec.
-
-Each device (:mod:`kiln.engine_pool.devices`; one per visible GPU, else the CPU) is a
-:class:`DeviceSlot`: experiments on a device run one at a time (the slot's lock), each engine is
-its own OS process pinned to that device, and at most ``max_engines`` engines (2 by default)
-are held per device: when a different spec is needed, the device's least recently used engine
-is stopped first. Engines are created lazily, the first time an experiment needs their spec
-(model, tier, dtype, device, operating point).
-
-An experiment from the work queue names its device (the device whose worker fetched it); one
-from RunExperiment goes to the best device: idle and already holding its model, else idle, else
-holding it, else the one with the fewest waiting.
-
-An experiment keeps its engine until the engine answers, even when the caller stops waiting
-(a cancelled RunExperiment): the engine's pipe protocol is never cut mid-answer.
+"""The pool of persistent engines on this host: one :class:`DeviceSlot` per device
+(:mod:`kiln.engine_pool.devices`), experiments one at a time per device, each engine its own OS
+process pinned there, at most ``max_engines`` (default 2) per device, the least recently used
+stopped first; engines created on first need of their spec. Work-queue experiments name their
+device; RunExperiment goes to :meth:`EnginePool.choose_slot`'s. An experiment keeps its engine until
+it answers, even when the caller stops waiting (the pipe is never cut mid-answer).
 """
 
 from __future__ import annotations
@@ -49,8 +40,8 @@ def default_pool_id(host: str) -> str:
 
 
 def clean_pool_id(value: str) -> str:
-    """``value`` with characters other than ``[A-Za-z0-9_-]`` replaced by ``-`` (a pool id is
-    one token of a registry key), at most 100 characters.
+    """``value`` with characters other than ``[A-Za-z0-9_-]`` replaced by ``-``, at most 100
+    characters.
 
     Raises:
         ValueError: nothing is left.
@@ -63,14 +54,8 @@ def clean_pool_id(value: str) -> str:
 
 @dataclasses.dataclass(eq=False)
 class DeviceSlot:
-    """One device and the engines held on it.
-
-    Attributes:
-        device: the device.
-        engines: engines by spec key, least recently used first.
-        lock: held while an experiment (or an engine build) runs on the device.
-        waiting: experiments waiting for the lock.
-        experiments_done: experiments finished on it.
+    """One device and the engines held on it: ``engines`` by spec key (least recently used first),
+    ``lock`` held while an experiment or build runs, ``waiting`` and ``experiments_done`` counts.
     """
 
     device: Device
@@ -96,10 +81,9 @@ class EnginePool:
     """Engines by device and spec key.
 
     Args:
-        settings: engine settings (devices, caps, timing, max engines per device).
-        host: host name reported in the registry (default: this host's).
-        pool_id: this pool's id (default: ``settings.pool_id``, else ``<host>-<pid>``).
-        devices: the devices (default: :func:`~kiln.engine_pool.devices.resolve_devices`).
+        settings: engine settings. host: host name for the registry (default: this host's).
+        pool_id: default ``settings.pool_id``, else ``<host>-<pid>``.
+        devices: default :func:`~kiln.engine_pool.devices.resolve_devices`.
 
     Attributes:
         on_change: called (no arguments) whenever an engine or device changes state.
@@ -133,8 +117,7 @@ class EnginePool:
         """The engine spec ``work`` needs on ``device`` (default: the first device).
 
         Raises:
-            InvalidArgument: the workload cannot be built (no or bad config, unsupported or
-                unbuildable architecture, unknown dtype).
+            InvalidArgument: the workload cannot be built.
         """
         name = device or self.devices[0].name
         limits = dataclasses.replace(self.settings.limits(), device=name)
@@ -161,8 +144,9 @@ class EnginePool:
             ) from None
 
     def choose_slot(self, work: ExperimentWork) -> DeviceSlot:
-        """The device a RunExperiment call runs on: idle and holding the model, else idle,
-        else holding the model, else the one with the fewest waiting (first on ties)."""
+        """The device a RunExperiment call runs on: idle and holding the model, else idle, else
+        holding it, else the fewest waiting (first on ties).
+        """
         tier, key = work.tier, work.model_key
         slots = list(self.slots.values())
         return min(
@@ -172,18 +156,14 @@ class EnginePool:
 
     # ------------------------------------------------------------------ experiments
     async def measure(self, work: ExperimentWork, device: str | None = None) -> Measurement:
-        """Run ``work`` on ``device`` (default: :meth:`choose_slot`), on an engine of its spec
-        there (created on first use).
-
-        Returns:
-            The measurement; a bad candidate is a REJECTED measurement, not an error.
+        """Run ``work`` on ``device`` (default: :meth:`choose_slot`) on an engine of its spec
+        (created on first use). A bad candidate is a REJECTED measurement, not an error.
 
         Raises:
-            InvalidArgument: the workload cannot be built (see :meth:`spec_for`), its engine
-                failed to build for a reason of the workload (e.g. missing weights), or
-                ``device`` is not one of the pool's.
-            FailedPrecondition: the engine failed to build for a reason of the host, or the
-                pool is closed.
+            InvalidArgument: the workload cannot be built or its engine failed for a reason of the
+                workload (e.g. missing weights), or ``device`` is not the pool's.
+            FailedPrecondition: the engine failed to build for a reason of the host, or the pool is
+                closed.
         """
         slot = self.slot(device) if device else self.choose_slot(work)
         spec = self.spec_for(work, slot.device.name)
@@ -253,8 +233,9 @@ class EnginePool:
         return measurement
 
     async def _engine(self, slot: DeviceSlot, spec: EngineSpec, model_key: str) -> EngineProcess:
-        """The engine of ``spec`` on ``slot``, started (after stopping the device's least
-        recently used engines) when missing. The caller holds ``slot.lock``."""
+        """The engine of ``spec`` on ``slot``, started when missing (after evicting LRU engines);
+        the caller holds ``slot.lock``.
+        """
         if self._closed:
             raise FailedPrecondition("the engine pool is shutting down")
         engine = slot.engines.get(spec.key)
@@ -285,11 +266,8 @@ class EnginePool:
         await engine.stop()
 
     async def warm(self, work: ExperimentWork, device: str | None = None) -> EngineProcess:
-        """Build (or find) the engine ``work`` needs on ``device`` (default:
-        :meth:`choose_slot`) and wait until it is ready.
-
-        Raises:
-            InvalidArgument, FailedPrecondition: as :meth:`measure`.
+        """Build (or find) the engine ``work`` needs on ``device`` (default :meth:`choose_slot`) and
+        wait until ready; raises as :meth:`measure`.
         """
         slot = self.slot(device) if device else self.choose_slot(work)
         spec = self.spec_for(work, slot.device.name)
@@ -308,8 +286,7 @@ class EnginePool:
 
     # ------------------------------------------------------------------ inspection
     def engines(self, model_name: str = "") -> list[EngineSnapshot]:
-        """Snapshots of the engines held (all, or one model's), by device, least recently
-        used first."""
+        """Snapshots of the engines held (all, or one model's), by device, LRU first."""
         return [
             e.snapshot()
             for slot in self.slots.values()
@@ -322,8 +299,7 @@ class EnginePool:
         return [e for slot in self.slots.values() for e in slot.engines.values()]
 
     def resident(self, device: str) -> list[tuple[str, str]]:
-        """(tier, model key) of the engines held on ``device``, most recently used first: the
-        work this device serves without loading other weights."""
+        """(tier, model key) of the engines held on ``device``, most recently used first."""
         slot = self.slots[device]
         return [(e.spec.tier, e.model_key) for e in reversed(slot.engines.values()) if not e.closed]
 

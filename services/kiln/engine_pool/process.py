@@ -1,24 +1,13 @@
 """The service's handle on one engine process (parent side of :mod:`kiln.engine_pool.worker`).
 
-:class:`EngineProcess` starts the worker with the ``spawn`` start method, waits for it to report
-ready (the cold start), sends it one experiment at a time and waits for the answer without
-blocking the event loop. The process is the isolation boundary:
-
-- no answer within the experiment's deadline: the process is killed (SIGKILL) and restarted,
-  the experiment is TIMED_OUT;
-- the process dies mid-experiment (``os._exit``, a segfault, the OOM killer): the experiment is
-  CRASHED with the exit code or signal, and the process restarted;
-- the engine asks for a restart (its state may be damaged), or the candidate crashed with a
-  device fault (a CUDA error leaves the CUDA context unusable: :func:`is_device_fault`):
-  restarted after the answer.
-
-A restart is the one case where an engine reloads its weights. The process may be pinned to one
-device (``env``, e.g. ``CUDA_VISIBLE_DEVICES``, and ``worker_device``, the device as the pinned
-process sees it; :mod:`kiln.engine_pool.devices`).
-
-A restart spawns the new process at once and returns; the next experiment waits until it is
-ready. Start and restart must run on the event loop's thread: on Linux the worker dies with the
-thread that started it (``PR_SET_PDEATHSIG``).
+:class:`EngineProcess` spawns the worker (``spawn`` start method), waits for ready (the cold start)
+and sends one experiment at a time without blocking the event loop. The process is the isolation
+boundary: past the deadline it is SIGKILLed and restarted (TIMED_OUT); if it dies mid-experiment the
+experiment is CRASHED with the exit code or signal and it is restarted; after a requested restart or
+a device fault (:func:`is_device_fault`) it is restarted after the answer. Only a restart reloads
+weights; it spawns at once and the next experiment waits for ready. A process may be pinned to a
+device (``env``, ``worker_device``; :mod:`kiln.engine_pool.devices`). Start and restart must run on
+the event loop's thread (the worker dies with its starting thread, ``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -65,8 +54,9 @@ DEVICE_FAULT_MARKERS = (
     "an illegal memory access",
     "unspecified launch failure",
 )
-"""Texts of errors after which a CUDA context cannot be trusted (sticky errors): the engine
-process is replaced after such a crash."""
+"""Error texts after which a CUDA context cannot be trusted (sticky errors): the process is
+replaced.
+"""
 
 _TIMEOUT = object()
 _EOF = object()
@@ -78,11 +68,8 @@ def is_device_fault(error: str) -> bool:
 
 
 class EngineStartError(RuntimeError):
-    """The engine could not be built.
-
-    Attributes:
-        invalid: the workload is at fault (unbuildable model, missing or mis-shaped weights),
-            not the host.
+    """The engine could not be built; ``invalid``: the workload is at fault (unbuildable model,
+    missing or mis-shaped weights), not the host.
     """
 
     def __init__(self, message: str, *, invalid: bool) -> None:
@@ -93,8 +80,9 @@ class EngineStartError(RuntimeError):
 
 @contextlib.contextmanager
 def _environ(env: Mapping[str, str]) -> Iterator[None]:
-    """Set ``env`` in this process's environment while a child is spawned (the child inherits
-    it), then restore it. Runs on the event loop's thread, which alone spawns engines."""
+    """Set ``env`` in this process's environment while a child is spawned, then restore it (event
+    loop's thread only).
+    """
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
@@ -109,9 +97,9 @@ def _environ(env: Mapping[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _bare_main() -> Iterator[None]:
-    """While starting a spawn process, hide ``__main__`` so the child does not re-import the
-    parent's main module (``kiln``'s CLI, pytest, a benchmark script) with its gRPC, NATS and
-    SQLAlchemy imports: the child then imports only what the worker needs."""
+    """Hide ``__main__`` while spawning so the child does not re-import the parent's main module
+    (and its gRPC, NATS, SQLAlchemy imports).
+    """
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
@@ -179,21 +167,19 @@ class EngineProcess:
     """One engine worker process and its pipe.
 
     Args:
-        spec: what the worker builds.
-        engine_id: its name in measurements and ListEngines.
-        ready_timeout_s: longest build before the start counts as failed, seconds.
-        env: environment variables of the worker process (its device pin).
-        worker_device: the spec's device as the worker sees it (``cuda:0`` when pinned to one
-            GPU); None = ``spec.device``.
+        spec: what the worker builds. engine_id: its name in measurements and ListEngines.
+        ready_timeout_s: longest build before the start fails, seconds.
+        env: environment of the worker (its device pin).
+        worker_device: the spec's device as the worker sees it; None = ``spec.device``.
         model_key: the model's work-subject key, for ListEngines.
 
     Attributes:
-        lock: held by whoever runs an experiment on it (one at a time).
+        lock: held by whoever runs an experiment (one at a time).
         state: starting / ready / busy / restarting / dead.
-        cold_start_s: seconds from process start to ready, of the current process.
-        build_s: seconds the worker spent building (weights, caches, warm-up).
-        experiments_run: answers received (all processes of this engine).
-        restarts: processes replaced after a timeout, a death or a requested restart.
+        cold_start_s, build_s: process start to ready, and the worker's build, seconds (current
+            process).
+        experiments_run: answers received; restarts: processes replaced (all processes of this
+            engine).
         closed: stopped for good (evicted or shut down).
     """
 
@@ -229,7 +215,8 @@ class EngineProcess:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Spawn the worker and begin waiting for it in the background (returns at once;
-        :meth:`wait_ready` waits). Call on the event loop's thread."""
+        :meth:`wait_ready` waits). Call on the event loop's thread.
+        """
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         spec = {**self.spec.to_dict(), "device": self.worker_device}

@@ -1,24 +1,14 @@
-"""The engine pool's side of the experiment work queue (contract: :mod:`kiln.common.work`).
+"""The engine pool's side of the experiment work queue (contract: :mod:`kiln.common.work`; why:
+docs/design/engine.md, "Work queue").
 
-Subjects and consumers. Work is queued on ``{prefix}.work.experiments.{device_kind}.{tier}.
-{model_key}`` in one work-queue stream over ``{prefix}.work.>``. A work-queue stream refuses
-consumers whose filters overlap (NATS 2.9 has no multi-subject filters either), so every pool
-consumes each exact subject through one durable pull consumer named after it
-(:func:`durable_name`, e.g. ``ep-cpu-fast-1a2b3c4d5e6f``); every pool serving that subject
-binds the same durable and JetStream hands each message to one of them. A pool learns the
-subjects it serves by scanning the stream (``STREAM.INFO`` with a subject filter, every
-``KILN_ENGINE_DISCOVER_S``, which also refreshes how much work each subject holds) and by a core
-subscription to ``{prefix}.work.experiments.>`` that sees every publish as it happens.
-
-Which subjects: those whose device kind one of its devices serves (by default the device's own
-kind; ``KILN_ENGINE_HARDWARE`` a list or ``*``) and whose model key is allowed
-(``KILN_ENGINE_MODELS``, default all).
-
-One worker per device fetches one message at a time, only while its device is free, from the
-subjects it serves: first those of the (tier, model) its engine already holds (no weights to
-load), then those of models no other device of this pool holds, then the rest in turn.
-:mod:`kiln.engine_pool.delivery` takes each message to its ack, nak or term (ledger check, run,
-``ExperimentCompleted`` appended).
+Every pool consumes each exact subject
+``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}`` through one shared durable pull
+consumer (:func:`durable_name`). Subjects are found by scanning the stream every
+``KILN_ENGINE_DISCOVER_S`` and by a core subscription to ``{prefix}.work.experiments.>``; a pool
+serves those whose kind one of its devices takes (the device's own, or ``KILN_ENGINE_HARDWARE``,
+``*`` any) and whose model ``KILN_ENGINE_MODELS`` allows (default all). One worker per device
+fetches one message at a time while the device is free, in :meth:`WorkConsumer.order`;
+:mod:`kiln.engine_pool.delivery` takes each to its ack, nak or term.
 """
 
 from __future__ import annotations
@@ -59,8 +49,9 @@ ANY = "*"
 
 
 def durable_name(device_kind: str, tier: str, model_key: str) -> str:
-    """The durable consumer of one work subject, shared by every pool that serves it, e.g.
-    ``ep-h100-fast-1a2b3c4d5e6f``."""
+    """The durable consumer of one work subject, shared by every pool serving it, e.g.
+    ``ep-h100-fast-1a2b3c4d5e6f``.
+    """
     return f"ep-{device_kind}-{tier}-{model_key}"
 
 
@@ -70,14 +61,9 @@ def _csv(text: str) -> list[str]:
 
 @dataclass(eq=False)
 class Lane:
-    """One work subject this pool consumes.
-
-    Attributes:
-        subject: the exact subject. kind, tier, model_key: its tokens.
-        sub: the pull subscription bound to its durable consumer.
-        queued: messages the stream holds on it (queued or in flight; from the last scan,
-            plus publishes seen since, minus messages handled here).
-        lock: one fetch at a time per subscription.
+    """One work subject this pool consumes: ``subject`` and its tokens, ``sub`` (pull subscription),
+    ``queued`` (messages held on it: last scan plus publishes seen minus handled here), ``lock``
+    (one fetch at a time).
     """
 
     subject: str
@@ -90,19 +76,16 @@ class Lane:
 
 
 class WorkConsumer:
-    """Consumes the work subjects this pool serves into an :class:`EnginePool`, one worker
-    per device.
+    """Consumes the work subjects this pool serves into an :class:`EnginePool`, one worker per
+    device.
 
     Args:
-        settings: NATS URL, subject prefix and ledger address.
-        engine_settings: ack wait, max deliver, nak delay, hardware and models served, scan
-            interval.
-        pool: runs the experiments.
+        settings: NATS URL, subject prefix, ledger address. engine_settings: ack wait, max deliver,
+            nak delay, hardware and models served, scan interval. pool: runs the experiments.
 
     Attributes:
-        connected: set while consuming.
-        deliveries: takes each fetched message to its ack, nak or term.
-        lanes: the subjects consumed now, by subject.
+        connected: set while consuming. deliveries: takes each message to its ack, nak or term.
+        lanes: the subjects consumed now.
     """
 
     def __init__(
@@ -129,8 +112,9 @@ class WorkConsumer:
 
     # ------------------------------------------------------------------ what is served
     def kinds_for(self, slot: DeviceSlot) -> list[str]:
-        """Device kinds whose work ``slot`` takes: ``KILN_ENGINE_HARDWARE`` when set (``*`` =
-        any), else the device's own kind."""
+        """Device kinds whose work ``slot`` takes: ``KILN_ENGINE_HARDWARE`` when set (``*`` = any),
+        else the device's kind.
+        """
         return self._hardware or [slot.device.kind]
 
     @property
@@ -203,8 +187,9 @@ class WorkConsumer:
             await lane.sub.unsubscribe()
 
     async def discover(self) -> None:
-        """Scan the stream: bind every served subject that holds work and set how much each
-        holds. Raises what JetStream raises."""
+        """Scan the stream: bind every served subject that holds work and set its count. Raises what
+        JetStream raises.
+        """
         js = self._js
         if js is None:
             return
@@ -317,8 +302,7 @@ class WorkConsumer:
                         await nc.close()
 
     async def _scan(self, stop: asyncio.Event) -> None:
-        """Re-scan the stream every ``discover_s``, and soon after a publish on a subject not
-        bound yet."""
+        """Re-scan every ``discover_s``, and soon after a publish on an unbound subject."""
         while not stop.is_set():
             seen = self._generation
             await self._wait_news(stop, seen, self.engine_settings.discover_s, self._has_unbound)
@@ -339,8 +323,9 @@ class WorkConsumer:
         timeout_s: float,
         ready: Callable[[], bool] | None = None,
     ) -> None:
-        """Wait until news after generation ``seen`` (and ``ready()`` if given), ``stop``, or
-        ``timeout_s``."""
+        """Wait for news after generation ``seen`` (and ``ready()`` if given), ``stop``, or
+        ``timeout_s``.
+        """
 
         def done() -> bool:
             if stop.is_set():
@@ -385,9 +370,9 @@ class WorkConsumer:
                 self._export_queued()
 
     def order(self, slot: DeviceSlot) -> list[Lane]:
-        """The subjects ``slot`` fetches from, in order: those of the (tier, model) its engines
-        hold (most recent first), then models no other device here holds, then the rest,
-        rotating so that every subject gets its turn."""
+        """The subjects ``slot`` fetches from: the (tier, model) its engines hold (most recent
+        first), then models no other device here holds, then the rest, rotating.
+        """
         resident = self.pool.resident(slot.device.name)
         elsewhere = {
             pair

@@ -1,23 +1,12 @@
-"""The outbox publisher: every committed event reaches JetStream exactly once, in position order.
+"""The outbox publisher: every committed event reaches JetStream exactly once, in position order
+(why: docs/design/ledger.md, "Outbox").
 
-The ledger's append transaction inserts the events and one ``outbox`` row per event, then
-``NOTIFY kiln_outbox``. This publisher (one per database: a session-level advisory lock elects
-it among ledger replicas) reads the outbox joined to ``events`` in position order, publishes
-each event to ``{prefix}.events.{category}.{stream_id}.{type}`` with ``Nats-Msg-Id`` = event id,
-waits for each PubAck, and only then deletes the outbox rows.
-
-Why nothing is lost or duplicated:
-
-* a crash before the DELETE leaves the rows; the next pass republishes them and JetStream drops
-  the copies by ``Nats-Msg-Id`` (PubAck ``duplicate=True``) inside the duplicate window;
-* beyond that window, the publisher's *watermark* decides: publishing is strictly sequential in
-  position order (the next event is sent only after the previous one's PubAck), so the last
-  message of the events stream carries the highest position ever published, and every outbox
-  row at or below it was already published. On becoming leader the watermark is read back from
-  the stream (``Kiln-Position`` of its last message, checked against the database by event id
-  so that a fresh database behind an old stream never skips anything);
-* NATS down: the pass raises :class:`kiln.common.errors.Unavailable` after deleting only the
-  rows that were acknowledged; ``run`` backs off and retries. A row is never deleted unacked.
+The append transaction inserts the events and one ``outbox`` row each, then ``NOTIFY kiln_outbox``.
+One publisher per database (session advisory lock :data:`LOCK_KEY`) reads the outbox joined to
+``events`` in position order, publishes each to ``{prefix}.events.{category}.{stream_id}.{type}``
+with ``Nats-Msg-Id`` = event id, waits for each PubAck, then deletes the rows. Rows at or below the
+*watermark* (the stream's last ``Kiln-Position``) are skipped. A row is never deleted
+unacknowledged; NATS down raises :class:`kiln.common.errors.Unavailable` and ``run`` retries.
 """
 
 from __future__ import annotations
@@ -69,8 +58,9 @@ _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError)
 
 
 class PublishFailed(Unavailable):
-    """A pass stopped at a row it could not publish; ``done`` lists the positions before it
-    that are on the stream (the pass deletes those, the rest stay in the outbox)."""
+    """A pass stopped at a row it could not publish; ``done``: the positions before it now on the
+    stream (deleted; the rest stay).
+    """
 
     def __init__(self, message: str, done: list[int]) -> None:
         super().__init__(message)
@@ -78,8 +68,9 @@ class PublishFailed(Unavailable):
 
 
 def event_headers(event: StoredEvent) -> dict[str, str]:
-    """The message headers of ``event``: ``Nats-Msg-Id`` = event id and the ``Kiln-*`` headers
-    (metadata values that are null or empty are left out)."""
+    """The message headers of ``event``: ``Nats-Msg-Id`` = event id and the ``Kiln-*`` headers (null
+    or empty metadata left out).
+    """
     recorded = event.recorded_at
     if recorded.tzinfo is None:
         recorded = recorded.replace(tzinfo=UTC)
@@ -109,22 +100,20 @@ def event_body(event: StoredEvent) -> bytes:
 
 
 class OutboxPublisher:
-    """Publishes the ledger's outbox to the JetStream events stream (see the module doc).
+    """Publishes the ledger's outbox to the JetStream events stream (module doc).
 
     Args:
         engine: the ledger database.
         js: a JetStream context; the events stream must exist
             (:func:`kiln.common.nats.ensure_streams`).
         prefix: the subject prefix (``settings.subject_prefix``).
-        poll_interval_s: longest wait for a NOTIFY before looking at the outbox anyway, seconds;
-            doubled after each pass that found nothing, up to :data:`IDLE_POLL_STEPS`
-            doublings (every append NOTIFYs, so the poll only catches a missed notification,
-            and an idle ledger need not query its outbox five times a second).
-        lock_retry_s: how often a non-leader tries to become leader, seconds.
+        poll_interval_s: longest wait for a NOTIFY before looking anyway, seconds; doubled after
+            each empty pass, up to :data:`IDLE_POLL_STEPS` doublings.
+        lock_retry_s: how often a non-leader tries to lead, seconds.
         ack_timeout_s: longest wait for one PubAck, seconds.
-        max_backoff_s: longest pause after a failed pass (NATS or database down), seconds.
-        use_watermark: skip rows at or below the stream's last ``Kiln-Position`` (keep True
-            outside tests; False makes the JetStream duplicate window the only guard).
+        max_backoff_s: longest pause after a failed pass, seconds.
+        use_watermark: skip rows at or below the stream's last ``Kiln-Position`` (False, tests only:
+            the duplicate window is the only guard).
     """
 
     def __init__(
@@ -159,20 +148,15 @@ class OutboxPublisher:
 
     @property
     def watermark(self) -> int:
-        """Highest position found on the stream by the last :meth:`sync_watermark` (0 before).
-
-        It is not advanced while publishing: rows published since are guarded by JetStream's
-        duplicate window, and a later sync (each new leadership) picks them up.
+        """Highest position found on the stream by the last :meth:`sync_watermark` (0 before); not
+        advanced while publishing.
         """
         return self._watermark or 0
 
     # --- one pass ------------------------------------------------------------------------
     async def sync_watermark(self) -> int:
-        """Read the highest published position back from the events stream.
-
-        Takes the stream's last message; its ``Kiln-Position`` becomes the watermark if the
-        database holds that position with the same event id (``Nats-Msg-Id``), else 0 (a
-        database that does not match the stream is not trusted to skip anything).
+        """Read the highest published position back: the stream's last message's ``Kiln-Position``
+        if the database holds that position with the same event id, else 0.
 
         Raises:
             Unavailable: JetStream did not answer.
@@ -222,16 +206,15 @@ class OutboxPublisher:
             return [row_to_event(r) for r in await conn.execute(stmt)]
 
     async def publish(self, rows: list[StoredEvent]) -> list[int]:
-        """Publish ``rows`` in order, one PubAck at a time; no outbox rows are deleted.
-
-        Rows at or below the watermark are not sent. Stops at the first failure.
+        """Publish ``rows`` in order, one PubAck at a time, skipping rows at or below the watermark;
+        deletes nothing; stops at the first failure.
 
         Returns:
-            The positions that are now on the stream (acknowledged or skipped), in order.
+            The positions now on the stream (acknowledged or skipped), in order.
 
         Raises:
-            PublishFailed: NATS or JetStream failed (or a row cannot be published); the
-                positions handled before the failure are its ``done``.
+            PublishFailed: NATS or JetStream failed (or a row cannot be published); ``done`` holds
+                the positions handled before.
             Unavailable: the watermark could not be read (nothing was sent).
         """
         if self._watermark is None:
@@ -280,18 +263,15 @@ class OutboxPublisher:
         return int(n or 0)
 
     async def publish_pending(self, limit: int = 500) -> int:
-        """One pass: publish up to ``limit`` outbox rows in order, then delete them.
-
-        Safe to call without :meth:`run` (tests, a one-off flush); with several publishers
-        at once JetStream's de-duplication still holds within its window.
+        """One pass: publish up to ``limit`` outbox rows in order, then delete them. Safe without
+        :meth:`run`.
 
         Returns:
-            How many rows left the outbox (published, found duplicate, or skipped as already
-            on the stream).
+            How many rows left the outbox (published, duplicate, or already on the stream).
 
         Raises:
-            Unavailable: NATS failed mid-pass; rows acknowledged before it are deleted, the
-                rest stay.
+            Unavailable: NATS failed mid-pass; rows acknowledged before it are deleted, the rest
+                stay.
         """
         rows = await self.fetch_pending(limit)
         if not rows:
@@ -312,10 +292,8 @@ class OutboxPublisher:
 
     # --- the loop -------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, *, batch: int = 500) -> None:
-        """Publish until ``stop`` is set: elect a leader, then drain on NOTIFY or every poll.
-
-        Never raises for NATS or database outages (logs, backs off, retries); returns when
-        ``stop`` is set, releasing the lock.
+        """Publish until ``stop`` is set: elect a leader, then drain on NOTIFY or every poll. Never
+        raises for NATS or database outages (logs, backs off, retries); releases the lock on return.
         """
         failures = 0
         while not stop.is_set():
@@ -388,8 +366,7 @@ class OutboxPublisher:
                 await self._wait_notify(pg, stop, timeout)
 
     async def _wait_notify(self, pg: Any, stop: asyncio.Event, timeout_s: float) -> None:
-        """Return on a NOTIFY, on ``stop`` or after ``timeout_s``; raises if the session died
-        (so the caller steps down)."""
+        """Return on a NOTIFY, on ``stop`` or after ``timeout_s``; raises if the session died."""
 
         async def notified() -> None:
             gen = pg.notifies(timeout=timeout_s, stop_after=1)

@@ -1,50 +1,27 @@
-"""``moe``: the mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral).
+"""``moe``: the mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral), in an expert layer's
+``ffn`` slot in place of ``mlp`` (design: docs/design/kernels.md, "MoE").
 
-It takes the place of ``mlp`` in an expert layer's ``ffn`` slot, so the decoder's forward does
-not change. Semantics are transformers' (>= 5) ``Qwen3MoeSparseMoeBlock`` /
-``MixtralSparseMoeBlock`` in eval mode (no router jitter):
+Semantics of transformers' (>= 5) ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` in eval
+mode: (1) :func:`route`: ``logits = x @ router_weight.T`` in the model dtype, in float32 ``p =
+softmax(logits + router_bias)``, ``(w, e) = topk(p, top_k)``, ``w /= w.sum(-1)`` if
+``norm_topk_prob``; (2) each chosen expert computes ``down_e(silu(gate_e(x)) * up_e(x))`` in the
+model dtype, scaled by ``w`` (cast to the model dtype first when ``round_router_weights``,
+Qwen3-MoE; else in float32 then cast, Mixtral); (3) the scaled outputs are summed per token in the
+model dtype.
 
-1. router: ``logits = x @ router_weight.T`` in the model dtype, then in float32
-   ``p = softmax(logits + router_bias)``; ``(w, e) = topk(p, top_k)``; if ``norm_topk_prob``,
-   ``w /= w.sum(-1)`` (Mixtral always, Qwen3-MoE per its config);
-2. each chosen expert ``e`` computes ``down_e(silu(gate_e(x)) * up_e(x))`` in the model dtype
-   (Shazeer 2020 SwiGLU, as ``mlp``), scaled by its weight ``w`` — cast to the model dtype first
-   when ``round_router_weights`` (Qwen3-MoE), else in float32 then cast (Mixtral);
-3. the scaled expert outputs are summed per token in the model dtype.
+Call: ``moe(x[B, T, H]) -> [B, T, H]`` in ``x.dtype``. Params (stacked, as transformers >= 5;
+:mod:`kiln.workloads.weights`): ``router_weight`` ``[E, H]`` (HF ``mlp.gate.weight``);
+``gate_up_weight`` ``[E, 2I, H]``, gate rows ``[:I]`` then up (HF ``mlp.experts.gate_up_proj``);
+``down_weight`` ``[E, H, I]``; ``top_k`` (int), ``norm_topk_prob``, ``round_router_weights`` (bool);
+``router_bias``: kiln's float32 ``[E]`` logit bias imposing the traffic's expert-load skew on random
+weights (:mod:`kiln.workloads.models.routing`), or None.
 
-``router_bias`` is kiln's, not a checkpoint weight: a float32 ``[E]`` bias added to the router
-logits that engines with random weights use to impose the traffic's expert-load skew
-(:mod:`kiln.workloads.models.routing`); None = no bias (the checkpoint's routing).
-
-Call: ``moe(x[B, T, H]) -> [B, T, H]`` in ``x.dtype``. Base params (held stacked, as
-transformers >= 5 holds them; see :mod:`kiln.workloads.weights`):
-
-- ``router_weight`` ``[E, H]`` (HF ``mlp.gate.weight``);
-- ``gate_up_weight`` ``[E, 2I, H]``: expert e's gate rows ``[:I]`` then up rows ``[I:]``
-  (HF ``mlp.experts.gate_up_proj``);
-- ``down_weight`` ``[E, H, I]`` (HF ``mlp.experts.down_proj``);
-- ``top_k`` (int), ``norm_topk_prob`` (bool), ``round_router_weights`` (bool),
-  ``router_bias`` (float32 ``[E]`` or None).
-
-Every implementation keeps its shapes static and never synchronises with the host (no
-``.item()``, ``.tolist()`` or data-dependent shapes), so each runs inside a CUDA graph and under
-``torch.compile(fullgraph=True)`` at a fixed batch; scratch is sized by ``N * top_k`` assignments.
-All of them share :func:`route`, so they pick the same experts:
-
-- ``reference``: the ``N * top_k`` (token, expert) assignments sorted by expert
-  (:func:`sort_by_expert`, counts on the device), the tokens gathered once, each expert's tokens
-  multiplied in one grouped product per projection (:func:`grouped_linear`: PyTorch's
-  ``grouped_mm`` where the device and dtype have it, else :func:`gathered_linear`), scaled and
-  summed per token in increasing expert id with a rounding after each add (the order and
-  rounding of transformers' per-expert loop);
-- ``gathered``: the same layout, each assignment multiplied by its own expert's weights gathered
-  (one batched matrix-vector product per projection): reads only the chosen experts, at the cost
-  of copying them; for small batches;
-- ``dense``: every expert on every token as batched matmuls, combined with a dense ``[N, E]``
-  weight matrix: E/top_k times the FLOPs, no gather.
-
-Which wins depends on the batch and on how many distinct experts the routing hits, which is why
-the traffic's expert-load skew matters.
+Every implementation keeps shapes static and never synchronises with the host (CUDA-graph and
+``torch.compile(fullgraph=True)`` safe; scratch sized by ``N * top_k``) and shares :func:`route`:
+``reference`` (assignments sorted by expert, one grouped product per projection, summed in
+increasing expert id with a rounding after each add, as transformers' loop), ``gathered`` (each
+assignment times its expert's gathered weights; small batches), ``dense`` (every expert on every
+token: E/top_k times the FLOPs, no gather).
 """
 
 from __future__ import annotations
@@ -92,15 +69,14 @@ def route(
 
 @dataclass(frozen=True)
 class Assignments:
-    """The ``S = N * top_k`` (token, expert) assignments of a step, sorted by expert (stable, so
-    a token's assignments keep their top-k order within an expert).
+    """The ``S = N * top_k`` (token, expert) assignments of a step, sorted by expert (stable).
 
     Attributes:
         token: ``[S]`` int64 token of each assignment. experts: ``[S]`` int64 its expert.
         weights: ``[S]`` its routing weight (the dtype :func:`route`'s caller chose).
         offsets: ``[E]`` int32 cumulative ends of each expert's rows (``grouped_mm``'s ``offs``).
-        dest: ``[S]`` int64 row ``token * top_k + r`` of a ``[N * top_k]`` buffer, ``r`` the
-            assignment's rank among its token's experts in increasing expert id (unique rows).
+        dest: ``[S]`` int64 unique row ``token * top_k + r`` of a ``[N * top_k]`` buffer, ``r`` the
+            assignment's rank among its token's experts by expert id.
     """
 
     token: Tensor
@@ -153,11 +129,10 @@ _ALIGN_BYTES = 16
 
 
 def grouped_mm_applies(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`grouped_linear` runs PyTorch's ``grouped_mm`` for ``x [S, K]`` and
-    ``weight [E, N, K]``: bfloat16 (its only dtype under ``torch.compile``) with rows of 16-byte
-    multiples (K and N), on a CUDA device of compute capability 9.0 or later (CUTLASS's grouped
-    GEMM) or a CPU whose torch has it. A fixed rule of shapes and devices, so a captured or
-    compiled step never changes path."""
+    """Whether :func:`grouped_linear` runs PyTorch's ``grouped_mm`` for ``x [S, K]``, ``weight [E,
+    N, K]``: bfloat16, K and N rows of 16-byte multiples, on CUDA capability >= 9.0 or a CPU whose
+    torch has it. Depends on shapes and device only, so a captured step never changes path.
+    """
     size = x.element_size()
     if x.dtype != torch.bfloat16 or getattr(F, "grouped_mm", None) is None:
         return False
@@ -169,15 +144,16 @@ def grouped_mm_applies(x: Tensor, weight: Tensor) -> bool:
 
 
 GATHER_BYTES = 256 << 20
-"""Scratch :func:`gathered_linear` gathers weights into at once, bytes (a prefill of thousands
-of tokens runs in chunks of rows instead of copying every row's expert at once)."""
+"""Scratch :func:`gathered_linear` gathers weights into at once, bytes (larger gathers run in chunks
+of rows).
+"""
 
 
 def gathered_linear(x: Tensor, weight: Tensor, experts: Tensor) -> Tensor:
-    """Row ``s`` of ``x [S, K]`` times ``weight[experts[s]].T`` (``weight [E, N, K]``) ->
-    ``[S, N]``: the chosen experts' weights gathered, batched matrix-vector products with
-    float32 accumulation, in chunks of rows whose gathered weights fit :data:`GATHER_BYTES`
-    (the chunking depends on shapes only, so a captured step keeps it)."""
+    """Row ``s`` of ``x [S, K]`` times ``weight[experts[s]].T`` (``weight [E, N, K]``) -> ``[S,
+    N]``, float32 accumulation, in row chunks whose gathered weights fit :data:`GATHER_BYTES`
+    (shape-determined).
+    """
     s, (_, n, k) = x.shape[0], weight.shape
     rows = max(1, GATHER_BYTES // max(1, n * k * weight.element_size()))
     parts = [
@@ -190,7 +166,8 @@ def gathered_linear(x: Tensor, weight: Tensor, experts: Tensor) -> Tensor:
 def grouped_linear(x: Tensor, weight: Tensor, a: Assignments) -> Tensor:
     """Rows ``x[offsets[e-1]:offsets[e]]`` times ``weight[e].T`` for every expert e: ``x [S, K]``
     sorted by expert, ``weight [E, N, K]`` -> ``[S, N]``; one grouped GEMM where
-    :func:`grouped_mm_applies`, else :func:`gathered_linear`."""
+    :func:`grouped_mm_applies`, else :func:`gathered_linear`.
+    """
     if grouped_mm_applies(x, weight):
         out: Tensor = F.grouped_mm(x, weight.transpose(1, 2), offs=a.offsets)
         return out
@@ -207,7 +184,8 @@ def _routed(
     router_bias: Tensor | None,
 ) -> tuple[Tensor, Assignments]:
     """``x [B, T, H]`` flattened to ``[N, H]``, and its assignments sorted by expert (weights
-    rounded to the model dtype when ``round_router_weights``)."""
+    rounded to the model dtype when ``round_router_weights``).
+    """
     flat = x.reshape(-1, x.shape[-1])
     weights, experts = route(
         flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias
@@ -218,10 +196,10 @@ def _routed(
 
 
 def _combine(flat: Tensor, a: Assignments, ys: Tensor, top_k: int) -> Tensor:
-    """Scale each assignment's expert output by its weight, round to the model dtype, and add
-    them per token in increasing expert id, rounding after each add (the order and rounding of
-    transformers' per-expert ``index_add_`` loop; deterministic, unlike an atomic scatter-add
-    on CUDA): ``[N, H]``."""
+    """Scale each assignment's expert output by its weight, round to the model dtype, and add per
+    token in increasing expert id, rounding after each add (transformers' ``index_add_`` order;
+    deterministic): ``[N, H]``.
+    """
     scaled = (ys * a.weights[:, None]).to(flat.dtype)
     n, h = flat.shape
     rows = torch.empty(n * top_k, h, dtype=flat.dtype, device=flat.device)
@@ -274,9 +252,9 @@ def gathered(
     round_router_weights: bool,
     router_bias: Tensor | None = None,
 ) -> Tensor:
-    """Each assignment times its own expert's gathered weights (:func:`gathered_linear`): reads
-    only the chosen experts, copying them (scratch bounded by
-    :data:`GATHER_BYTES`). Same contract as :func:`reference`."""
+    """Each assignment times its own expert's gathered weights (:func:`gathered_linear`, scratch
+    bounded by :data:`GATHER_BYTES`). Same contract as :func:`reference`.
+    """
     flat, a = _routed(
         x, router_weight, gate_up_weight.shape[0], top_k, norm_topk_prob, round_router_weights,
         router_bias,
@@ -298,10 +276,10 @@ def dense(
     round_router_weights: bool,
     router_bias: Tensor | None = None,
 ) -> Tensor:
-    """Every expert on every token (``bmm`` over ``[E, N, H]``), combined with the routing
-    weights scattered into a dense ``[N, E]`` matrix (zero where not chosen) and summed over
-    experts in float32. E/top_k times the reference's FLOPs; scratch ``E * N * (2I + H)``
-    elements. Same contract as :func:`reference`."""
+    """Every expert on every token (``bmm`` over ``[E, N, H]``), combined through a dense ``[N, E]``
+    weight matrix in float32: E/top_k times the reference's FLOPs, scratch ``E * N * (2I + H)``
+    elements. Same contract as :func:`reference`.
+    """
     b, t, h = x.shape
     flat = x.reshape(-1, h)
     weights, experts = route(

@@ -1,51 +1,20 @@
-"""Correctness of a candidate: its logits against the reference forward's on fresh inputs.
+"""Correctness of a candidate: its logits against the reference forward's on fresh inputs
+(rationale: docs/design/engine.md, "Check").
 
-Every experiment draws new random prompts (right-padded, lengths varying across the batch) and
-decode tokens from its own seed, runs the candidate first and the reference second on the same
-inputs (the reference on its own copy of them), and compares every step's logits. Before each
-call the outputs already returned are poisoned (filled with NaN), so a candidate that hands back
-a stale tensor fails instead of passing with the previous answer.
+Each experiment draws new random prompts (right-padded, varied lengths) and decode tokens from its
+seed, runs the candidate first and the reference second on its own copy of the inputs, and compares
+every step's logits. Outputs already returned are poisoned (NaN) before each call. The gate
+(:meth:`kiln.runtime.engine.Engine.run`) checks (1) the first decode step at the traffic shape, (2)
+a prefill plus decode steps at a small batch, and (3) ``k`` timed steps chosen uniformly after the
+fact (:class:`TimedOutputs`).
 
-The gate (:meth:`kiln.runtime.engine.Engine.run`) checks three kinds of calls:
-
-1. the first decode step at the traffic shape (full batch, full context), which the candidate
-   cannot tell from a warm-up or timed step;
-2. a prefill of fresh prompts plus decode steps (varied lengths, a small batch);
-3. timed steps: after each timed call returns, :class:`TimedOutputs` decides with fresh OS
-   entropy whether to keep a copy of its output (reservoir sampling), so ``k`` timed steps end
-   up verified, chosen uniformly; nothing in the process can know during a call whether its
-   output will be verified. After timing, the reference runs each kept step's token at the
-   same cache state and the outputs are compared as above. A candidate that cheats on a
-   fraction ``p`` of its timed steps escapes with probability ``(1 - p) ** k``; moving the
-   reported median needs ``p > 1/2`` (``k = 1``: under one in two; a cheat on every timed step,
-   as caching, skipping work or finishing work after returning do, never escapes).
-
-Tolerance (``max |candidate - reference| <= rtol x max |reference|`` over all checked logits,
-and the same argmax wherever the reference's top-2 margin exceeds twice that):
-
-=========  ======  ==========================================================================
-dtype      rtol    why
-=========  ======  ==========================================================================
-float32    1e-3    summation order only (observed <= 1e-6)
-bfloat16   5e-2    ``attention=sdpa`` vs the float32-accumulating reference drifts 3.3e-2 on
-                   Llama-3.2-1B at full depth (16 layers, batch 8, context 512; 2.6e-2 on
-                   short prompts); the fused projections and norms match exactly
-float16    1e-2    10 mantissa bits (8x finer than bfloat16)
-=========  ======  ==========================================================================
-
-In reduced precision (bfloat16, float16) the fixed table is a floor: each comparison also runs
-the reference in float32 arithmetic over the same weights (:mod:`kiln.runtime.exact`) and
-accepts a candidate as far from that as :data:`NOISE_FACTOR` times the reference's own rounding
-error on the same inputs (:func:`compare`). A deep model's honest bf16 forwards differ by more
-than 5e-2 (Qwen3-8B's 36 layers: 0.39-0.42 at logits of about 6, benchmarks/notes/
-qwen3_hf_bf16.md), so the fixed table alone rejected correct candidates there.
-
-On models with ``moe`` layers the comparison is routing-aware (:mod:`kiln.runtime.moe_check`):
-rows whose route may have flipped (a router score within rounding and drift of a tie) are left
-out, and every MoE layer is also checked on the reference's own inputs. Lossy candidates (opted
-in) are held to :data:`LOSSY_RTOL` and labelled as such. What a candidate may not do besides
-computing (change the engine's code or numerics flags, keep working after returning) is watched
-by :mod:`kiln.runtime.integrity`.
+Tolerance: ``max |candidate - reference| <= rtol x max |reference|`` over all checked logits, and
+the same argmax wherever the reference's top-2 margin exceeds twice that; rtol float32 1e-3,
+bfloat16 5e-2, float16 1e-2. In bfloat16/float16 that is a floor: a candidate may also be
+:data:`NOISE_FACTOR` times as far from a float32 forward (:mod:`kiln.runtime.exact`) as the
+reference is (:func:`compare`). MoE models are checked routing-aware
+(:mod:`kiln.runtime.moe_check`); lossy candidates (opted in) are held to :data:`LOSSY_RTOL`. What a
+candidate may do besides computing is watched by :mod:`kiln.runtime.integrity`.
 """
 
 from __future__ import annotations
@@ -61,9 +30,9 @@ Tensor = torch.Tensor
 RTOL: dict[torch.dtype, float] = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 LOSSY_RTOL = 1e-1
 NOISE_FACTOR = 2.0
-"""A reduced-precision candidate may be this many times as far from the float32 exact forward
-as the reference is (the criterion of FlashAttention's tests: its kernel's error against a
-float32 reference at most twice that of the bf16 PyTorch implementation)."""
+"""A reduced-precision candidate may be this many times as far from the float32 exact forward as the
+reference is (the criterion of FlashAttention's tests).
+"""
 
 
 class EngineFault(RuntimeError):
@@ -120,8 +89,7 @@ class OutputGuard:
     """Holds the logits a model returned and poisons them (NaN) before its next call.
 
     Args:
-        protected: storage addresses never to poison (weights, KV caches): a candidate that
-            returns a view of engine state must not get the engine's state overwritten.
+        protected: storage addresses never to poison (weights, KV caches).
     """
 
     def __init__(self, protected: set[int]) -> None:
@@ -177,16 +145,13 @@ def compare(
 
     Args:
         rtol: the tolerance is ``rtol x max |reference|`` over every step and row.
-        rows: per step, ``[B]`` bool rows to compare (the rest need only be finite); all rows
-            when None. MoE models pass the rows whose routing was determined
-            (:meth:`kiln.runtime.moe_check.RoutedCheck.rows`); the scale stays the
+        rows: per step, ``[B]`` bool rows to compare (the rest need only be finite); all rows when
+            None (MoE: :meth:`kiln.runtime.moe_check.RoutedCheck.rows`). The scale stays the
             reference's largest logit over all rows.
-        exact: the same steps computed in float32 arithmetic over the same weights
-            (:mod:`kiln.runtime.exact`), for a reduced-precision model. The candidate is
-            then compared with it, within ``max(NOISE_FACTOR x noise, rtol x max |reference|
-            + noise)``, ``noise`` = max |reference - exact| over the compared rows: as far from
-            exact as twice the reference's own rounding error, and never stricter than the
-            fixed tolerance (by the triangle inequality, whatever passed it passes this).
+        exact: the same steps in float32 over the same weights (:mod:`kiln.runtime.exact`), for a
+            reduced-precision model: the candidate must then be within ``max(NOISE_FACTOR x noise,
+            rtol x max |reference| + noise)`` of it, ``noise`` = max |reference - exact| over the
+            compared rows (never stricter than the fixed tolerance).
 
     Raises:
         EngineFault: the reference's (or the exact) logits are not finite.
@@ -241,14 +206,10 @@ def compare(
 
 
 class TimedOutputs:
-    """Copies of the outputs of ``k`` timed steps, chosen uniformly at random among however
-    many run (reservoir sampling, Vitter's algorithm R).
-
-    Each decision is drawn from the OS's entropy (``random.SystemRandom``) after the step's
-    call has returned, so no code in the process can tell during a call whether its output
-    will be kept (a choice drawn from the experiment's seed beforehand could be read from the
-    engine's memory). Copies are float32 ``[B, V]``; at most ``k`` are held at once and about
-    ``k (1 + ln(n / k))`` are made over ``n`` steps.
+    """Copies of the outputs of ``k`` timed steps, chosen uniformly among however many run
+    (reservoir sampling, Vitter's algorithm R), each decision drawn from ``random.SystemRandom``
+    after the step's call returned. Copies are float32 ``[B, V]``; at most ``k`` held at once, about
+    ``k (1 + ln(n / k))`` made over ``n`` steps.
 
     Args:
         k: how many steps to keep (0: none).
@@ -261,9 +222,8 @@ class TimedOutputs:
         self._rng = random.SystemRandom()
 
     def offer(self, step: int, out: object) -> Callable[[], None] | None:
-        """Consider the output of timed step ``step`` (0-based): draw whether to keep it (host
-        only) and return the copy to make, or None. The timer runs the copy outside the timed
-        interval (:mod:`kiln.runtime.timing`).
+        """Consider the output of timed step ``step`` (0-based): return the copy to make (run
+        outside the timed interval, :mod:`kiln.runtime.timing`), or None.
 
         Raises:
             TypeError: ``out`` is not a tensor (the forward must return logits).

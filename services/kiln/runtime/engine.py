@@ -1,29 +1,15 @@
-"""A persistent engine: a model built once, then many candidates hot-reloaded into it.
+"""A persistent engine: a model built once, then many candidates hot-reloaded into it (design:
+docs/design/engine.md, "Engine").
 
-Built once (:class:`Engine`):
-
-- the weights (a :class:`~kiln.workloads.weights.WeightStore`, read or drawn once);
-- the *reference* model over them (reference ops, bound at build time, so nothing a candidate
-  registers can change it), with a small KV cache (``check_batch`` x prompt + steps) for the
-  correctness check;
-- the *measured* model over the same weights, with a KV cache of ``batch_size`` sequences x
-  ``cache_len`` slots, filled to ``context_len`` tokens (the traffic shape's operating point);
-- a reference model over the measured model's cache, for the check at the traffic shape.
-
-Per candidate (:meth:`Engine.run`): the gate's phases (:mod:`kiln.runtime.gate`: load,
-bind, compile, check, measure, verify; the comparisons in :mod:`kiln.runtime.gate_check`).
-
-Around all of it (:mod:`kiln.runtime.integrity`): the engine's code, reference models,
-timer and numerics flags are fingerprinted before the candidate loads and compared after; a
-change (or a candidate thread still running) makes the experiment INCORRECT whatever the
-gate said, is put back, and restarts the engine. ``tests/red_team`` holds the cheating
-candidates this is tested against.
-
-Whatever the gate said, the engine is put back afterwards: transforms undone, the op registry
-restored, the measured model re-bound to the reference ops, derived layouts a code module
-introduced dropped, and (after code modules) the weights verified unchanged (identity,
-address, sampled contents) and the cache refilled. When that cannot be guaranteed the
-measurement asks for a restart (``restart_engine``).
+Built once (:class:`Engine`): the weights (:class:`~kiln.workloads.weights.WeightStore`); the
+*reference* model (reference ops bound at build time) with a small check cache; the *measured* model
+over the same weights with ``batch_size`` x ``cache_len`` slots filled to ``context_len``; a
+reference over the measured cache for the traffic-shape check. Per candidate (:meth:`Engine.run`):
+the gate's phases (:mod:`kiln.runtime.gate`, :mod:`kiln.runtime.gate_check`) under the watches of
+:mod:`kiln.runtime.integrity` (a change makes the experiment INCORRECT and restarts the engine).
+Afterwards the engine is always put back (transforms undone, registry restored, reference ops
+re-bound, derived layouts dropped; after code modules the weights verified and the cache refilled),
+or the measurement asks for a restart (``restart_engine``).
 """
 
 from __future__ import annotations
@@ -63,8 +49,9 @@ ExternalMeasure = Callable[[Any, RunRequest, dict[str, Any]], Measurement]
 """``(engine, request, base) -> Measurement``: what :meth:`Engine.run_external` runs."""
 SAMPLES_PER_TENSOR = 1 << 16
 MODEL_BINDING = ("binding", "ops")
-"""Attributes of the measured model hot reload swaps (everything else only transforms may set,
-and they undo it)."""
+"""Attributes of the measured model hot reload swaps (only transforms may set others, and they undo
+it).
+"""
 ENGINE_ATTRIBUTES = (
     "reference",
     "shape_reference",
@@ -82,24 +69,22 @@ ENGINE_ATTRIBUTES = (
 
 
 class Engine(Gate):
-    """The model state of one engine process (see the module docstring).
+    """The model state of one engine process (module docstring).
 
     Args:
-        spec: what to build.
-        engine_id: reported with every measurement.
+        spec: what to build. engine_id: reported with every measurement.
 
     Attributes:
-        build_s: seconds the build took (weights, caches, warm-up), in this process.
-        build_phases_s: the build split into ``weights``, ``models``, ``cache``, ``warm``.
+        build_s: seconds the build took, in this process; build_phases_s: split into ``weights``,
+            ``models``, ``cache``, ``warm``.
 
     Raises:
-        kiln.workloads.models.UnbuildableModelError, kiln.workloads.weights.WeightError,
-        ValueError: the spec cannot be built (see :func:`kiln.workloads.models.build_model`).
+        kiln.workloads.models.UnbuildableModelError, kiln.workloads.weights.WeightError, ValueError:
+            the spec cannot be built.
     """
 
     _fingerprint: HarnessFingerprint | None = None
-    """The pristine engine's fingerprint, taken before its first candidate loads (see
-    :meth:`_attempt`)."""
+    """The pristine engine's fingerprint, taken before its first candidate loads."""
 
     def __init__(self, spec: EngineSpec, engine_id: str = "") -> None:
         start = time.perf_counter()
@@ -170,9 +155,9 @@ class Engine(Gate):
 
     def _weights_sample(self) -> dict[str, Tensor]:
         """A copy of every base weight's elements at a fixed stride (about
-        :data:`SAMPLES_PER_TENSOR` each): milliseconds to take and compare, any dtype, exact.
-        Whole-tensor writes (``mul_``, ``fill_``, ``copy_``...) always show; a write to a few
-        elements may fall between samples."""
+        :data:`SAMPLES_PER_TENSOR` each; exact, any dtype). Whole-tensor writes always show; a
+        few-element write may fall between samples.
+        """
         out: dict[str, Tensor] = {}
         with torch.no_grad():
             for name, t in self.weights.items():
@@ -181,8 +166,9 @@ class Engine(Gate):
         return out
 
     def weights_intact(self) -> bool:
-        """True when every base weight is the same tensor at the same address, with the same
-        sampled contents as at build time (see :meth:`_weights_sample`)."""
+        """True when every base weight is the same tensor at the same address with the same sampled
+        contents as at build time.
+        """
         for name, (tensor, ptr) in self._base.items():
             if self.weights.get(name) is not tensor or tensor.data_ptr() != ptr:
                 return False
@@ -190,13 +176,9 @@ class Engine(Gate):
         return all(torch.equal(now[name], sample) for name, sample in self._sample.items())
 
     def _warm(self) -> None:
-        """A decode step at the traffic shape and a check prefill, with the reference ops and
-        then with each built-in non-lossy alternative that runs on this device, so first-use
-        costs (allocator, kernel selection, loading cuDNN / flash-attention kernels, cuBLAS
-        handles: about 0.9 s for the first SDPA call on an H200; Triton's compilation) and the
-        built-in derived weight layouts (fused QKV, gate/up) belong to the build, not to the
-        first experiment that uses them. An alternative that fails here is noted in
-        :attr:`warm_notes` and left to its experiments.
+        """A decode step at the traffic shape and a check prefill with the reference ops, then with
+        each built-in non-lossy alternative on this device, so first-use costs and built-in derived
+        layouts belong to the build. An alternative that fails is noted in :attr:`warm_notes`.
         """
         tokens = torch.zeros((self.spec.batch_size, 1), dtype=torch.int64, device=self.device)
         prompt = torch.zeros(
@@ -236,10 +218,10 @@ class Engine(Gate):
         self.timer.sync()
 
     def after_reply(self) -> None:
-        """Work the next experiment needs done but the last one's result need not wait for:
-        a full garbage collection after a candidate that loaded code modules or compiled
-        (its functions, graphs and compiled code hold device memory until collected); tens
-        of milliseconds with torch loaded. The worker calls it once the result is sent."""
+        """Work the next experiment needs but the last result need not wait for: a full garbage
+        collection after a candidate that loaded code modules or compiled. The worker calls it once
+        the result is sent.
+        """
         if self._collect:
             self._collect = False
             gc.collect()
@@ -247,11 +229,10 @@ class Engine(Gate):
                 torch.cuda.empty_cache()
 
     def memory(self) -> MemoryUsage:
-        """Bytes held: base weights, both KV caches, and workspace. On CUDA the workspace is
-        measured: the peak PyTorch allocated since the experiment (or the build) began, less
-        weights and caches (derived layouts, activations, CUDA graph pools, compiled code's
-        buffers). On CPU it is derived layouts plus an estimate of one decode step's
-        activations (:func:`~kiln.runtime.device_memory.activation_bytes_per_sequence`)."""
+        """Bytes held: base weights, both KV caches, and workspace (CUDA: the peak allocated since
+        the experiment or build began, less weights and caches; CPU: derived layouts plus
+        :func:`~kiln.runtime.device_memory.activation_bytes_per_sequence` of one step).
+        """
         weights = self.weights.nbytes()
         kv = self.model.cache.nbytes() + self.reference.cache.nbytes()
         peak = peak_allocated(self.device)
@@ -288,9 +269,10 @@ class Engine(Gate):
         }
 
     def run_external(self, request: RunRequest, measure: ExternalMeasure) -> Measurement:
-        """Measure something other than a candidate on this engine's weights and operating
-        point (a baseline's forward): ``measure(engine, request, base)`` with ``base`` the
-        fields every measurement carries; its models are collected after the reply."""
+        """Measure something other than a candidate (a baseline's forward) on this engine's weights
+        and operating point: ``measure(engine, request, base)``, ``base`` the common measurement
+        fields; its models are collected after the reply.
+        """
         started = time.perf_counter()
         base = self._measurement_fields()
         reset_peak(self.device)
@@ -302,8 +284,8 @@ class Engine(Gate):
     def run(self, request: RunRequest) -> Measurement:
         """Hot-reload the candidate, check it, time it, and put the engine back.
 
-        Never raises for a candidate's fault: it is a CRASHED / REJECTED / INCORRECT
-        measurement. Raises only what the worker should die of (KeyboardInterrupt).
+        Never raises for a candidate's fault (CRASHED / REJECTED / INCORRECT measurement); raises
+        only what the worker should die of (KeyboardInterrupt).
         """
         started = time.perf_counter()
         base = self._measurement_fields()
@@ -345,15 +327,11 @@ class Engine(Gate):
         applied: AppliedTransforms,
         base: dict[str, Any],
     ) -> Measurement:
-        """The gate (:meth:`_gate`) under the watches of :mod:`kiln.runtime.integrity`:
-        the engine's code and numerics flags fingerprinted before the candidate loads and
-        compared after, the measured model's own attributes compared, threads running candidate
-        code looked for. Any of those makes the experiment INCORRECT (whatever the gate said),
-        puts back what was changed, and asks for a restart. The fingerprint is kept from one
-        experiment to the next and refreshed before each candidate loads (what changed in
-        between, e.g. torch's lazy imports, is noted and becomes the baseline). Cost: one
-        dump of the dispatcher's tables (~50 ms on a 2-core VM) and ~1 ms of attributes each
-        to refresh and to compare."""
+        """The gate (:meth:`_gate`) under :mod:`kiln.runtime.integrity`'s watches (code and numerics
+        fingerprint, the measured model's attributes, candidate threads): any change makes the
+        experiment INCORRECT, is put back, and asks for a restart. The fingerprint is refreshed
+        before each candidate loads (changes in between are noted).
+        """
         fingerprint = self._fingerprint
         if fingerprint is None:
             fingerprint = self._fingerprint = HarnessFingerprint.take(self._watched())
@@ -397,9 +375,9 @@ class Engine(Gate):
         )
 
     def _watched(self) -> Iterator[tuple[str, object, tuple[str, ...] | None]]:
-        """The engine's own objects a candidate must leave alone (for the fingerprint): the
-        engine's references to its models, weights and timer; both reference models, their
-        bound ops and caches; the timer."""
+        """The engine's objects a candidate must leave alone: its references to models, weights and
+        timer; both reference models, their bound ops and caches.
+        """
         yield "engine", self, ENGINE_ATTRIBUTES
         for label, ref in (
             ("reference", self.reference),

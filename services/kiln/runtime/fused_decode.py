@@ -1,50 +1,28 @@
-"""The ``fused_decode`` transform: a decode step as a short chain of fused kernels, for every
-dense decoder kiln builds (Llama and Qwen3 families, any config of them).
+"""The ``fused_decode`` transform: a decode step of any dense decoder kiln builds (Llama, Qwen3) as
+a short chain of fused kernels (rationale and measurements: docs/design/kernels.md).
 
-At small batch a decode step reads every weight once and does little else, so its floor is the
-weights' and KV cache's bytes over memory bandwidth (Llama-3.2-1B at context 1,085: 2.5 GB /
-4.26 TB/s ≈ 0.59 ms on an H200) and what separates an implementation from that floor is how far
-each kernel is from full bandwidth and how many kernels there are (each launch costs a few µs
-even inside a CUDA graph). The op slots of :class:`~kiln.workloads.models.decoder.DecoderModel`
-cost ~17 kernels a layer; this transform fuses across op boundaries (DESIGN.md: "fusions across
-ops"). One parameterized chain serves every family; a layer is:
+A layer is: (1) RMSNorm → QKV product → (Qwen3 per-head Q/K RMSNorm) → RoPE → K/V cache write (one
+kernel, :func:`kiln.ops.kernels.qkv_rope.rms_norm_qkv_rope`, without Q/K norms at a matrix-vector
+batch; else the product then :func:`kiln.ops.kernels.qk_norm_rope.qk_norm_rope`); (2) split-KV
+attention and its combine (:func:`kiln.ops.kernels.decode_attention.decode_attention`); (3)
+``o_proj`` + residual; (4) RMSNorm → gate/up → SiLU·mul; (5) ``down`` + residual; then the final
+RMSNorm and LM head. Products run as :mod:`kiln.ops.kernels.gemv` kernels or as cuBLAS GEMMs with
+add+RMSNorm fused in :func:`kiln.ops.kernels.add_rms_norm.add_rms_norm`. Rounding follows the
+reference ops (projections in the model dtype, norms and RoPE in float32): outputs match within the
+engine's bf16 tolerance.
 
-1. the attention prologue: RMSNorm of the residual stream → fused QKV product → (per-head Q/K
-   RMSNorm, Qwen3) → RoPE → K/V written into the static cache. Without Q/K norms at a
-   matrix-vector batch this is one kernel (:func:`kiln.ops.kernels.qkv_rope.rms_norm_qkv_rope`);
-   otherwise the product runs alone and :func:`kiln.ops.kernels.qk_norm_rope.qk_norm_rope`
-   finishes each head (a norm needs the whole head's dot products);
-2. split-KV (flash-decoding) attention with its split combine
-   (:func:`kiln.ops.kernels.decode_attention.decode_attention`);
-3. ``o_proj`` with the residual add;
-4. RMSNorm → fused gate/up product → SiLU·mul;
-5. ``down`` with the residual add;
+Parameters (strings; unset = each kernel's default for its shape): ``projections`` (``gemv``:
+matrix-vector kernels up to :data:`kiln.ops.kernels.gemv.MAX_M` sequences, tensor cores above;
+``tensor_core``: GEMMs at every batch; unset: GEMV below :data:`TENSOR_CORE_BATCH`), ``block_k``,
+``num_warps`` (all matrix-vector kernels), ``o_block_n``, ``gate_up_block_n``, ``down_block_n``,
+``down_split_k``, ``lm_block_n`` (output rows per program), ``qkv_block`` (rotary pairs per program
+of the fused QKV kernel; rows per program where the product runs apart), ``split_s`` (cache
+positions per attention split), ``fused_combine`` (1: splits combined by the last program of each
+group; 0: a second kernel), ``pdl`` (:mod:`kiln.ops.kernels.pdl`: 0 off, 1 wait then release, 2
+release then wait; default :data:`DEFAULT_PDL`; ignored before Hopper).
 
-then the final RMSNorm and the LM head. The products run either as the matrix-vector kernels of
-:mod:`kiln.ops.kernels.gemv` (norms and residual adds fused into their prologues and epilogues:
-six kernels a layer) or, as the batch grows and the vector units run out of arithmetic, as
-tensor-core GEMMs (cuBLAS through ``torch.nn.functional.linear``) with the residual add and
-RMSNorm fused in :func:`kiln.ops.kernels.add_rms_norm.add_rms_norm`. Which one is the
-``projections`` parameter: searched, not hard-coded. Rounding follows the reference ops (each
-projection rounded to the model dtype, norms and RoPE in float32), so outputs match the reference
-forward within the engine's bf16 tolerance.
-
-Parameters (strings, as candidates carry them; unset = the kernels' default for each shape):
-``projections`` (``gemv``: the matrix-vector kernels up to :data:`kiln.ops.kernels.gemv.MAX_M`
-sequences, tensor cores above; ``tensor_core``: tensor-core GEMMs at every batch; unset: GEMV
-below :data:`TENSOR_CORE_BATCH`, tensor cores from it), ``block_k``, ``num_warps`` (all
-matrix-vector kernels), ``o_block_n``, ``gate_up_block_n``, ``down_block_n``, ``down_split_k``,
-``lm_block_n`` (output rows per program of each product), ``qkv_block`` (rotary pairs per program
-of the fused QKV kernel; output rows per program of the QKV product where it runs apart),
-``split_s`` (cache positions per attention split), ``fused_combine`` (1: the attention splits are
-combined by the last program of each group instead of a second kernel; 0: two kernels), ``pdl``
-(programmatic dependent launch of every Triton kernel of the chain, :mod:`kiln.ops.kernels.pdl`:
-0 off, 1 wait then release the next kernel, 2 release then wait; default :data:`DEFAULT_PDL`;
-Hopper and later only, ignored elsewhere).
-
-Takes the models :func:`unsupported_reason` accepts; steps of more than one token (prefill, the
-check's prompts) run through the bound ops as before. Needs Triton on a CUDA device (or Triton's
-interpreter, for tests).
+Takes the models :func:`unsupported_reason` accepts; multi-token steps (prefill, the check's
+prompts) run through the bound ops. Needs Triton on CUDA (or its interpreter, for tests).
 """
 
 from __future__ import annotations
@@ -86,20 +64,19 @@ PROJECTIONS = ("gemv", "tensor_core")
 """Values of the ``projections`` parameter."""
 
 TENSOR_CORE_BATCH = 8
-"""With ``projections`` unset, batches from this one up run the products as tensor-core GEMMs
-(at 8 rows a bf16 matrix-vector kernel does 8 float32 multiply-adds per 2-byte weight: about
-half the H200's vector rate at full bandwidth). A starting point, not a measurement: the search
-decides per workload through ``projections``."""
+"""With ``projections`` unset, batches from this one up run the products as tensor-core GEMMs. A
+starting point, not a measurement (docs/design/kernels.md); the search decides through
+``projections``.
+"""
 
 MAX_HEAD_DIM = 256
 """Largest head_dim the fused kernels take (a head is one tile of the attention kernels)."""
 
 DEFAULT_PDL = 2
-"""``pdl`` when a candidate leaves it unset: release the next kernel at entry, then wait.
-Measured on an H200 (Llama-3.2-1B, batch 1, context 1,085, step in a CUDA graph): 858 µs a
-step against 926-929 without PDL and 896 with mode 1 (``benchmarks/fused_decode_profile.py``);
-through the engine, 0.909-0.920 ms against 0.973-0.986 (``benchmarks/decode_candidates.py``;
-benchmarks/RESULTS.md)."""
+"""``pdl`` when unset: release the next kernel at entry, then wait. Measured on an H200
+(Llama-3.2-1B, batch 1, context 1,085): 858 µs a graphed step against 926-929 without PDL, 896 with
+mode 1 (benchmarks/RESULTS.md).
+"""
 
 
 class FusedDecodeUnsupported(ValueError):
@@ -142,11 +119,10 @@ def _int_params(params: Mapping[str, str]) -> tuple[dict[str, int], str | None]:
 def unsupported_reason(config: ModelConfig) -> str | None:
     """Why ``fused_decode`` cannot run ``config`` on a CUDA engine, or None when it can.
 
-    The one statement of the fused path's reach: :class:`FusedDecode` raises
-    :class:`FusedDecodeUnsupported` with this reason, and search spaces leave the transform out
-    for such models. The path takes any dense decoder kiln builds (Llama, Qwen3: Q/K norms, any
-    GQA ratio, even head_dim up to 256 with ``heads x head_dim != hidden``, tied or untied LM
-    head, llama3 RoPE scaling); not experts, MLA, or projection biases."""
+    The one statement of the fused path's reach (:class:`FusedDecode` raises with it; search spaces
+    leave the transform out): any dense decoder (Q/K norms, any GQA ratio, even head_dim up to 256,
+    tied or untied LM head, llama3 RoPE); not experts, MLA or projection biases.
+    """
     if config.is_moe:
         return f"fused_decode: {config.name} has experts (dense models only)"
     if config.mla is not None:
@@ -161,7 +137,8 @@ def unsupported_reason(config: ModelConfig) -> str | None:
 @dataclass(frozen=True)
 class _Layer:
     """One layer's tensors for the fused chain (views of, or layouts derived from, the
-    engine's weight store); ``q_norm``/``k_norm`` ``[D]`` or None."""
+    engine's weight store); ``q_norm``/``k_norm`` ``[D]`` or None.
+    """
 
     input_norm: Tensor
     input_eps: float
@@ -222,22 +199,20 @@ def _layers(model: DecoderModel) -> list[_Layer]:
 
 
 ATTENTION_PROGRAMS = 24 * 132
-"""Split-KV programs above which the default attention launch doubles its split (24 per SM of
-an H200: at batch 30 and context 1,085 splits of 128, the sweep's best there)."""
+"""Split-KV programs above which the default attention launch doubles its split (24 per SM of an
+H200; the sweep's best at batch 30, context 1,085).
+"""
 
 
 def attention_default(
     *, cache_batch: int, kv_heads: int, cache_len: int, head_dim: int = 128
 ) -> Any:
     """The split-KV attention launch for a cache of ``cache_len`` positions: tensor-core scores,
-    splits of 64 positions in one block of 64, doubled (up to 512) while ``batch x kv_heads x
-    splits`` exceeds :data:`ATTENTION_PROGRAMS`. Measured on an H200
-    (``benchmarks/attention_sweep.py``, bf16, µs a layer): Llama-3.2-1B batch 1 at context 1,085
-    5.3 (split 64; 9.6 at the earlier default, split 32 without tensor cores), at 7,084 10.3,
-    batch 30 at 1,085 24.5 (split 128); 8B shapes (head_dim 128) batch 1 at 1,476 7.0, batch 30
-    44.5; within 5 % of the best launch of the sweep at each. Heads over 128 wide take blocks
-    of 32 positions (a 64 x 256 K and V tile, pipelined, would fill the shared memory; not
-    measured)."""
+    splits of 64 positions, doubled (up to 512) while ``batch x kv_heads x splits`` exceeds
+    :data:`ATTENTION_PROGRAMS`; heads over 128 wide take blocks of 32 (not measured). Within 5 % of
+    the best launch of ``benchmarks/attention_sweep.py`` on an H200 at each shape measured
+    (docs/design/kernels.md).
+    """
     from kiln.ops.kernels.decode_attention import DecodeAttentionConfig
 
     split = 64
@@ -251,13 +226,13 @@ class FusedDecode:
     :meth:`DecoderModel.decode_step`); built once per experiment.
 
     Args:
-        model: a dense decoder (:func:`unsupported_reason` None) on a device Triton runs on,
-            bound to any ops (they serve the steps the fused path does not take).
+        model: a dense decoder (:func:`unsupported_reason` None) on a device Triton runs on, bound
+            to any ops (they serve the steps the fused path does not take).
         params: the transform's parameters (strings).
 
     Raises:
-        FusedDecodeUnsupported: the model does not fit (the reason of
-            :func:`unsupported_reason`) or a parameter is unknown or out of range.
+        FusedDecodeUnsupported: the model does not fit (the reason of :func:`unsupported_reason`) or
+            a parameter is unknown or out of range.
         kiln.ops.kernels.runtime.KernelUnavailableError: no Triton, or a CPU without the
             interpreter.
     """
@@ -379,8 +354,8 @@ class FusedDecode:
             tokens: ``[B, 1]`` int64, B the cache's active batch.
 
         Returns:
-            ``[B, V]`` float32 logits (rounded to the model dtype first, as the reference LM
-            head does).
+            ``[B, V]`` float32 logits (rounded to the model dtype first, as the reference LM head
+            does).
 
         Raises:
             kiln.workloads.models.kv_cache.CacheCapacityError: as the eager step.
@@ -394,7 +369,8 @@ class FusedDecode:
 
     def _prologue(self, i: int, layer: _Layer, x: Tensor, pos: Tensor, cache: Any) -> Tensor:
         """q ``[B, Hq, D]`` from the QKV product ``x [B, (Hq + 2Hkv) D]``: Q/K norms, RoPE, and
-        k/v written into the cache."""
+        k/v written into the cache.
+        """
         return self._qk_norm_rope(
             x, layer.q_norm, layer.k_norm, layer.qk_eps, self.cos, self.sin, pos,
             cache.k[i], cache.v[i], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -403,7 +379,8 @@ class FusedDecode:
 
     def _gemv_step(self, tokens: Tensor, cache: Any) -> Tensor:
         """The step with matrix-vector products (norms and residual adds in their prologues
-        and epilogues)."""
+        and epilogues).
+        """
         rms_norm_qkv_rope, decode_attention = self._qkv_rope, self._attention
         gemv, rms_norm_gemv = self._gemv, self._norm_gemv
         positions, seq_lens = cache.next_positions()
@@ -442,7 +419,8 @@ class FusedDecode:
 
     def _gemm_step(self, tokens: Tensor, cache: Any) -> Tensor:
         """The step with tensor-core GEMMs (cuBLAS); the residual add of each product is fused
-        into the next RMSNorm."""
+        into the next RMSNorm.
+        """
         add_rms_norm, decode_attention = self._add_rms_norm, self._attention
         positions, seq_lens = cache.next_positions()
         b = tokens.shape[0]
@@ -468,7 +446,8 @@ class FusedDecode:
 
 def _pending(s: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """``(x, residual)`` arguments of ``add_rms_norm`` that add ``delta`` (when there is one)
-    to the residual stream ``s`` before the norm."""
+    to the residual stream ``s`` before the norm.
+    """
     return (s, None) if delta is None else (delta, s)
 
 

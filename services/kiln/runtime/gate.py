@@ -1,34 +1,26 @@
 """The gate: one candidate through the phases of an experiment on a built engine, to a
 :class:`~kiln.runtime.measurement.Measurement` (:meth:`Gate._gate`). Phases, timed in ms:
 
-1. ``load``: execute its code modules in fresh namespaces (they register implementations);
-2. ``bind``: what :func:`~kiln.runtime.support.support_for` says does not apply to the
-   model on this device is REJECTED with its reason; then ``OpBinding.from_recipe(candidate.ops)``
-   and ``model.rebind`` (derived layouts come from the weight store's cache: no weight is read
-   again), then its transforms;
-3. ``compile``: ``warmup`` (at least one) untimed decode steps at the traffic shape (graph
-   compilation lands here); the first one's logits are kept for the check, so the step checked
-   at the traffic shape is one the candidate cannot tell from a warm-up or timed step;
-4. ``check``: the reference's step at the traffic shape (full batch and context) against the
-   kept logits; then fresh random prompts (``check_batch`` of them), prefill + ``check_steps``
-   decode steps, candidate then reference (on its own copy of the inputs), outputs poisoned
-   between calls; on an MoE model routing-aware, with every MoE layer also checked on the
-   reference's own inputs (:mod:`~kiln.runtime.moe_check`);
-5. ``measure``: timed decode steps at (batch_size, context_len) — ``min_repeats`` to
-   ``repeats`` of them within ``measure_budget_s`` — median, p10, p90, stdev;
-   tokens/s = batch_size / median_s. The previous output is poisoned before each call; after
-   each call returns (outside the timed interval) a random choice keeps a copy of its output
-   (:class:`~kiln.runtime.check.TimedOutputs`), and no thread may still be running
-   candidate code (else INCORRECT: work outside the timed call);
-6. ``verify``: the reference's step on each kept timed step's token (``verify_timed_steps``,
-   default 1), at the same cache state, against the kept copy;
-7. ``prefill`` (when asked): the candidate's prefill of ``batch_size`` prompts of
-   ``context_len`` tokens, timed; then the per-op profile (when asked).
+1. ``load``: its code modules in fresh namespaces;
+2. ``bind``: what :func:`~kiln.runtime.support.support_for` refuses is REJECTED;
+   ``OpBinding.from_recipe(candidate.ops)``, ``model.rebind`` (derived layouts from the weight
+   store's cache), its transforms;
+3. ``compile``: ``warmup`` (>= 1) untimed decode steps at the traffic shape; the first one's logits
+   are kept for the check;
+4. ``check``: the reference's traffic-shape step against them; then ``check_batch`` fresh prompts,
+   prefill + ``check_steps`` decode steps (:mod:`~kiln.runtime.check`; MoE:
+   :mod:`~kiln.runtime.moe_check`);
+5. ``measure``: ``min_repeats`` to ``repeats`` timed decode steps within ``measure_budget_s`` at
+   (batch_size, context_len): median, p10, p90, stdev; tokens/s = batch_size / median_s; outputs
+   poisoned, a random few kept (:class:`~kiln.runtime.check.TimedOutputs`), no candidate thread may
+   outlive a call (else INCORRECT);
+6. ``verify``: the reference on each kept step's token at the same cache state
+   (``verify_timed_steps``, default 1);
+7. ``prefill`` (when asked): ``batch_size`` prompts of ``context_len`` tokens, timed; then the
+   per-op profile (when asked).
 
-An exception in any phase makes the experiment CRASHED (with the exception and the tail of its
-traceback); an unknown op, implementation or transform, or one the support statement refuses,
-makes it REJECTED. The engine (:class:`~kiln.runtime.engine.Engine`) runs this under its
-integrity watches and puts itself back afterwards.
+An exception in any phase makes it CRASHED (exception and traceback tail); an unknown or refused op,
+implementation or transform REJECTED.
 """
 
 from __future__ import annotations
@@ -278,20 +270,19 @@ class Gate(GateChecks):
     def _time(
         self, request: RunRequest, steps: Tensor, guard: OutputGuard, kept: TimedOutputs
     ) -> list[float]:
-        """Timed decode steps at the operating point, ms each: at least ``min_repeats``, at most
-        ``repeats``, stopping early once ``measure_budget_s`` of timed steps have run.
+        """Timed decode steps at the operating point, ms each: ``min_repeats`` to ``repeats``,
+        stopping once ``measure_budget_s`` of timed steps have run.
 
         Args:
             request: the experiment (repeats, budget).
             steps: ``[repeats, batch_size, 1]`` int64 tokens, one step each.
-            guard: the candidate's output guard: the previous output is poisoned before each
-                call (outside the timed interval).
+            guard: poisons the previous output before each call (outside the timed interval).
             kept: offered each step's output right after its call returns, outside the timed
-                interval (on CUDA: on the current stream, before the device-wide sync).
+                interval (CUDA: on the current stream, before the device-wide sync).
 
         Raises:
-            OutsideWork: after a call returned, a thread was still running candidate code or a
-                thread started during the call was still alive.
+            OutsideWork: a thread still ran candidate code, or one started during the call was
+                alive, after a call returned.
         """
         samples: list[float] = []
         budget_ms = request.measure_budget_s * 1e3

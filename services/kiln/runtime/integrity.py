@@ -1,38 +1,17 @@
-"""What a candidate must not do besides computing: change the engine's code or global numerics,
-or keep working after its call returned.
+"""What a candidate must not do besides computing: change the engine's code or global numerics, or
+keep working after its call returned (rationale and limits: docs/design/engine.md, "Integrity").
 
-A candidate's code modules run in the engine's process with all of Python at hand, so the
-correctness gate (:mod:`kiln.runtime.check`) is backed by two watches:
-
-- :class:`HarnessFingerprint`: taken (or refreshed) before a candidate loads, compared after
-  its experiment. It records *which objects* make up the code the reference forward, the check
-  and the timers run — every global of the engine's, the models' and the ops' modules (and of
-  ``torch``, ``torch.nn.functional``, ``time``, ``builtins``...), every attribute of the
-  classes defined there (and of ``torch.Tensor``), the engine's reference models and their
-  bound ops, the timer — down to each Python function's code object, defaults and closure
-  cells; plus the global state that changes what the reference computes (float32 matmul
-  precision, TF32 and reduced-precision flags, torch function/dispatch modes, the dispatcher's
-  kernels for ``aten`` ops (:mod:`kiln.runtime.dispatch_watch`), the trace and profile
-  hooks). A candidate that patches ``DecoderModel._layer``,
-  ``torch.nn.functional.linear``, ``time.perf_counter`` or the engine's ``compare``, or turns on
-  TF32, or overrides ``aten::mm`` through ``torch.library``, changes the reference too — the
-  comparison alone cannot see that; this can. What it changed is put back
-  (:meth:`HarnessFingerprint.restore`, through the attribute snapshots of
-  :mod:`kiln.runtime.attributes`) and the engine restarts anyway.
-- :class:`~kiln.runtime.thread_watch.ThreadWatch`: after each timed call, no thread may
-  still be running candidate code (a frame of a ``<candidate:...>`` file on its stack, or a
-  candidate function as its target), and no thread started during the call may outlive it.
-  Work finished on a thread after the call returned is work the timer did not see.
-
-Limits (in-process checking cannot be complete): a candidate that patches something only
-while its own calls run and puts it back before returning, or that targets these watches
-themselves, is not seen here; what the gate still guarantees then is that the outputs of the
-candidate's calls are right (checked and verified timed steps). Code a candidate leaves to run
-between experiments (a finalizer, a ``gc.callbacks`` entry) changes the next experiment's
-baseline: the engine notes such changes but does not blame anyone. Threads in C (OpenMP, CUDA, a
-``threading.Thread`` whose target is a torch function, started before timing) are not Python
-threads running candidate code: work they finish late shows only in the verified outputs; so
-does work in a child process.
+- :class:`HarnessFingerprint`: taken (or refreshed) before a candidate loads, compared after. It
+  records which objects make up the code the reference, the check and the timers run (globals of the
+  engine's, models', ops' and key torch/stdlib modules, attributes of their classes and
+  ``torch.Tensor``, the reference models, bound ops and timer, down to code objects, defaults and
+  closure cells) and the numerics state (matmul precision, TF32 and reduced-precision flags, torch
+  function/dispatch modes, ``aten`` kernels via :mod:`kiln.runtime.dispatch_watch`, trace and
+  profile hooks). Changes are put back (:meth:`HarnessFingerprint.restore`,
+  :mod:`kiln.runtime.attributes`) and the engine restarts.
+- :class:`~kiln.runtime.thread_watch.ThreadWatch`: after each timed call no thread may still run
+  candidate code (a ``<candidate:...>`` frame or target), and none started during the call may
+  outlive it.
 """
 
 from __future__ import annotations
@@ -198,15 +177,11 @@ def _static_targets() -> list[_Target]:
 
 @dataclass
 class HarnessFingerprint:
-    """What the reference, the check and the timers are made of, at one moment (module
-    docstring).
-
-    Build it with :meth:`take` before a candidate's code loads (or bring a kept one up to date
-    with :meth:`refresh`); :meth:`changes` afterwards says what differs, :meth:`restore` puts
-    back what it can. Some 5,000 attributes are compared by identity, their insides through
-    C-level ``map``: a take costs a few milliseconds, a comparison or a refresh with nothing
-    changed about one (on the CPUs of an H200 host; 2 ms on a loaded 2-core VM), plus one dump
-    of the dispatcher's tables each (:mod:`kiln.runtime.dispatch_watch`).
+    """What the reference, the check and the timers are made of, at one moment (module docstring):
+    :meth:`take` before a candidate loads (or :meth:`refresh` a kept one), :meth:`changes` after,
+    :meth:`restore` puts back what it can. About 5,000 attributes compared by identity: a few ms a
+    take, about one ms a comparison or refresh (2 ms on a loaded 2-core VM), plus one dispatcher
+    dump each.
     """
 
     namespaces: list[AttributeSnapshot]

@@ -39,13 +39,10 @@ class Timing:
 
 @dataclass
 class MemoryUsage:
-    """Memory the engine holds for one experiment, bytes.
-
-    Attributes:
-        weights_bytes: base weights (shared by the reference and the candidate).
-        kv_cache_bytes: the measured model's KV cache (batch x context slots, all layers).
-        workspace_bytes: derived weight layouts held plus an estimate of the activations of one
-            decode step (an estimate on CPU; measured peak on CUDA later).
+    """Memory the engine holds for one experiment, bytes: ``weights_bytes`` (base weights, shared by
+    reference and candidate), ``kv_cache_bytes`` (the measured model's, batch x context slots, all
+    layers), ``workspace_bytes`` (derived layouts plus one step's activations: estimated on CPU,
+    measured peak on CUDA).
     """
 
     weights_bytes: int = 0
@@ -64,32 +61,24 @@ class Measurement:
 
     Attributes:
         status: ok / incorrect / crashed / timed_out / rejected.
-        correct: the candidate matched the reference within tolerance.
-        max_abs_error: largest ``|candidate - reference|`` over the checked logits (``inf`` when
-            the candidate produced non-finite values).
-        timing: decode-step timings (None unless timed).
-        tokens_per_s: ``batch_size / median_s``: decode throughput at the traffic shape.
+        correct: matched the reference within tolerance; max_abs_error: largest ``|candidate -
+            reference|`` over the checked logits (``inf`` for non-finite).
+        timing: decode-step timings (None unless timed); tokens_per_s: ``batch_size / median_s``.
         prefill: timings of a prefill of ``batch_size`` prompts of ``context_len`` tokens (None
-            unless the request asked for prefill repeats).
-        prefill_tokens_per_s: ``batch_size x context_len / prefill median_s``: prompt tokens/s.
-        memory: bytes held (see :class:`MemoryUsage`).
-        error: why, for any status but ok (exception text, tolerance, deadline).
-        engine_id, tier: where it ran.
-        candidate_id: the content id of the candidate measured.
-        phases_ms: wall time per phase (load, bind, graph_capture, compile, check, measure,
-            verify), ms.
-        device_ms: the engine's busy time for the experiment, ms: :meth:`Engine.run` from
-            start to the engine put back (phases plus fingerprinting, restore, memory reading).
+            unless asked); prefill_tokens_per_s: ``batch_size x context_len / median_s``.
+        memory: bytes held (:class:`MemoryUsage`).
+        error: why, for any status but ok.
+        engine_id, tier: where it ran; candidate_id: the candidate's content id.
+        phases_ms: wall time per phase, ms; device_ms: :meth:`Engine.run` from start to the engine
+            put back, ms.
         environment: versions measured with (:mod:`kiln.runtime.environment`).
-        batch_size, context_len: the operating point measured at (sequences, tokens; after a
-            CUDA engine fitted the batch to free memory); 0 when unknown.
-        op_ms: per-op profile of one extra eager decode step (op name -> ms per step, summed
-            over layers; :mod:`kiln.runtime.op_profile`); empty unless asked for.
-        op_profile_shape: the operating point of ``op_ms`` (layers, batch_size, context_len,
-            dtype_bytes).
-        notes: clamps and defaults applied, check seed, transforms applied, in words.
-        restart_engine: the worker asks to be restarted after replying (its state may be
-            damaged: weights modified, registry not restorable); never sent over the wire.
+        batch_size, context_len: the operating point measured at (after any fitting to free memory);
+            0 when unknown.
+        op_ms: per-op profile of one extra eager step (op -> ms per step over layers;
+            :mod:`kiln.runtime.op_profile`), empty unless asked; op_profile_shape: its operating
+            point (layers, batch_size, context_len, dtype_bytes).
+        notes: clamps, defaults, check seed, transforms applied, in words.
+        restart_engine: the worker asks to be restarted after replying; never sent over the wire.
     """
 
     status: Status

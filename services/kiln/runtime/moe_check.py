@@ -1,65 +1,30 @@
-"""Routing-aware correctness for mixture-of-experts models (issue 11, item 3).
+"""Routing-aware correctness for mixture-of-experts models (derivation and measurements:
+docs/design/engine.md, "MoE check").
 
-Top-k routing is discontinuous: where a token's k-th and (k+1)-th router scores are within
-rounding of each other, two correct implementations (or the same one after an upstream op
-rounded differently) may pick different experts, and that token's output then differs by a
-whole expert's share, which later layers and attention carry on. In bfloat16 such near-ties
-are common (logits keep 8 significant bits), so comparing logits end to end judged correct
-MoE candidates incorrect. For a model with ``moe`` layers, :class:`RoutedCheck` changes the
-gate of :mod:`kiln.runtime.check` in three ways:
+Top-k routing is discontinuous: near-tied router scores may pick different experts in two correct
+implementations. For a model with ``moe`` layers, :class:`RoutedCheck` changes the gate of
+:mod:`kiln.runtime.check`:
 
-1. every reference forward of the check runs through a recording view of the reference model
-   (:meth:`RoutedCheck.record`), which keeps each MoE layer's input ``x`` and its site's params;
-   the reference's routing is recomputed from them by the engine, never taken from a candidate;
-2. per layer (:meth:`RoutedCheck.check_layers`): the candidate's bound ``moe`` op runs on a copy
-   of the reference's own input and is compared with the reference op on the same input at every
-   position whose top-k choice is *determined* (:func:`determined` with no drift): max |error|
-   <= rtol x max |reference output| of that call, the logits' rule. Undetermined positions are
-   excluded (they must still be finite). A candidate that picks other experts where the
-   reference's choice is clear, weighs them wrongly or drops tokens fails here;
-3. end to end (:meth:`RoutedCheck.rows`): the logit comparison skips the rows whose route may
-   have flipped: undetermined, at some MoE layer, under a radius widened by the hidden-state drift
-   an honest candidate accumulates before that layer (:meth:`RoutedCheck.drift`). For a decode
-   step on the engine's random cache (traffic shape, timed steps) that is the row's own token; after
-   a prefill, also every earlier valid position of its sequence at a layer that attention follows
-   (a flip there reaches later positions). Every other row is compared as before; the skipped
-   ones must still be finite. Where nearly every route is near a tie (deep bfloat16 models) few
-   rows are left: the per-layer check is then what checks the MoE layers.
+1. every reference forward runs through a recording view (:meth:`RoutedCheck.record`) that keeps
+   each MoE layer's input and site params; the reference's routing is recomputed from them, never
+   taken from a candidate;
+2. per layer (:meth:`RoutedCheck.check_layers`): the candidate's ``moe`` op on a copy of the
+   reference's input is compared with the reference op at every position whose top-k choice is
+   *determined* (:func:`determined`, no drift): max |error| <= rtol x max |reference output| of that
+   call. Undetermined positions must be finite;
+3. end to end (:meth:`RoutedCheck.rows`): logit rows whose route may have flipped (undetermined at
+   some MoE layer under a radius widened by :meth:`RoutedCheck.drift`; after a prefill, also earlier
+   valid positions of the sequence) are skipped but must be finite.
 
-**Tie bound** (radius of one router score, :func:`routing_of`): the reference computes the
-score of expert e as ``s_e = fl(x . w_e) + b_e`` (logit rounded to the model dtype, float32
-bias, as :func:`kiln.ops.moe.route`). Under the standard model of floating-point arithmetic
-(``fl(a op b) = (a op b)(1 + d)``, ``|d| <= u``) and the dot-product bound
-``|fl(x . w) - x . w| <= g_H |x| . |w|`` (Higham, *Accuracy and Stability of Numerical
-Algorithms*, 2nd ed., §2.2 and §3.1, eq. 3.5), any computation of the same score that
-accumulates in float32 and rounds its result at most once to the model dtype lies within
-``u |l_e| + g_H |x|.|w_e|`` of the exact logit ``l_e``, so two of them differ by at most
+Tie bound (:func:`routing_of`): score ``s_e = fl(x . w_e) + b_e`` as :func:`kiln.ops.moe.route`;
+radius ``r_e = 2 u |l_e| + 2 g_H (|x| . |w_e|)`` with ``u`` the model dtype's unit roundoff
+(bfloat16 2^-8, float16 2^-11, float32 2^-24), ``g_H`` = :func:`gamma` (H) at ``u32 = 2^-24``, H the
+hidden size. A position is determined when every chosen expert's ``s - r`` lies above every other's
+``s + r``. End to end the radius grows by ``drift x ||w_e o x||_2``, ``drift = min(rtol, 2 u (L +
+1))`` at MoE layer L (0-based), ``rtol`` for lossy candidates.
 
-    ``r_e = 2 u |l_e| + 2 g_H (|x| . |w_e|)``
-
-with ``u`` the model dtype's unit roundoff (``finfo.eps / 2``: bfloat16 2^-8, float16 2^-11,
-float32 2^-24), ``g_H = H u32 / (1 - H u32)``, ``u32 = 2^-24`` and ``H`` the hidden size. A
-position is determined when every chosen expert's interval ``s - r`` lies above every other
-expert's ``s + r``: then any such computation picks the same set. (A GEMM that reduces partial
-sums in bfloat16, as cuBLAS may with ``allow_bf16_reduced_precision_reduction``, is outside this
-bound; the reference's own router runs through the same GEMM.)
-
-End to end the candidate's ``x`` itself differs: each decoder layer rounds the hidden state at
-its two residual adds (relative error <= u per element each, the same standard model), and to
-first order such errors add (Higham §3.3), so at MoE layer ``L`` (0-based, ``L + 1`` layers of
-rounding before its router) ``x`` moves by a relative ``drift = 2 u (L + 1)`` per element, capped
-at ``rtol`` (a hidden state further off would fail the logits anyway); for lossy candidates
-``drift = rtol``. The radius grows by ``drift x ||w_e o x||_2``, the standard deviation of
-``w_e . dx`` when the elements of ``x`` move independently by that relative amount (the worst
-case, ``drift |x| . |w_e|``, would leave almost no route determined in a model of any width).
-Measured on small bfloat16 models (the kind ``tests/unit/test_moe_gate.py`` builds): the first
-route of a sequence that flipped under ``moe=dense`` or ``attention=sdpa`` needed at most 2.3 u of
-this measure at layers <= 2, where the bound is 2 to 6 u; a quarter of the bound still passed
-every honest candidate there.
-
-The bounds are the reference's (its inputs, its scores): a candidate cannot widen them. Every
-mask and a checksum of every recorded input and mask are taken right after the reference's
-forward, before candidate code runs again; a change fails the check.
+The bounds are the reference's: masks and a checksum of every recorded input and mask are taken
+right after the reference's forward, before candidate code runs again; a change fails the check.
 """
 
 from __future__ import annotations
@@ -106,7 +71,8 @@ class Routing:
 
 def routing_of(x: Tensor, params: Mapping[str, Any]) -> Routing:
     """The reference's scores and radii for ``x [..., H]`` (model dtype) under an ``moe`` site's
-    params (``router_weight [E, H]``, ``top_k``, ``router_bias`` float32 ``[E]`` or None)."""
+    params (``router_weight [E, H]``, ``top_k``, ``router_bias`` float32 ``[E]`` or None).
+    """
     weight: Tensor = params["router_weight"]
     flat = x.reshape(-1, x.shape[-1])
     logits = F.linear(flat, weight).float()
@@ -121,7 +87,8 @@ def routing_of(x: Tensor, params: Mapping[str, Any]) -> Routing:
 
 def determined(r: Routing, drift: float = 0.0) -> Tensor:
     """``[N]`` bool: whether the top-k set is the same for every score within ``radius + drift
-    x spread`` of the reference's (all chosen intervals above all others)."""
+    x spread`` of the reference's (all chosen intervals above all others).
+    """
     reach = r.radius + drift * r.spread if drift else r.radius
     chosen = torch.zeros_like(r.scores, dtype=torch.bool)
     chosen.scatter_(1, torch.topk(r.scores, r.top_k, dim=-1).indices, True)
@@ -132,7 +99,8 @@ def determined(r: Routing, drift: float = 0.0) -> Tensor:
 
 def decisions(x: Tensor, params: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
     """The reference's top-k choice for ``x [..., H]``: ``(weights [N, k] float32, experts
-    [N, k] int64)`` as :func:`kiln.ops.moe.route` makes it (renormalised per the params)."""
+    [N, k] int64)`` as :func:`kiln.ops.moe.route` makes it (renormalised per the params).
+    """
     return route(
         x.reshape(-1, x.shape[-1]),
         params["router_weight"],
@@ -144,10 +112,10 @@ def decisions(x: Tensor, params: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
 
 @dataclass
 class _Call:
-    """One MoE call of a reference forward: the layer, a copy of its input, the site's params
-    and the reference model's bound op (bound at build time: nothing a candidate registers
-    changes it); once sealed, the positions determined without drift and a checksum of input
-    and mask (Python floats: nothing candidate code can reach changes them)."""
+    """One MoE call of a reference forward: the layer, a copy of its input, the site's params and
+    the reference's bound op (bound at build time); once sealed, the positions determined without
+    drift and a checksum of input and mask (Python floats).
+    """
 
     layer: int
     x: Tensor
@@ -174,7 +142,8 @@ class _Call:
 @dataclass
 class _Step:
     """One recorded forward: valid positions ``[B, T]`` (``position < seq_len``), whether it
-    started sequences (a prefill), and its MoE calls."""
+    started sequences (a prefill), and its MoE calls.
+    """
 
     valid: Tensor
     starts: bool
@@ -227,13 +196,12 @@ def _checksum(x: Tensor) -> tuple[float, float]:
 
 
 def check_call(got: object, want: Tensor, sure: Tensor, rtol: float) -> tuple[float, float, str]:
-    """One MoE call's verdict: ``got`` (the candidate's output) against ``want`` (the
-    reference's, ``[..., H]``) at the positions where ``sure`` (``[N]`` bool, N positions)
-    holds.
+    """One MoE call's verdict: ``got`` (candidate) against ``want`` (reference, ``[..., H]``) at the
+    positions where ``sure`` (``[N]`` bool) holds.
 
     Returns:
-        ``(max |error| at those positions (inf when not comparable), rtol x max |want|, why
-        not correct or "")``; every position must be finite and the shapes equal.
+        ``(max |error| there (inf when not comparable), rtol x max |want|, why not correct or "")``;
+        every position must be finite and the shapes equal.
     """
     tol = rtol * float(want.float().abs().max())
     if not isinstance(got, Tensor):
@@ -276,7 +244,8 @@ class RoutedCheck:
 
     def drift(self, layer: int) -> float:
         """Relative per-element drift of an honest candidate's input to MoE layer ``layer``'s
-        router: ``min(rtol, 2 u (layer + 1))``, or ``rtol`` when lossy (module docs)."""
+        router: ``min(rtol, 2 u (layer + 1))``, or ``rtol`` when lossy (module docs).
+        """
         if self.lossy:
             return self.rtol
         return min(self.rtol, self._unit * 2 * (layer + 1))
@@ -284,7 +253,8 @@ class RoutedCheck:
     def record(self, model: DecoderModel, label: str) -> DecoderModel:
         """A view of ``model`` (a reference) whose forwards are recorded; ``model`` itself when
         the check does not apply. Call the view's ``prefill`` / ``decode_step`` as the model's,
-        then :meth:`rows` before any candidate code runs again."""
+        then :meth:`rows` before any candidate code runs again.
+        """
         if not self.applies:
             return model
         rec = _Recording(model, label)
@@ -294,7 +264,8 @@ class RoutedCheck:
     def rows(self, view: DecoderModel) -> list[Tensor] | None:
         """Per recorded step of ``view``, ``[B]`` bool: True for the rows to compare end to end
         (None when the check does not apply). Also seals the recorded calls for
-        :meth:`check_layers` (their masks and input checksums)."""
+        :meth:`check_layers` (their masks and input checksums).
+        """
         rec = self._recordings.get(id(view))
         if rec is None:
             return None
@@ -324,11 +295,9 @@ class RoutedCheck:
 
     @torch.no_grad()
     def check_layers(self, candidate: DecoderModel) -> CheckResult:
-        """The candidate's ``moe`` op of each layer on every recorded input, against the
-        reference op on the same input, at determined positions (:func:`check_call`). A
-        recorded input whose checksum changed since it was sealed fails the check; the
-        reference op runs after each candidate call, so its answer is not in memory while
-        candidate code runs.
+        """The candidate's ``moe`` op of each layer on every recorded input against the reference
+        op, at determined positions (:func:`check_call`). A recorded input whose checksum changed
+        since sealing fails; the reference op runs after each candidate call.
 
         Raises:
             whatever the candidate's op raises (the experiment is then CRASHED).

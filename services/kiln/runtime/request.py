@@ -1,11 +1,7 @@
-"""What the service asks of an engine process, and the messages on the pipe between them.
-
-Parent → worker: ``{"type": "run", "request": RunRequest.to_dict()}`` or ``{"type": "stop"}``.
-Worker → parent: ``{"type": "ready", ...}`` once built (:data:`READY`), ``{"type": "failed",
-"error": str, "invalid": bool}`` when the build failed (:data:`FAILED`; ``invalid`` when the
-workload itself is at fault, e.g. missing weights), and ``{"type": "result", "result":
-Measurement.to_dict()}`` per run (:data:`RESULT`). Messages are plain dicts (pickled by
-``multiprocessing.Connection``).
+"""What the service asks of an engine process, and the pipe messages (plain pickled dicts). Parent →
+worker: ``{"type": "run", "request": RunRequest.to_dict()}`` or ``{"type": "stop"}``. Worker →
+parent: :data:`READY` once built, :data:`FAILED` (``error``, ``invalid``: the workload is at fault),
+:data:`RESULT` (``Measurement.to_dict()``) per run.
 """
 
 from __future__ import annotations
@@ -26,25 +22,19 @@ class RunRequest:
     """One experiment for a built engine.
 
     Attributes:
-        experiment_id: for logs and notes.
-        candidate: ``Candidate.canonical()`` (ops, transforms, code modules, lossy).
-        warmup: untimed decode steps at the traffic shape before timing (at least one runs:
-            the first is checked against the reference).
-        repeats: timed decode steps at most.
-        min_repeats: timed decode steps at least.
-        measure_budget_s: stop timing once ``min_repeats`` steps ran and their total time
-            reached this many seconds (0: always ``repeats`` steps).
-        seed: seed of this experiment's fresh random check inputs (a new one per request).
-        verify_timed_steps: timed steps whose outputs are verified against the reference after
-            timing, chosen at random after each call returns (0: none; see
-            :class:`kiln.runtime.check.TimedOutputs`); each costs one reference decode step.
-        prefill_repeats: timed prefills of ``batch_size`` prompts of ``context_len`` tokens after
-            the decode timing (0: none).
-        profile: after everything else, time each op of one extra eager decode step at the
-            traffic shape (:mod:`kiln.runtime.op_profile`; ``Measurement.op_ms``).
-        baseline: instead of the candidate, measure this baseline of :mod:`kiln.baselines`
-            (``hf_eager``, ``hf_static``, ``hf_compile``, ``gpt_fast``) in the engine's process
-            at its operating point, on its weights (``warmup`` and ``repeats`` steps); "" for a
+        experiment_id: for logs and notes. candidate: ``Candidate.canonical()``.
+        warmup: untimed traffic-shape decode steps before timing (>= 1 runs; the first is checked).
+        repeats, min_repeats: timed decode steps at most, at least.
+        measure_budget_s: stop once ``min_repeats`` ran and their time reached this (0: always
+            ``repeats``).
+        seed: of this experiment's fresh check inputs.
+        verify_timed_steps: timed steps verified after timing
+            (:class:`kiln.runtime.check.TimedOutputs`; 0: none); each costs one reference step.
+        prefill_repeats: timed prefills of ``batch_size`` x ``context_len`` after decode timing (0:
+            none).
+        profile: time each op of one extra eager step (:mod:`kiln.runtime.op_profile`).
+        baseline: measure this :mod:`kiln.baselines` baseline instead (``hf_eager``, ``hf_static``,
+            ``hf_compile``, ``gpt_fast``) on the engine's weights and operating point; "" for a
             normal experiment.
     """
 

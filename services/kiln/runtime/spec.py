@@ -1,15 +1,10 @@
 """What one engine is built for: model, tier, dtype, device and the traffic shape's operating point.
 
-An :class:`EngineSpec` is derived from a workload (the ``kiln.v1.Workload`` message as JSON, as
-:class:`kiln.common.work.ExperimentWork` carries it) and a tier. Equal specs share one engine:
-:attr:`EngineSpec.key` is the hash of everything that shapes the build. The operating point
-(decode batch, context length) comes from the traffic shape, lowered to the host's caps
-(:class:`EngineLimits`), by :func:`engine_operating_point`; every clamp or default applied is
-recorded in :attr:`EngineSpec.notes` and reported with each measurement.
-
-Imports no torch at module level (the service process parses specs; only
-:func:`check_buildable` pulls torch in, lazily); the worker rebuilds a spec with
-:meth:`EngineSpec.from_dict`.
+An :class:`EngineSpec` is derived from a workload (``kiln.v1.Workload`` as JSON, as
+:class:`kiln.common.work.ExperimentWork` carries it) and a tier; equal :attr:`EngineSpec.key` share
+one engine. The operating point comes from :func:`engine_operating_point` (traffic lowered to
+:class:`EngineLimits`); every clamp or default is in :attr:`EngineSpec.notes`. No torch at module
+level (only :func:`check_buildable` imports it).
 """
 
 from __future__ import annotations
@@ -32,28 +27,27 @@ ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class SpecError(ValueError):
-    """A workload an engine cannot be built for: no or invalid config, an architecture kiln
-    cannot build, an unknown dtype. The message says which field and why."""
+    """A workload an engine cannot be built for (no or invalid config, unbuildable architecture,
+    unknown dtype); the message names the field.
+    """
 
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """Host caps and defaults applied when a spec is derived (see
-    :meth:`kiln.engine_pool.settings.EngineSettings.limits`).
+    """Host caps and defaults applied when a spec is derived
+    (:meth:`kiln.engine_pool.settings.EngineSettings.limits`).
 
     Attributes:
         device: ``"cpu"`` or ``"cuda[:N]"``.
         dtype: force this dtype for every engine; None = the workload's, else the device default.
-        max_batch: largest decode batch (sequences).
-        max_context: largest context length (tokens).
+        max_batch: largest decode batch (sequences). max_context: largest context (tokens).
         fast_layers: layers of a fast-tier engine (clamped to the model's).
-        prompt_len: prompt tokens of the correctness check (clamped to the context).
-        check_steps: decode steps compared after the prefill.
-        check_batch: prompts of the correctness check (clamped to the batch); the check at the
-            traffic shape always uses the full batch.
-        max_layers: most decoder layers an engine of either tier holds (None = all): a
-            full-tier engine of a model too big for the host is scaled to fit by layer count
-            (noted in the spec).
+        prompt_len: prompt tokens of the check (clamped to the context). check_steps: decode steps
+            compared after the prefill.
+        check_batch: prompts of the check (clamped to the batch; the traffic-shape check uses the
+            full batch).
+        max_layers: most decoder layers an engine of either tier holds (None = all; a too-big
+            full-tier model is scaled by layer count, noted).
     """
 
     device: str = "cpu"
@@ -72,24 +66,19 @@ class EngineSpec:
     """Everything an engine is built for.
 
     Attributes:
-        model_name: human name (``workload.model.name``).
-        config: the parsed ``config.json`` (a JSON object).
+        model_name: ``workload.model.name``. config: the parsed ``config.json``.
         tier: "fast" (first ``layers`` layers plus embedding and LM head) or "full".
-        layers: decoder layers held (``total_layers`` on the full tier).
-        total_layers: the model's ``num_hidden_layers``.
-        dtype: one of :data:`ENGINE_DTYPES`.
-        device: ``"cpu"`` or ``"cuda[:N]"``.
-        seed: seed of random weights (ignored with ``weights_dir``).
-        weights_dir: local ``*.safetensors`` directory, or None for seeded random weights.
-        batch_size: decode batch the engine measures at (sequences).
-        context_len: context the engine measures at (tokens already in the KV cache).
-        prompt_len: prompt tokens of the correctness check.
-        check_steps: decode steps compared after the check's prefill.
-        check_batch: prompts (sequences) of the correctness check.
-        expert_zipf_exponent: MoE expert-load skew imposed on random-weight routers (Zipf
-            exponent, from ``traffic.expert_zipf_exponent`` or ``traffic.expert_load_skew``; see
-            :mod:`kiln.workloads.models.routing`); 0.0 for dense models and checkpoints. Part of
-            the key only when non-zero.
+        layers: decoder layers held; total_layers: the model's ``num_hidden_layers``.
+        dtype: one of :data:`ENGINE_DTYPES`. device: ``"cpu"`` or ``"cuda[:N]"``.
+        seed: of random weights (ignored with ``weights_dir``, a local ``*.safetensors`` directory
+            or None).
+        batch_size, context_len: the decode batch (sequences) and the tokens already in the KV cache
+            measured at.
+        prompt_len, check_steps, check_batch: the correctness check's prompt tokens, decode steps
+            and prompts.
+        expert_zipf_exponent: MoE expert-load skew imposed on random-weight routers
+            (:mod:`kiln.workloads.models.routing`); 0.0 for dense models and checkpoints; in the key
+            only when non-zero.
         notes: clamps and defaults applied, in words (not part of the key).
     """
 
@@ -121,13 +110,15 @@ class EngineSpec:
 
     @property
     def cache_len(self) -> int:
-        """KV-cache slots per sequence of the measured model: the context plus the step being
-        timed, and at least the check's prompt plus its decode steps."""
+        """KV-cache slots per sequence: the context plus the timed step, at least the check's prompt
+        plus its decode steps.
+        """
         return max(self.context_len + 1, self.prompt_len + self.check_steps)
 
     def model_config(self) -> ModelConfig:
         """The architecture (all layers; the engine truncates to ``layers``), with the
-        expert-load skew set on MoE configs (:meth:`ModelConfig.with_expert_skew`)."""
+        expert-load skew set on MoE configs (:meth:`ModelConfig.with_expert_skew`).
+        """
         config = parse_config(self.config, self.model_name)
         if self.expert_zipf_exponent:
             config = config.with_expert_skew(self.expert_zipf_exponent)
@@ -148,17 +139,12 @@ class EngineSpec:
 
     @staticmethod
     def from_workload(workload: Mapping[str, Any], tier: str, limits: EngineLimits) -> EngineSpec:
-        """The spec for ``workload`` (``kiln.v1.Workload`` as JSON) on ``tier``.
-
-        Args:
-            workload: ``MessageToDict(workload, preserving_proto_field_name=True)``; uint64
-                fields may be strings, as MessageToDict writes them.
-            tier: "fast" or "full".
-            limits: the host's caps and defaults.
+        """The spec for ``workload`` on ``tier`` ("fast" or "full") under ``limits``; ``workload``
+        is ``MessageToDict(..., preserving_proto_field_name=True)`` (uint64 fields may be strings).
 
         Raises:
-            SpecError: empty or invalid ``model.config_json``, an architecture kiln cannot parse
-                or build, an unknown dtype or tier, a bad seed.
+            SpecError: empty or invalid ``model.config_json``, an architecture kiln cannot parse or
+                build, an unknown dtype or tier, a bad seed.
         """
         if tier not in ("fast", "full"):
             raise SpecError(f"invalid tier {tier!r}: expected 'fast' or 'full'")
@@ -261,12 +247,12 @@ def check_buildable(config: ModelConfig) -> None:
 def _expert_skew(
     traffic: Mapping[str, Any], config: ModelConfig, weights_dir: str | None, notes: list[str]
 ) -> float:
-    """The Zipf exponent of expert load an MoE engine imposes (0.0 for dense models and
-    checkpoints): ``traffic.expert_zipf_exponent``, else the exponent whose hottest-expert
-    ratio is ``traffic.expert_load_skew`` for this model's experts and top-k.
+    """The Zipf exponent an MoE engine imposes (0.0 for dense models and checkpoints):
+    ``traffic.expert_zipf_exponent``, else the one whose hottest-expert ratio is
+    ``traffic.expert_load_skew``.
 
     Raises:
-        SpecError: either field negative or not a finite number.
+        SpecError: either field negative or not finite.
     """
     values = {}
     for name in ("expert_zipf_exponent", "expert_load_skew"):
@@ -306,9 +292,9 @@ def _expert_skew(
 def engine_operating_point(
     traffic: Mapping[str, Any] | None, config: ModelConfig, limits: EngineLimits
 ) -> DerivedPoint:
-    """The operating point an engine of ``limits`` measures ``traffic`` (``kiln.v1.TrafficShape``
-    as JSON, None when unset) at: :meth:`OperatingPoint.from_traffic` with the batch capped at
-    ``limits.max_batch`` and the context at ``limits.max_context`` and the model's window.
+    """The operating point of ``traffic`` (``kiln.v1.TrafficShape`` as JSON, or None) on ``limits``:
+    :meth:`OperatingPoint.from_traffic`, batch capped at ``limits.max_batch``, context at
+    ``limits.max_context`` and the model's window.
 
     Raises:
         SpecError: a traffic field that is not a number in range.

@@ -1,31 +1,17 @@
 """What an engine runs for a model on a device: the one statement agents and engines share.
 
-:func:`support_for` ``(config, device_type)`` says, per transform (``threads``,
-``torch_compile`` and each of its modes, ``cuda_graph``, ``fused_decode``), per op implementation
-in :mod:`kiln.ops.registry`, and per pair of choices that cannot be combined, whether it applies
-and, when not, why. The agent runner searches the hardware target's space restricted to it
-(:meth:`kiln.agent_runner.space.CandidateSpace.within`); the engine refuses a candidate with
-:meth:`ModelSupport.refusal`'s reason (``rejected``, before anything is bound or applied). So
-no experiment is spent on a candidate the engine is known to reject.
-
-Where each answer comes from:
-
-- ``fused_decode``: :func:`kiln.runtime.fused_decode.unsupported_reason` (the model), and a
-  device where its Triton kernels run (CUDA; CPU only under ``TRITON_INTERPRET=1``, for tests).
-- ``cuda_graph``: CUDA engines; not together with an op implementation registered as not
-  capturable (:attr:`kiln.ops.registry.OpImpl.capturable`: it synchronises with the host, which
-  stream capture cannot record; every built-in one is capturable).
-- ``threads``: every engine (it sets torch's CPU threads; a CUDA engine's step hardly depends on
-  them, so GPU targets' search spaces do not offer it, but an artifact compiled on a CPU still
-  loads on a GPU).
-- ``torch_compile``: every engine; mode ``reduce-overhead`` (CUDA graphs inside) on CUDA only.
-- op implementations: :meth:`OpImpl.runs_on` the device; none for an op the model never calls
-  (:func:`unused_ops`).
-  Lossy implementations apply where they run; choosing one stays opt-in (``Candidate.lossy``).
-
-Unknown transforms, parameters, ops and implementations are not stated here: the transforms and
-the registry reject them with their own messages. Importing this module does not import torch;
-:func:`support_for` does (the registry and the build check).
+:func:`support_for` ``(config, device_type)`` says per transform (and ``torch_compile`` mode), per
+op implementation of :mod:`kiln.ops.registry` and per conflicting pair whether it applies and, if
+not, why. The agent runner searches within it
+(:meth:`kiln.agent_runner.space.CandidateSpace.within`); the engine rejects with
+:meth:`ModelSupport.refusal`'s reason before binding. Sources: ``fused_decode``:
+:func:`kiln.runtime.fused_decode.unsupported_reason` and a device its Triton kernels run on (CPU
+only under ``TRITON_INTERPRET=1``); ``cuda_graph``: CUDA only, not with an implementation whose
+:attr:`kiln.ops.registry.OpImpl.capturable` is False; ``threads``: every engine; ``torch_compile``:
+every engine, ``reduce-overhead`` on CUDA only; op implementations: :meth:`OpImpl.runs_on`, none for
+an op the model never calls (:func:`unused_ops`); lossy ones apply where they run (choosing one
+stays opt-in). Unknown names are left to the transforms and the registry. Importing does not import
+torch; :func:`support_for` does.
 """
 
 from __future__ import annotations
@@ -64,15 +50,13 @@ class Conflict:
 
 @dataclass(frozen=True)
 class ModelSupport:
-    """What an engine on ``device_type`` runs for ``config`` (see the module docs).
+    """What an engine on ``device_type`` runs for ``config`` (module docs).
 
     Attributes:
-        transforms: transform name -> reason (None: applies), for :data:`TRANSFORMS`.
-        compile_modes: ``torch_compile`` mode -> reason, for :data:`COMPILE_MODES`.
-        ops: op -> implementation -> reason, for every implementation registered when stated
-            (``reference`` always applies).
-        unused_ops: ops the model never calls.
-        conflicts: pairs that apply alone but not together.
+        transforms: transform -> reason (None: applies), for :data:`TRANSFORMS`; compile_modes: the
+            same for :data:`COMPILE_MODES`.
+        ops: op -> implementation -> reason (``reference`` always applies).
+        unused_ops: ops the model never calls. conflicts: pairs that apply alone but not together.
     """
 
     config: ModelConfig = field(repr=False)
@@ -232,14 +216,11 @@ def _config(config: ModelConfig | Mapping[str, Any], name: str) -> ModelConfig:
 def support_for(
     config: ModelConfig | Mapping[str, Any], device_type: str, *, name: str = "model"
 ) -> ModelSupport:
-    """What an engine on ``device_type`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``) runs for the model.
-
-    Args:
-        config: the architecture, or its ``config.json`` object (named ``name``).
+    """What an engine on ``device_type`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``) runs for ``config``
+    (the architecture, or its ``config.json`` object).
 
     Raises:
-        ModelNotSupported: kiln cannot parse or build the architecture (the message is the
-            parser's or the build check's).
+        ModelNotSupported: kiln cannot parse or build the architecture.
     """
     import kiln.ops  # noqa: F401  (registers the built-in implementations)
     from kiln.ops import registry

@@ -1,28 +1,12 @@
-"""Timing decode steps: a per-device timer and the summary of its samples.
+"""Timing decode steps: a per-device timer and the summary of its samples (measurements:
+docs/design/engine.md, "Timing").
 
-Both timers take ``keep``, a callback that sees each call's result right after the call
-returns and may hand back device work to run outside the timed interval; the engine uses it to
-copy the outputs of the timed steps it verifies afterwards
-(:class:`kiln.runtime.check.TimedOutputs`).
-
-- CPU: ``time.perf_counter`` read around the call (CPU ops are synchronous). The clock is bound
-  when the timer is made (at engine build), so a candidate that replaces ``time.perf_counter``
-  does not change the timer (and is caught by :mod:`kiln.runtime.integrity`). ``keep`` runs
-  after the second reading. Work a candidate leaves to a thread after returning is not timed;
-  the engine rejects it (:class:`kiln.runtime.thread_watch.ThreadWatch`).
-- CUDA: CUDA events on the current stream, the end event recorded *after a device-wide
-  synchronize*, so work a candidate queued on any other stream without making the current
-  stream wait is counted (event timing on one stream would end when that stream's work ends).
-  Bias: the interval also holds the host's return from the synchronize and the launch of the
-  end event. Measured on an H200 (median of 200): an empty call 6.5 us with events on the
-  current stream vs 12.3 us now; a CUDA-graph replay of 20 small matmuls and a 128k-vocab
-  LM head 232 vs 248 us (+15 us, +6 %); 20 eager matmuls and the head 413 vs 472 us. It is
-  about the same for every candidate, so it shifts times alike and shrinks ratios between
-  very short steps a little. ``keep`` is enqueued on the
-  current stream right after the call, before the synchronize, so a copy it makes sees the
-  output exactly as the next consumer on that stream would (an output still being written
-  on a side stream is copied unfinished); its own GPU time, measured with two more events,
-  is subtracted.
+Both timers take ``keep``, a callback that sees each result right after the call and may return
+device work to run outside the timed interval (:class:`kiln.runtime.check.TimedOutputs`). CPU:
+``time.perf_counter``, bound at engine build, read around the call; ``keep`` runs after. CUDA:
+events on the current stream, the end recorded after a device-wide synchronize (work on any stream
+counts; the bias is a few µs, about the same for every candidate); ``keep`` is enqueued on the
+current stream right after the call and its GPU time is subtracted.
 """
 
 from __future__ import annotations

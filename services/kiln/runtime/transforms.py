@@ -1,31 +1,18 @@
-"""Whole-forward transforms a candidate may ask for, applied to the engine's model and undone
-after the experiment.
+"""Whole-forward transforms a candidate may ask for, applied to the engine's model and undone after
+the experiment (parameter values are strings):
 
-Known transforms (parameter values are strings, as candidates carry them):
-
-- ``threads``: ``n`` — ``torch.set_num_threads(n)`` for the experiment (1..the host's cores).
+- ``threads``: ``n``: ``torch.set_num_threads(n)`` (1..the host's cores).
 - ``torch_compile``: ``mode`` (``default``, ``reduce-overhead``, ``max-autotune``,
-  ``max-autotune-no-cudagraphs``), ``fullgraph`` (``true``/``false``) — the decode step's forward
-  (``T == 1``) runs through ``torch.compile``; prefill stays eager. Compilation happens on the
-  first decode call, i.e. in the engine's warm-up (the ``compile`` phase).
+  ``max-autotune-no-cudagraphs``), ``fullgraph`` (``true``/``false``): the decode forward (``T ==
+  1``) compiled on first call (the ``compile`` phase); prefill stays eager.
+- ``fused_decode``: :data:`kiln.runtime.fused_decode.PARAMS` (:mod:`kiln.runtime.fused_decode`);
+  applied after the others, before ``cuda_graph``.
+- ``cuda_graph``: no parameters; the traffic-shape decode step captured and replayed
+  (:mod:`kiln.runtime.cuda_graph`), applied last whatever its place; its time is the
+  ``graph_capture`` phase.
 
-- ``fused_decode``: kernel parameters (:data:`kiln.runtime.fused_decode.PARAMS`) — the decode
-  step as a chain of fused Triton kernels (:mod:`kiln.runtime.fused_decode`); dense
-  Llama-shaped models on a CUDA engine. Applied after the other transforms and before
-  ``cuda_graph``, which then captures the fused step.
-
-- ``cuda_graph``: no parameters — the decode step at the traffic shape captured as one CUDA
-  graph and replayed (:mod:`kiln.runtime.cuda_graph`); CUDA engines only. Applied last,
-  whatever its place in the list, so it captures the other transforms' forward (a
-  ``torch_compile`` forward is compiled during the capture's warm-up). Its warm-up and capture
-  time is reported as the ``graph_capture`` phase.
-
-What applies to the model on this engine's device is :mod:`kiln.runtime.support`'s to say
-(``threads`` on CPU engines, ``cuda_graph`` on CUDA ones, ``fused_decode`` per
-:func:`~kiln.runtime.fused_decode.unsupported_reason`, ``cuda_graph`` not with ops that
-synchronise with the host): a transform it refuses is rejected with its reason before any is
-applied. Anything else unknown is rejected too: the candidate is REJECTED with the reason, not
-run.
+What applies on this device is :mod:`kiln.runtime.support`'s to say; a refused or unknown transform
+or parameter is REJECTED with its reason before any is applied.
 """
 
 from __future__ import annotations
@@ -137,16 +124,12 @@ def _fused_decode(t: Transform, model: DecoderModel, applied: AppliedTransforms)
 def apply_transforms(
     model: DecoderModel, transforms: Sequence[Transform], support: ModelSupport | None = None
 ) -> AppliedTransforms:
-    """Apply ``transforms`` to ``model`` (already bound to the candidate's ops).
-
-    ``support``: what applies to the model on its device (default: :func:`support_for` of
-    ``model.config`` on its cache's device); what it refuses, with the bound ops too, is
-    rejected before anything is applied. On failure, the transforms applied so far are
-    reverted before the error propagates.
+    """Apply ``transforms`` to ``model`` (bound to the candidate's ops); ``support`` defaults to
+    :func:`support_for` of ``model.config`` on its cache's device. On failure the transforms applied
+    so far are reverted.
 
     Raises:
-        RejectedCandidate: a transform the support statement refuses (its reason), an unknown
-            transform or a bad parameter.
+        RejectedCandidate: refused by support, unknown, or a bad parameter.
     """
     if support is None:
         support = support_for(model.config, model.cache.lengths.device.type)

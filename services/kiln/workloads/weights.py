@@ -1,20 +1,11 @@
 """Model weights held once per engine, and layouts derived from them.
 
-A :class:`WeightStore` maps Hugging Face parameter names (``model.layers.0.self_attn.q_proj
-.weight``) to tensors. Op implementations that want another layout (fused QKV, fused gate/up,
-quantized copies) get it through :meth:`WeightStore.derived`, computed once per (transform, site)
-and cached, so switching implementations re-binds code without re-reading or re-copying weights.
-
-Weights come from :func:`seeded_random` (deterministic, for engines without a checkpoint) or
-:func:`load_safetensors` (a local directory of ``*.safetensors`` files, sharded or not).
-
-MoE experts are held stacked per layer, as transformers >= 5 holds them in memory
-(``Qwen3MoeExperts`` / ``MixtralExperts``): ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (each
-expert's gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]``, with the router
-at ``mlp.gate.weight`` ``[E, H]``. Checkpoints on disk name experts one by one — Qwen3-MoE
-``mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral ``block_sparse_moe.experts.{e}.{w1,w3,w2}
-.weight`` and ``block_sparse_moe.gate.weight`` — and :func:`load_safetensors` stacks them on load
-(transformers' ``conversion_mapping`` does the same), so each weight is held once.
+A :class:`WeightStore` maps Hugging Face parameter names to tensors; other layouts (fused QKV,
+gate/up, quantized) come from :meth:`WeightStore.derived`, computed once per (transform, site).
+Weights come from :func:`seeded_random` or :func:`load_safetensors`. MoE experts are held stacked
+per layer as transformers >= 5 holds them: ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows,
+then up), ``mlp.experts.down_proj`` ``[E, H, I]``, router ``mlp.gate.weight`` ``[E, H]``; per-expert
+checkpoints (Qwen3-MoE, Mixtral names) are stacked on load.
 """
 
 from __future__ import annotations
@@ -34,9 +25,9 @@ T = TypeVar("T")
 LM_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
 ROUTER_BIAS = "gate.kiln_skew_bias"
-"""Suffix (after a layer's ``...mlp.``) of the float32 ``[E]`` router-logit bias kiln adds to
-random-weight MoE routers to impose the traffic's expert-load skew (not a checkpoint weight; see
-:mod:`kiln.workloads.models.routing`)."""
+"""Suffix (after a layer's ``...mlp.``) of kiln's float32 ``[E]`` router-logit bias on random-weight
+MoE routers (:mod:`kiln.workloads.models.routing`; not a checkpoint weight).
+"""
 
 
 class WeightError(ValueError):
@@ -44,12 +35,8 @@ class WeightError(ValueError):
 
 
 class WeightStore:
-    """Parameters by HF name, plus a cache of derived layouts.
-
-    Args:
-        tensors: name → tensor. When ``lm_head.weight`` is absent and ``tied`` is True, it is
-            the embedding table (the same tensor, not a copy).
-        tied: the config's ``tie_word_embeddings``.
+    """Parameters by HF name, plus a cache of derived layouts; ``tensors``: name → tensor; with
+    ``tied`` and no ``lm_head.weight``, that name is the embedding table (same tensor).
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], *, tied: bool = False) -> None:
@@ -59,7 +46,7 @@ class WeightStore:
         self._derived: dict[tuple[str, str], Any] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        """The tensor called ``name``. Raises :class:`WeightError` (naming it) when absent."""
+        """The tensor called ``name``; :class:`WeightError` when absent."""
         try:
             return self._tensors[name]
         except KeyError:
@@ -79,7 +66,7 @@ class WeightStore:
         return self._tensors.get(name)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Hold one more base tensor (e.g. a router bias computed at build time).
+        """Hold one more base tensor (e.g. a router bias).
 
         Raises:
             WeightError: ``name`` is held already.
@@ -100,14 +87,8 @@ class WeightStore:
         return sum(seen.values())
 
     def derived(self, transform: str, site: str, fn: Callable[[], T]) -> T:
-        """The layout ``transform`` of the weights at ``site``, computed by ``fn`` the first time
-        and cached after that.
-
-        Args:
-            transform: the transform's name (e.g. ``"fused_qkv"``); must identify the transform
-                and its parameters.
-            site: where in the model (the HF module prefix, e.g. ``"model.layers.3.self_attn"``).
-            fn: computes the layout from the base weights; called at most once per key.
+        """The layout ``transform`` (a name identifying it and its parameters) of the weights at
+        ``site`` (HF module prefix), computed by ``fn`` at most once per key and cached.
         """
         key = (transform, site)
         if key not in self._derived:
@@ -136,14 +117,12 @@ class WeightStore:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The parameter names and shapes of a Llama / Qwen3 / Qwen3-MoE / Mixtral model with
-    ``config``'s layers (``lm_head.weight`` only when embeddings are not tied). Names are HF's;
-    MoE layers hold their experts stacked (see the module docs): ``mlp.gate.weight [E, H]``,
-    ``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``.
+    """HF parameter names and shapes of a Llama / Qwen3 / Qwen3-MoE / Mixtral model with
+    ``config``'s layers (``lm_head.weight`` only when untied; MoE experts stacked as in the module
+    docs).
 
     Raises:
-        WeightError: an MLA config, or MoE with shared experts (DeepSeek-V3): layouts kiln does
-            not build.
+        WeightError: MLA, or MoE with shared experts (DeepSeek-V3).
     """
     if config.mla is not None or (config.moe is not None and config.moe.num_shared_experts):
         raise WeightError(f"{config.name}: MLA and shared-expert layouts are not known")
@@ -197,13 +176,10 @@ def seeded_random(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> WeightStore:
-    """Random weights for ``config``: norms 1, everything else ``normal(0, initializer_range)``
-    (0.02 when the config has none), as transformers initialises Llama.
-
-    Each tensor is drawn in float32 from its own generator on ``device``, seeded from
-    ``(seed, name)``, then cast to ``dtype``: the same seed gives the same weights on the same
-    device type, and a model truncated to its first N layers (the fast tier) has exactly the full
-    model's first N layers.
+    """Random weights for ``config``: norms 1, the rest ``normal(0, initializer_range)`` (0.02 when
+    unset), as transformers initialises Llama. Each tensor is drawn in float32 from its own
+    generator on ``device`` seeded by ``(seed, name)``, then cast: the same seed gives the same
+    weights on the same device type, and the fast tier's first N layers equal the full model's.
     """
     std = float(config.raw.get("initializer_range", 0.02))
     dev = torch.device(device)
@@ -244,7 +220,8 @@ def _index(directory: Path) -> dict[str, Path]:
 
 Part = tuple[str, tuple[int | slice, ...]]
 """One checkpoint tensor feeding a held tensor: (name in the files, index into the held tensor;
-``()`` = the whole of it)."""
+``()`` = all of it).
+"""
 
 _MOE_NAME = re.compile(
     r"(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)"
@@ -252,11 +229,11 @@ _MOE_NAME = re.compile(
 
 
 def checkpoint_sources(name: str, shape: tuple[int, ...]) -> list[list[Part]]:
-    """The ways a checkpoint may hold the tensor ``name`` of shape ``shape``, preferred first:
-    under its own name; for MoE layers also per expert, Qwen3-MoE style
-    (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``) or Mixtral style
-    (``block_sparse_moe.experts.{e}.w1/w3/w2.weight``, router ``block_sparse_moe.gate.weight``).
-    ``gate_up_proj[e]`` is expert e's gate rows ``[:I]`` then its up rows ``[I:]``."""
+    """The ways a checkpoint may hold tensor ``name`` of ``shape``, preferred first: its own name;
+    MoE also per expert, Qwen3-MoE (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``) or
+    Mixtral (``block_sparse_moe.experts.{e}.w1/w3/w2.weight``, router
+    ``block_sparse_moe.gate.weight``).
+    """
     options: list[list[Part]] = [[(name, ())]]
     m = _MOE_NAME.fullmatch(name)
     if m is None:
@@ -289,17 +266,12 @@ def load_safetensors(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
 ) -> WeightStore:
-    """Read ``config``'s weights (HF names) from the ``*.safetensors`` files in ``directory``.
-
-    Only the tensors ``config`` needs are read (a config truncated to N layers reads N layers);
-    others in the files are ignored. Tensors are cast to ``dtype`` on ``device``. With tied
-    embeddings, ``lm_head.weight`` is the embedding table even when the files hold a copy. MoE
-    experts stored one by one (Qwen3-MoE or Mixtral checkpoint names) are stacked into the held
-    layout as they are read (:func:`checkpoint_sources`).
+    """Read ``config``'s weights (only those it needs) from the ``*.safetensors`` in ``directory``,
+    cast to ``dtype`` on ``device``; tied ``lm_head.weight`` is the embedding table; per-expert MoE
+    tensors stacked (:func:`checkpoint_sources`).
 
     Raises:
-        WeightError: no such directory or no ``*.safetensors`` files in it; a tensor missing
-            (the message lists them), mis-shaped (expected vs found), or in two files.
+        WeightError: no such directory or files; a tensor missing, mis-shaped or in two files.
     """
     from safetensors import safe_open
 

@@ -1,19 +1,12 @@
-"""Decode attention (one query token per sequence) over a static KV cache: split-KV
-flash-decoding in two Triton kernels.
+"""Decode attention (one query token per sequence) over a static KV cache: split-KV flash-decoding
+in two Triton kernels (design: docs/design/kernels.md, "Split-KV attention").
 
-Stage 1 runs one program per (sequence, KV head, split of ``split_s`` cache positions). It handles
-*all* query heads of that KV head's group, so each K/V tile is read from memory once for the
-group (grouped-query attention), and keeps an online softmax (Milakov & Gimelshein 2018; Dao et
-al. 2022, FlashAttention) in float32: running max ``m``, running sum ``l`` and ``acc [group, D]``.
-It writes these partials; stage 2 (one program per (sequence, query head)) combines the splits by
-log-sum-exp. The split count is ``cdiv(S_max, split_s)``, fixed by the cache length, never by the
-current sequence length, so a CUDA graph captured once stays valid as sequences grow: programs
-whose split starts past ``seq_lens[b]`` write an empty partial (``m = -inf``, ``l = 0``).
-Flash-decoding: Dao, Haziza, Massa, Sizov 2023 (https://crfm.stanford.edu/2023/10/12/flashdecoding.html);
-the grouped stage 1 follows vLLM's ``triton_decode_attention`` (``_fwd_grouped_kernel_stage1``).
-
-Import this module only after setting ``TRITON_INTERPRET`` when running on CPU: Triton decides
-between compiling and interpreting when ``@triton.jit`` decorates the kernels (module import).
+Stage 1: one program per (sequence, KV head, split of ``split_s`` positions) covering all query
+heads of the group, online softmax in float32 (running max, sum, ``acc [group, D]``); stage 2: one
+program per (sequence, query head) combines the splits by log-sum-exp. Splits = ``cdiv(S_max,
+split_s)``, fixed by the cache length (CUDA-graph safe); splits past ``seq_lens[b]`` write an empty
+partial. Flash-decoding: Dao, Haziza, Massa, Sizov 2023; grouped stage 1 after vLLM's
+``triton_decode_attention``. On CPU set ``TRITON_INTERPRET`` before importing this module.
 """
 
 from __future__ import annotations
@@ -46,30 +39,17 @@ class DecodeAttentionConfig:
     calls are CUDA-graph capturable).
 
     Attributes:
-        split_s: cache positions per stage-1 program (a power of two, a multiple of ``block_s``);
-            splits = ``cdiv(S_max, split_s)``.
+        split_s: cache positions per stage-1 program (a power of two, a multiple of ``block_s``).
         block_s: positions per inner iteration (a power of two >= 16).
         num_warps: warps per stage-1 program (1, 2, 4, 8 or 16).
-        use_dot: scores and ``p @ v`` via ``tl.dot`` (tensor cores; the group padded to 16 rows,
-            ``p`` rounded to the cache dtype for the product) when True, via
-            broadcast-multiply-sum in float32 when False; None picks ``tl.dot``. Measured on an
-            H200 (``benchmarks/attention_sweep.py``, bf16, 8 layers in a CUDA graph): the best
-            launch 1.7-4.9x faster than the best broadcast one at every shape tried, groups of
-            2 and 4 included (Llama-3.2-1B context 7,084: 10.3 µs a layer against 32.1;
-            batch 30: 24.1 against 118.4), since the broadcast products spill registers.
-        fused_combine: combine the splits in stage 1 instead of a second kernel: each program
-            counts itself done on a per-(sequence, KV head) counter (an acquire-release atomic)
-            and the last one of its group combines (the "last block reduces" pattern of
-            split-K GEMMs, e.g. CUTLASS's serial split-K and Triton's stream-K tutorial). One
-            launch a layer instead of two: at decode the second launch costs more than its
-            work. The counters are zeroed once per cache shape and reset by the combining
-            program, so the call stays CUDA-graph capturable.
-        pdl: programmatic dependent launch of both kernels (:mod:`kiln.ops.kernels.pdl`; 0
-            off, 1 or 2; ignored where the device has none). Every program waits for the
-            previous kernel before its first load, so only the launch and the next kernel's
-            start overlap.
-        num_stages: software-pipelining depth of stage 1's loop over cache blocks (1..4), or
-            None for Triton's default.
+        use_dot: scores and ``p @ v`` via ``tl.dot`` (tensor cores; group padded to 16 rows, ``p``
+            rounded to the cache dtype) when True, float32 broadcast-multiply-sum when False; None
+            picks ``tl.dot`` (1.7-4.9x faster on an H200, docs/design/kernels.md).
+        fused_combine: the last stage-1 program of each (sequence, KV head) combines the splits
+            (acquire-release counter, reset by the combiner) instead of a second kernel.
+        pdl: programmatic dependent launch of both kernels (:mod:`kiln.ops.kernels.pdl`; 0 off, 1 or
+            2; ignored without device support).
+        num_stages: pipelining depth of stage 1's loop (1..4), or None for Triton's default.
 
     Raises:
         ValueError: a value outside those ranges.
@@ -247,8 +227,9 @@ def _combine_row(
     BLOCK_SPLITS: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """Combine one (sequence, query head)'s split partials by log-sum-exp and store the row.
-    Loads bypass L1 (``.cg``): partials written by other programs are read after an acquire."""
+    """Combine one (sequence, query head)'s split partials by log-sum-exp and store the row (loads
+    bypass L1: partials are read after an acquire).
+    """
     offs_c = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, D_PAD)
     mask_d = offs_d < HEAD_DIM
@@ -355,17 +336,14 @@ def decode_attention(
     scale: float,
     config: DecodeAttentionConfig | None = None,
 ) -> Tensor:
-    """Attention of each sequence's single decode query over its first ``seq_lens[b]`` cache
-    slots (the causal mask adds nothing at decode: the query sits at position ``seq_lens[b]-1``).
+    """Attention of each sequence's decode query over its first ``seq_lens[b]`` cache slots.
 
     Args:
-        q: ``[B, Hq, D]`` (model dtype), the decode token of each sequence.
-        k_cache, v_cache: ``[B, Hkv, S, D]`` in q's dtype; any strides (a view of the first B
-            rows of a ``[max_batch, ...]`` buffer is fine). Query head h reads KV head
+        q: ``[B, Hq, D]`` (model dtype).
+        k_cache, v_cache: ``[B, Hkv, S, D]`` in q's dtype, any strides; query head h reads KV head
             ``h // (Hq // Hkv)``.
-        seq_lens: ``[B]`` int64 on q's device, valid slots per sequence including this step's
-            (written already); values in ``[1, S]`` (larger ones are clamped to S; 0 gives a
-            zero output row).
+        seq_lens: ``[B]`` int64 on q's device, valid slots including this step's; in ``[1, S]``
+            (larger clamped to S; 0 gives a zero row).
         scale: score multiplier (``D ** -0.5``).
         config: launch configuration (default :class:`DecodeAttentionConfig`).
 
@@ -458,8 +436,9 @@ _COUNTERS: dict[tuple[str, int], Tensor] = {}
 
 
 def _counters(device: torch.device, n: int) -> Tensor:
-    """``[n]`` int32 zeros on ``device``, one per (sequence, KV head), kept between calls (the
-    combining program resets its counter to 0), so a captured CUDA graph reuses them."""
+    """``[n]`` int32 zeros on ``device``, one per (sequence, KV head), kept between calls (reset by
+    the combining program).
+    """
     key = (str(device), n)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
@@ -469,11 +448,8 @@ def _counters(device: torch.device, n: int) -> Tensor:
 def decode_attention_reference(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, *, scale: float
 ) -> Tensor:
-    """Plain-PyTorch :func:`decode_attention`: float32 ``softmax(q k^T * scale) v`` over the
-    first ``seq_lens[b]`` slots. Same arguments and result (``[B, Hq, D]`` in q's dtype).
-
-    Raises:
-        ValueError: inconsistent shapes, dtypes or devices.
+    """Plain-PyTorch :func:`decode_attention` (float32 softmax); same arguments, result and
+    ValueError.
     """
     _check(q, k_cache, v_cache, seq_lens)
     b, hq, d = q.shape

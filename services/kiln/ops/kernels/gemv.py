@@ -1,26 +1,14 @@
-"""Matrix-vector products for small-batch decode (``x[M, K] @ weight[N, K].T``, ``M <= 16``).
+"""Matrix-vector products for small-batch decode (``x[M, K] @ weight[N, K].T``, ``M <= 16``; design:
+docs/design/kernels.md, "GEMV").
 
-At batch 1 every projection of a decoder is bandwidth-bound: the weight is read once and each
-element feeds one multiply-add per batch row. A program therefore owns ``block_n`` weight rows,
-streams them along K in ``[block_n, block_k]`` tiles (row-major weight, contiguous along K, so each
-thread issues 16-byte loads), and multiplies each tile with *all* M rows of ``x`` before moving
-on, so the weight is read exactly once whatever M is. Accumulation is float32 (``tl.sum`` over a
-broadcast product; no ``tl.dot``: at M = 1 tensor cores only waste registers). With
-``split_k > 1`` the K range is split over programs that ``atomic_add`` float32 partial sums into a
-zeroed workspace and a small second kernel applies the epilogue.
-
-The kernel also carries the prologue/epilogue options that :mod:`kiln.ops.kernels.norm_gemv`
-exposes (RMS norm of ``x`` in the prologue; SiLU-and-multiply of paired gate/up rows in the
-epilogue), so every GEMV flavour shares one K loop.
-
-Rounding mirrors kiln's plain-PyTorch ops (``F.linear`` result rounded to the model dtype, then
-each elementwise op rounded again, computed in float32 like ATen's "opmath"); the device
-functions are in :mod:`kiln.ops.kernels.gemv_tiles`, the launch configurations
-(:class:`~kiln.ops.kernels.gemv_config.GemvConfig`, the default rule) in
-:mod:`kiln.ops.kernels.gemv_config`.
-
-Triton is imported with this module: import it lazily (``kiln.ops.linear_triton`` does), and set
-``TRITON_INTERPRET=1`` before Triton's first import when running on CPU.
+A program owns ``block_n`` weight rows, streams ``[block_n, block_k]`` tiles along K and multiplies
+each with all M rows of ``x``: the weight is read once whatever M. float32 accumulation; ``split_k >
+1`` splits K over programs that ``atomic_add`` into a workspace, finished by a second kernel. The
+same K loop carries :mod:`kiln.ops.kernels.norm_gemv`'s RMSNorm prologue and SiLU·mul epilogue.
+Rounding mirrors kiln's PyTorch ops (linear rounded to the model dtype, each elementwise op in
+float32 then rounded). Tiles: :mod:`kiln.ops.kernels.gemv_tiles`; launch configs:
+:mod:`kiln.ops.kernels.gemv_config`. Imports Triton: import lazily, and set ``TRITON_INTERPRET=1``
+before Triton's first import on CPU.
 """
 
 from __future__ import annotations
@@ -84,7 +72,8 @@ def _gemv_kernel(
     """Program ``(i, s)``: output columns ``i*BLOCK_N ..`` (of N; with ``SILU_MUL`` the weight
     has 2N rows: gate rows n, up rows N + n), K range ``[s*K_PER_SPLIT, (s+1)*K_PER_SPLIT)``.
     Without ``SPLIT`` it writes ``out[:M]``; with it, float32 partials into ``ws`` (``[M, N]``,
-    or ``[M, 2N]`` gate|up) for :func:`_finalize_kernel`."""
+    or ``[M, 2N]`` gate|up) for :func:`_finalize_kernel`.
+    """
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -140,7 +129,8 @@ def _finalize_kernel(
     PDL: tl.constexpr,
 ):
     """Split-K epilogue, program ``(m, j)``: ``out[m, j*BLOCK ..]`` from the float32 workspace
-    (bias, rounding to DTYPE, residual; or SiLU-and-multiply of its gate|up halves)."""
+    (bias, rounding to DTYPE, residual; or SiLU-and-multiply of its gate|up halves).
+    """
     pdl_enter(PDL)
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -170,9 +160,8 @@ def check_interpreter() -> bool:
     """Whether kernels run under Triton's interpreter (``TRITON_INTERPRET=1``).
 
     Raises:
-        kiln.ops.kernels.runtime.KernelUnavailableError: the variable is set but Triton was
-            imported before it was (Triton decides at import which of its own functions are
-            interpreted, and a mix fails deep inside a launch).
+        kiln.ops.kernels.runtime.KernelUnavailableError: the variable is set but Triton was imported
+            before it.
     """
     if not runtime.interpreting():
         return False
@@ -196,8 +185,8 @@ def alloc_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 
 def check_x(x: Tensor, name: str = "x") -> Tensor:
-    """Validate a ``[M, K]`` activation (``1 <= M <= MAX_M``, a supported float dtype); returns
-    it with unit stride along K (a copy only when it had none).
+    """Validate ``x [M, K]`` (``1 <= M <= MAX_M``, supported float dtype); returns it with unit
+    stride along K (copied only if needed).
 
     Raises:
         ValueError: wrong rank, M out of range, or unsupported dtype.
@@ -261,13 +250,9 @@ def launch(
     config: GemvConfig,
 ) -> Tensor:
     """Run :func:`_gemv_kernel` (and :func:`_finalize_kernel` for ``split_k > 1``) on validated
-    inputs; the shared back end of :func:`gemv` and :mod:`kiln.ops.kernels.norm_gemv`.
-
-    Args:
-        x: ``[M, K]`` unit stride along K. weight: ``[n_out, K]`` (``[2 * n_out, K]`` with
-            ``silu_mul``), contiguous. norm_weight: ``[K]`` or None (no norm).
-        bias: ``[n_out]`` or None; residual: ``[M, n_out]`` (unit stride along N) or None.
-        out_dtype: dtype of the returned ``[M, n_out]`` tensor.
+    inputs: ``x [M, K]``, ``weight [n_out, K]`` (``[2 * n_out, K]`` with ``silu_mul``),
+    ``norm_weight [K]``, ``bias [n_out]``, ``residual [M, n_out]`` or None; returns ``[M, n_out]``
+    in ``out_dtype``.
     """
     m, k = x.shape
     interp = check_interpreter()
@@ -352,13 +337,12 @@ def gemv(
 
     Args:
         x: ``[M, K]``, ``1 <= M <= MAX_M``, float32/float16/bfloat16.
-        weight: ``[N, K]`` contiguous row-major, ``x.dtype``, same device.
-        bias: ``[N]`` in ``x.dtype``, or None; added in float32 before the rounding.
-        residual: ``[M, N]`` in ``x.dtype``, or None; added after the linear result is rounded
-            to ``x.dtype`` (o_proj + residual of kiln's decoder), the sum rounded again.
-        out_dtype: dtype of the result (default ``x.dtype``); the value is always rounded to
-            ``x.dtype`` first, so ``out_dtype=torch.float32`` gives ``F.linear(x, w).float()``
-            (kiln's ``lm_head``).
+        weight: ``[N, K]`` contiguous, ``x.dtype``, same device.
+        bias: ``[N]`` in ``x.dtype`` or None; added in float32 before rounding.
+        residual: ``[M, N]`` in ``x.dtype`` or None; added after the rounding to ``x.dtype``, the
+            sum rounded again.
+        out_dtype: result dtype (default ``x.dtype``); the value is rounded to ``x.dtype`` first
+            (``float32`` gives ``F.linear(x, w).float()``).
         config: launch configuration (default :func:`default_config` ``(N, K, m=M)``).
 
     Returns:
@@ -404,7 +388,8 @@ def gemv_reference(
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Plain PyTorch :func:`gemv`: ``F.linear(x, weight, bias)`` (rounded to ``x.dtype``),
-    ``+ residual`` in ``x.dtype``, then cast to ``out_dtype`` (default ``x.dtype``)."""
+    ``+ residual`` in ``x.dtype``, then cast to ``out_dtype`` (default ``x.dtype``).
+    """
     y = torch.nn.functional.linear(x, weight, bias)
     if residual is not None:
         y = y + residual

@@ -30,33 +30,22 @@ def _pow2(v: int) -> bool:
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch configuration of a GEMV kernel (explicit: no autotuning at call time, so calls
-    are CUDA-graph capturable).
+    """Launch configuration of a GEMV kernel (explicit, so calls are CUDA-graph capturable).
 
     Attributes:
-        block_n: weight rows per program (power of two, 1..256). For the paired layouts
-            (gate/up, RoPE) the program owns ``block_n`` rows of each half.
-        block_k: reduction chunk per loop iteration (power of two, 16..8192; a multiple of 8 so
-            bfloat16 loads are 16 bytes per thread).
-        split_k: programs per output row block along K (1..64); >1 accumulates float32
-            partials with ``atomic_add`` into a zeroed workspace, then a second kernel casts and
-            applies the epilogue. Clamped to the number of ``block_k`` chunks.
+        block_n: weight rows per program (power of two, 1..256; of each half for paired layouts).
+        block_k: reduction chunk (power of two, 16..8192).
+        split_k: programs along K (1..64, clamped to the chunks); > 1 adds float32 partials
+            atomically, a second kernel finishes.
         num_warps: warps per program (power of two, 1..16).
-        num_stages: software-pipelining depth of the K loop (1..8). Default 1: the default
-            configs cover K = 2048 in one chunk, and latency is hidden by the many resident
-            programs; the benchmark sweeps it.
-        pdl: programmatic dependent launch (CUDA compute capability >= 9.0; ignored where
-            :func:`kiln.ops.kernels.runtime.pdl_available` is False). 0: off, an ordinary
-            launch. 1 and 2: the kernel may start while the previous kernel in the stream is
-            still running; each program first issues the loads of its first weight chunk
-            (weights are never written by a previous kernel), then waits for the previous
-            kernel (``griddepcontrol.wait``) before it reads anything else or writes anything.
-            1 lets the *next* kernel launch once every program of this one has passed that
-            wait; 2 lets it launch as soon as every program of this one has started. See
-            :func:`kiln.ops.kernels.pdl.pdl_enter`.
+        num_stages: pipelining depth of the K loop (1..8; default 1).
+        pdl: programmatic dependent launch (:func:`kiln.ops.kernels.pdl.pdl_enter`; capability >=
+            9.0, else ignored): 0 off; 1 and 2 load the first weight chunk, then wait for the
+            previous kernel; 1 releases the next kernel after every program passed the wait, 2 once
+            every program started.
 
     Raises:
-        ValueError: a field out of range or not a power of two (the message names it).
+        ValueError: a field out of range or not a power of two.
     """
 
     block_n: int = 16
@@ -87,23 +76,15 @@ class GemvConfig:
 def default_config(
     n: int, k: int, *, m: int = 1, paired: bool = False, sms: int = DEFAULT_SMS
 ) -> GemvConfig:
-    """A launch configuration for ``n`` output rows (row *pairs* when ``paired``) and reduction
-    length ``k`` at batch ``m``.
+    """A launch configuration for ``n`` output rows (pairs when ``paired``), reduction length ``k``,
+    batch ``m``.
 
-    At ``m <= SMALL_M`` (decode at small batch) the rule is the one measured best on an H200
-    (``benchmarks/fused_decode_profile.py --sweep``, Llama-3.2-1B, each kernel family over all 16
-    layers captured in a CUDA graph; benchmarks/RESULTS.md): many programs with thin tiles —
-    ``block_n`` the largest power of two <= 16 that still gives at least
-    :data:`SMALL_M_PROGRAMS` programs, ``block_k`` = ``16384 / (block_n * rows per output)``
-    clamped to 512..2048 (and to ``next_power_of_2(k)``), no split. Llama-3.2-1B, (block_n,
-    block_k): o_proj and down (2048 rows) -> (1, 2048); gate_up (8192 pairs) -> (4, 2048);
-    lm_head (128256 rows) -> (16, 1024). Measured there: down 165 µs for 16 layers against 279
-    with the earlier (4, 2048), o_proj 70 against 85.
-
-    Larger ``m``: ``block_n`` the largest power of two <= 16 that still gives at least ``2 * sms``
-    programs; ``block_k`` fills the register budget :data:`TILE_BUDGET` (halved for paired
-    tiles and for ``m > 8``); ``split_k`` splits tall-K shapes whose row blocks alone give fewer
-    than ``sms`` programs into about ``2 * sms`` (each split >= 256 long). Not measured.
+    ``m <= SMALL_M``: measured best on an H200 (``benchmarks/fused_decode_profile.py --sweep``,
+    Llama-3.2-1B; benchmarks/RESULTS.md): ``block_n`` the largest power of two <= 16 giving >=
+    :data:`SMALL_M_PROGRAMS` programs, ``block_k = 16384 / (block_n * rows per output)`` in
+    512..2048, no split (o_proj, down (1, 2048); gate_up (4, 2048); lm_head (16, 1024)). Larger
+    ``m`` (not measured): ``block_n`` as above for ``2 * sms`` programs, ``block_k`` filling
+    :data:`TILE_BUDGET`, tall-K shapes split to about ``2 * sms`` programs.
 
     Raises:
         ValueError: ``n``, ``k`` or ``m`` not positive.

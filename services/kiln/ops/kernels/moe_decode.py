@@ -1,31 +1,14 @@
-"""Small-batch MoE decode: SwiGLU experts over only the routed experts' weights, two launches.
+"""Small-batch MoE decode: SwiGLU over only the routed experts' weights, read straight from the
+stacked ``[E, ...]`` weights (no gather, no sort), in two launches: :func:`_gate_up_kernel` (grid
+``(N * k, cdiv(I, block_i))``, ``h[s] = silu(gate) * up`` for assignment ``s = n * k + r``) and
+:func:`_down_kernel` (grid ``(N, cdiv(H, block_o))``, the weighted combine over slots in increasing
+order, float32, no atomics: deterministic).
 
-For ``N`` tokens (decode: ``N`` up to about 16) each routed to ``k`` experts, a step reads at
-most ``N * k`` experts' weights; this module reads exactly those, straight from the stacked
-``[E, ...]`` weights (no gather copy, no sort):
-
-1. :func:`_gate_up_kernel`, grid ``(N * k, cdiv(I, block_i))``: program ``(s, j)`` owns
-   assignment ``s = n * k + r`` (token n, slot r, expert ``e = topk_ids[n, r]``) and
-   intermediate columns ``j * block_i ..``; it streams the ``block_i`` gate rows and the
-   matching up rows of expert e along H in ``[block_i, block_h]`` tiles against ``x[n]``
-   (float32 accumulation) and writes ``h[s] = silu(gate) * up`` in x's dtype.
-2. :func:`_down_kernel`, grid ``(N, cdiv(H, block_o))``: program ``(n, j)`` owns output columns
-   ``j * block_o ..`` of token n; for each slot r in increasing order it streams those rows of
-   ``down_weight[topk_ids[n, r]]`` along I against ``h[n * k + r]`` and adds
-   ``topk_weights[n, r] * y`` to a float32 accumulator: the weighted combine with no atomics
-   (deterministic, the same bits for the same inputs).
-
-Rounding mirrors kiln's plain-PyTorch ``moe`` (gate, up, SiLU, product and each expert's output
-rounded to the model dtype; each scaled expert output rounded), except that the per-token sum is
-accumulated in float32 and rounded once (more accurate than the reference's rounding after each
-add; they differ within the bfloat16 tolerance). Under Triton's interpreter bfloat16 rounding is
-emulated (:mod:`kiln.ops.kernels.rounding`), so CPU tests see the GPU's values.
-
-Launch configurations are explicit (no autotuning at call time), shapes depend only on ``N``,
-``k`` and the weights, and nothing reads device values on the host: calls are CUDA-graph
-capturable. Weight loads carry no eviction hint: tokens that share an expert re-read its rows,
-ideally from L2. Triton is imported with this module: import it lazily (``kiln.ops.moe_triton``
-does), and set ``TRITON_INTERPRET=1`` before Triton's first import when running on CPU.
+Rounding mirrors kiln's ``moe`` (each product and expert output rounded to the model dtype) except
+the per-token sum, accumulated in float32 and rounded once (within the bfloat16 tolerance); bfloat16
+rounding is emulated under the interpreter (:mod:`kiln.ops.kernels.rounding`). Explicit launch
+configs, shapes from ``N``, ``k`` and the weights only, no host reads: CUDA-graph capturable.
+Imports Triton: import lazily, and set ``TRITON_INTERPRET=1`` first on CPU.
 """
 
 from __future__ import annotations
@@ -46,14 +29,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class MoeDecodeConfig:
-    """Launch configuration (powers of two; tiles are clamped to the shapes at launch).
-
-    Attributes:
-        block_i: intermediate columns (gate rows, and as many up rows) per gate/up program.
-        block_h: reduction chunk along H of the gate/up kernel.
-        block_o: output columns (down rows) per down program.
-        block_r: reduction chunk along I of the down kernel.
-        num_warps: warps per program.
+    """Launch configuration (powers of two; tiles clamped to the shapes): ``block_i`` intermediate
+    columns per gate/up program, ``block_h`` its reduction chunk along H, ``block_o`` output columns
+    per down program, ``block_r`` its chunk along I, ``num_warps``.
 
     Raises:
         ValueError: a field not a positive power of two.
@@ -73,10 +51,9 @@ class MoeDecodeConfig:
 
 
 def default_config(tokens: int, hidden: int) -> MoeDecodeConfig:
-    """Thinner down tiles when few tokens would leave the down kernel with few programs
-    (``tokens * hidden / block_o`` programs; aims at >= 256 on an H200's 132 SMs). Not measured.
-    Under Triton's interpreter, wide tiles instead (it runs programs one at a time on the CPU:
-    fewer, larger programs are much faster there)."""
+    """Thinner down tiles when few tokens would leave the down kernel few programs (aims at >= 256
+    programs on an H200's 132 SMs; not measured); wide tiles under the interpreter.
+    """
     if runtime.interpreting():
         return MoeDecodeConfig(block_i=64, block_h=512, block_o=64, block_r=256)
     block_o = 16
@@ -87,8 +64,9 @@ def default_config(tokens: int, hidden: int) -> MoeDecodeConfig:
 
 @triton.jit
 def _round(y, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """``y`` (float32) rounded to ``DTYPE`` and widened back to float32 (round-to-nearest-even
-    by hand for bfloat16 under the interpreter, whose cast truncates; NaN kept)."""
+    """``y`` (float32) rounded to ``DTYPE`` and widened back (round-to-nearest-even by hand for
+    bfloat16 under the interpreter; NaN kept).
+    """
     out = y
     if DTYPE == tl.bfloat16 and EMULATE_RNE:
         bits = y.to(tl.uint32, bitcast=True)
@@ -117,7 +95,8 @@ def _gate_up_kernel(
 ):
     """Program ``(s, j)``: ``h[s, j*BLOCK_I ..] = silu(x[n] @ gate_e.T) * (x[n] @ up_e.T)`` for
     assignment ``s = n * TOP_K + r`` and its expert ``e = ids[s]`` (gate rows ``[:INTER]``, up
-    rows ``[INTER:]`` of ``w[e]``)."""
+    rows ``[INTER:]`` of ``w[e]``).
+    """
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     s = tl.program_id(0)
     n = s // TOP_K
@@ -163,7 +142,8 @@ def _down_kernel(
     EMULATE_RNE: tl.constexpr,
 ):
     """Program ``(n, j)``: ``out[n, j*BLOCK_O ..] = sum_r wts[n, r] * (h[n*TOP_K + r] @
-    down_e.T)`` over slots r in increasing order, ``e = ids[n, r]``; float32 sum, rounded once."""
+    down_e.T)`` over slots r in increasing order, ``e = ids[n, r]``; float32 sum, rounded once.
+    """
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     n = tl.program_id(0).to(tl.int64)
     offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -198,8 +178,8 @@ def check_interpreter() -> bool:
     """Whether the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``).
 
     Raises:
-        kiln.ops.kernels.runtime.KernelUnavailableError: the variable is set but Triton was
-            imported before it was (the kernels would run compiled, or fail, on CPU tensors).
+        kiln.ops.kernels.runtime.KernelUnavailableError: the variable is set but Triton was imported
+            before it.
     """
     if not runtime.interpreting():
         return False
@@ -253,18 +233,17 @@ def moe_decode(
     *,
     config: MoeDecodeConfig | None = None,
 ) -> Tensor:
-    """``out[n] = sum_r topk_weights[n, r] * down_e(silu(gate_e(x[n])) * up_e(x[n]))`` with
-    ``e = topk_ids[n, r]``, reading only the routed experts' weights (module docs).
+    """``out[n] = sum_r topk_weights[n, r] * down_e(silu(gate_e(x[n])) * up_e(x[n]))``, ``e =
+    topk_ids[n, r]``, reading only the routed experts' weights.
 
     Args:
-        x: ``[N, H]`` float32/float16/bfloat16 tokens (unit stride along H after a copy if not).
-        topk_ids: ``[N, k]`` int32/int64 experts, each in ``0..E-1`` (not checked: that would
-            synchronise with the host; an id out of range reads out of bounds).
-        topk_weights: ``[N, k]`` float32 combine weights (already rounded to x's dtype when the
-            model rounds them).
-        gate_up_weight: ``[E, 2I, H]`` in x's dtype, gate rows ``[:I]`` then up rows ``[I:]``.
-        down_weight: ``[E, H, I]`` in x's dtype. Both with unit stride along the last dim.
-        config: launch configuration (default :func:`default_config`).
+        x: ``[N, H]`` float32/float16/bfloat16.
+        topk_ids: ``[N, k]`` int32/int64 in ``0..E-1`` (not checked: out of range reads out of
+            bounds).
+        topk_weights: ``[N, k]`` float32 (already rounded when the model rounds them).
+        gate_up_weight: ``[E, 2I, H]`` in x's dtype, gate rows ``[:I]`` then up.
+        down_weight: ``[E, H, I]`` in x's dtype; both unit stride along the last dim.
+        config: default :func:`default_config`.
 
     Returns:
         ``[N, H]`` in x's dtype; a new tensor.

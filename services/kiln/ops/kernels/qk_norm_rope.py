@@ -1,18 +1,8 @@
-"""Per-head Q/K RMSNorm + RoPE + KV-cache write from a fused QKV projection's output, in one
-kernel.
-
-The decode chain's attention prologue when the QKV product runs apart from RoPE: a model with
-per-head Q/K norms (Qwen3: the norm needs a whole head's dot products, which the fused
-:mod:`kiln.ops.kernels.qkv_rope` kernel splits over programs) or a batch whose projections run
-on tensor cores (cuBLAS). Program ``(b, h)`` owns head ``h`` of sequence ``b`` in the
-``[B, (Hq + 2Hkv) * D]`` row (q heads, then k heads, then v heads): q heads are normed and rotated
-and returned, k heads normed, rotated and written into the static KV cache at the sequence's
-position (read on the device: no host sync, so the step stays CUDA-graph capturable), v heads
-copied into the cache.
-
-Rounding follows kiln's reference chain: ``rms_norm`` reference per head (statistics in float32,
-the normalised head rounded to the model dtype, then the scale multiply rounded), rotation in
-float32 (``x1*cos - x2*sin``, ``x2*cos + x1*sin``) cast to the model dtype.
+"""Per-head Q/K RMSNorm + RoPE + KV-cache write from a fused QKV product's output, in one kernel:
+the decode chain's prologue when the product runs apart (Qwen3's Q/K norms, or tensor-core batches).
+Program ``(b, h)`` owns head ``h`` of sequence ``b``: q normed, rotated, returned; k normed,
+rotated, written to the cache at the device-side position; v copied. Rounding follows kiln's
+reference (per-head ``rms_norm`` with float32 statistics, rotation in float32, then cast).
 """
 
 from __future__ import annotations
@@ -193,18 +183,14 @@ def qk_norm_rope(
     """Q/K head norms (optional), RoPE of q and k, and the k/v cache write of one decode step.
 
     Args:
-        qkv: ``[B, (Hq + 2*Hkv) * D]`` the fused projection's output (model dtype), unit stride
-            along the last dim.
-        q_norm, k_norm: ``[D]`` per-head RMSNorm scales (Qwen3's ``q_norm``/``k_norm``), or
-            None for no norm on that side.
-        eps: the norms' epsilon.
-        cos, sin: ``[P, D/2]`` float32 tables of ``p * inv_freq`` (``kiln.ops.rope``).
-        positions: ``[B]`` int64 on the device, each ``< P`` and ``< S`` (not checked: a host
-            check would sync).
-        k_cache, v_cache: ``[max_batch, Hkv, S, D]`` contiguous in qkv's dtype; row ``b``
-            receives its k/v heads at ``[b, :, positions[b], :]`` (in place).
+        qkv: ``[B, (Hq + 2*Hkv) * D]`` (model dtype), unit stride along the last dim.
+        q_norm, k_norm: ``[D]`` per-head RMSNorm scales, or None; eps: their epsilon.
+        cos, sin: ``[P, D/2]`` float32 (``kiln.ops.rope``).
+        positions: ``[B]`` int64 on the device, each ``< P`` and ``< S`` (not checked).
+        k_cache, v_cache: ``[max_batch, Hkv, S, D]`` contiguous in qkv's dtype; written in place at
+            ``[b, :, positions[b], :]``.
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D (D even).
-        pdl: programmatic dependent launch mode (:mod:`kiln.ops.kernels.pdl`).
+        pdl: :mod:`kiln.ops.kernels.pdl` mode.
 
     Returns:
         q ``[B, Hq, D]`` normed and rotated, qkv's dtype; a new tensor.

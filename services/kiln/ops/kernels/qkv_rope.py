@@ -1,17 +1,10 @@
 """RMS norm + fused QKV projection + RoPE + KV-cache write for one decode step, in one kernel.
 
-Program ``(h, j)`` owns head ``h`` of the fused ``[(Hq + 2Hkv) * D, K]`` weight (q heads, then
-k heads, then v heads) and a block of ``block_n`` rotation pairs ``i`` of it: weight rows
-``h*D + i`` and ``h*D + i + D/2``. RoPE ("rotate half": pairs ``i`` and ``i + D/2``) then needs no
-exchange between programs, and splitting each head's ``D/2`` pairs over several programs gives
-enough programs for 132 SMs (Llama-3.2-1B: 48 heads x 32 pairs / 4 = 384 programs). q heads are
-rotated and returned; k heads are rotated and v heads copied into the static KV cache
-(``[max_batch, Hkv, S, D]``) at each sequence's position, read on the device (no host sync, so
-the step stays CUDA-graph capturable).
-
-Rounding follows kiln's reference chain: ``rms_norm`` reference, ``F.linear`` rounded to the
-model dtype, rotation in float32 (``x1*cos - x2*sin``, ``x2*cos + x1*sin``) cast to the model
-dtype.
+Program ``(h, j)`` owns head ``h`` of the fused ``[(Hq + 2Hkv) * D, K]`` weight and ``block_n``
+rotation pairs (rows ``h*D + i`` and ``h*D + i + D/2``), so RoPE needs no exchange between programs.
+q heads are rotated and returned; k rotated and v copied into the static cache at each sequence's
+device-side position (no host sync). Rounding follows kiln's reference (``rms_norm``, ``F.linear``
+rounded to the model dtype, rotation in float32 then cast).
 """
 
 from __future__ import annotations
@@ -41,10 +34,9 @@ Tensor = torch.Tensor
 def default_qkv_rope_config(
     num_heads: int, num_kv_heads: int, head_dim: int, k: int, *, sms: int = DEFAULT_SMS
 ) -> GemvConfig:
-    """Launch configuration of :func:`rms_norm_qkv_rope`: ``block_n`` rotation pairs per
-    program, the largest power of two <= 16 (and <= D/2) that gives at least ``2 * sms``
-    programs over the ``Hq + 2Hkv`` heads; ``block_k`` fills :data:`TILE_BUDGET` for the two
-    ``[block_n, block_k]`` tiles. Llama-3.2-1B: ``block_n=4, block_k=2048`` (384 programs).
+    """Launch configuration of :func:`rms_norm_qkv_rope`: ``block_n`` the largest power of two <= 16
+    (and <= D/2) giving >= ``2 * sms`` programs; ``block_k`` fills :data:`TILE_BUDGET` for two tiles
+    (Llama-3.2-1B: 4, 2048; 384 programs).
 
     Raises:
         ValueError: a non-positive size or an odd ``head_dim``.
@@ -182,25 +174,21 @@ def rms_norm_qkv_rope(
     config: GemvConfig | None = None,
     qkv_bias: Tensor | None = None,
 ) -> Tensor:
-    """One decode step's attention prologue: ``rms_norm`` -> fused QKV GEMV -> RoPE of q and k
-    -> k and v written into the cache.
+    """One decode step's attention prologue: ``rms_norm`` -> fused QKV GEMV -> RoPE of q and k -> k
+    and v written into the cache.
 
     Args:
         x: ``[B, K]`` residual stream, ``1 <= B <= MAX_M``, model dtype.
-        norm_weight: ``[K]`` input-norm scale (``x.dtype``), or None to use ``x`` as is.
-        eps: the norm's epsilon (ignored without ``norm_weight``).
-        qkv_weight: ``[(Hq + 2*Hkv) * D, K]`` = ``cat(q_weight, k_weight, v_weight)``
-            (``kiln.ops.qkv_proj.fuse_qkv``), contiguous, ``x.dtype``.
-        cos, sin: ``[P, D/2]`` float32 tables of ``p * inv_freq`` (``kiln.ops.rope``'s
-            ``cos_sin_table``).
-        positions: ``[B]`` int64 on the device: this step's token position per sequence (each
-            ``< P`` and ``< S``; not checked, a host check would sync).
-        k_cache, v_cache: ``[max_batch, Hkv, S, D]`` contiguous, ``x.dtype``, ``max_batch >= B``;
-            row ``b`` receives ``k/v[b, h]`` at ``[b, h, positions[b], :]`` (in place).
+        norm_weight: ``[K]`` (``x.dtype``), or None for no norm; eps: its epsilon.
+        qkv_weight: ``[(Hq + 2*Hkv) * D, K]`` (``kiln.ops.qkv_proj.fuse_qkv``), contiguous,
+            ``x.dtype``.
+        cos, sin: ``[P, D/2]`` float32 (``kiln.ops.rope``'s ``cos_sin_table``).
+        positions: ``[B]`` int64 on the device, each ``< P`` and ``< S`` (not checked).
+        k_cache, v_cache: ``[max_batch, Hkv, S, D]`` contiguous, ``x.dtype``; written in place at
+            ``[b, h, positions[b], :]``.
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D (D even).
-        config: ``block_n`` = rotation pairs per program, ``block_k``, ``num_warps``,
-            ``num_stages``, ``pdl``; default :func:`default_qkv_rope_config`. ``split_k`` must be 1.
-        qkv_bias: must be None (biased QKV, e.g. Qwen2, is not supported).
+        config: default :func:`default_qkv_rope_config`; ``split_k`` must be 1.
+        qkv_bias: must be None.
 
     Returns:
         q ``[B, Hq, D]`` rotated, ``x.dtype``; a new tensor.

@@ -1,27 +1,14 @@
-"""Expert-load skew for MoE models with random weights, and measuring expert load.
+"""Expert-load skew for MoE models with random weights, and measuring expert load (rationale:
+docs/design/kernels.md, "MoE").
 
-Random router weights route near-uniformly; real traffic loads experts unevenly, and the load
-decides which ``moe`` implementation wins (how many distinct experts a decode step reads, how
-big each expert's matmul is). So an engine built with seeded random weights for a traffic shape
-whose ``expert_zipf_exponent`` s is > 0 (:mod:`kiln.workloads.traffic.experts`) gives each MoE
-layer's router a float32 bias ``b [E]`` on its logits (held in the weight store as
-``model.layers.{i}.mlp.gate.kiln_skew_bias``; see :data:`kiln.workloads.weights.ROUTER_BIAS`):
-
-- target: :func:`~kiln.workloads.traffic.experts.zipf_shares` ``(E, top_k, s)`` — share of
-  routed assignments per load rank, ``∝ r^-s`` capped at ``1/top_k`` — placed on the experts in
-  a permutation seeded by (seed, layer), so every layer has its own hot experts;
-- fit (:func:`fit_router_bias`): on the router logits of seeded random prompts (the same kind
-  of inputs engines run), start from the Gumbel-max approximation ``b = β ln target`` (β the
-  logits' spread × √6/π: with Gumbel noise of scale β, top-1 picks expert e with probability
-  ``softmax(b/β)_e``) and correct it by fixed-point steps ``b += β/2 · ln(target / measured)``,
-  keeping the bias with the smallest total-variation distance;
-- layer by layer in one forward (:func:`calibrate_router_bias`): layer i is fitted on inputs that
-  already went through layers < i with their final biases;
-- reported (:class:`ExpertLoadReport`, on :attr:`DecoderModel.expert_load`): the load measured
-  on a second, fresh sample of prompts, per layer and expert, with the target.
-
-Checkpoint weights get no bias: a trained router has its own load. The measurement
-(:func:`measure_expert_load`) works on any MoE model.
+An engine with seeded random weights for a traffic shape whose ``expert_zipf_exponent`` s > 0 gives
+each MoE layer's router a float32 logit bias ``b [E]`` (weight-store name
+``model.layers.{i}.mlp.gate.kiln_skew_bias``, :data:`kiln.workloads.weights.ROUTER_BIAS`): the
+target is :func:`~kiln.workloads.traffic.experts.zipf_shares` ``(E, top_k, s)`` permuted over the
+experts by (seed, layer); :func:`fit_router_bias` fits it on the logits of seeded random prompts;
+:func:`calibrate_router_bias` fits layer by layer in one forward; :class:`ExpertLoadReport`
+(:attr:`DecoderModel.expert_load`) is the load measured on a fresh sample. Checkpoint weights get no
+bias; :func:`measure_expert_load` works on any MoE model.
 """
 
 from __future__ import annotations
@@ -46,13 +33,9 @@ Tensor = torch.Tensor
 
 SAMPLE_BATCH = 256
 SAMPLE_LEN = 8
-"""Prompts (sequences x tokens) of the calibration sample and of the held-out measurement:
-2048 tokens, i.e. ``2048 * top_k`` routed assignments per layer. Many short prompts rather than
-a few long ones: past the first layer a token's router input carries its prompt's context, so
-tokens of one prompt route alike and a sample of 32 x 64 behaves like fewer independent draws —
-fitted on one such sample, a 16-expert top-4 model's load on fresh samples was off by up to
-~0.065 total variation; with 256 x 8, by ~0.02-0.04 (sampling noise of the measurement itself
-is ~0.015)."""
+"""Prompts (sequences x tokens) of the calibration sample and of the held-out measurement: 2048
+tokens (``2048 * top_k`` assignments per layer), many short prompts (docs/design/kernels.md).
+"""
 
 FIT_STEPS = 200
 
@@ -73,9 +56,8 @@ def bias_name(layer: int) -> str:
 
 
 def target_load(config: ModelConfig, layer: int, seed: int) -> Tensor:
-    """Target share of routed assignments per expert of layer ``layer``: float64 ``[E]``,
-    summing to 1 — the Zipf shares of ``config.moe.load_zipf_exponent`` in a permutation of the
-    experts seeded by ``(seed, layer)``.
+    """Target share of routed assignments per expert of ``layer``: float64 ``[E]`` summing to 1, the
+    Zipf shares of ``config.moe.load_zipf_exponent`` permuted by ``(seed, layer)``.
 
     Raises:
         ValueError: ``config`` is not MoE.
@@ -93,7 +75,8 @@ def target_load(config: ModelConfig, layer: int, seed: int) -> Tensor:
 
 def load_fractions(experts: Tensor, num_experts: int) -> Tensor:
     """Share of routed assignments per expert: float64 ``[E]`` summing to 1, from the chosen
-    experts ``[N, top_k]`` int64."""
+    experts ``[N, top_k]`` int64.
+    """
     counts = torch.bincount(experts.reshape(-1), minlength=num_experts).double()
     return counts / max(1, experts.numel())
 
@@ -101,14 +84,14 @@ def load_fractions(experts: Tensor, num_experts: int) -> Tensor:
 def fit_router_bias(
     logits: Tensor, target: Tensor, top_k: int, *, steps: int = FIT_STEPS
 ) -> Tensor:
-    """A router-logit bias under which top-k routing of ``logits`` loads experts as ``target``
-    (method in the module docs). Deterministic.
+    """A router-logit bias under which top-k routing of ``logits`` loads experts as ``target``:
+    Gumbel-max start ``b = β ln target``, fixed-point steps ``b += β/2 · ln(target / measured)``,
+    the bias of smallest total-variation distance kept. Deterministic.
 
     Args:
         logits: ``[N, E]`` float32 router logits (without bias).
-        target: ``[E]`` target shares of assignments (sum 1, each at most ``1/top_k``).
-        top_k: experts per token.
-        steps: fixed-point iterations.
+        target: ``[E]`` target shares (sum 1, each at most ``1/top_k``).
+        top_k: experts per token. steps: fixed-point iterations.
 
     Returns:
         float32 ``[E]`` on ``logits``' device, mean 0.
@@ -140,9 +123,9 @@ class ExpertLoadReport:
 
     Attributes:
         tokens: tokens routed through each MoE layer.
-        zipf_exponent: the imposed skew s (0.0 = none: the router's own load).
+        zipf_exponent: the imposed skew s (0.0 = the router's own load).
         measured: layer index -> share of routed assignments per expert (E floats, sum 1).
-        target: layer index -> target share per expert, same order (empty without a skew).
+        target: layer index -> target share per expert (empty without a skew).
     """
 
     tokens: int
@@ -152,20 +135,23 @@ class ExpertLoadReport:
 
     def rank_profile(self) -> list[float]:
         """Mean over layers of each layer's shares sorted in decreasing order: the load by rank,
-        comparable with :func:`~kiln.workloads.traffic.experts.zipf_shares`."""
+        comparable with :func:`~kiln.workloads.traffic.experts.zipf_shares`.
+        """
         rows = [sorted(v, reverse=True) for v in self.measured.values()]
         return [sum(col) / len(rows) for col in zip(*rows, strict=True)] if rows else []
 
     def hot_ratio(self) -> float:
         """Mean over layers of the hottest expert's share over the uniform share (>= 1; the form
-        of ``TrafficShape.expert_load_skew``)."""
+        of ``TrafficShape.expert_load_skew``).
+        """
         if not self.measured:
             return 1.0
         return sum(len(v) * max(v) for v in self.measured.values()) / len(self.measured)
 
     def distance(self) -> float:
         """Largest total-variation distance between a layer's measured and target load
-        (0 = exact, 1 = disjoint); 0.0 without a target."""
+        (0 = exact, 1 = disjoint); 0.0 without a target.
+        """
         return max(
             (
                 sum(abs(a - b) for a, b in zip(self.measured[i], t, strict=True)) / 2
@@ -186,7 +172,8 @@ class ExpertLoadReport:
 
 def sample_prompts(config: ModelConfig, seed: int, device: torch.device | str) -> Tensor:
     """Seeded uniform random prompts ``[SAMPLE_BATCH, T]`` int64 (T = :data:`SAMPLE_LEN`, at most
-    the model's context window), like the engines' check inputs."""
+    the model's context window), like the engines' check inputs.
+    """
     length = max(1, min(SAMPLE_LEN, config.max_position_embeddings))
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(config.vocab_size, (SAMPLE_BATCH, length), generator=gen).to(device)
@@ -197,7 +184,8 @@ Tap = Callable[[int, Tensor, dict[str, object]], None]
 
 def _run_tapped(model: DecoderModel, tokens: Tensor, tap: Tap) -> None:
     """Prefill ``tokens`` through a reference model over ``model``'s weights with its own small
-    cache, calling ``tap(layer, x[B, T, H], moe params)`` before every ``moe`` ffn."""
+    cache, calling ``tap(layer, x[B, T, H], moe params)`` before every ``moe`` ffn.
+    """
     w = model.weights
     cfg = model.config
     probe = DecoderModel(
@@ -239,13 +227,9 @@ def _router_logits(x: Tensor, params: dict[str, object]) -> Tensor:
 def measure_expert_load(
     model: DecoderModel, tokens: Tensor, *, target: dict[int, tuple[float, ...]] | None = None
 ) -> ExpertLoadReport:
-    """Route ``tokens`` (prompts ``[B, T]`` int64) through ``model``'s weights with reference
-    ops (its router biases included) and count the assignments per expert in every MoE layer.
-
-    Args:
-        model: an MoE model (its cache is not touched).
-        tokens: prompts, on the model's device.
-        target: per-layer target shares to report beside the measurement.
+    """Route ``tokens`` (``[B, T]`` int64) through ``model``'s weights with reference ops (router
+    biases included) and count assignments per expert per MoE layer; ``target`` is reported beside.
+    The model's cache is not touched.
 
     Raises:
         ValueError: ``model`` has no MoE layers.
@@ -274,7 +258,8 @@ def measure_expert_load(
 
 def add_router_biases(store: WeightStore, config: ModelConfig) -> None:
     """Hold a zero float32 ``[E]`` router bias for every MoE layer of ``config`` that has none
-    (on the router weight's device), to be fitted by :func:`calibrate_router_bias`."""
+    (on the router weight's device), to be fitted by :func:`calibrate_router_bias`.
+    """
     if config.moe is None:
         return
     for i in moe_layers(config):
@@ -286,16 +271,9 @@ def add_router_biases(store: WeightStore, config: ModelConfig) -> None:
 
 @torch.no_grad()
 def calibrate_router_bias(model: DecoderModel, *, seed: int) -> ExpertLoadReport:
-    """Fit every MoE layer's router bias of ``model`` (held in its weight store, see
-    :func:`add_router_biases`) in place so the expert load follows the Zipf target of
-    ``model.config.moe.load_zipf_exponent``; then measure the load on fresh prompts.
-
-    Args:
-        model: an MoE model whose slots bind the store's bias tensors.
-        seed: seeds the expert permutations and the two prompt samples.
-
-    Returns:
-        The held-out measurement, with the targets.
+    """Fit ``model``'s router biases (:func:`add_router_biases`) in place to the Zipf target of
+    ``model.config.moe.load_zipf_exponent``; ``seed`` seeds the permutations and both prompt
+    samples. Returns the held-out measurement, with the targets.
 
     Raises:
         ValueError: not an MoE model, or its slots hold no router bias.

@@ -1,10 +1,5 @@
-"""The traffic shape a compilation optimizes for, read from a trace (``kiln.v1.TrafficShape``).
-
-Besides the statistics, a shape carries the *operating point* engines measure at: ``batch_size``
-= its mean concurrency (an estimate, see :mod:`kiln.workloads.traffic.concurrency`) rounded half
-up and clamped to ``[1, max_batch]``, and ``context_len`` = p50 ISL + p50 OSL / 2 (tokens, rounded
-half up, at least 1); medians keep the long tails (Mooncake p99 ISL ~85k) from setting the point
-for every request. Both formulas, and why, are :mod:`kiln.domain.operating_point`'s.
+"""The traffic shape a compilation optimizes for, read from a trace (``kiln.v1.TrafficShape``), with
+the operating point engines measure at (formulas: :mod:`kiln.domain.operating_point`).
 """
 
 from __future__ import annotations
@@ -44,30 +39,23 @@ NOTE_NO_SPAN = "arrival_rate_rps and interarrival_cv are 0.0: all arrivals at on
 
 @dataclass(frozen=True)
 class TrafficShape:
-    """What the forward pass will serve. Token counts are tokens, rates requests/s.
+    """What the forward pass will serve (tokens; rates requests/s).
 
     Attributes:
-        source: file name of the trace, or ``"synthetic"``.
-        isl_tokens: prompt length distribution (tokens).
-        osl_tokens: output length distribution (tokens).
-        arrival_rate_rps: (requests - 1) / (last arrival - first arrival), requests/s.
-        interarrival_cv: std / mean of the gaps between consecutive arrivals (1.0 = Poisson,
-            > 1 bursty; population std).
-        mean_concurrency: time-averaged requests in flight (an estimate; see
+        source: trace file name, or ``"synthetic"``.
+        isl_tokens, osl_tokens: prompt and output length distributions.
+        arrival_rate_rps: (requests - 1) / (last arrival - first arrival).
+        interarrival_cv: population std / mean of arrival gaps (1.0 = Poisson).
+        mean_concurrency: time-averaged requests in flight (an estimate,
             :mod:`kiln.workloads.traffic.concurrency`).
-        prefix_hit_rate: token-weighted fraction of prompt tokens in a cached leading prefix,
-            0..1 (see :mod:`kiln.workloads.traffic.prefix`).
-        expert_load_skew: most-loaded expert's share over the uniform share (>= 1). Request
-            traces carry no routing data, so this is not derived; it is whatever the caller
-            passes (default 1.0, perfectly balanced).
-        expert_zipf_exponent: MoE expert-load skew as a Zipf exponent s >= 0 (the expert of load
-            rank r gets a share ∝ r^-s; 0 = balanced), derived from the trace: the Zipf MLE of
-            its prompt-block popularity (Mooncake ``hash_ids``), 0.0 without block ids. Why and
-            how: :mod:`kiln.workloads.traffic.experts`. Engines bias MoE routers so the expert
-            load follows it.
-        batch_size: operating point, decode batch (see the module docs).
-        context_len: operating point, context length in tokens (see the module docs).
-        notes: caveats about how fields were obtained; not sent on the wire, not compared.
+        prefix_hit_rate: token-weighted fraction of prompt tokens in a cached prefix, 0..1
+            (:mod:`kiln.workloads.traffic.prefix`).
+        expert_load_skew: hottest expert's share over uniform (>= 1); passed by the caller (default
+            1.0), not derived.
+        expert_zipf_exponent: expert-load Zipf exponent s >= 0 from the trace's block popularity
+            (:mod:`kiln.workloads.traffic.experts`), 0.0 without block ids.
+        batch_size, context_len: the operating point (decode batch; context tokens).
+        notes: caveats; not sent on the wire, not compared.
     """
 
     source: str
@@ -94,16 +82,9 @@ class TrafficShape:
         expert_load_skew: float = 1.0,
         block_size: int = MOONCAKE_BLOCK_TOKENS,
     ) -> TrafficShape:
-        """The shape of ``requests`` (taken in arrival order; ties keep the given order).
-
-        Args:
-            requests: at least one request.
-            source: trace file name, or ``"synthetic"``.
-            service: the service-time model behind ``mean_concurrency`` (default
-                :class:`ServiceModel`).
-            max_batch: upper clamp of ``batch_size`` (requests).
-            expert_load_skew: passed through (not derivable from these traces).
-            block_size: tokens per ``hash_ids`` block (Mooncake: 512).
+        """The shape of ``requests`` (arrival order; ties keep the given order); ``service``: the
+        model behind ``mean_concurrency`` (default :class:`ServiceModel`); ``max_batch`` clamps
+        ``batch_size``; ``block_size``: tokens per ``hash_ids`` block (Mooncake 512).
 
         Raises:
             ValueError: no requests, or ``max_batch < 1``.
