@@ -1,10 +1,10 @@
 """All four default agent kinds on one compilation through the real NATS board.
 
-The only stand-in is the Lab (the runner's side: experiment budget and measurement): it
-measures a candidate instantly with a deterministic synthetic speed function. Everything else
-is real: the board (NATS JetStream, claims exclusive per candidate), the agents' shared loop,
-their board views, and the optuna agent's study in PostgreSQL (its own schema; in memory when
-no PostgreSQL answers).
+The only stand-in is the Lab (the runner's side: experiment budget, measurement and the
+result feed it judges each measurement into): it measures a candidate instantly with a
+deterministic synthetic speed function. Everything else is real: the board (NATS JetStream:
+ideas, claims exclusive per candidate), the agents' shared loop, their views, and the optuna
+agent's study in PostgreSQL (its own schema; in memory when no PostgreSQL answers).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import sqlalchemy
 
 from kiln.agent_runner.agents import DEFAULT_AGENTS, Lab, Outcome, build_agents
 from kiln.agent_runner.agents.combiner import CombinerAgent
-from kiln.agent_runner.agents.view import result_body
+from kiln.agent_runner.agents.optuna_search import open_storage, resolve_storage
 from kiln.agent_runner.budget import ExperimentBudget
-from kiln.agent_runner.experiment import Completed
+from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.op_roofline import bandwidth_bytes_per_s, op_bytes, roofline_ms
+from kiln.agent_runner.results import ResultFeed, SearchResult, result_body
 from kiln.agent_runner.space import CandidateSpace, Dimension
 from kiln.board import Board
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
@@ -71,10 +72,11 @@ def _synthetic(candidate: Candidate, floor: dict[str, float]) -> tuple[float, di
 
 class SyntheticLab:
     """The runner's side of the agents (the test's only stand-in): an experiment budget, no
-    candidate measured twice, and an instant synthetic measurement."""
+    candidate measured twice, an instant synthetic measurement, and its result in the feed."""
 
     def __init__(self, board: Board, compilation_id: str, workload: Any, floor: dict) -> None:
         self.compilation_id, self.space, self.board = compilation_id, SPACE, board
+        self.results = ResultFeed(compilation_id)
         self.workload = workload
         self.budget = ExperimentBudget(limit=BUDGET)
         self.floor = floor
@@ -112,9 +114,12 @@ class SyntheticLab:
             op_ms=op_ms if profile else {},
             op_profile_shape=SHAPE if profile else {},
         )
-        completed = Completed(uuid.uuid4().hex, result, 1, datetime.now(UTC))
+        eid = uuid.uuid4().hex
+        completed = Completed(eid, result, 1, datetime.now(UTC))
         base, _ = _synthetic(REFERENCE_CANDIDATE, self.floor)
-        return Outcome(completed.experiment_id, candidate, completed, tps / base)
+        req = Requested(eid, self.compilation_id, "t", candidate, agent, "fast", 1, profile)
+        self.results.take(req, completed, tps / base)
+        return Outcome(eid, candidate, completed, tps / base)
 
 
 @pytest.fixture
@@ -132,6 +137,9 @@ def optuna_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setenv("KILN_OPTUNA_STORAGE", PG)
     monkeypatch.setenv("KILN_OPTUNA_DB_SCHEMA", schema)
     try:
+        # its tables made now (the storage is kept per process), so creating them does not
+        # hold the optuna agent back while the others spend the budget
+        open_storage(resolve_storage(), schema)
         yield schema
     finally:
         with engine.begin() as conn:
@@ -155,7 +163,8 @@ async def test_four_agents_share_one_board_without_duplicate_claims(
     )
     lab = SyntheticLab(board, cid, workload, floor)
 
-    # The runner's baseline: the reference measured (profiled) and posted before agents start.
+    # The runner's baseline: the reference claimed, measured (profiled) and judged into the
+    # result feed before agents start.
     base_tps, base_ops = _synthetic(REFERENCE_CANDIDATE, floor)
     assert await board.claim(cid, REFERENCE_CANDIDATE.id, "baseline")
     summary = {
@@ -165,8 +174,17 @@ async def test_four_agents_share_one_board_without_duplicate_claims(
         "op_ms": base_ops,
         "op_profile_shape": SHAPE,
     }
-    await board.post_result(
-        cid, REFERENCE_CANDIDATE.id, "baseline", result_body(REFERENCE_CANDIDATE, summary, 1.0)
+    lab.results.add(
+        SearchResult(
+            "baseline-exp",
+            REFERENCE_CANDIDATE,
+            base_tps,
+            True,
+            "baseline",
+            base_ops,
+            SHAPE,
+            result_body(REFERENCE_CANDIDATE, summary, 1.0),
+        )
     )
 
     agents = build_agents(list(DEFAULT_AGENTS), cid)
@@ -197,16 +215,17 @@ async def test_four_agents_share_one_board_without_duplicate_claims(
     # The combiner proposed a composition of moves other agents measured.
     combos = [p for p in ideas if p.agent == "combiner"]
     assert combos and combos[0].body["why"].startswith("composes ")
-    results = {p.candidate_id: p for p in await board.history(cid, kinds=["result"])}
     composed = Candidate.from_canonical(combos[0].body["candidate"])
+    results = list(lab.results)
+    assert all(p.kind in ("idea", "claim") for p in await board.history(cid))  # no results
+    assert {r.candidate.id for r in results} == {*measured, REFERENCE_CANDIDATE.id}
+    before = next(i for i, r in enumerate(results) if r.candidate == composed)
     point = SPACE.assignment(composed)
     moves = [d for d in SPACE.dims if point[d.name] is not None]
     assert len(moves) >= 2
     for d in moves:  # each move was measured by another agent first
         assert any(
             r.agent not in ("combiner", "baseline")
-            and SPACE.assignment(Candidate.from_canonical(r.body["candidate"]))[d.name]
-            == point[d.name]
-            for r in results.values()
-            if r.seq < combos[0].seq
+            and SPACE.assignment(r.candidate)[d.name] == point[d.name]
+            for r in results[:before]
         ), d.name

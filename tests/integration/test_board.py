@@ -23,20 +23,21 @@ def board(nc: Client, prefix: str) -> Board:
 async def test_post_history_follow_round_trip(board: Board) -> None:
     idea = await board.post_idea("comp1", "cand-a", "agent-1", {"recipe": {"attention": "flash"}})
     assert await board.claim("comp1", "cand-a", "agent-1") is True
-    result = await board.post_result("comp1", "cand-a", "agent-1", {"tokens_per_s": 1234.5})
+    later = await board.post_idea("comp1", "cand-a", "agent-2", {"why": "again"})
     await board.post_idea("comp2", "cand-z", "agent-9")  # another compilation: never seen below
 
     posts = await board.history("comp1")
-    assert [p.kind for p in posts] == ["idea", "claim", "result"]
+    assert [p.kind for p in posts] == ["idea", "claim", "idea"]
     assert [p.seq for p in posts] == sorted(p.seq for p in posts)
     assert posts[0] == idea
     assert posts[0].body == {"recipe": {"attention": "flash"}}
-    assert posts[2] == result
+    assert posts[2] == later
     assert all(p.compilation_id == "comp1" and p.candidate_id == "cand-a" for p in posts)
-    assert [p.kind for p in await board.history("comp1", kinds=["idea"])] == ["idea"]
-    assert [p.kind for p in await board.history("comp1", kinds=["idea", "result"])] == [
+    assert [p.kind for p in await board.history("comp1", kinds=["idea"])] == ["idea", "idea"]
+    assert [p.kind for p in await board.history("comp1", kinds=["idea", "claim"])] == [
         "idea",
-        "result",
+        "claim",
+        "idea",
     ]
     assert await board.history("nobody") == []
     assert await board.claimed("comp1") == {"cand-a"}
@@ -47,16 +48,16 @@ async def test_post_history_follow_round_trip(board: Board) -> None:
     assert got == posts
     async with contextlib.aclosing(board.follow("comp1", since_seq=posts[0].seq)) as live:
         assert await asyncio.wait_for(anext(live), 5.0) == posts[1]
-    async with contextlib.aclosing(board.follow("comp1", kinds=["result"])) as live:
-        assert await asyncio.wait_for(anext(live), 5.0) == result
+    async with contextlib.aclosing(board.follow("comp1", kinds=["claim"])) as live:
+        assert await asyncio.wait_for(anext(live), 5.0) == posts[1]
 
 
 async def test_retried_posts_are_stored_once(board: Board) -> None:
     a = await board.post_idea("comp1", "cand-a", "agent-1", {"x": 1})
     b = await board.post_idea("comp1", "cand-a", "agent-1", {"x": 1})
-    c = await board.post_result("comp1", "cand-a", "agent-1", {"ms": 1.0}, msg_id="exp-1")
-    d = await board.post_result("comp1", "cand-a", "agent-1", {"ms": 1.0}, msg_id="exp-1")
-    e = await board.post_result("comp1", "cand-a", "agent-1", {"ms": 2.0})  # a new result
+    c = await board.post_idea("comp1", "cand-a", "agent-1", {"x": 2}, msg_id="note-1")
+    d = await board.post_idea("comp1", "cand-a", "agent-1", {"x": 3}, msg_id="note-1")
+    e = await board.post_idea("comp1", "cand-a", "agent-1", {"x": 2})  # a new idea
     assert a.seq == b.seq and c.seq == d.seq
     assert [p.seq for p in await board.history("comp1")] == [a.seq, c.seq, e.seq]
 
@@ -102,7 +103,7 @@ async def test_follow_yields_posts_published_after_it_started(board: Board) -> N
         pending = asyncio.ensure_future(anext(live))
         await asyncio.sleep(0.2)
         assert not pending.done()
-        later = await board.post_result("comp1", "cand-a", "agent-2", {"ok": True})
+        later = await board.post_idea("comp1", "cand-a", "agent-2", {"ok": True})
         got = await asyncio.wait_for(pending, 5.0)
     assert got == later
     assert isinstance(got, BoardPost) and got.seq > first.seq and got.agent == "agent-2"
@@ -118,7 +119,7 @@ async def test_invalid_ids_are_refused(board: Board, bad: str) -> None:
         await board.claim("comp", bad, "agent")
     if bad != "a.b":  # agents may contain dots
         with pytest.raises(InvalidArgument):
-            await board.post_result("comp", "cand", bad)
+            await board.post_idea("comp", "cand", bad)
     with pytest.raises(InvalidArgument):
         await board.history(bad)
     with pytest.raises(InvalidArgument):
@@ -132,3 +133,17 @@ async def test_unknown_kind_is_refused(board: Board) -> None:
         await board.history("comp1", kinds=["vote"])
     with pytest.raises(InvalidArgument):
         await board.history("comp1", kinds=[])
+
+
+async def test_the_board_carries_no_results(nc: Client, prefix: str, board: Board) -> None:
+    """Results are the ledger's: the client has no result post, refuses the kind, and drops a
+    message someone published on a result subject by hand."""
+    assert not hasattr(board, "post_result")
+    with pytest.raises(InvalidArgument):
+        await board.history("comp1", kinds=["result"])
+    with pytest.raises(InvalidArgument):
+        await anext(board.follow("comp1", kinds=["result"]))
+    stray = BoardPost(kind="idea", compilation_id="comp1", candidate_id="cand-a", agent="x")
+    await nc.jetstream().publish(f"{prefix}.board.comp1.result.cand-a", stray.to_json())
+    idea = await board.post_idea("comp1", "cand-a", "agent-1")
+    assert await board.history("comp1") == [idea]

@@ -25,11 +25,12 @@ import kiln.ops  # noqa: F401  (registers the built-in implementations)
 from kiln.agent_runner.agents import Lab, Outcome, build_agents, validate_agents
 from kiln.agent_runner.agents.llm import LLMAgent
 from kiln.agent_runner.agents.registry import DEFAULT_AGENTS
-from kiln.agent_runner.agents.view import BoardView, result_body
+from kiln.agent_runner.agents.view import BoardView
 from kiln.agent_runner.budget import ExperimentBudget
 from kiln.agent_runner.config import LLMSettings
-from kiln.agent_runner.experiment import Completed
+from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.llm import ChatClient, LLMReplyError, LLMRequestError, LLMUnavailable
+from kiln.agent_runner.results import ResultFeed, SearchResult, result_body
 from kiln.agent_runner.space import CandidateSpace, space_for
 from kiln.board import Board
 from kiln.common.errors import InvalidArgument
@@ -141,11 +142,12 @@ def board(nc: Client, prefix: str) -> Board:
 
 
 class OneSpaceLab:
-    """The parts of a :class:`Lab` that ``next_proposal`` reads: the board, the space, the
-    workload facts and whether an experiment slot is left (``slots``)."""
+    """The parts of a :class:`Lab` that ``next_proposal`` reads: the board, the result feed,
+    the space, the workload facts and whether an experiment slot is left (``slots``)."""
 
     def __init__(self, board: Board, space: CandidateSpace, cid: str = "comp-llm") -> None:
         self.compilation_id, self.board, self.space = cid, board, space
+        self.results = ResultFeed(cid)
         self.workload = common_pb2.Workload(
             model=common_pb2.ModelSpec(name="tiny-llama", dtype="float32"),
             traffic=common_pb2.TrafficShape(batch_size=4, context_len=256),
@@ -202,9 +204,10 @@ async def test_round_trip_completion_becomes_a_candidate_whose_module_matches_th
     fast = Candidate.make({}, [space_for("cpu", cpus=2).candidate({"threads": "2"}).transforms[0]])
     for c, tps in ((REFERENCE_CANDIDATE, 100.0), (fast, 140.0)):
         summary = {"status": "ok", "correct": True, "tokens_per_s": tps}
-        await board.post_result(lab.compilation_id, c.id, "baseline", result_body(c, summary, 1.0))
+        body = result_body(c, summary, 1.0)
+        lab.results.add(SearchResult(f"exp-{c.id}", c, tps, True, "baseline", body=body))
     agent = LLMAgent("llm", 1, settings(llm, api_key="sk-test"))
-    view = BoardView(board, lab.compilation_id)
+    view = BoardView(board, lab.compilation_id, lab.results)
     await view.start()
     try:
         proposal = await agent.next_proposal(view, cast(Lab, lab))
@@ -278,7 +281,7 @@ async def test_garbage_completions_give_no_candidate_notes_on_the_board_and_a_st
     llm.reply_with("I would rather not.", GOOD.replace('"rms_norm", "llm', '"mlp", "llm'))
     lab = OneSpaceLab(board, rms_norm_only(), cid="comp-garbage")
     agent = LLMAgent("llm", 1, settings(llm, max_bad_replies=2))
-    view = BoardView(board, lab.compilation_id)
+    view = BoardView(board, lab.compilation_id, lab.results)
     await view.start()
     try:
         assert await agent.next_proposal(view, cast(Lab, lab)) is None
@@ -307,7 +310,7 @@ async def test_no_completion_is_asked_for_once_the_budget_is_spent(
     lab = OneSpaceLab(board, rms_norm_only(), cid="comp-spent")
     lab.slots = 0
     agent = LLMAgent("llm", 1, settings(llm))
-    view = BoardView(board, lab.compilation_id)
+    view = BoardView(board, lab.compilation_id, lab.results)
     await view.start()
     try:
         assert await agent.next_proposal(view, cast(Lab, lab)) is None
@@ -373,11 +376,14 @@ class MeasuringLab(OneSpaceLab):
             tier="fast",
             error="",
         )
-        completed = Completed(f"exp{len(self.measured)}", result, 1, datetime.now(UTC))
-        return Outcome(completed.experiment_id, candidate, completed, 1.2)
+        eid = f"exp{len(self.measured)}"
+        completed = Completed(eid, result, 1, datetime.now(UTC))
+        req = Requested(eid, self.compilation_id, "t", candidate, agent, "fast", 1, profile)
+        self.results.take(req, completed, 1.2)  # judged into the feed, as the runner's lab does
+        return Outcome(eid, candidate, completed, 1.2)
 
 
-async def test_agent_run_proposes_claims_measures_and_posts_through_the_board(
+async def test_agent_run_proposes_claims_and_measures_through_the_board(
     llm: FixedLLM, board: Board
 ) -> None:
     llm.reply_with(GOOD)
@@ -385,7 +391,9 @@ async def test_agent_run_proposes_claims_measures_and_posts_through_the_board(
     profile = {"rms_norm": 5.0, "mlp": 1.0, "attention": 0.5}
     summary = {"status": "ok", "correct": True, "tokens_per_s": 100.0, "op_ms": profile}
     body = result_body(REFERENCE_CANDIDATE, summary, 1.0)
-    await board.post_result(lab.compilation_id, REFERENCE_CANDIDATE.id, "baseline", body)
+    lab.results.add(
+        SearchResult("exp-base", REFERENCE_CANDIDATE, 100.0, True, "baseline", profile, body=body)
+    )
     agent = LLMAgent("llm", 1, settings(llm))
     measured = await asyncio.wait_for(agent.run(cast(Lab, lab)), 30)
 
@@ -397,9 +405,9 @@ async def test_agent_run_proposes_claims_measures_and_posts_through_the_board(
     cid = lab.compilation_id
     [claim] = await board.history(cid, kinds=["claim"])
     [idea] = await board.history(cid, kinds=["idea"])
-    results = await board.history(cid, kinds=["result"])
+    assert len(await board.history(cid)) == 2  # ideas and claims only: no result on the board
     assert claim.candidate_id == idea.candidate_id == candidate.id and claim.agent == "llm"
     assert EXPLANATION in idea.body["why"]
-    mine = [r for r in results if r.agent == "llm"]
+    mine = [r for r in lab.results if r.agent == "llm"]
     assert len(mine) == 1 and mine[0].body["status"] == "ok" and mine[0].body["speedup"] == 1.2
     assert agent._client is None  # the client it built is closed at the end

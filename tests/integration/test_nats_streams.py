@@ -48,13 +48,16 @@ def test_names() -> None:
     assert kn.board_subject("kiln", "c1", "claim", "x-1") == "kiln.board.c1.claim.x-1"
     assert kn.board_filter("kiln", "c1") == "kiln.board.c1.>"
     assert kn.board_filter("kiln", "c1", "idea") == "kiln.board.c1.idea.*"
-    assert kn.parse_board_subject("kiln", "kiln.board.c1.result.x") == ("c1", "result", "x")
+    assert kn.parse_board_subject("kiln", "kiln.board.c1.idea.x") == ("c1", "idea", "x")
     for bad in ("Compilation-1", "compilation", "compilation-a.b", "compilation-*"):
         with pytest.raises(InvalidArgument):
             kn.events_subject("kiln", bad, "T")
     with pytest.raises(InvalidArgument):
         kn.events_subject("kiln", "compilation-1", "Bad.Type")
+    for kind in ("vote", "result"):  # the board carries ideas and claims only
+        with pytest.raises(InvalidArgument):
+            kn.board_subject("kiln", "c1", kind, "x")
     with pytest.raises(InvalidArgument):
-        kn.board_subject("kiln", "c1", "vote", "x")
+        kn.parse_board_subject("kiln", "kiln.board.c1.result.x")
     with pytest.raises(InvalidArgument):
         kn.events_stream_name("Bad")

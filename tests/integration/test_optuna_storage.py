@@ -69,7 +69,7 @@ def test_study_lives_in_postgres_and_resumes(schema: str) -> None:
 
     # the runner restarts: a new agent, the same study (load_if_exists); the pending trial's
     # result shows on the board afterwards and is told to the trial asked before the restart
-    view.take(result(p.candidate, 180.0, seq=3))
+    view.feed.add(result(p.candidate, 180.0))
     second = OptunaAgent("optuna", 11, storage=URL, schema=schema)
     q = second.propose(view, SPACE)
     assert q is not None and q.candidate.id not in {p.candidate.id, REFERENCE_CANDIDATE.id}

@@ -42,7 +42,7 @@ def _walk(seed: int, n: int) -> list[str]:
         out.append(p.candidate.id)
         agent.tried.add(p.candidate.id)
         view.take(claim(p.candidate))
-        view.take(result(p.candidate, 100.0 + len(out)))
+        view.feed.add(result(p.candidate, 100.0 + len(out)))
     return out
 
 
@@ -67,7 +67,7 @@ def test_skips_claims_and_learns_other_agents_results() -> None:
     others = DISTINCT[:10]
     view = view_of(
         result(REFERENCE_CANDIDATE, 100.0, agent="baseline"),
-        *(result(c, 100.0 + i, agent="coordinate", seq=i + 2) for i, c in enumerate(others)),
+        *(result(c, 100.0 + i, agent="coordinate") for i, c in enumerate(others)),
         result(DISTINCT[10], 0.0, status="incorrect", agent="random"),
     )
     p = agent.propose(view, SPACE)
@@ -87,14 +87,14 @@ def test_tells_its_own_trials_their_results() -> None:
     assert p is not None
     agent.tried.add(p.candidate.id)
     view.take(claim(p.candidate))
-    view.take(result(p.candidate, 321.0, seq=2))
+    view.feed.add(result(p.candidate, 321.0))
     q = agent.propose(view, SPACE)
     assert q is not None and agent.study is not None
     mine = next(t for t in agent.study.trials if t.user_attrs.get("candidate_id") == p.candidate.id)
     assert mine.state == TrialState.COMPLETE and mine.value == 321.0
     agent.tried.add(q.candidate.id)
     view.take(claim(q.candidate, seq=3))
-    view.take(result(q.candidate, 0.0, status="crashed", seq=4))
+    view.feed.add(result(q.candidate, 0.0, status="crashed"))
     agent.propose(view, SPACE)
     theirs = next(
         t for t in agent.study.trials if t.user_attrs.get("candidate_id") == q.candidate.id
@@ -123,7 +123,7 @@ def test_resumes_a_study_from_its_storage(tmp_path) -> None:  # type: ignore[no-
     first.tried.add(p.candidate.id)
     view.take(claim(p.candidate))
     # a restarted runner: a new agent object, the same study; the result arrives afterwards
-    view.take(result(p.candidate, 250.0, seq=2))
+    view.feed.add(result(p.candidate, 250.0))
     second = OptunaAgent("optuna", 3, storage=url)
     q = second.propose(view, SPACE)
     assert q is not None and q.candidate.id != p.candidate.id
@@ -143,7 +143,7 @@ def test_a_restarted_agent_in_memory_rebuilds_its_study_from_the_results() -> No
         first.tried.add(p.candidate.id)
         taken.append(p.candidate.id)
         view.take(claim(p.candidate, seq=2 * i + 1))
-        view.take(result(p.candidate, 100.0 + i, seq=2 * i + 2))
+        view.feed.add(result(p.candidate, 100.0 + i))
     second = _agent(3)
     q = second.propose(view, SPACE)
     assert q is not None and q.candidate.id not in taken

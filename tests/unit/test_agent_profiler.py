@@ -86,7 +86,7 @@ def test_builds_on_the_best_and_reranks_on_a_new_profiled_leader(floor: dict[str
     assert dict(p.candidate.ops) == {"attention": "sdpa"}
     # a new leader with a profile where mlp is now the worst op
     fused = SPACE.candidate({"cuda_graph": "on", "op:attention": "flash"})
-    view.take(result(fused, 200.0, op_ms=_profile(floor, {"mlp": 0.7}), shape=SHAPE, seq=3))
+    view.feed.add(result(fused, 200.0, op_ms=_profile(floor, {"mlp": 0.7}), shape=SHAPE))
     p = agent.propose(view, SPACE)
     assert p is not None and p.why.startswith("op mlp:")
     assert p.candidate == SPACE.candidate(

@@ -1,4 +1,4 @@
-"""The agents' strategies and their board view, without NATS (posts are folded by hand)."""
+"""The agents' strategies and their view, without NATS (claims and results folded by hand)."""
 
 from __future__ import annotations
 
@@ -18,43 +18,40 @@ from kiln.agent_runner.agents import (
     build_agents,
     validate_agents,
 )
-from kiln.agent_runner.agents.view import BoardView, result_body
+from kiln.agent_runner.agents.view import BoardView
 from kiln.agent_runner.budget import ExperimentBudget
-from kiln.agent_runner.experiment import Completed
+from kiln.agent_runner.experiment import Completed, Requested
+from kiln.agent_runner.results import ResultFeed, SearchResult
 from kiln.agent_runner.space import space_for
-from kiln.board import Board, BoardPost
+from kiln.board import BoardPost
 from kiln.common.errors import InvalidArgument
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.events.types import ExperimentCompleted
 
+from .agent_board import claim, result, view_of
+
 SPACE = space_for("cpu", cpus=2)
 
 
-def _view(*posts: BoardPost) -> BoardView:
-    view = BoardView(cast(Board, None), "c1")  # folded by hand: no NATS
-    for post in posts:
-        view.take(post)
-    return view
+def _view(*items: BoardPost | SearchResult) -> BoardView:
+    return view_of(*items)  # folded by hand: no NATS
 
 
-def _result(c: Candidate, tps: float, status: str = "ok", agent: str = "x", seq: int = 1) -> Any:
-    body = result_body(c, {"status": status, "correct": status == "ok", "tokens_per_s": tps}, None)
-    return BoardPost(
-        kind="result", compilation_id="c1", candidate_id=c.id, agent=agent, body=body, seq=seq
-    )
+def _result(c: Candidate, tps: float, status: str = "ok", agent: str = "x") -> SearchResult:
+    return result(c, tps, status=status, agent=agent)
 
 
 def _claim(c: Candidate, agent: str = "x", seq: int = 1) -> BoardPost:
-    return BoardPost(kind="claim", compilation_id="c1", candidate_id=c.id, agent=agent, seq=seq)
+    return claim(c, agent, seq)
 
 
 def test_view_folds_claims_and_results_and_ranks_correct_ones() -> None:
     fast, wrong = Candidate.make({"attention": "sdpa"}), Candidate.make({"mlp": "fused_gate_up"})
     view = _view(
-        _result(REFERENCE_CANDIDATE, 100.0, agent="baseline", seq=1),
+        _result(REFERENCE_CANDIDATE, 100.0, agent="baseline"),
         _claim(fast, seq=2),
-        _result(fast, 130.0, seq=3),
-        _result(wrong, 999.0, status="incorrect", seq=4),
+        _result(fast, 130.0),
+        _result(wrong, 999.0, status="incorrect"),
     )
     assert view.claimed == {REFERENCE_CANDIDATE.id, fast.id, wrong.id}
     assert [s.candidate for s in view.ranked()] == [fast, REFERENCE_CANDIDATE]
@@ -170,11 +167,6 @@ class _MemoryBoard:
     async def post_idea(self, cid: str, cand: str, agent: str, body: Any = None) -> BoardPost:
         return self._post("idea", cand, agent, body)
 
-    async def post_result(
-        self, cid: str, cand: str, agent: str, body: Any = None, *, msg_id: str = ""
-    ) -> BoardPost:
-        return self._post("result", cand, agent, body)
-
     async def history(self, cid: str, kinds: Any = None) -> list[BoardPost]:
         return [p for p in self.posts if kinds is None or p.kind in kinds]
 
@@ -189,10 +181,12 @@ class _MemoryBoard:
 
 
 class _Lab:
-    """A compilation with an experiment budget whose experiments measure instantly."""
+    """A compilation with an experiment budget whose experiments measure instantly (and are
+    judged into its result feed, as the runner's lab does)."""
 
     def __init__(self, board: _MemoryBoard, limit: int) -> None:
         self.compilation_id, self.space, self.board = "c1", SPACE, board
+        self.results = ResultFeed("c1")
         self.budget = ExperimentBudget(limit=limit)
         self.measured: list[tuple[str, str]] = []
 
@@ -225,28 +219,25 @@ class _Lab:
             tier="fast",
             error="",
         )
-        completed = Completed(f"e{len(self.measured)}", result, 1, datetime.now(UTC))
-        return Outcome(completed.experiment_id, candidate, completed, tps / 100.0)
+        eid = f"e{len(self.measured)}"
+        req = Requested(eid, "c1", "t", candidate, agent, "fast", len(self.measured))
+        completed = Completed(eid, result, len(self.measured), datetime.now(UTC))
+        self.results.take(req, completed, tps / 100.0)
+        return Outcome(eid, candidate, completed, tps / 100.0)
 
 
 async def test_two_agents_share_the_board_never_measure_twice_and_stop_at_the_budget() -> None:
     board = _MemoryBoard()
-    board._post(
-        "result",
-        REFERENCE_CANDIDATE.id,
-        "baseline",
-        result_body(
-            REFERENCE_CANDIDATE, {"status": "ok", "correct": True, "tokens_per_s": 100.0}, 1.0
-        ),
-    )
     lab = _Lab(board, limit=20)
+    lab.results.add(result(REFERENCE_CANDIDATE, 100.0, agent="baseline", speedup=1.0))
     agents = build_agents(["coordinate", "random"], "c1")
     counts = await asyncio.wait_for(asyncio.gather(*(a.run(cast(Lab, lab)) for a in agents)), 10)
     ids = [cid for _, cid in lab.measured]
     assert len(ids) == len(set(ids)) == 20 == sum(counts)
     assert {agent for agent, _ in lab.measured} == {"coordinate", "random"}
-    results = [p for p in board.posts if p.kind == "result" and p.agent != "baseline"]
-    assert len(results) == 20 and all(p.body["speedup"] > 1.0 for p in results)
+    results = [r for r in lab.results if r.agent != "baseline"]
+    assert len(results) == 20 and all(r.body["speedup"] > 1.0 for r in results)
+    assert {p.kind for p in board.posts} == {"claim", "idea"}  # results are not the board's
 
 
 async def test_agents_stop_when_the_space_is_exhausted() -> None:
@@ -265,7 +256,7 @@ def test_view_knows_what_is_in_flight() -> None:
     c = Candidate.make({"attention": "sdpa"})
     view = _view(_claim(c))
     assert view.in_flight == {c.id}
-    view.take(_result(c, 120.0, seq=2))
+    view.feed.add(_result(c, 120.0))
     assert view.in_flight == set()
 
 

@@ -8,11 +8,11 @@ import pytest
 
 import kiln.ops  # noqa: F401  (registers the built-in implementations)
 from kiln.agent_runner.agents.llm import LLMAgent, target_ops, with_module, workload_facts
-from kiln.agent_runner.agents.view import result_body
 from kiln.agent_runner.config import LLMSettings
 from kiln.agent_runner.llm import WorkloadFacts, build_messages
 from kiln.agent_runner.llm.history import history_text, op_profile, read_op_ms
 from kiln.agent_runner.llm.parse import ParsedModule
+from kiln.agent_runner.results import result_body
 from kiln.agent_runner.space import space_for
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate, CodeModule, Transform
 from kiln.ops import registry

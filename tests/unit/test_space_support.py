@@ -30,6 +30,7 @@ from kiln.agent_runner.agents.llm import LLMAgent
 from kiln.agent_runner.agents.view import BoardView
 from kiln.agent_runner.config import LLMSettings
 from kiln.agent_runner.llm.client import Completion
+from kiln.agent_runner.results import ResultFeed
 from kiln.agent_runner.space import (
     CUDA_GRAPH,
     FUSED_DECODE,
@@ -314,9 +315,6 @@ class FakeBoard:
     async def post_idea(self, cid: str, candidate_id: str, agent: str, body: dict) -> None:
         self.ideas.append(body)
 
-    async def post_result(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
     async def history(self, *args: Any, **kwargs: Any) -> list[Any]:
         return []
 
@@ -329,6 +327,7 @@ class FakeLab:
     def __init__(self, name: str, hardware: str) -> None:
         self.space = _space(name, hardware)
         self.board = FakeBoard()
+        self.results = ResultFeed(self.compilation_id)
         self.requested: list[Candidate] = []
         self.slots = 0
 
@@ -408,7 +407,7 @@ async def test_llm_proposals_the_engine_would_refuse_are_dropped_before_requeste
     # the board's best so far swaps an op this dense model never calls: whatever the LLM
     # writes on top of it is refused, reply after reply, until the agent gives up
     odd_base = Candidate.make({"moe": "gathered"})
-    view = view_of(result(odd_base, 200.0), result(REFERENCE_CANDIDATE, 100.0, seq=2))
+    view = view_of(result(odd_base, 200.0), result(REFERENCE_CANDIDATE, 100.0))
     client = ScriptedClient(_module("llm_a"), _module("llm_b"))
     agent = _llm("llm", client)
     assert await agent.next_proposal(view, lab) is None

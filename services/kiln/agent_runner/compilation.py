@@ -39,8 +39,7 @@ from typing import Any
 import structlog
 
 from kiln.agent_runner import records
-from kiln.agent_runner.agents import Outcome, build_agents
-from kiln.agent_runner.agents.view import result_body
+from kiln.agent_runner.agents import build_agents
 from kiln.agent_runner.budget import ExperimentBudget, WallClock
 from kiln.agent_runner.comparisons import BaselineComparisons
 from kiln.agent_runner.config import RunnerConfig
@@ -80,7 +79,7 @@ class RunnerDeps:
     Attributes:
         ledger: ledger clients per team.
         dispatcher: requests experiments and resolves results.
-        board: the message board.
+        board: the message board (ideas and claims).
         cost_model: a ``kiln.v1.CostModel`` stub (grpc.aio) calling as the given team.
         cost_model_addr: its address (for messages).
         space: the candidate space of a hardware target.
@@ -335,15 +334,6 @@ class CompilationRunner:
             result = rec.completed.result if rec.completed else None
             detail = f"{result.status}: {result.error or 'no error given'}" if result else "?"
             raise Failure(f"the baseline (reference forward pass) did not measure: {detail}")
-        rec = st.experiments[st.baseline.experiment_id]
-        assert rec.completed is not None
-        await self._deps.board.post_result(
-            st.compilation_id,
-            REFERENCE_CANDIDATE.id,
-            BASELINE_AGENT,
-            result_body(REFERENCE_CANDIDATE, rec.completed.summary(), 1.0),
-            msg_id=f"result:{st.baseline.experiment_id}",
-        )
 
     async def _catch_up_best(self) -> None:
         """After a restart: judge the completed confirmations again, in the order they
@@ -354,10 +344,10 @@ class CompilationRunner:
                 await self.lab.judge(req, completed)
 
     async def _finish_adopted(self, req: Requested) -> None:
-        """Wait for an experiment requested before a restart and report it for its agent."""
+        """Wait for an experiment requested before a restart and judge it (its result reaches
+        the agents through ``lab.results``)."""
         with self.lab.confirmations.searching():
-            outcome = await self.lab.finish(req)
-        await self._post_result(outcome, req.agent)
+            await self.lab.finish(req)
 
     async def _orphan_claims(self) -> list[Coroutine[Any, Any, Any]]:
         """Measure candidates claimed before a restart but never requested, for their
@@ -370,17 +360,5 @@ class CompilationRunner:
         ]
 
     async def _measure_orphan(self, candidate: Candidate, agent: str) -> None:
-        if not await self.lab.acquire():
-            return
-        outcome = await self.lab.measure(candidate, agent)
-        if outcome is not None:
-            await self._post_result(outcome, agent)
-
-    async def _post_result(self, outcome: Outcome, agent: str) -> None:
-        await self._deps.board.post_result(
-            self.compilation_id,
-            outcome.candidate.id,
-            agent,
-            result_body(outcome.candidate, outcome.completed.summary(), outcome.speedup),
-            msg_id=f"result:{outcome.experiment_id}",
-        )
+        if await self.lab.acquire():
+            await self.lab.measure(candidate, agent)

@@ -90,7 +90,7 @@ class LLMSettings(BaseSettings):
         default=3, ge=1, description="Unusable replies in a row before the agent stops."
     )
     history_chars: int = Field(
-        default=6000, ge=200, description="Budget of the board history in the prompt, characters."
+        default=6000, ge=200, description="Budget of the results history in the prompt, characters."
     )
 
 

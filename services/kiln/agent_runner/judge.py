@@ -7,7 +7,7 @@ only once it is *confirmed* on the *full* tier (all layers):
 
 1. The baseline: the reference candidate proposed by ``baseline`` on the fast tier, measured
    correct with tokens/s > 0 while the compilation has none -> ``BaselineMeasured``. Agents'
-   speedups (their board results) are fast-tier tokens/s ÷ the baseline's.
+   speedups (their results' ``speedup``) are fast-tier tokens/s ÷ the baseline's.
 2. The fast leader (:func:`fast_leader`): the correct fast-tier candidate with the most
    tokens/s, if above the baseline's (on a tie, the earlier result). A leader without a
    full-tier experiment is *due* for confirmation (:func:`confirmation_due`). A leader

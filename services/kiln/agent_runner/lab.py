@@ -7,7 +7,10 @@ feeds with full-tier measurements), is requested and completed once through the
 :class:`~kiln.agent_runner.tracker.ExperimentTracker`, and is judged
 (:func:`~kiln.agent_runner.judge.judgement`, one at a time): a judgement that calls for
 ``BaselineMeasured`` or ``BestCandidateImproved`` appends it to the compilation's stream.
-Once ``stop`` is set, no slot is given.
+Every search-tier judgement also feeds :attr:`CompilationLab.results` (the agents' only source
+of results; filled on start with the search results ``state`` already holds, so a resumed
+compilation's agents see those completed before the restart). Once ``stop`` is set, no slot is
+given.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kiln.agent_runner.dispatcher import ExperimentDispatcher
 from kiln.agent_runner.errors import Failure
 from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.judge import CONFIRM_AGENT, CONFIRM_TIER, SEARCH_TIER, judgement, speedup
+from kiln.agent_runner.results import ResultFeed
 from kiln.agent_runner.space import CandidateSpace, model_space
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.tracker import ExperimentTracker
@@ -45,7 +49,7 @@ class CompilationLab:
         experiments: its experiments (requests and completions).
         budget: its experiment slots.
         dispatcher: waits for experiments.
-        board: the message board.
+        board: the message board (ideas and claims).
         space: the candidate space of a hardware target.
         append: appends an event to the compilation's stream (and folds it).
         stop: set when the compilation stops (no slot is given after).
@@ -68,6 +72,9 @@ class CompilationLab:
         self._append, self._stop = append, stop
         self._space: CandidateSpace | None = None
         self._judge_lock = asyncio.Lock()
+        self.results = ResultFeed(state.compilation_id)
+        """The compilation's search results (see the module docs)."""
+        self.results.fill(state)
         self.confirmations = Confirmations(
             state,
             reserve=self.reserve,
@@ -110,7 +117,7 @@ class CompilationLab:
 
     @property
     def board(self) -> Board:
-        """The message board."""
+        """The message board (ideas and claims)."""
         return self._board
 
     @property
@@ -187,15 +194,17 @@ class CompilationLab:
         return await self.judge(req, completed)
 
     async def judge(self, req: Requested, completed: Completed) -> Outcome:
-        """Record the baseline or a new best if it calls for one, and ask for a confirmation
-        when a search-tier result makes one due (one judgement at a time)."""
+        """Record the baseline or a new best if it calls for one; a search-tier result goes to
+        :attr:`results` and may make a confirmation due (one judgement at a time)."""
         async with self._judge_lock:
             event = judgement(self.state, req, completed)
             if event is not None:
                 await self._append(event)
+            gain = speedup(self.state, completed)
             if req.tier == SEARCH_TIER:
+                self.results.take(req, completed, gain)
                 self.confirmations.search_result()
-        return Outcome(req.experiment_id, req.candidate, completed, speedup(self.state, completed))
+        return Outcome(req.experiment_id, req.candidate, completed, gain)
 
     async def _measure_full(self, candidate: Candidate) -> None:
         """Request ``candidate`` on the full tier for a taken slot, wait for it, judge it."""

@@ -14,8 +14,10 @@ judges the confirmations completed before the stop again (a ``BestCandidateImpro
 the stop is recorded; one recorded is not repeated), finishes a confirmation cut by the stop
 (its full-tier experiments in flight, then its candidate if only the reference was requested),
 starts the confirmation that is due (:func:`kiln.agent_runner.judge.confirmation_due`, from
-these experiments), starts its agents (the board's claims keep them off what was taken), and
-keeps the original wall-clock deadline (it may be spent already: then it ends at once).
+these experiments), starts its agents (the board's claims keep them off what was taken; the
+search results completed before the stop are in their result feed from the start,
+:mod:`kiln.agent_runner.results`), and keeps the original wall-clock deadline (it may be spent
+already: then it ends at once).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The message board agents coordinate through: ideas, claim-once, results (NATS JetStream)."""
+"""The message board agents coordinate through: ideas and claim-once (NATS JetStream); results
+are the ledger's, not the board's."""
 
 from kiln.board.client import Board
 from kiln.board.post import BoardPost

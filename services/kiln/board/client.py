@@ -1,4 +1,7 @@
-"""The board client agents use: post ideas and results, claim a candidate once, read and follow.
+"""The board client agents use: post ideas, claim a candidate once, read and follow.
+
+The board carries ideas and claims only; results are the ledger's (``ExperimentCompleted``),
+and agents see them through the runner's fold (:mod:`kiln.agent_runner.results`).
 
 Every post goes to ``{prefix}.board.{compilation_id}.{kind}.{candidate_id}`` on the board stream
 (``{PREFIX}_BOARD``, see :mod:`kiln.common.nats`) with a ``Nats-Msg-Id`` header, so a retried
@@ -117,25 +120,6 @@ class Board:
         mid = msg_id or f"idea:{compilation_id}:{candidate_id}:{agent}:{_digest(post.body)}"
         return await self._post(post, {kn.MSG_ID: mid})
 
-    async def post_result(
-        self,
-        compilation_id: str,
-        candidate_id: str,
-        agent: str,
-        body: dict[str, Any] | None = None,
-        *,
-        msg_id: str | None = None,
-    ) -> BoardPost:
-        """Report what came of a candidate (e.g. a measurement summary).
-
-        ``Nats-Msg-Id`` is ``msg_id`` or ``result:{compilation}:{candidate}:{agent}:{body hash}``:
-        a resent result is stored once, a different result for the same candidate is kept.
-        Pass the experiment id as ``msg_id`` when two equal bodies are distinct results.
-        """
-        post = self._new("result", compilation_id, candidate_id, agent, body)
-        mid = msg_id or f"result:{compilation_id}:{candidate_id}:{agent}:{_digest(post.body)}"
-        return await self._post(post, {kn.MSG_ID: mid})
-
     async def claim(
         self, compilation_id: str, candidate_id: str, agent: str, body: dict[str, Any] | None = None
     ) -> bool:
@@ -193,7 +177,10 @@ class Board:
 
         Args:
             compilation_id: whose board.
-            kinds: only these kinds (``idea``, ``claim``, ``result``); None = all.
+            kinds: only these kinds (``idea``, ``claim``); None = all.
+
+        Raises:
+            InvalidArgument: an unknown kind (e.g. ``result``: the board carries none).
         """
         filt, wanted = self._filter(compilation_id, kinds)
         last = (await self._js.stream_info(self._stream)).state.last_seq
@@ -253,7 +240,7 @@ class Board:
     def _filter(self, compilation_id: str, kinds: Iterable[str] | None) -> tuple[str, set[str]]:
         wanted = set(kn.BOARD_KINDS if kinds is None else kinds)
         if not wanted:
-            raise InvalidArgument("kinds must name at least one of idea, claim, result")
+            raise InvalidArgument("kinds must name at least one of idea, claim")
         for k in wanted:
             kn.board_filter(self._prefix, compilation_id, k)  # validates
         one = next(iter(wanted)) if len(wanted) == 1 else None

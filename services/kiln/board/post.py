@@ -1,4 +1,4 @@
-"""A message on the board: an idea, a claim or a result about one candidate of one compilation."""
+"""A message on the board: an idea or a claim about one candidate of one compilation."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ class BoardPost(BaseModel):
     """One board post, sent as compact JSON (without ``seq``).
 
     Attributes:
-        kind: ``idea`` (a proposed candidate), ``claim`` (an agent takes the candidate; at most
-            one claim per candidate is ever stored) or ``result`` (what came of it).
+        kind: ``idea`` (a proposed candidate) or ``claim`` (an agent takes the candidate; at
+            most one claim per candidate is ever stored).
         compilation_id, candidate_id: ids of ``[A-Za-z0-9_-]`` (they are subject tokens).
         agent: who posted.
-        body: free-form JSON object (recipe, measurement, notes).
+        body: free-form JSON object (recipe, why, notes).
         posted_at: when the poster sent it (UTC, the poster's clock).
         seq: the board stream's sequence once stored (0 before); orders posts and resumes
             :meth:`kiln.board.Board.follow`.

@@ -6,7 +6,8 @@ Subjects (``prefix`` is ``settings.subject_prefix``, default ``kiln``):
     every committed ledger event, published by the outbox (stream ``{PREFIX}_EVENTS``), with
     ``Nats-Msg-Id`` = event id and the ``Kiln-*`` headers named below.
 ``{prefix}.board.{compilation_id}.{kind}.{candidate_id}``
-    the agents' message board (stream ``{PREFIX}_BOARD``); ``kind`` is idea, claim or result.
+    the agents' message board (stream ``{PREFIX}_BOARD``); ``kind`` is idea or claim (results
+    are the ledger's ``ExperimentCompleted`` events, above).
 ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``
     experiments waiting for an engine (work-queue stream ``{PREFIX}_WORK`` over
     ``{prefix}.work.>``), one subject per (hardware kind, tier, model); see
@@ -45,8 +46,8 @@ H_CAUSATION_ID: Final = "Kiln-Causation-Id"
 H_RECORDED_AT: Final = "Kiln-Recorded-At"
 """When the ledger committed the event, ISO 8601 with UTC offset."""
 
-BoardKind = Literal["idea", "claim", "result"]
-BOARD_KINDS: Final[tuple[BoardKind, ...]] = ("idea", "claim", "result")
+BoardKind = Literal["idea", "claim"]
+BOARD_KINDS: Final[tuple[BoardKind, ...]] = ("idea", "claim")
 
 EVENTS_DUPLICATE_WINDOW_S: Final = 600.0
 """How long JetStream remembers ``Nats-Msg-Id`` values on the events stream, seconds."""
@@ -334,7 +335,7 @@ def board_stream_config(
     """Config of the board stream: file storage, limits retention, kept forever."""
     return _file_stream(
         board_stream_name(prefix),
-        "kiln message board: ideas, claims and results per compilation",
+        "kiln message board: ideas and claims per compilation",
         f"{_check_prefix(prefix)}.board.>",
         RetentionPolicy.LIMITS,
         duplicate_window_s,

@@ -106,7 +106,7 @@ class Completed:
         )
 
     def summary(self) -> dict[str, Any]:
-        """A short JSON summary (board result bodies)."""
+        """A short JSON summary (the agents' result bodies)."""
         r = self.result
         return {
             "experiment_id": self.experiment_id,

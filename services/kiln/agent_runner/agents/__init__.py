@@ -1,4 +1,5 @@
-"""Search agents: strategies that propose candidates and coordinate only through the board."""
+"""Search agents: strategies that propose candidates and coordinate through the board (ideas,
+claims) and see every result through the compilation's result feed."""
 
 from kiln.agent_runner.agents.base import Agent, Lab, Outcome, Proposal
 from kiln.agent_runner.agents.combiner import CombinerAgent

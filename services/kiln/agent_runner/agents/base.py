@@ -3,12 +3,13 @@
 One step: propose a candidate (the strategy) -> drop it, logged, if the compilation's space says
 an engine refuses it (:meth:`CandidateSpace.refusal`: strategies draw from the space, so this
 only catches what they build outside it) -> ``board.claim`` it (skip it if another agent
-holds it) -> post the idea -> have it measured (the runner requests the experiment and waits for
-the ledger's answer) -> post the result on the board. An agent stops when the compilation has no
-experiment slot left, or when its strategy has nothing left to propose and no other agent's
-result is pending on the board (a pending one may open new moves, so it waits for it, at most
-``idle_timeout_s``); the runner cancels it when the wall-clock budget is spent or the
-compilation is cancelled.
+holds it) -> post the idea -> have it measured (the runner requests the experiment, waits for
+the ledger's answer and judges it, which puts the result in ``lab.results`` for every agent).
+The board carries ideas and claims; results reach agents only from the result feed. An agent
+stops when the compilation has no experiment slot left, or when its strategy has nothing left
+to propose and no claimed candidate's result is pending (a pending one may open new moves, so
+it waits for it, at most ``idle_timeout_s``); the runner cancels it when the wall-clock budget
+is spent or the compilation is cancelled.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from kiln.agent_runner.agents.view import BoardView, Seen, result_body
+from kiln.agent_runner.agents.view import BoardView, Seen
 from kiln.agent_runner.experiment import Completed
+from kiln.agent_runner.results import ResultFeed
 from kiln.agent_runner.space import CandidateSpace
 from kiln.board import Board
 from kiln.common.logging import get_logger
@@ -61,7 +63,11 @@ class Lab(Protocol):
 
     @property
     def board(self) -> Board:
-        """The message board."""
+        """The message board (ideas and claims)."""
+
+    @property
+    def results(self) -> ResultFeed:
+        """The compilation's search results, from the runner's fold of the ledger."""
 
     async def acquire(self) -> bool:
         """Take an experiment slot, waiting while every slot left is reserved by work that
@@ -118,17 +124,17 @@ class Agent(ABC):
         None when the strategy has nothing left."""
 
     async def next_proposal(self, view: BoardView, lab: Lab) -> Proposal | None:
-        """The loop's hook for the next proposal; strategies that must await (an LLM call, the
-        board's result bodies) override it. The default is :meth:`propose` on ``lab.space``."""
+        """The loop's hook for the next proposal; strategies that must await (an LLM call)
+        override it. The default is :meth:`propose` on ``lab.space``."""
         return self.propose(view, lab.space)
 
     async def run(self, lab: Lab) -> int:
-        """Propose, claim, measure and report until done; returns the experiments measured.
+        """Propose, claim and measure until done; returns the experiments measured.
 
         Raises:
             nats.errors.Error, KilnError: the board or the ledger failed.
         """
-        view = BoardView(lab.board, lab.compilation_id)
+        view = BoardView(lab.board, lab.compilation_id, lab.results)
         await view.start()
         try:
             while True:
@@ -190,12 +196,5 @@ class Agent(ABC):
                 dict(result.op_ms),
                 dict(result.op_profile_shape),
             )
-        )
-        await lab.board.post_result(
-            cid,
-            candidate.id,
-            self.name,
-            result_body(candidate, outcome.completed.summary(), outcome.speedup),
-            msg_id=f"result:{outcome.experiment_id}",
         )
         return True

@@ -1,6 +1,6 @@
 """Composition: put together the best single moves other agents found.
 
-A *move* is one dimension set to a non-default value. From the correct results on the board
+A *move* is one dimension set to a non-default value. From the correct results in its view
 and the baseline (the reference's tokens/s), each result credits every dimension where it
 differs from the reference with its speedup split evenly in log space: a result ``s`` times
 faster than the reference that differs in ``k`` dimensions credits each with ``s^(1/k)``
@@ -44,7 +44,7 @@ class Move:
 
 def best_moves(view: BoardView, space: CandidateSpace) -> list[Move]:
     """Per dimension, the best-credited non-default value (see the module docs), best first;
-    empty without a correct reference result on the board."""
+    empty without a correct reference result."""
     ranked = view.ranked()
     ref = next((s for s in ranked if s.candidate.is_reference), None)
     if ref is None or ref.tokens_per_s <= 0:

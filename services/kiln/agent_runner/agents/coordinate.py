@@ -2,7 +2,7 @@
 
 It starts from the space's transforms stacked (on a GPU target: the decode step's fused
 kernels captured in a CUDA graph, the engine's fastest known path), then walks the measured
-candidates from fastest to slowest (its board view: every agent's correct results and the
+candidates from fastest to slowest (its view: every agent's correct results and the
 baseline) and proposes the first one-dimension neighbour that nobody has claimed. So it
 climbs from whatever is best right now, including what other agents found, and falls back to
 the next-best point when a point's neighbourhood is used up.

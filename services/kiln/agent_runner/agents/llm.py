@@ -174,10 +174,8 @@ class LLMAgent(Agent):
     async def next_proposal(self, view: BoardView, lab: Lab) -> Proposal | None:
         """Ask the LLM until a reply makes a new candidate, at most ``max_bad_replies`` in a
         row; None once stopped (see the module docs) or when the experiment budget is spent
-        (checked by taking and giving back a slot before asking).
-
-        Raises:
-            nats.errors.Error: the board cannot be read.
+        (checked by taking and giving back a slot before asking); the history it shows is
+        ``lab.results``.
         """
         targets = target_ops(lab.space)
         if self.stopped or not targets:
@@ -187,8 +185,7 @@ class LLMAgent(Agent):
         facts = workload_facts(lab)
         triton = facts.hardware.strip().lower() not in ("", "cpu") and triton_available()
         while self.bad_in_row < self.settings.max_bad_replies:
-            posts = await lab.board.history(lab.compilation_id, kinds=["result"])
-            bodies = [p.body for p in posts]
+            bodies = lab.results.bodies()
             op = self.pick_op(targets, op_profile(bodies))
             self._attempts[op] += 1
             messages = build_messages(

@@ -5,7 +5,7 @@ parameter (its name, its values; op, transform and transform-parameter dimension
 trial's params are a point of the space. The study maximizes tokens/s; an incorrect or failed
 candidate is a FAIL trial (TPE leaves those out of its model).
 
-- **Learning from everyone**: results on the board that this agent did not ask for (other
+- **Learning from everyone**: results of the compilation that this agent did not ask for (other
   agents', the baseline) become completed trials (``study.add_trial``), so TPE models the whole
   compilation's history, not only its own trials.
 - **No duplicates**: a sampled point that is the reference, claimed on the board, already in the
@@ -18,10 +18,10 @@ candidate is a FAIL trial (TPE leaves those out of its model).
   the agent needs no database of its own and never opens the ledger's. ``KILN_OPTUNA_STORAGE``
   names one (an optuna ``RDBStorage`` URL): the study, named ``kiln-<compilation id>-<agent
   name>``, is then loaded if it exists, and trials asked but never told are matched to their
-  candidate's result when it shows on the board.
+  candidate's result when it shows in the view.
 - **Blocking calls**: optuna's storage calls are synchronous (a few Postgres round trips per
-  trial), so the loop runs each proposal, board folding included, in a worker thread
-  (``asyncio.to_thread``) on a copy of the board view.
+  trial), so the loop runs each proposal, view folding included, in a worker thread
+  (``asyncio.to_thread``) on a copy of the view.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def study_name(compilation_id: str, agent: str) -> str:
 
 
 class OptunaAgent(Agent):
-    """TPE over the candidate space, learning from every result on the board (module docs).
+    """TPE over the candidate space, learning from every result of the compilation (module
+    docs).
 
     Args:
         name, seed: as :class:`~kiln.agent_runner.agents.base.Agent` (the seed seeds TPE).
@@ -158,7 +159,7 @@ class OptunaAgent(Agent):
         return await asyncio.to_thread(self._propose, cid, claimed, results, lab.space)
 
     def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
-        """Fold the board's new results into the study, then ask TPE for a free point.
+        """Fold the view's new results into the study, then ask TPE for a free point.
 
         Raises:
             sqlalchemy.exc.SQLAlchemyError: the study's database failed.

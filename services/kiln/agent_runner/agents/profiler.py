@@ -9,8 +9,8 @@ memory bandwidth) and ranks ops by gap, largest first. It then proposes the top 
 alternatives on top of the best candidate so far (the fastest correct result, profiled or
 not); when that op's alternatives are used up (claimed, tried, or excluded with the best
 candidate's other choices), the next op. A new leader with a profile re-ranks the ops at the
-next proposal. Ops without an alternative in the space are skipped. Without any profile on
-the board, or without the workload (a Lab that has no ``workload``), it has nothing to
+next proposal. Ops without an alternative in the space are skipped. Without any profile in
+its view, or without the workload (a Lab that has no ``workload``), it has nothing to
 propose.
 
 The hardware target's bandwidth comes from the cost model's catalogue

@@ -25,7 +25,7 @@ AGENT_KINDS: dict[str, type[Agent]] = {
 }
 """Known agent kinds: ``coordinate`` (greedy coordinate descent), ``random`` (random search),
 ``llm`` (code-writing LLM; refused unless ``KILN_LLM_URL`` is set, never in the default set),
-``optuna`` (TPE over the space, learning from every result on the board; its study in memory
+``optuna`` (TPE over the space, learning from every result of the compilation; its study in memory
 unless ``KILN_OPTUNA_STORAGE`` names one), ``profiler`` (attacks the op furthest above its
 memory roofline, from the engine's per-op profiles), ``combiner`` (composes the best single
 moves others found)."""

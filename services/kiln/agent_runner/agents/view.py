@@ -1,8 +1,10 @@
-"""What one agent knows about its compilation, learnt only from the message board.
+"""What one agent knows about its compilation: claims from the message board, results from
+the runner's fold of the ledger.
 
-Agents never share memory: each keeps its own :class:`BoardView`, filled from the board's
-history when it starts and kept current by following the board (claims and results of every
-agent, the runner's baseline result included).
+Agents never share memory: each keeps its own :class:`BoardView`. Its claims come from the
+board's history when it starts, kept current by following the board; its results come from the
+compilation's :class:`~kiln.agent_runner.results.ResultFeed` (every search-tier result, the
+baseline's included), which tells the view of each new one as the runner judges it.
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
 
 import nats.errors
 
+from kiln.agent_runner.results import ResultFeed, SearchResult
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.board import Board, BoardPost
 from kiln.common.logging import get_logger
@@ -24,10 +26,10 @@ log = get_logger("kiln.agent_runner.view")
 
 @dataclass(frozen=True)
 class Seen:
-    """A result posted on the board: the candidate, tokens/s, whether it was measured correct
-    (status ok and correct), who posted it, and its per-op profile when it has one (``op_ms``:
-    op name -> ms per decode step summed over layers; ``op_profile_shape``: layers,
-    batch_size, context_len, dtype_bytes; both empty when not profiled)."""
+    """A result as an agent sees it: the candidate, tokens/s, whether it was measured correct
+    (status ok and correct), the agent that requested it, and its per-op profile when it has
+    one (``op_ms``: op name -> ms per decode step summed over layers; ``op_profile_shape``:
+    layers, batch_size, context_len, dtype_bytes; both empty when not profiled)."""
 
     candidate: Candidate
     tokens_per_s: float
@@ -37,54 +39,58 @@ class Seen:
     op_profile_shape: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
 
 
-def result_body(candidate: Candidate, summary: dict[str, Any], speedup: float | None) -> dict:
-    """The body of a result post: the candidate's recipe, the measurement summary (status,
-    correct, tokens_per_s, median_ms, ...) and the speedup over the baseline (None if unknown)."""
-    return {"candidate": candidate.canonical(), **summary, "speedup": speedup}
-
-
-def seen_from_post(post: BoardPost) -> Seen | None:
-    """A result post as :class:`Seen`; None when its body is not a result body."""
-    body = post.body
-    try:
-        candidate = Candidate.from_canonical(body["candidate"])
-        ok = body.get("status") == "ok" and bool(body.get("correct"))
-        op_ms = {str(k): float(v) for k, v in (body.get("op_ms") or {}).items()}
-        shape = {str(k): int(v) for k, v in (body.get("op_profile_shape") or {}).items()}
-        tps = float(body.get("tokens_per_s") or 0.0)
-        return Seen(candidate, tps, ok, post.agent, op_ms, shape)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
+def seen_of(result: SearchResult) -> Seen:
+    """A feed's result as :class:`Seen`."""
+    return Seen(
+        result.candidate,
+        result.tokens_per_s,
+        result.ok,
+        result.agent,
+        dict(result.op_ms),
+        dict(result.op_profile_shape),
+    )
 
 
 class BoardView:
-    """Claims and results of one compilation as the board shows them.
+    """Claims (from the board) and results (from the result feed) of one compilation.
+
+    The view takes the feed's results from when it is made until :meth:`close`; :meth:`start`
+    reads the board's claims and follows them.
+
+    Args:
+        board: the message board.
+        compilation_id: the compilation.
+        feed: its results.
 
     Attributes:
-        claimed: ids of candidates some agent claimed.
+        claimed: ids of candidates some agent claimed (or whose result is known).
         results: candidate id -> the result seen for it.
     """
 
-    def __init__(self, board: Board, compilation_id: str) -> None:
+    def __init__(self, board: Board, compilation_id: str, feed: ResultFeed) -> None:
         self._board = board
         self._cid = compilation_id
+        self.feed = feed
         self.claimed: set[str] = set()
         self.results: dict[str, Seen] = {}
         self._last_seq = 0
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
+        for result in feed:
+            self.take_result(result)
+        self._unlisten = feed.listen(self.take_result)
 
     def take(self, post: BoardPost) -> None:
-        """Fold one post (ideas are ignored)."""
+        """Fold one board post (only claims count)."""
         self._last_seq = max(self._last_seq, post.seq)
         if post.kind == "claim":
             self.claimed.add(post.candidate_id)
-        elif post.kind == "result":
-            seen = seen_from_post(post)
-            if seen is not None and seen.candidate.id == post.candidate_id:
-                self.results[post.candidate_id] = seen
-                self.claimed.add(post.candidate_id)
-                self._changed.set()
+
+    def take_result(self, result: SearchResult) -> None:
+        """Fold one result of the feed."""
+        self.results[result.candidate.id] = seen_of(result)
+        self.claimed.add(result.candidate.id)
+        self._changed.set()
 
     @property
     def compilation_id(self) -> str:
@@ -93,11 +99,11 @@ class BoardView:
 
     @property
     def in_flight(self) -> set[str]:
-        """Candidates claimed by some agent whose result is not on the board yet."""
+        """Candidates claimed by some agent whose result is not known yet."""
         return self.claimed - self.results.keys()
 
     async def wait_for_result(self, timeout_s: float) -> bool:
-        """Wait until a new result is posted; False after ``timeout_s`` seconds without one."""
+        """Wait until a new result comes; False after ``timeout_s`` seconds without one."""
         self._changed.clear()
         try:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
@@ -106,7 +112,7 @@ class BoardView:
         return True
 
     def record(self, seen: Seen) -> None:
-        """The agent's own result, known before the board echoes it."""
+        """The agent's own result, as its measurement returned it."""
         self.results[seen.candidate.id] = seen
         self.claimed.add(seen.candidate.id)
 
@@ -116,21 +122,19 @@ class BoardView:
         return sorted(good, key=lambda s: (-s.tokens_per_s, s.candidate.id))
 
     async def start(self) -> None:
-        """Read the board's history, then follow it in the background.
+        """Read the board's claims, then follow them in the background.
 
         Raises:
             nats.errors.Error: the board cannot be read.
         """
-        for post in await self._board.history(self._cid, kinds=["claim", "result"]):
+        for post in await self._board.history(self._cid, kinds=["claim"]):
             self.take(post)
         self._task = asyncio.create_task(self._follow(), name=f"kiln-view-{self._cid}")
 
     async def _follow(self) -> None:
         while True:
             try:
-                follow = self._board.follow(
-                    self._cid, kinds=["claim", "result"], since_seq=self._last_seq
-                )
+                follow = self._board.follow(self._cid, kinds=["claim"], since_seq=self._last_seq)
                 async with contextlib.aclosing(follow) as posts:
                     async for post in posts:
                         self.take(post)
@@ -143,7 +147,8 @@ class BoardView:
                 await asyncio.sleep(1.0)
 
     async def close(self) -> None:
-        """Stop following."""
+        """Stop following the board and the feed."""
+        self._unlisten()
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None

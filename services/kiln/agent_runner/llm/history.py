@@ -1,4 +1,4 @@
-"""The board's results as the LLM prompt shows them: best first, failures with their errors,
+"""The compilation's results as the LLM prompt shows them: best first, failures with their errors,
 within a character budget; and the per-op times (``op_ms``) when result bodies carry them."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def read_op_ms(body: Mapping[str, Any]) -> dict[str, float]:
 
 
 def entry(body: Mapping[str, Any]) -> Entry:
-    """A result body (:func:`kiln.agent_runner.agents.view.result_body`) as an :class:`Entry`."""
+    """A result body (:func:`kiln.agent_runner.results.result_body`) as an :class:`Entry`."""
     try:
         text = Candidate.from_canonical(dict(body["candidate"])).describe()
     except (KeyError, TypeError, ValueError):
@@ -91,7 +91,7 @@ def entry(body: Mapping[str, Any]) -> Entry:
 
 
 def ordered(bodies: Sequence[Mapping[str, Any]]) -> list[Entry]:
-    """Correct results fastest first, then failures newest first (``bodies`` in board order)."""
+    """Correct results fastest first, then failures newest first (``bodies`` oldest first)."""
     entries = [entry(b) for b in bodies]
     good = sorted((e for e in entries if e.ok), key=lambda e: -e.tokens_per_s)
     bad = [e for e in reversed(entries) if not e.ok]

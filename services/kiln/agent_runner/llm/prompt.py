@@ -2,8 +2,8 @@
 
 The user message gives the op's one-line call contract (:data:`kiln.ops.registry.OPS`), its
 reference implementation's source and its module's docstring, the op's measured time when the
-board's results carry a profile (``op_ms``), the board's history (best results and failures with
-their errors, within a character budget) and the hardware and model facts.
+compilation's results carry a profile (``op_ms``), their history (best results and failures
+with their errors, within a character budget) and the hardware and model facts.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def build_messages(
     Args:
         op: the op (a key of :data:`kiln.ops.registry.OPS`).
         facts: hardware and model facts.
-        results: the board's result bodies in board order (``op_ms`` read when present).
+        results: the compilation's result bodies, oldest first (``op_ms`` read when present).
         notes: why this agent's earlier replies were rejected (shown with the history).
         history_chars: budget of the history section, characters.
         triton: whether the module may import triton.
@@ -136,7 +136,7 @@ def build_messages(
             f"Target: {facts.text()}",
             f"Measured time of {op}: {profile_text(op, op_profile(results))}",
             f"Reference implementation:\n```python\n{source}```",
-            "Results on the board so far (correct ones fastest first, then failures with "
+            "Results so far (correct ones fastest first, then failures with "
             f"their errors):\n{history_text(results, history_chars, notes)}",
             f"Write the module registering a faster implementation of `{op}`.",
         ]
