@@ -1,22 +1,12 @@
-"""A compact gpt-fast-style dense decoder (after github.com/pytorch-labs/gpt-fast ``model.py``):
-Llama and Qwen3 dense.
+"""A compact gpt-fast-style dense decoder (after pytorch-labs/gpt-fast ``model.py``): Llama
+(``default`` or ``llama3`` RoPE, tied or untied head) and Qwen3 dense (per-head q/k RMSNorm).
 
-As gpt-fast builds it: fused ``wqkv`` ``[(Hq + 2 Hkv) D, H]`` and fused gate/up ``w13``
-``[2 I, H]`` weights, a static KV cache per layer ``[B, Hkv, S, D]`` updated with
-``index_copy_`` at the step's positions, RMSNorm, RoPE from tables precomputed at build, SDPA
-with a boolean causal mask row per position (K/V heads repeated for GQA), all in one
-``nn.Module`` with no host sync in a step (``torch.compile(fullgraph=True)`` and CUDA graphs).
-
-Families: Llama (``default`` or ``llama3`` RoPE, tied or untied LM head) and Qwen3 dense
-(per-head RMSNorm of q and k over ``head_dim`` before RoPE, weights ``self_attn.q_norm.weight``
-/ ``k_norm.weight``; ``heads x head_dim`` may differ from ``hidden_size``). Differences from
-gpt-fast: RoPE rotates halves (``rotate_half``, transformers' and kiln's layout) rather than
-interleaved complex pairs, so kiln's (Hugging Face-named) weights load without gpt-fast's Q/K row
-permutation; the q/k norms are added for Qwen3. Rounding as kiln's reference ops: RMSNorm
-normalises in float32, casts to the model dtype, then scales; RoPE rotates in float32.
-
-Weights are copied from a kiln :class:`~kiln.workloads.weights.WeightStore` (the fused layouts
-are new tensors; the norms and the embedding are shared).
+Fused ``wqkv`` ``[(Hq + 2 Hkv) D, H]`` and ``w13`` ``[2 I, H]`` weights, a static KV cache per layer
+``[B, Hkv, S, D]`` (``index_copy_``), SDPA with a boolean causal mask, no host sync in a step.
+Unlike gpt-fast, RoPE rotates halves (kiln's layout, so no Q/K row permutation). Rounding as kiln's
+reference ops (RMSNorm in float32 then cast then scaled; RoPE in float32). Weights come from a kiln
+:class:`~kiln.workloads.weights.WeightStore` (fused layouts are new tensors; norms and embedding
+shared).
 """
 
 from __future__ import annotations
@@ -130,8 +120,7 @@ class Block(nn.Module):
 
 
 class GptFastTransformer(nn.Module):
-    """The model: embedding, blocks, final norm, LM head; static caches of ``batch`` x
-    ``max_len``.
+    """The model: embedding, blocks, final norm, LM head; static caches of ``batch`` x ``max_len``.
 
     Args:
         config: a dense Llama or Qwen3 config (all its layers built).

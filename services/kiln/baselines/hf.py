@@ -1,10 +1,8 @@
 """transformers, imported lazily, and kiln's weights in a transformers model.
 
-transformers is a dev dependency: :func:`load_transformers` raises
-:class:`~kiln.baselines.harness.SkipBaseline` ("transformers not installed") without it. The
-call convention of a causal LM's ``forward`` changed across versions (``past_key_values`` then
-``cache``; ``cache_position`` dropped in favour of ``position_ids``), so :class:`HfCall` reads
-the installed model's signature.
+:func:`load_transformers` raises :class:`~kiln.baselines.harness.SkipBaseline` without transformers
+(a dev dependency); :class:`HfCall` reads the installed forward's call convention, which changed
+across versions.
 """
 
 from __future__ import annotations
@@ -129,20 +127,18 @@ def runner(
     *,
     clone: bool = False,
 ) -> Runner:
-    """A transformers model as a :class:`~kiln.baselines.harness.Runner`.
+    """A transformers model as a :class:`~kiln.baselines.harness.Runner`; its step returns the last
+    position's logits ``[batch, V]``.
 
     Args:
         point: the operating point (batch, device).
         call: the installed forward's call convention.
-        cache: makes the cache at each prefill (a fresh one, or the same pre-allocated one,
-            reset first: a static cache counts the tokens written, so a prefill timed after
-            the decode steps starts it empty again, as ``generate`` resets a reused cache).
+        cache: makes the cache at each prefill (a fresh one, or the same pre-allocated one reset
+            first, so a prefill after the decode steps starts it empty).
         prefill: the forward that prefills the prompt ``[batch, context]`` from position 0.
         decode: the forward of one decode step (``token [batch, 1]`` at its position).
         note: what was built, in words.
         clone: clone each step's logits (a CUDA graph's replay overwrites the last ones).
-
-    The runner's step returns the last position's logits ``[batch, V]``.
     """
     caches: list[Any] = []
 

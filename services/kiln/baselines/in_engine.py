@@ -1,20 +1,14 @@
 """A baseline measured inside a persistent engine's process (``RunRequest.baseline``).
 
-The engine pool answers a baseline request on the engine of the experiment's tier: the baseline
-runs in that process, on its device, at its operating point (``batch_size``, ``context_len``,
-the layers it holds, its dtype) and on the engine's own weights
-(:attr:`kiln.runtime.engine.Engine.weights`, read-only: transformers copies them, the
-gpt-fast model fuses copies and shares the rest), so baselines, kiln's reference and kiln's
-candidates are measured on the same weights, device and timer. What the baseline allocates is
-dropped and the device cache emptied before the reply; the engine then verifies its weights are
-unchanged (else it asks for a restart), so its next experiment starts from the state it had.
+It runs on the engine's device, operating point (``batch_size``, ``context_len``, layers held,
+dtype) and own weights (read-only), so baselines, reference and candidates share weights, device and
+timer. Its allocations are dropped and the device cache emptied before the reply; the engine then
+verifies its weights are unchanged (else it asks for a restart).
 
-Outcome as a :class:`~kiln.runtime.measurement.Measurement`: measured → ``ok`` with
-``correct`` from the baseline's own check against kiln's reference (``max_abs_error`` its
-error), its decode timing, and its prefill timing when the request asked for
-``prefill_repeats`` (as a candidate's: ``prefill``, ``prefill_tokens_per_s``); skipped
-(transformers not installed, an architecture it cannot build) → ``rejected`` with
-``skipped: <reason>``; an exception → ``crashed``.
+Outcome as a :class:`~kiln.runtime.measurement.Measurement`: measured → ``ok`` with ``correct`` and
+``max_abs_error`` from the baseline's check against kiln's reference, its decode timing and, on
+``prefill_repeats``, its prefill timing; skipped → ``rejected`` with ``skipped: <reason>``; an
+exception → ``crashed``.
 """
 
 from __future__ import annotations
@@ -94,13 +88,12 @@ def to_measurement(result: BaselineResult, base: dict[str, Any]) -> Measurement:
 
 
 def measure_baseline(engine: EngineLike, request: RunRequest, base: dict[str, Any]) -> Measurement:
-    """Run ``request.baseline`` in ``engine``'s process (see the module docstring).
+    """Run ``request.baseline`` in ``engine``'s process.
 
     Args:
         engine: the built engine (its model config, operating point, device, dtype, weights).
-        request: the experiment; ``warmup`` and ``repeats`` give the baseline's untimed and
-            timed decode steps, ``prefill_repeats`` its timed prefills (0: none, the CPU
-            engines' default), ``seed`` its prompt and tokens.
+        request: the experiment; ``warmup`` and ``repeats`` give the untimed and timed decode steps,
+            ``prefill_repeats`` the timed prefills (0: none), ``seed`` its prompt and tokens.
         base: fields every measurement of the engine carries.
 
     Returns:

@@ -17,19 +17,17 @@ class BaselineResult:
         median_ms, p10_ms, p90_ms: percentiles of the timed decode steps, ms
             (:func:`kiln.runtime.timing.summarize`).
         steps: timed decode steps.
-        notes: what was run, in words (versions, cache, compile mode, operating point).
-        skipped_reason: why it did not run ("transformers not installed", an unsupported
-            architecture); "" when it ran.
-        correct: its first decode step's logits matched kiln's reference forward on the same
-            weights (``max_abs_error <= tolerance``).
-        max_abs_error: ``max |baseline - reference|`` over those logits (``inf`` when
-            non-finite; 0 when not checked).
+        notes: what was run, in words.
+        skipped_reason: why it did not run; "" when it ran.
+        correct: its first decode step's logits matched kiln's reference forward (``max_abs_error <=
+            tolerance``).
+        max_abs_error: ``max |baseline - reference|`` over those logits (``inf`` when non-finite; 0
+            when not checked).
         tolerance: the bound it was held to (``rtol x max |reference|``).
         error: an exception that stopped it mid-run ("" when none).
         batch, context: the operating point (sequences, tokens in the cache).
-        prefill_median_ms, prefill_p10_ms, prefill_p90_ms: percentiles of the timed prefills of
-            the ``[batch, context]`` prompt after the decode timing, ms
-            (:func:`kiln.baselines.harness.time_prefill`); 0 when not timed.
+        prefill_median_ms, prefill_p10_ms, prefill_p90_ms: percentiles of the timed ``[batch,
+            context]`` prefills, ms (:func:`kiln.baselines.harness.time_prefill`); 0 when not timed.
     """
 
     name: str

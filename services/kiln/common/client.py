@@ -137,13 +137,12 @@ async def wait_healthy(
         addr: "host:port" of the server.
         timeout_s: give up after this many seconds.
         service: health service name: "" (overall), "liveness", "readiness" or a gRPC service.
-        unknown_is_final: a server that has no status for ``service`` (NOT_FOUND) fails at
-            once instead of being polled (a kiln service registers its names before it listens;
-            a server still starting may not).
+        unknown_is_final: fail at once when the server has no status for ``service`` (NOT_FOUND)
+            instead of polling.
 
     Raises:
         TimeoutError: not SERVING within ``timeout_s``; the message names ``addr`` and the last
-            status seen (a serving status or an RPC error code).
+            status seen.
         NotFound: ``unknown_is_final`` and the server has no status for ``service``.
     """
     deadline = time.monotonic() + timeout_s

@@ -1,21 +1,15 @@
-"""The experiment work item: what the agent runner queues and an engine pool runs.
+"""The experiment work item: what the agent runner queues and an engine pool runs
+(docs/design/engine.md, "Work queue").
 
-Flow (DESIGN.md: the ledger is the record, NATS carries work):
-
-1. The agent runner appends ``ExperimentRequested`` to ``experiment-<experiment_id>`` (expected
-   version: no stream), then publishes an :class:`ExperimentWork` as JSON on
-   :meth:`ExperimentWork.subject` = ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``
-   with ``Nats-Msg-Id`` = experiment id. ``device_kind`` is the workload's hardware target
-   (:func:`device_kind`), ``model_key`` a short hash of the model (:func:`model_key`), so
-   experiments queue per (model, tier, device kind) and an engine pool takes only what its
-   devices can measure, preferring the model its engines already hold.
-2. An engine pool (one durable pull consumer per exact subject, shared by every pool that
-   serves it; explicit ack, ``max_deliver`` bounded) runs it on a persistent engine and appends
-   ``ExperimentCompleted`` to the same stream with expected version 1. ``Aborted`` there means
-   another engine already completed it: ack and drop. Then it acks the message. A crash before
-   the ack redelivers the work; the expected version keeps the ledger free of duplicates.
-3. The agent runner learns the result from the ledger (ReadAll / the events subject), never
-   from the engine directly, so either side can restart at any point.
+1. The runner appends ``ExperimentRequested`` to ``experiment-<experiment_id>`` (expected: no
+   stream), then publishes an :class:`ExperimentWork` as JSON on :meth:`ExperimentWork.subject` =
+   ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}`` with ``Nats-Msg-Id`` = experiment
+   id (:func:`device_kind`: the workload's hardware target; :func:`model_key`).
+2. A pool (one durable pull consumer per exact subject, shared by every pool serving it; explicit
+   ack, bounded ``max_deliver``) runs it and appends ``ExperimentCompleted`` with expected version 1
+   (``Aborted``: completed elsewhere; ack and drop), then acks. A crash before the ack redelivers.
+3. The runner learns the result from the ledger, never from the engine, so either side can restart
+   at any point.
 """
 
 from __future__ import annotations
@@ -49,15 +43,14 @@ def device_kind(workload: Mapping[str, Any]) -> str:
 
 
 def model_key(workload: Mapping[str, Any]) -> str:
-    """A short stable hash (:data:`MODEL_KEY_CHARS` hex digits) of what makes a model's weights:
-    the config (``model.config_json`` parsed and re-serialized with sorted keys, so formatting
-    does not matter; the raw text when it is not JSON), ``model.dtype``, ``model.weights_dir``
-    and ``model.seed``. Not the name, not the traffic: experiments on one model share engines
-    whatever the traffic shape, so they share a queue subject.
+    """A short stable hash (:data:`MODEL_KEY_CHARS` hex digits) of what makes a model's weights: the
+    config (``config_json`` re-serialized with sorted keys; the raw text when not JSON), ``dtype``,
+    ``weights_dir`` and ``seed``; not the name or the traffic, so experiments on one model share
+    engines and a queue subject.
 
     Args:
-        workload: the ``kiln.v1.Workload`` message as JSON (``MessageToDict``; the seed may be
-            a string, as MessageToDict writes uint64).
+        workload: the ``kiln.v1.Workload`` message as JSON (``MessageToDict``; the seed may be a
+            string).
     """
     model = dict(workload.get("model") or {})
     text = str(model.get("config_json") or "")
@@ -90,13 +83,12 @@ class ExperimentWork(BaseModel):
         candidate: ``kiln.domain.candidate.Candidate.canonical()``.
         workload: the ``kiln.v1.Workload`` message as JSON (``MessageToDict`` with
             ``preserving_proto_field_name=True``).
-        deadline_s: seconds the candidate may take (load, check and measure) before it is
-            TIMED_OUT and its engine restarted.
+        deadline_s: seconds the candidate may take (load, check and measure) before it is TIMED_OUT
+            and its engine restarted.
         profile: also profile one extra eager decode step per op (``ExperimentCompleted.op_ms``;
             :mod:`kiln.runtime.op_profile`).
-        baseline: measure this baseline of :mod:`kiln.baselines` (``hf_eager``,
-            ``hf_static``, ``hf_compile``, ``gpt_fast``) in the engine instead of the candidate;
-            "" for a normal experiment (``RunRequest.baseline``).
+        baseline: measure this baseline of :mod:`kiln.baselines` in the engine instead of the
+            candidate; "" for a normal experiment.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

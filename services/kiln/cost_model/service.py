@@ -1,18 +1,15 @@
 """The CostModel gRPC servicer: ``Plan`` and ``Explain`` over the roofline tier.
 
-Request handling:
-
-- ``workload.model.config_json`` is parsed with ``kiln.workloads.config.parse_config``; an
-  empty or non-JSON config, or an unsupported architecture, is INVALID_ARGUMENT.
-- ``workload.hardware.name`` must name a catalogue entry (NOT_FOUND otherwise, listing them);
-  ``num_devices`` 0 means the entry's ``max_devices_per_node``.
-- Weight dtype: ``workload.model.dtype`` when set; else FP8 when the config carries an FP8
-  ``quantization_config`` (DeepSeek-V3's checkpoint); else the config's ``torch_dtype``.
-  Activations and the KV cache are BF16 (float32 when the weights are float32).
-- Traffic: the operating point (B, ISL, OSL, context) is
-  :meth:`kiln.domain.operating_point.OperatingPoint.from_traffic` of ``workload.traffic``, with
-  no engine caps; a traffic field out of range is INVALID_ARGUMENT. The plans' ``batch_size``
-  shows the B used, and Explain's text lists every default that was applied.
+- ``workload.model.config_json`` is parsed with ``kiln.workloads.config.parse_config``; empty,
+  non-JSON or unsupported: INVALID_ARGUMENT.
+- ``workload.hardware.name`` must name a catalogue entry (NOT_FOUND, listing them); ``num_devices``
+  0 means the entry's ``max_devices_per_node``.
+- Weight dtype: ``workload.model.dtype``; else FP8 when the config has an FP8
+  ``quantization_config``; else its ``torch_dtype``. Activations and KV cache are BF16 (float32 with
+  float32 weights).
+- The operating point is :meth:`kiln.domain.operating_point.OperatingPoint.from_traffic` of
+  ``workload.traffic``, no engine caps; a field out of range is INVALID_ARGUMENT. Plans'
+  ``batch_size`` shows the B used; Explain lists every default applied.
 """
 
 from __future__ import annotations

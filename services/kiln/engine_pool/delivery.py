@@ -1,19 +1,16 @@
-"""One delivered work message, to its ack, nak or term (the engine pool's side of the contract
-in :mod:`kiln.common.work`). Per message:
+"""One delivered work message, to its ack, nak or term (the pool's side of :mod:`kiln.common.work`):
 
-1. parse :class:`~kiln.common.work.ExperimentWork`; malformed → ``term()`` (logged);
-2. read ``experiment-<id>`` from the ledger: already completed → ack (a redelivery or a second
-   publish); no ``ExperimentRequested`` → ``term()`` (the contract was broken upstream);
-3. run it on the pool, on this device, sending ``in_progress()`` every third of ``ack_wait``
-   meanwhile; a workload that cannot be built is recorded as REJECTED;
-4. append ``ExperimentCompleted`` with expected version 1, as the work's team, caused by the
-   ``ExperimentRequested`` event and in its correlation; ``Aborted`` → someone else completed it;
-5. ack. The ledger unreachable (after retries) → ``nak(nak_delay_s)``: the work comes back and
-   the append is retried then; on the last delivery a failure to run is recorded as CRASHED
-   rather than dropped.
+1. parse :class:`~kiln.common.work.ExperimentWork`; malformed → ``term()``;
+2. read ``experiment-<id>``: already completed → ack; no ``ExperimentRequested`` → ``term()``;
+3. run it on this device, sending ``in_progress()`` every third of ``ack_wait``; an unbuildable
+   workload is REJECTED;
+4. append ``ExperimentCompleted`` (expected version 1, the work's team, caused by and correlated
+   with ``ExperimentRequested``); ``Aborted`` → completed elsewhere;
+5. ack. Ledger unreachable after retries → ``nak(nak_delay_s)``; on the last delivery a failure to
+   run is recorded as CRASHED.
 
-A crash anywhere before the ack redelivers the message; the ledger check and the expected version
-keep the ledger free of duplicates.
+A crash before the ack redelivers; the ledger check and expected version keep the ledger free of
+duplicates.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
-"""The devices of an engine pool: which there are, what kind each is, and how an engine process
-is pinned to one.
+"""The devices of an engine pool, their kinds, and how an engine process is pinned to one.
 
-One engine process runs on one device at a time and experiments on a device run one at a time
-(:class:`~kiln.engine_pool.pool.EnginePool`). A CUDA device's engine process gets
-``CUDA_VISIBLE_DEVICES`` set to that GPU alone (by UUID when known) and sees it as ``cuda:0``,
-so two engines never share a GPU; a CPU engine gets ``CUDA_VISIBLE_DEVICES=""``.
-
-Which devices (``KILN_ENGINE_DEVICES``, else ``KILN_ENGINE_DEVICE``):
-
-- ``auto`` (the default): every visible CUDA device, else the CPU;
-- a comma list: ``cuda:0,cuda:1``, ``cpu``; ``cuda`` alone = every visible CUDA device.
-
-GPUs are listed with ``nvidia-smi`` (or ``/proc/driver/nvidia/gpus``) in the service process,
-never through torch, so the service holds no CUDA context; ``CUDA_VISIBLE_DEVICES`` of the
-service narrows the list as it would for CUDA. The kind of a GPU (``h100``, ``h200``, ...) comes
-from its name, or ``KILN_ENGINE_DEVICE_KIND``; it is the ``device_kind`` token of the work
-subjects the device serves (:mod:`kiln.common.work`).
+A CUDA device's engine process gets ``CUDA_VISIBLE_DEVICES`` set to that GPU alone (by UUID when
+known) and sees it as ``cuda:0``; a CPU engine gets ``""``. Devices come from
+``KILN_ENGINE_DEVICES`` (else ``KILN_ENGINE_DEVICE``): ``auto`` (default: every visible CUDA device,
+else the CPU) or a comma list (``cuda:0,cuda:1``, ``cpu``; ``cuda`` = every visible GPU). GPUs are
+listed with ``nvidia-smi`` (or ``/proc/driver/nvidia/gpus``), never through torch, so the service
+holds no CUDA context; the service's ``CUDA_VISIBLE_DEVICES`` narrows the list. A GPU's kind
+(``h100``, ``h200``, ...) comes from its name or ``KILN_ENGINE_DEVICE_KIND``: the ``device_kind``
+token of the work subjects it serves (:mod:`kiln.common.work`).
 """
 
 from __future__ import annotations
@@ -185,7 +177,7 @@ def _gpu_device(gpu: Gpu, kind: str) -> Device:
 
 
 def resolve_devices(settings: EngineSettings, gpus: list[Gpu] | None = None) -> list[Device]:
-    """The devices of a pool under ``settings`` (see the module docstring).
+    """The devices of a pool under ``settings``.
 
     Args:
         settings: ``devices``, ``device`` (when ``devices`` is empty and it was set) and

@@ -1,18 +1,10 @@
 """The engine registry: every engine pool process registers itself and its engines on NATS.
 
-A pool heartbeats one record (:class:`PoolRecord`: pool id, host, pid, devices, the hardware
-kinds, models and work subjects it serves, and a snapshot of each engine: spec key, model,
-tier, device, state, experiments run, restarts, memory) into the JetStream key-value bucket
-``{prefix}_engines`` under ``pool.<pool id>``, every ``KILN_ENGINE_HEARTBEAT_S`` and soon after
-any engine changes state. The bucket keeps one revision per key and has a TTL (its stream's
-max age, ``KILN_ENGINE_REGISTRY_TTL_S``, set by whichever pool created the bucket): a pool that
-stops heartbeating — killed, hung, cut off — drops out once its last record is older than the
-TTL. A pool that stops cleanly deletes its record at once.
-
-So a pool on another host joins just by starting against the same NATS (and ledger): it
-registers, binds the same durable work consumers, and ``ListEngines`` on any pool lists it.
-The registry is news, not the state of record: a pool never needs another pool's record, and
-ListEngines falls back to the local pool when NATS is unreachable.
+A pool writes its :class:`PoolRecord` into the JetStream key-value bucket ``{prefix}_engines`` under
+``pool.<pool id>`` every ``KILN_ENGINE_HEARTBEAT_S`` and soon after any engine changes state. One
+revision per key; the bucket's TTL (``KILN_ENGINE_REGISTRY_TTL_S``, set by whichever pool created
+it) drops a pool that stops heartbeating; a clean stop deletes the record at once. The registry is
+news, not the state of record (docs/design/engine.md, "Engine registry").
 """
 
 from __future__ import annotations

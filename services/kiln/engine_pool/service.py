@@ -1,23 +1,17 @@
 """The EnginePool gRPC servicer: RunExperiment and ListEngines over the engine pool.
 
-``RunExperiment`` measures one candidate through the same pool the work queue uses, and returns
-the ``kiln.v1.Measurement``; it writes nothing to the ledger. A failing candidate is a
-measurement with a non-OK status; bad input is INVALID_ARGUMENT:
+``RunExperiment`` measures one candidate through the pool the work queue uses, on its best device
+for it, and returns the ``kiln.v1.Measurement``; it writes nothing to the ledger. A failing
+candidate is a measurement with a non-OK status; INVALID_ARGUMENT for: no
+``experiment``/``workload`` or an empty ``config_json``; an architecture kiln cannot parse or build,
+an unknown dtype, missing weights; ``deadline_s`` outside ``0..3600`` (0 =
+``KILN_ENGINE_DEFAULT_DEADLINE_S``); a ``baseline`` not in
+:data:`kiln.baselines.names.BASELINE_NAMES` (a known one is measured instead of the candidate). An
+unspecified tier means fast. Clamps and defaults applied to the traffic shape come back as trailing
+metadata ``kiln-engine-notes`` (a JSON list of strings).
 
-- no ``experiment``, no ``experiment.workload`` or an empty ``workload.model.config_json``;
-- an architecture kiln cannot parse or build, an unknown dtype, missing weights;
-- ``deadline_s`` outside ``0..3600`` (0 = ``KILN_ENGINE_DEFAULT_DEADLINE_S``);
-- a ``baseline`` that is not one of :data:`kiln.baselines.names.BASELINE_NAMES` (a known one
-  is measured in the engine instead of the candidate: :mod:`kiln.baselines.in_engine`).
-
-``experiment.tier`` unspecified means fast. The clamps and defaults applied to the traffic
-shape (``Measurement`` has no field for them) come back as trailing metadata
-``kiln-engine-notes``: a JSON list of strings. The experiment runs on this pool's best device
-for it (:meth:`~kiln.engine_pool.pool.EnginePool.choose_slot`).
-
-``ListEngines`` lists the engines and pools of the registry (:mod:`kiln.engine_pool.registry`):
-every pool registered on the shared NATS, this one first and always current; ``local_only``
-(or NATS unreachable) gives this pool's alone.
+``ListEngines`` lists every pool of the registry on the shared NATS, this one first and always
+current; ``local_only`` (or NATS unreachable) gives this pool's alone.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The event store: append with optimistic concurrency, idempotent re-append, ordered reads.
 
 Appends are validated here (stream id, schema, size) and committed by a
-:class:`~kiln.ledger.group_commit.GroupCommitter`: in one transaction per group it takes an
-advisory lock, treats an exact re-append as a no-op returning the original positions, checks
-expected stream versions, takes positions from ``events_position_seq`` and inserts the events
-plus their outbox rows, then notifies ``kiln_events`` / ``kiln_outbox``. Because the lock is held
-until commit, positions become visible in increasing order, so a reader tailing
-``position > last_seen`` never skips an event that commits late (the technique of the
-``eventsourcing`` library's PostgreSQL recorder, which locks the table instead).
-``UNIQUE(stream_id, stream_version)`` and ``UNIQUE(event_id)`` back the checks in the database.
+:class:`~kiln.ledger.group_commit.GroupCommitter` in one transaction per group under an advisory
+lock (exact re-append: no-op returning the original positions; expected versions checked; events and
+outbox rows inserted; ``kiln_events``/``kiln_outbox`` notified). Invariant: positions become visible
+in increasing order, so a reader tailing ``position > last_seen`` never skips an event
+(docs/design/ledger.md, "Event store"). ``UNIQUE(stream_id, stream_version)`` and
+``UNIQUE(event_id)`` back the checks in the database.
 """
 
 from __future__ import annotations

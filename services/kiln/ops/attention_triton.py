@@ -1,18 +1,12 @@
-"""``attention`` "flash_decoding": split-KV Triton decode attention (CUDA only).
+"""``attention`` "flash_decoding": split-KV Triton decode attention (CUDA only). Same contract as
+:func:`kiln.ops.attention.reference`.
 
-At decode (``T == 1``) it runs :func:`kiln.ops.kernels.decode_attention.decode_attention` on
-``q[:, :, 0]``: the query of sequence b sits at position ``seq_lens[b] - 1`` (the op contract at
-decode), so the causal mask adds nothing to the length mask the kernel applies and
-``positions`` is not read. Prefill (``T > 1``) falls back to the ``sdpa`` implementation. Same
-contract as :func:`kiln.ops.attention.reference`.
-
-Under ``torch.compile`` the kernel is called through the custom op ``kiln::decode_attention``
-(opaque to Inductor, which otherwise re-generates the user kernel and failed to compile it on an
-H200: "CompilationError at 76:8"); eager calls go straight to the kernel (no dispatcher hop).
-
-The kernel module is imported on first call, not here: Triton decides between compiling and
-interpreting (``TRITON_INTERPRET``) when it decorates the kernels, and importing :mod:`kiln.ops`
-must not fix that choice.
+At decode (``T == 1``) it runs :func:`kiln.ops.kernels.decode_attention.decode_attention` on ``q[:,
+:, 0]``; the query sits at ``seq_lens[b] - 1``, so the length mask is the causal mask and
+``positions`` is not read. Prefill (``T > 1``) runs ``sdpa``. Under ``torch.compile`` the kernel is
+called through the custom op ``kiln::decode_attention`` (Inductor failed to compile it inline on an
+H200). The kernel module is imported on first call: importing :mod:`kiln.ops` must not fix Triton's
+compile-or-interpret choice.
 """
 
 from __future__ import annotations
@@ -35,8 +29,8 @@ def flash_decoding(
     *,
     scale: float,
 ) -> Tensor:
-    """Decode via the split-KV Triton kernel (default :class:`DecodeAttentionConfig`), prefill
-    via ``sdpa``.
+    """Decode via the split-KV Triton kernel (default :class:`DecodeAttentionConfig`), prefill via
+    ``sdpa``.
 
     Args:
         q: ``[B, Hq, T, D]`` (model dtype).

@@ -1,17 +1,11 @@
 """Triton GEMV implementations of the projection ops for small-batch decode (CUDA only).
 
-At decode (``T == 1``) with at most :data:`MAX_M` sequences every projection is a
-matrix-vector product; these implementations run :mod:`kiln.ops.kernels.gemv` there and fall
-back to the plain-PyTorch path for prefill (``T > 1``) or larger batches. Registered:
-
-- ``qkv_proj`` ``triton_gemv`` (fused QKV weight): same outputs as ``qkv_proj fused``.
-- ``o_proj`` ``triton_gemv``.
-- ``mlp`` ``triton_gate_up`` (fused gate_up weight): gate/up GEMV with a SiLU·mul epilogue,
-  then the down GEMV; falls back to ``mlp fused_gate_up``.
-- ``lm_head`` ``triton_gemv``: logits rounded to the model dtype, returned as float32.
-
-The kernel modules import Triton, so they are imported on first call, not with :mod:`kiln.ops`
-(``TRITON_INTERPRET=1`` must be set before Triton's first import to run them on CPU).
+At decode (``T == 1``) with at most :data:`MAX_M` sequences they run :mod:`kiln.ops.kernels.gemv`;
+prefill or larger batches take the plain-PyTorch path. Registered: ``qkv_proj`` ``triton_gemv``
+(fused QKV weight; outputs as ``qkv_proj fused``), ``o_proj`` ``triton_gemv``, ``mlp``
+``triton_gate_up`` (fused gate_up weight, SiLU·mul epilogue; falls back to ``mlp fused_gate_up``),
+``lm_head`` ``triton_gemv`` (logits rounded to the model dtype, returned as float32). Kernel modules
+are imported on first call (``TRITON_INTERPRET=1`` must precede Triton's first import).
 """
 
 from __future__ import annotations
@@ -97,8 +91,8 @@ def o_proj_gemv(attn: Tensor, *, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 @register("mlp", "triton_gate_up", derived=mlp_op.FUSED_GATE_UP, devices=("cuda",))
 def mlp_gate_up_gemv(x: Tensor, *, gate_up_weight: Tensor, down_weight: Tensor) -> Tensor:
-    """``mlp`` at decode: gate/up GEMV with the SiLU·mul epilogue (no ``[B, 2I]``
-    intermediate), then the down GEMV. Same contract as ``mlp reference``.
+    """``mlp`` at decode: gate/up GEMV with the SiLU·mul epilogue, then the down GEMV. Same contract
+    as ``mlp reference``.
 
     Args:
         x: ``[B, T, H]`` (model dtype).
@@ -118,8 +112,8 @@ def mlp_gate_up_gemv(x: Tensor, *, gate_up_weight: Tensor, down_weight: Tensor) 
 
 @register("lm_head", IMPL, devices=("cuda",))
 def lm_head_gemv(x: Tensor, *, weight: Tensor) -> Tensor:
-    """``lm_head``: ``F.linear(x, weight)`` in the model dtype, as float32; one GEMV when
-    ``x`` has at most :data:`MAX_M` rows.
+    """``lm_head``: ``F.linear(x, weight)`` in the model dtype, as float32; one GEMV when ``x`` has
+    at most :data:`MAX_M` rows.
 
     Args:
         x: ``[..., H]`` (model dtype).

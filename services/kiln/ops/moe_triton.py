@@ -1,24 +1,16 @@
-"""``moe`` "triton_gather": small-batch decode over only the routed experts (CUDA only).
+"""``moe`` "triton_gather": small-batch decode over only the routed experts (CUDA only; design:
+docs/design/kernels.md, "MoE decode kernel").
 
-Routing is :func:`kiln.ops.moe.route` (so it picks the same experts as every other ``moe``
-implementation; the combine weights rounded to the model dtype when ``round_router_weights``);
-the experts run in :func:`kiln.ops.kernels.moe_decode.moe_decode`: a fused gate/up GEMV per
-(token, slot) reading only that slot's expert, then the down GEMV with the weighted combine, one
-program per (token, output block) adding the slots in order (no atomics, deterministic). Same
-contract as :func:`kiln.ops.moe.reference`; the per-token sum is float32, rounded once.
+Routing is :func:`kiln.ops.moe.route` (same experts as every ``moe`` implementation; combine weights
+rounded to the model dtype when ``round_router_weights``); experts run in
+:func:`kiln.ops.kernels.moe_decode.moe_decode`, deterministic (slots added in order, no atomics),
+the per-token sum float32 rounded once. Same contract as :func:`kiln.ops.moe.reference`.
 
-Batches with more than :data:`MAX_ASSIGNMENTS` (token, expert) assignments run the
-``reference`` (grouped GEMM): there the experts' weights are shared by many tokens and a
-per-assignment GEMV would re-read them. The choice depends on shapes only, so a captured or
-compiled step never changes path. Off CUDA the kernel runs only under Triton's interpreter
-(``TRITON_INTERPRET=1``, CPU tensors; for tests); elsewhere (CPU without it, meta tensors) the
-call runs the reference, so generic ``moe`` tests and shape passes work on any device — the
-registration still offers it on CUDA only.
-
-Under ``torch.compile`` the kernels are called through the custom op ``kiln::moe_gather``
-(opaque to Inductor, as ``kiln::decode_attention`` is); eager calls go straight to the kernels.
-The kernel module is imported on first call, not here (importing :mod:`kiln.ops` must not import
-Triton and fix its interpret-or-compile choice).
+Above :data:`MAX_ASSIGNMENTS` (token, expert) assignments it runs the ``reference``; the choice
+depends on shapes only. Off CUDA the kernel runs only under ``TRITON_INTERPRET=1`` (CPU tensors);
+elsewhere the call runs the reference (registered for CUDA only). Under ``torch.compile`` the
+kernels are called through the custom op ``kiln::moe_gather``. The kernel module is imported on
+first call (importing :mod:`kiln.ops` must not import Triton).
 """
 
 from __future__ import annotations
@@ -57,8 +49,8 @@ def triton_gather(
     round_router_weights: bool,
     router_bias: Tensor | None = None,
 ) -> Tensor:
-    """:func:`route`, then the gather-GEMV kernels (module docs); ``reference`` above
-    :data:`MAX_ASSIGNMENTS` assignments or where the kernels cannot run.
+    """:func:`route`, then the gather-GEMV kernels; ``reference`` above :data:`MAX_ASSIGNMENTS`
+    assignments or where the kernels cannot run.
 
     Args:
         x: ``[B, T, H]`` (model dtype); params as in :mod:`kiln.ops.moe`.

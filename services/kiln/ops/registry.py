@@ -1,15 +1,11 @@
-"""Op implementations chosen by name (vLLM's ``CustomOp`` idea, without the class hierarchy).
+"""Op implementations chosen by name.
 
-Every op of the decoder (``OPS``) has a plain-PyTorch ``reference`` implementation and any number
-of alternatives, registered with :func:`register` and looked up with :func:`get`. An
-implementation is a function: positional tensors in (the *call* arguments, the same for every
-implementation of the op), keyword *params* bound once per call site (weights and config
-scalars), tensors out. An implementation that needs weights in another layout (fused QKV,
-quantized copies) names a :class:`Derivation`; engines compute it once per site from the op's base
-params and cache it in the weight store, so switching implementations never re-reads weights.
-
-Importing :mod:`kiln.ops` registers the built-in implementations; a candidate's code module
-registers more by calling :func:`register` (``replace=True`` to redefine one on hot reload).
+Every op of the decoder (``OPS``) has a plain-PyTorch ``reference`` and any number of alternatives
+(:func:`register`, :func:`get`). An implementation is a function: positional call tensors (the same
+for every implementation of the op), keyword params bound once per call site (weights, config
+scalars), tensors out. One needing weights in another layout names a :class:`Derivation`, computed
+once per site and cached in the weight store. Importing :mod:`kiln.ops` registers the built-ins; a
+candidate's module registers more (``replace=True`` on hot reload).
 """
 
 from __future__ import annotations
@@ -85,17 +81,14 @@ class OpImpl:
         op: the op name (a key of :data:`OPS`).
         name: the implementation name (``"reference"``, ``"sdpa"``, ...).
         fn: the function; positional call tensors, keyword params.
-        lossy: True when it changes results beyond dtype rounding (quantization); engines only
-            use lossy implementations when a candidate opts in, and report them.
+        lossy: True when it changes results beyond dtype rounding (quantization); used only when a
+            candidate opts in, and reported.
         derived: the weight transform it needs, or None to take the base params.
-        devices: the device types it runs on (``("cuda",)`` for a Triton kernel), or None for
-            every device; search spaces offer it only on those devices.
-        capturable: False when a call synchronises with the host or has data-dependent shapes
-            (``.item()``, ``.tolist()``), which a CUDA graph cannot capture: search spaces
-            never pair it with ``cuda_graph``. Every built-in implementation is capturable.
-        alias_of: the implementation this name now runs, for a name that recipes recorded
-            earlier still carry; search spaces do not offer aliases (they would measure the
-            same forward twice).
+        devices: the device types it runs on, or None for every device; search spaces offer it only
+            there.
+        capturable: False when a call synchronises with the host or has data-dependent shapes;
+            search spaces never pair it with ``cuda_graph``. Every built-in is capturable.
+        alias_of: the implementation this older name now runs; search spaces do not offer aliases.
     """
 
     op: str

@@ -1,16 +1,11 @@
 """The ``cuda_graph`` transform: the whole decode step at the traffic shape as one CUDA graph.
 
-Capture follows PyTorch's recipe (``torch.cuda.graphs`` documentation, "Whole-network
-capture"): a few eager warm-up iterations on a side stream (lazy initialisation, cuBLAS
-workspaces, ``torch.compile``'s compilation when that transform is applied too), then capture
-into a private memory pool; each later call copies the tokens into the static input buffer and
-replays. The KV cache is static (fixed addresses, positions and lengths read on the device), so
-the captured step reads the cache's current lengths and advances them in the graph; the host
-side of the cache's bookkeeping is advanced by :meth:`StaticKVCache.advanced_on_device`.
-
-Only the shape captured replays (``[batch, 1]`` tokens with ``batch`` sequences active): any
-other call (the check's prefill and its small-batch decode steps) runs eagerly through the same
-bound ops. The graph is dropped when the experiment ends (a new candidate is a new capture).
+Eager warm-up on a side stream, then capture into a private pool (PyTorch's whole-network recipe);
+each call copies the tokens into the static input and replays. The captured step reads and advances
+the static cache's lengths on the device; the host side follows through
+:meth:`StaticKVCache.advanced_on_device`. Only the captured shape (``[batch, 1]`` with ``batch``
+sequences active) replays; any other call runs eagerly through the same bound ops. The graph is
+dropped when the experiment ends.
 """
 
 from __future__ import annotations
@@ -32,8 +27,8 @@ class DecodeGraph:
     """A captured decode step of ``model`` at its cache's active batch.
 
     Args:
-        model: the measured model, bound to the candidate's ops (and transforms), on CUDA, with
-            the cache at the operating point (``batch`` sequences active).
+        model: the measured model, bound to the candidate's ops (and transforms), on CUDA, with the
+            cache at the operating point (``batch`` sequences active).
         warmup_iters: eager iterations before capture.
 
     Attributes:
@@ -41,8 +36,7 @@ class DecodeGraph:
         batch: the captured batch (sequences).
 
     Raises:
-        RuntimeError: the model is not on CUDA, or capture failed (an op synchronises with the
-            host, allocates outside the pool in a forbidden way, ...): the message is CUDA's.
+        RuntimeError: the model is not on CUDA, or capture failed (CUDA's message).
     """
 
     def __init__(self, model: DecoderModel, warmup_iters: int = WARMUP_ITERS) -> None:

@@ -1,20 +1,14 @@
-"""The reference forward in float32 arithmetic over the model's own (e.g. bfloat16) weights.
+"""The reference forward in float32 arithmetic over the model's own (e.g. bfloat16) weights, for the
+gate's noise estimate ``max |reference - exact|`` (docs/design/engine.md, "Check").
 
-The correctness gate (:mod:`kiln.runtime.check`) uses it to measure the reference's own
-rounding error on the very inputs it checks: ``noise = max |reference - exact|``. A reduced-
-precision model's honest candidates differ from the reference by about that much, whatever the
-depth (a 36-layer bfloat16 Qwen3-8B's reference lands 0.25-0.40 from float32 at logits of
-magnitude about 6, more than the fixed 5e-2 relative tolerance allows).
+Same graph and weight values, every op's ``reference`` fed float32 (weights upcast one layer at a
+time: extra memory is one layer's weights, plus one layer's cache rows for a step on the engine's
+cache); nothing of the model, its cache or its weight store is written.
 
-Exact means: the same graph and the same weight values, every op's ``reference``
-implementation fed float32 tensors (weights upcast one layer at a time, so the extra memory is
-one layer's weights in float32 plus, for a step on the engine's cache, one layer's cache rows in
-float32); nothing of the model, its cache or its weight store is written.
-
-- :func:`exact_step`: one decode step from the cache's current state (the traffic-shape step,
-  a verified timed step), the cache's lengths and buffers untouched.
-- :func:`exact_model`: a model view with its own float32 cache (``max_batch x max_len``) for
-  a prefill and decode steps of fresh prompts.
+- :func:`exact_step`: one decode step from the cache's current state, its lengths and buffers
+  untouched.
+- :func:`exact_model`: a model view with its own float32 cache (``max_batch x max_len``) for a
+  prefill and decode steps of fresh prompts.
 """
 
 from __future__ import annotations

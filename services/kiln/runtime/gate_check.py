@@ -1,11 +1,11 @@
-"""The gate's comparisons against the engine's reference models: the candidate's first step at
-the traffic shape and a fresh prefill/decode check (:meth:`GateChecks._check`), and the kept
-timed steps after timing (:meth:`GateChecks._verify`).
+"""The gate's comparisons against the engine's reference models: the candidate's first step at the
+traffic shape plus a fresh prefill/decode check (:meth:`GateChecks._check`), and the kept timed
+steps after timing (:meth:`GateChecks._verify`).
 
-Tolerances by dtype (:mod:`kiln.runtime.check`); in bfloat16 / float16 each comparison also
-runs the float32 exact forward (:mod:`kiln.runtime.exact`); on an MoE model comparisons are
-routing-aware and every MoE layer is also checked on the reference's own inputs
-(:mod:`kiln.runtime.moe_check`). The reference always gets its own copy of every input.
+Tolerances by dtype (:mod:`kiln.runtime.check`); in bfloat16/float16 each comparison also runs the
+float32 exact forward (:mod:`kiln.runtime.exact`); on an MoE model comparisons are routing-aware and
+every MoE layer is also checked on the reference's own inputs (:mod:`kiln.runtime.moe_check`). The
+reference always gets its own copy of every input.
 """
 
 from __future__ import annotations
@@ -71,13 +71,12 @@ class GateChecks:
         Args:
             kept: the timed steps' outputs kept (see :class:`~kiln.runtime.check.TimedOutputs`).
             tokens: ``[repeats, batch_size, 1]`` int64 on the CPU: the engine's own copy of the
-                timed steps' tokens (a candidate writing into its input changes only its copy).
+                timed steps' tokens.
             rtol: relative tolerance.
             timed: how many timed steps ran (for the message).
             notes: the measurement's notes (an MoE model's routing-aware comparison adds one).
 
-        Cost: one reference decode step at the traffic shape per kept step (two in reduced
-        precision: the float32 exact one too).
+        Cost: one reference decode step per kept step (two in reduced precision).
         """
         ref_guard = OutputGuard(self._protected)
         worst, tolerance = 0.0, 0.0
@@ -128,25 +127,21 @@ class GateChecks:
         guard: OutputGuard,
         notes: list[str],
     ) -> CheckResult:
-        """Compare the candidate against the reference forward.
+        """Compare the candidate against the reference forward: the step at the traffic shape (same
+        cache contents), then a prefill of ``check_batch`` fresh right-padded prompts and
+        ``check_steps`` decode steps on each side.
 
         Args:
             seed: the experiment's check seed (fresh inputs every experiment).
             rtol: relative tolerance (see :mod:`kiln.runtime.check`).
-            at_shape: the candidate's logits of its first step at the traffic shape (full batch,
-                full context; ``[[batch_size, V]]`` float32), on :meth:`_shape_token`, taken
-                right before this call with nothing run since.
+            at_shape: the candidate's first-step logits at the traffic shape (``[[batch_size, V]]``
+                float32, on :meth:`_shape_token`), taken right before this call with nothing run
+                since.
             guard: the candidate's output guard (its outputs are poisoned before each call).
             notes: the measurement's notes (an MoE model's routing-aware check adds one).
 
-        The reference runs the same step at the traffic shape (same cache contents: each step
-        writes its own K/V before attending), then candidate and reference each run a prefill
-        of ``check_batch`` fresh right-padded prompts and ``check_steps`` decode steps. The
-        reference gets its own copy of every input (drawn again from the seed), so a candidate
-        that writes into its inputs cannot steer the reference.
-
-        On an MoE model the comparisons are routing-aware and every MoE layer is also checked on
-        the reference's own inputs (:mod:`kiln.runtime.moe_check`).
+        The reference's inputs are drawn again from the seed, so a candidate writing into its inputs
+        cannot steer it.
         """
         spec = self.spec
         ref_guard = OutputGuard(self._protected)

@@ -1,25 +1,15 @@
-"""Per-op profile of one decode step: how long each op slot takes, summed per op name.
+"""Per-op profile of one decode step: ms per step of each op slot, summed per op name over the
+layers held.
 
-After an experiment's timed steps (and verification, and any prefill timing), an engine asked
-for a profile (``RunRequest.profile``) runs **one extra decode step** at the traffic shape
-(batch_size sequences at context_len tokens) with every bound op wrapped in a timer, **eagerly**:
-transforms that shadow the model's ``forward`` / ``decode_step`` on the instance (a CUDA graph
-replay, a ``torch.compile``'d forward) are set aside for that step, so each op runs as its own
-call. The times are summed per op name over the layers held (``rms_norm`` adds the input,
-post-attention and final norms; ``attention`` every layer's), in ms per step.
+On ``RunRequest.profile``, after timing and verification, the engine runs one extra decode step at
+the traffic shape with every bound op wrapped in a timer, eagerly (a CUDA graph replay or a compiled
+forward is set aside for that step). CUDA: a CUDA event pair around each call, one synchronize after
+the step; the time includes the GPU waiting for launches when the step is launch-bound, so it says
+where an eager step's time goes, not bare kernel durations. CPU: ``time.perf_counter``.
 
-Timing:
-
-- CUDA: a pair of CUDA events recorded around each op call on the current stream, one
-  ``torch.cuda.synchronize`` after the step, then ``start.elapsed_time(end)``. An event pair
-  measures the GPU time between the two records, which includes the GPU waiting for the launch
-  of the op's kernels when the step is launch-bound (small batches): the profile says where a
-  step's time goes as it runs eagerly, not the kernels' bare durations.
-- CPU: ``time.perf_counter`` around each call (CPU ops run synchronously).
-
-The timed steps are untouched: the profile runs after them, the cache is put back at the
-operating point afterwards, and the model's bound ops and shadowed attributes are restored
-even when the step raises. Ops a candidate fuses inside one slot are timed as that slot.
+The timed steps are untouched; the cache is put back at the operating point and the model's ops and
+shadowed attributes restored, even when the step raises. Ops a candidate fuses inside one slot are
+timed as that slot.
 """
 
 from __future__ import annotations
@@ -102,12 +92,12 @@ def _class_shadows(model: DecoderModel) -> dict[str, Any]:
 def profile_decode_step(
     model: DecoderModel, token: Tensor, reset: Callable[[], None], dtype: torch.dtype
 ) -> OpProfile:
-    """Time each op slot of one eager decode step of ``model`` (see the module docs).
+    """Time each op slot of one eager decode step of ``model``.
 
     Args:
-        model: the measured model, bound to the candidate's ops, its cache at the operating
-            point (every sequence at ``context_len`` tokens).
-        token: ``[batch_size, 1]`` int64 on the model's device: the step's tokens.
+        model: the measured model, bound to the candidate's ops, its cache at the operating point
+            (every sequence at ``context_len`` tokens).
+        token: ``[batch_size, 1]`` int64 on the model's device.
         reset: puts the cache back at the operating point (called before and after the step).
         dtype: the model's dtype (for ``shape["dtype_bytes"]``).
 

@@ -1,13 +1,10 @@
 """Residual add and RMSNorm in one Triton kernel (vLLM's ``fused_add_rms_norm``, out of place).
 
-One program per row: it reads ``x`` and ``residual`` once, writes ``s = x + residual`` and
-``weight * rmsnorm(s)``, instead of the five to six elementwise passes of the plain-PyTorch op.
-Rounding follows kiln's ``rms_norm`` reference (:mod:`kiln.ops.rms_norm`, transformers'
-``LlamaRMSNorm``): the sum is rounded to the model dtype, statistics are float32, the normalised
-row is rounded to the model dtype before the scale multiply.
-
-Import this module only after setting ``TRITON_INTERPRET`` when running on CPU (see
-:mod:`kiln.ops.kernels.runtime`).
+One program per row reads ``x`` and ``residual`` once and writes ``s = x + residual`` and ``weight *
+rmsnorm(s)``. Rounding follows kiln's ``rms_norm`` reference (:mod:`kiln.ops.rms_norm`): the sum
+rounded to the model dtype, float32 statistics, the normalised row rounded to the model dtype before
+the scale multiply. On CPU import only after setting ``TRITON_INTERPRET``
+(:mod:`kiln.ops.kernels.runtime`).
 """
 
 from __future__ import annotations

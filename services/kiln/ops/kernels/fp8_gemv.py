@@ -1,16 +1,10 @@
 """Small-M GEMV on fp8 (e4m3) weights with one float32 scale per output row: lossy.
 
-Decode is bound by reading weights; storing them as ``float8_e4m3fn`` halves the bytes of bf16.
-Row-wise symmetric quantisation: ``scale[n] = max|W[n, :]| / 448`` (448 = e4m3's largest finite
-value, OCP 8-bit floating point spec / NVIDIA "FP8 formats for deep learning", Micikevicius et
-al. 2022), ``W8 = round_e4m3(W / scale)``. The kernel widens fp8 tiles to the activation dtype in
-registers (every e4m3 value is exact in bf16 and fp32), accumulates ``x @ W8.T`` in float32 and
-applies the scale per output column, then the bias. e4m3 keeps 3 mantissa bits: each weight is
-off by up to 2^-4 relative (half an ulp), and a GEMV's output by a few percent relative
-(measured in tests/unit/test_kernel_fp8_gemv.py).
-
-Import this module only after setting ``TRITON_INTERPRET`` when running on CPU (see
-:mod:`kiln.ops.kernels.runtime`).
+Row-wise symmetric quantisation ``scale[n] = max|W[n, :]| / 448`` (e4m3's largest finite value),
+``W8 = round_e4m3(W / scale)``; the kernel widens fp8 tiles in registers, accumulates ``x @ W8.T``
+in float32, applies the scale per output column, then the bias. Each weight is off by up to 2^-4
+relative, a GEMV's output by a few percent (tests/unit/test_kernel_fp8_gemv.py). On CPU import only
+after setting ``TRITON_INTERPRET`` (:mod:`kiln.ops.kernels.runtime`).
 """
 
 from __future__ import annotations
@@ -38,9 +32,8 @@ def quantize_fp8_rowwise(weight: Tensor) -> tuple[Tensor, Tensor]:
         weight: ``[N, K]`` float (bf16, fp16 or fp32).
 
     Returns:
-        ``(w_fp8 [N, K] torch.float8_e4m3fn, scale [N] float32)`` with ``scale =
-        max(amax(|row|) / 448, 1e-12)``; ``w_fp8.float() * scale[:, None]`` approximates
-        ``weight``.
+        ``(w_fp8 [N, K] torch.float8_e4m3fn, scale [N] float32)`` with ``scale = max(amax(|row|) /
+        448, 1e-12)``; ``w_fp8.float() * scale[:, None]`` approximates ``weight``.
 
     Raises:
         ValueError: weight is not a 2-D floating tensor.

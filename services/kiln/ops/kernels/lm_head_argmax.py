@@ -1,14 +1,11 @@
 """LM head GEMV fused with greedy argmax, in two Triton kernels.
 
-Kernel 1 (one program per ``block_n`` vocabulary rows) computes ``x @ weight[rows].T`` with a
-float32 accumulator, rounds it to the model dtype (the reference ``F.linear`` result's rounding),
-stores the float32 logits and its own ``(max, argmax)`` per input row. Kernel 2 (one program per
-input row) reduces those partials to the token, lowest index on ties (``torch.argmax``'s rule),
-so no second pass over the ``[M, V]`` logits is needed. At batch-1 decode the op reads the
-``V x K`` weight once: Llama-3.2-1B's 128256 x 2048 bf16 head is 525 MB, ~123 us at 4.26 TB/s.
-
-Import this module only after setting ``TRITON_INTERPRET`` when running on CPU (see
-:mod:`kiln.ops.kernels.runtime`).
+Kernel 1 (one program per ``block_n`` vocabulary rows) computes ``x @ weight[rows].T`` in float32,
+rounds to the model dtype (as ``F.linear``), stores the float32 logits and its own ``(max, argmax)``
+per row; kernel 2 reduces the partials to the token, lowest index on ties, with no second pass over
+the ``[M, V]`` logits. The ``V x K`` weight is read once (Llama-3.2-1B's bf16 head: 525 MB, ~123 µs
+at 4.26 TB/s). On CPU import only after setting ``TRITON_INTERPRET``
+(:mod:`kiln.ops.kernels.runtime`).
 """
 
 from __future__ import annotations

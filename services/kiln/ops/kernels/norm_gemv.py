@@ -1,16 +1,12 @@
-"""RMS norm fused into the GEMV that consumes it, and the gate/up GEMV with a SiLU·mul epilogue.
+"""RMS norm fused into the GEMV that consumes it, and the gate/up GEMV with a SiLU·mul epilogue (the
+shared GEMV of :mod:`kiln.ops.kernels.gemv` with its prologue/epilogue on; design:
+docs/design/kernels.md, "GEMV").
 
-``rms_norm_gemv`` replaces ``rms_norm`` + a projection at decode: every program recomputes the
-RMS of its input row(s) (K = 2048 elements is 4 KB, cheaper to re-read from L2 than to launch
-another kernel and round-trip the normed activations), normalises each ``x`` chunk on the fly and
-multiplies it with its weight tile. With ``activation="silu_mul"`` the weight is the fused
-``cat([gate, up])`` ``[2I, K]`` and each program computes ``block_n`` gate rows and the matching
-``block_n`` up rows, so the ``[M, 2I]`` intermediate never reaches memory. The kernels are the
-shared GEMV of :mod:`kiln.ops.kernels.gemv` with its prologue/epilogue switches on.
-
-Rounding follows kiln's references: ``rms_norm`` (float32 statistics, ``x * rstd`` cast to the
-model dtype, then scaled by the weight in the model dtype), then ``F.linear`` rounded to the model
-dtype, then the ``mlp`` epilogue ``F.silu(gate) * up`` with each op rounded.
+Every program recomputes the RMS of its input rows; with ``activation="silu_mul"`` the weight is the
+fused ``[2I, K]`` ``cat([gate, up])`` and the ``[M, 2I]`` intermediate never reaches memory.
+Rounding follows kiln's references: ``rms_norm`` (float32 statistics, ``x * rstd`` cast to the model
+dtype, then scaled in the model dtype), ``F.linear`` rounded to the model dtype, then ``F.silu(gate)
+* up`` with each op rounded.
 """
 
 from __future__ import annotations
@@ -89,8 +85,8 @@ def rms_norm_gemv(
         weight: ``[N, K]`` contiguous, ``x.dtype``; with ``activation="silu_mul"`` the fused
             ``cat([gate_weight, up_weight])`` ``[2I, K]``.
         activation: None, or ``"silu_mul"`` for ``silu(x̂ @ Wg.T) * (x̂ @ Wu.T)``.
-        config: launch configuration; ``block_n`` counts output rows (gate/up row *pairs*).
-            Default :func:`kiln.ops.kernels.gemv_config.default_config`.
+        config: launch configuration; ``block_n`` counts output rows (gate/up row *pairs*). Default
+            :func:`kiln.ops.kernels.gemv_config.default_config`.
 
     Returns:
         ``[M, N]`` (``[M, I]`` with ``silu_mul``) in ``x.dtype``; a new tensor.

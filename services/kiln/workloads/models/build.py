@@ -75,11 +75,10 @@ def build_model(
         config: the architecture.
         layers: keep only the first N layers (the fast tier; embedding and LM head kept).
         dtype, device: of weights, activations and cache.
-        seed: for :func:`~kiln.workloads.weights.seeded_random` when no weights are given,
-            and for the router biases that impose ``config.moe.load_zipf_exponent`` on them
-            (fitted here, layer by layer; the measured load is ``model.expert_load``; see
-            :mod:`kiln.workloads.models.routing`). Checkpoint weights and a given ``weights``
-            store get no new bias (a store keeps the biases it holds).
+        seed: for :func:`~kiln.workloads.weights.seeded_random` when no weights are given, and for
+            the router biases fitted here to ``config.moe.load_zipf_exponent`` (measured load:
+            ``model.expert_load``; :mod:`kiln.workloads.models.routing`). Checkpoint weights and a
+            given store get no new bias.
         weights_dir: a local directory of ``*.safetensors`` with HF names (instead of random).
         weights: an existing store to share (instead of reading or drawing weights).
         max_batch, max_seq_len: KV-cache capacity (sequences, tokens per sequence).

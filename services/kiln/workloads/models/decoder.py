@@ -1,13 +1,10 @@
-"""The forward pass of a decoder (Llama, Qwen3, Qwen3-MoE, Mixtral), written only in op-slot
-calls.
+"""The forward pass of a decoder (Llama, Qwen3, Qwen3-MoE, Mixtral), written only in op-slot calls.
 
 Per layer: ``input_norm`` (adds the residual) → ``qkv_proj`` → ``q_norm``/``k_norm`` (Qwen3) →
-``rope`` → KV-cache write → ``attention`` → ``o_proj`` → ``post_attention_norm`` (adds the
-residual) → ``ffn`` (``mlp``, or ``moe`` on expert layers); then ``final_norm`` → ``lm_head``.
-Which implementation runs each slot is the :class:`~kiln.workloads.models.binding.OpBinding`'s
-business; :meth:`DecoderModel.rebind` swaps it without touching weights or the cache. Mirrors
-transformers' ``LlamaModel`` / ``Qwen3Model`` / ``Qwen3MoeModel`` / ``MixtralModel`` with vLLM's
-residual-carrying norms.
+``rope`` → KV-cache write → ``attention`` → ``o_proj`` → ``post_attention_norm`` (adds the residual)
+→ ``ffn`` (``mlp``, or ``moe`` on expert layers); then ``final_norm`` → ``lm_head``. The
+:class:`~kiln.workloads.models.binding.OpBinding` picks each slot's implementation;
+:meth:`DecoderModel.rebind` swaps it without touching weights or the cache.
 """
 
 from __future__ import annotations
@@ -33,17 +30,15 @@ class DecoderModel:
 
     Args:
         config: the architecture (truncated to the layers held, for the fast tier).
-        weights: parameters by HF name (shared with other models over the same weights, e.g. the
-            reference a candidate is checked against).
+        weights: parameters by HF name (may be shared with other models, e.g. the reference).
         cache: the KV cache, ``config.num_hidden_layers`` layers.
         binding: op implementations; all ``reference`` when None.
 
     Attributes:
         slots: the sites (op, HF prefix, base params) of every op call.
         ops: the same slots bound to implementations.
-        expert_load: for an MoE model whose routers were biased to the traffic's expert-load
-            skew at build, the load measured on held-out prompts
-            (:class:`~kiln.workloads.models.routing.ExpertLoadReport`); else None.
+        expert_load: for an MoE model whose routers were biased at build, the load measured on
+            held-out prompts (:class:`~kiln.workloads.models.routing.ExpertLoadReport`); else None.
     """
 
     def __init__(

@@ -132,8 +132,8 @@ class StaticKVCache:
             positions: ``[B, T]`` int64 slots to write.
 
         Returns:
-            The layer's cache for the active batch, ``(k [B, Hkv, S, D], v [B, Hkv, S, D])``
-            (views of the buffers).
+            The layer's cache for the active batch, ``(k [B, Hkv, S, D], v [B, Hkv, S, D])`` (views
+            of the buffers).
         """
         b = k.shape[0]
         rows = torch.arange(b, device=positions.device)[:, None]

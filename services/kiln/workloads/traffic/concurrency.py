@@ -1,20 +1,11 @@
-"""Requests in flight, estimated: the traces record arrivals but not completions.
+"""Requests in flight, estimated (the traces record arrivals, not completions).
 
-Each request's duration comes from :class:`ServiceModel`, an *unloaded* service-time model
-(no queueing, no batching slowdown):
-
-    duration_s = isl / prefill_tokens_per_s + osl * tpot_s
-
-i.e. TTFT as the prompt's prefill time plus OSL decode steps of one TPOT each (the usual
-TTFT + OSL x TPOT decomposition of end-to-end latency). The defaults, 8,000 prompt tokens/s and
-25 ms per output token, are typical of an 8B-class model on one H100/H200 at moderate batch; pass
-measured figures when you have them. Real concurrency under load is higher (queueing, slower
-steps at larger batches), so every number here is an estimate, not a measurement.
-
-The number in flight is then swept exactly: +1 at each arrival, -1 at each departure
-(``arrival + duration``), integrated over time from the first arrival to the last departure.
-Little's law (L = lambda W: arrival rate times mean duration) is reported beside it as a check;
-the two differ only by the edges of the window.
+Each request lasts ``isl / prefill_tokens_per_s + osl * tpot_s`` seconds (:class:`ServiceModel`:
+unloaded, no queueing or batching slowdown; defaults 8,000 prompt tokens/s and 25 ms per output
+token, typical of an 8B-class model on one H100/H200, not measured). The count in flight is swept
+exactly (+1 at arrival, -1 at departure) from the first arrival to the last departure; Little's law
+is reported beside it as a check. Every number is an estimate; real concurrency under load is
+higher.
 """
 
 from __future__ import annotations
@@ -51,12 +42,12 @@ class ServiceModel:
 
 @dataclass(frozen=True)
 class Concurrency:
-    """Requests in flight under a :class:`ServiceModel` (an estimate; see the module docs).
+    """Requests in flight under a :class:`ServiceModel` (an estimate).
 
     Attributes:
         mean: time-averaged number in flight over ``window_s`` (requests).
         max: the most in flight at any instant (requests).
-        littles_law: arrival rate x mean duration (requests), the same quantity by Little's law.
+        littles_law: arrival rate x mean duration (requests).
         window_s: first arrival to last estimated departure (seconds).
     """
 

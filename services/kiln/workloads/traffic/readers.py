@@ -1,18 +1,14 @@
 """Readers for the public LLM-serving traces: Azure LLM inference CSV and Mooncake JSONL.
 
-- Azure (``Azure/AzurePublicDataset``, the Splitwise trace): CSV with a header
-  ``TIMESTAMP,ContextTokens,GeneratedTokens``; wall-clock timestamps such as
-  ``2023-11-16 18:15:46.6805900`` (7 fractional digits, no time zone, read as UTC).
-- Mooncake (``kvcache-ai/Mooncake`` FAST'25 release): one JSON object a line with ``timestamp``
-  (milliseconds from trace start), ``input_length``, ``output_length`` (tokens) and ``hash_ids``
-  (prefix-block ids, 512 tokens a block).
+- Azure (Splitwise trace): CSV, header ``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps like
+  ``2023-11-16 18:15:46.6805900``, read as UTC.
+- Mooncake (FAST'25 release): JSON lines with ``timestamp`` (ms from trace start), ``input_length``,
+  ``output_length`` (tokens), ``hash_ids`` (512-token prefix-block ids).
 
-Malformed rows (bad number, negative tokens, missing field, unparsable time, invalid JSON) are
-collected as ``(line, reason)``. Up to a threshold — ``max_bad_fraction`` of the data rows
-(default 0.1 %) and never more than ``max_bad_rows`` (default 100) — they are skipped, returned in
-:attr:`Trace.problems` and logged as one structlog warning. Beyond it the reader raises
-:class:`TraceError` naming ``file:line`` for the first few. Rows out of time order are not errors:
-they are sorted into place (stable) and counted in :attr:`Trace.reordered`.
+Malformed rows are skipped up to ``max_bad_fraction`` of the data rows (default 0.1 %) and at most
+``max_bad_rows`` (default 100), returned in :attr:`Trace.problems` as ``(line, reason)`` and logged
+once; beyond that the reader raises :class:`TraceError` naming ``file:line``. Rows out of time order
+are sorted into place (stable) and counted in :attr:`Trace.reordered`.
 """
 
 from __future__ import annotations
@@ -72,9 +68,8 @@ def read_trace(
 ) -> Trace:
     """Read an Azure CSV or a Mooncake JSONL trace, chosen by content, then by suffix.
 
-    A first non-blank line starting with ``{`` is Mooncake; one whose first field is
-    ``TIMESTAMP`` is Azure; otherwise ``.csv`` means Azure and ``.jsonl``/``.ndjson``/``.json``
-    Mooncake (so their readers report what is wrong).
+    A first non-blank line starting with ``{`` is Mooncake; one whose first field is ``TIMESTAMP``
+    is Azure; otherwise ``.csv`` means Azure and ``.jsonl``/``.ndjson``/``.json`` Mooncake.
 
     Raises:
         TraceError: unknown format, empty, or too many malformed rows.
