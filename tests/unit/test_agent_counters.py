@@ -12,28 +12,16 @@ from kiln.agent_runner.budget import ExperimentBudget, WallClock
 from kiln.agent_runner.config import RunnerConfig
 from kiln.agent_runner.dispatcher import ExperimentDispatcher
 from kiln.agent_runner.experiment import Completed, Requested
-from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.tracker import ExperimentTracker
 from kiln.domain.candidate import Candidate
 from kiln.domain.compilation import Compilation, Event
 from kiln.events.types import ExperimentCompleted
-from kiln.v1 import common_pb2, ledger_pb2
+from kiln.v1 import ledger_pb2
+
+from .agent_records import new_state
 
 CID = "c1"
 STATUSES = ["ok", "incorrect", "cancelled", "timed_out", "ok"]
-
-
-def _state() -> CompilationState:
-    return CompilationState(
-        compilation_id=CID,
-        team="search",
-        workload=common_pb2.Workload(workload_key="wk-1"),
-        wall_seconds=60,
-        max_experiments=0,
-        agents=[],
-        submitted_at=datetime.now(UTC),
-        submitted_position=1,
-    )
 
 
 def _experiment(n: int, status: str) -> tuple[Requested, Completed]:
@@ -54,7 +42,7 @@ def _experiment(n: int, status: str) -> tuple[Requested, Completed]:
 
 def _projected() -> Compilation:
     """The projection's fold of the same completions."""
-    comp = _state().compilation
+    comp = new_state().compilation
     for n, status in enumerate(STATUSES):
         data: dict[str, Any] = {"compilation_id": CID, "status": status}
         comp.apply(Event("ExperimentCompleted", data, f"experiment-e{n}", 1))
@@ -67,7 +55,7 @@ class _Dispatcher:
 
 
 def test_the_runner_counts_completions_through_the_aggregate() -> None:
-    state = _state()
+    state = new_state()
     tracker = ExperimentTracker(
         state, cast(ExperimentDispatcher, _Dispatcher()), RunnerConfig(), {}
     )
@@ -87,7 +75,7 @@ def test_the_runner_counts_completions_through_the_aggregate() -> None:
 
 
 def test_a_resumed_state_counts_its_experiments_like_the_projection() -> None:
-    state = _state()
+    state = new_state()
     for n, status in enumerate(STATUSES):
         for kind, body in (("ExperimentRequested", {}), ("ExperimentCompleted", None)):
             req, completed = _experiment(n, status)

@@ -3,9 +3,6 @@ best-so-far), the tier agreement, and finding orphan claims. Pure: no services."
 
 from __future__ import annotations
 
-import itertools
-from datetime import UTC, datetime
-
 import pytest
 
 from kiln.agent_runner.experiment import Completed, Requested
@@ -23,66 +20,19 @@ from kiln.agent_runner.judge import (
     tier_points,
 )
 from kiln.agent_runner.resume import orphan_claims
-from kiln.agent_runner.state import Baseline, Best, CompilationState, ExperimentRecord
+from kiln.agent_runner.state import Best, CompilationState, ExperimentRecord
 from kiln.board import BoardPost
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.events.registry import validate_event
-from kiln.events.types import ExperimentCompleted, Tier
-from kiln.v1 import common_pb2
+from kiln.events.types import Tier
+
+from .agent_records import done as _done
+from .agent_records import new_state as _state
 
 REF = REFERENCE_CANDIDATE
 A = Candidate.make({"attention": "sdpa"})
 B = Candidate.make({"mlp": "fused_gate_up"})
 C = Candidate.make({"qkv_proj": "fused"})
-
-
-def _state(baseline: float | None = None, best: float | None = None) -> CompilationState:
-    state = CompilationState(
-        compilation_id="c1",
-        team="search",
-        workload=common_pb2.Workload(workload_key="wk-1"),
-        wall_seconds=60,
-        max_experiments=0,
-        agents=[],
-        submitted_at=datetime.now(UTC),
-        submitted_position=1,
-    )
-    if baseline is not None:
-        state.baseline = Baseline("e0", REF.id, baseline, 10.0)
-    if best is not None:
-        state.best = Best("e1", "x", best * 100, 5.0, best)
-    return state
-
-
-_ids = itertools.count(1)
-
-
-def _done(
-    cand: Candidate,
-    agent: str,
-    tps: float,
-    status: str = "ok",
-    tier: Tier = "fast",
-    spread: float = 0.02,
-) -> tuple[Requested, Completed]:
-    """A request and its completion (one sequence per step, p10/p90 at -/+ ``spread`` of the
-    median); positions grow with every call (ledger order)."""
-    n = next(_ids)
-    req = Requested(f"e{n}", "c1", "search", cand, agent, tier, 10 * n)
-    median = 1000.0 / tps if tps > 0 else 0.0
-    result = ExperimentCompleted(
-        compilation_id="c1",
-        candidate_id=cand.id,
-        status=status,  # type: ignore[arg-type]
-        correct=status == "ok",
-        median_ms=median,
-        p10_ms=median * (1 - spread),
-        p90_ms=median * (1 + spread),
-        tokens_per_s=tps,
-        engine_id="e",
-        tier=tier,
-    )
-    return req, Completed(f"e{n}", result, 10 * n + 1, datetime.now(UTC))
 
 
 def _add(

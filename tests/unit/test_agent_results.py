@@ -5,8 +5,6 @@ longer carrying results. Pure: no services."""
 from __future__ import annotations
 
 import asyncio
-import itertools
-from datetime import UTC, datetime
 from typing import Any, cast
 
 import pytest
@@ -22,48 +20,15 @@ from kiln.board import Board
 from kiln.common import nats as kn
 from kiln.common.errors import InvalidArgument
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
-from kiln.events.types import ExperimentCompleted, Tier
 from kiln.ledger.model import NewEvent
-from kiln.v1 import common_pb2
+
+from .agent_records import done as _done
+from .agent_records import new_state as _state
 
 REF = REFERENCE_CANDIDATE
 A = Candidate.make({"attention": "sdpa"})
 B = Candidate.make({"mlp": "fused_gate_up"})
 C = Candidate.make({"qkv_proj": "fused"})
-
-_ids = itertools.count(1)
-
-
-def _state() -> CompilationState:
-    return CompilationState(
-        compilation_id="c1",
-        team="search",
-        workload=common_pb2.Workload(workload_key="wk-1"),
-        wall_seconds=60,
-        max_experiments=0,
-        agents=[],
-        submitted_at=datetime.now(UTC),
-        submitted_position=1,
-    )
-
-
-def _done(
-    cand: Candidate, agent: str, tps: float, status: str = "ok", tier: Tier = "fast"
-) -> tuple[Requested, Completed]:
-    n = next(_ids)
-    req = Requested(f"e{n}", "c1", "search", cand, agent, tier, 10 * n)
-    result = ExperimentCompleted(
-        compilation_id="c1",
-        candidate_id=cand.id,
-        status=status,  # type: ignore[arg-type]
-        correct=status == "ok",
-        median_ms=1000.0 / tps if tps else 0.0,
-        tokens_per_s=tps,
-        engine_id="e",
-        tier=tier,
-        op_ms={"mlp": 1.5} if agent == "baseline" else {},
-    )
-    return req, Completed(f"e{n}", result, 10 * n + 1, datetime.now(UTC))
 
 
 def _add(state: CompilationState, *args: Any, **kwargs: Any) -> tuple[Requested, Completed]:
@@ -105,7 +70,7 @@ def test_confirmations_and_baseline_comparisons_are_not_search_results() -> None
 
 def test_a_restarted_runners_agents_see_the_results_completed_before_the_restart() -> None:
     state = _state()
-    base_req, _ = _add(state, REF, "baseline", 100.0)
+    base_req, _ = _add(state, REF, "baseline", 100.0, op_ms={"mlp": 1.5})
     state.baseline = Baseline(base_req.experiment_id, REF.id, 100.0, 10.0)
     _add(state, A, "coordinate", 150.0)
     _add(state, B, "random", 0.0, status="incorrect")
@@ -170,7 +135,7 @@ async def test_the_lab_feeds_every_search_tier_judgement_and_only_those() -> Non
 
 def test_a_resumed_compilations_lab_starts_with_the_results_of_its_state() -> None:
     state = _state()
-    base_req, _ = _add(state, REF, "baseline", 100.0)
+    base_req, _ = _add(state, REF, "baseline", 100.0, op_ms={"mlp": 1.5})
     state.baseline = Baseline(base_req.experiment_id, REF.id, 100.0, 10.0)
     _add(state, A, "coordinate", 150.0)
     assert [r.candidate for r in _lab(state).results] == [REF, A]

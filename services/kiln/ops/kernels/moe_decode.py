@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kiln.ops.kernels import runtime
+from kiln.ops.kernels.gemv_tiles import _round
 
 Tensor = torch.Tensor
 
@@ -60,21 +61,6 @@ def default_config(tokens: int, hidden: int) -> MoeDecodeConfig:
     while block_o > 2 and tokens * triton.cdiv(hidden, block_o) < 256:
         block_o //= 2
     return MoeDecodeConfig(block_o=block_o)
-
-
-@triton.jit
-def _round(y, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """``y`` (float32) rounded to ``DTYPE`` and widened back (round-to-nearest-even by hand for
-    bfloat16 under the interpreter; NaN kept).
-    """
-    out = y
-    if DTYPE == tl.bfloat16 and EMULATE_RNE:
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        out = tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
-    elif DTYPE != tl.float32:
-        out = y.to(DTYPE).to(tl.float32)
-    return out
 
 
 @triton.jit
