@@ -1,12 +1,9 @@
 """Compilation budgets: checking a submitted ``kiln.v1.Budget`` and spending one.
 
-A compilation stops when either limit is reached:
-
-- wall time: ``wall_seconds`` since the ledger recorded its ``CompilationSubmitted`` (so a
-  restarted runner keeps the original deadline);
-- experiments: ``max_experiments`` *completed* experiments, the baseline and the full-tier
-  confirmations included (0 = no limit). Slots are reserved before an experiment is requested,
-  so completed + in flight never exceeds the limit.
+A compilation stops at ``wall_seconds`` after the ledger recorded its submission (a restarted
+runner keeps the deadline) or at ``max_experiments`` completed experiments, baseline and
+confirmations included (0 = no limit). Slots are reserved before a request, so completed plus
+in flight never exceeds the limit.
 """
 
 from __future__ import annotations
@@ -22,11 +19,8 @@ from kiln.v1 import common_pb2
 
 
 def validate_budget(budget: common_pb2.Budget | None) -> common_pb2.Budget:
-    """Return ``budget`` when it is usable.
-
-    Raises:
-        InvalidArgument: no budget; ``wall_seconds`` not a finite number in (0, 30 days];
-            ``max_experiments`` above 1,000,000.
+    """``budget`` when usable; InvalidArgument when missing, ``wall_seconds`` is not a finite
+    number in (0, 30 days] or ``max_experiments`` is above 1,000,000.
     """
     if budget is None:
         raise InvalidArgument("budget is missing: set budget.wall_seconds > 0")
@@ -47,12 +41,8 @@ def validate_budget(budget: common_pb2.Budget | None) -> common_pb2.Budget:
 
 @dataclass
 class ExperimentBudget:
-    """Experiment slots of one compilation.
-
-    Attributes:
-        limit: most experiments to complete (0 = no limit).
-        completed: experiments completed so far (any status).
-        in_flight: experiments reserved or requested and not completed yet.
+    """Experiment slots of one compilation: ``limit`` (0 = none), ``completed`` (any status) and
+    ``in_flight`` (reserved or requested, not completed).
     """
 
     limit: int
@@ -68,14 +58,9 @@ class ExperimentBudget:
         return True
 
     async def acquire(self, gate: asyncio.Event | None = None) -> bool:
-        """Take a slot, waiting while the limit is reached only by reservations that may yet be
-        given back (a claim lost to another agent, a confirmation that needed fewer
-        experiments), and, with ``gate``, while the gate is closed (a slot is taken only while
-        it is open); False once the completed experiments reach the limit.
-
-        Without the wait, an agent that found every slot reserved for a moment (another agent
-        between its reservation and a lost claim) stopped for good, and a compilation could
-        end one experiment short of its budget with "nothing left to propose".
+        """Take a slot, waiting while the limit is reached only by reservations that may be given
+        back and, with ``gate``, while the gate is closed; False once completions reach the
+        limit.
         """
         while True:
             if gate is not None and not gate.is_set():
@@ -109,8 +94,7 @@ class ExperimentBudget:
         return bool(self.limit) and self.completed >= self.limit
 
     def end_reason(self) -> str:
-        """Why a search that stopped by itself ended: the budget spent, or nothing left to
-        propose."""
+        """Why a search that stopped by itself ended: budget spent, or nothing left to propose."""
         if self.spent:
             return f"the experiment budget is spent ({self.completed} of {self.limit} experiments)"
         return f"the agents have nothing left to propose ({self.completed} experiments)"

@@ -1,30 +1,16 @@
 """One compilation, run to its end: plan, baseline, agents, confirmations, best-so-far, budget,
 cancel.
 
-The runner is the only writer of its ``compilation-<id>`` stream apart from cancel requests
-(:mod:`kiln.agent_runner.stream`). Its events, in order: ``CompilationPlanned`` (the cost
-model's first feasible plan) -> ``BaselineMeasured`` (the reference candidate on the fast tier)
--> ``BestCandidateImproved`` each time a candidate confirmed on the full tier beats the best so
-far -> ``BaselineCompared`` for each baseline asked for, measured once the search has ended
-(:mod:`kiln.agent_runner.comparisons`) -> ``TierAgreement`` -> ``CompilationEnded``.
+The runner is the only writer of its ``compilation-<id>`` stream besides cancel requests. Its
+events, in order: ``CompilationPlanned``, ``BaselineMeasured``, ``BestCandidateImproved`` per
+confirmed improvement, ``BaselineCompared`` per baseline (after the search), ``TierAgreement``,
+``CompilationEnded``.
 
-The runner wires its parts and runs the search: agents search on the fast tier through its
-:class:`~kiln.agent_runner.lab.CompilationLab` (their :class:`~kiln.agent_runner.agents.Lab`:
-slots, measurement, judgement), which confirms fast leaders on the full tier through
-:class:`~kiln.agent_runner.confirmations.Confirmations`;
-:class:`~kiln.agent_runner.tracker.ExperimentTracker` requests and completes experiments and
-counts them in the compilation aggregate (``state.compilation``: the live counters);
-:mod:`kiln.agent_runner.budget` holds the experiment slots and the wall clock.
-
-It ends ``succeeded`` when the experiment budget or the wall-clock budget is spent or the agents
-have nothing left to propose (and the confirmations due are done); an experiment that crashes
-or times out is recorded as such and the search goes on; ``cancelled`` after a cancel request;
-``failed`` with the reason when the cost model is unreachable or refuses, the baseline does not
-measure, or every agent fails. Before ``CompilationEnded`` every requested experiment gets its
-``ExperimentCompleted`` (``timed_out`` when no engine answered in time, ``cancelled`` when the
-compilation ended first), so a finished compilation has no loose ends. When the process stops
-(shutdown), the runner stops without ending the compilation; a new process resumes it
-(:mod:`kiln.agent_runner.resume`).
+It ends ``succeeded`` when a budget is spent or the agents have nothing left to propose;
+``cancelled`` after a cancel request; ``failed`` when the cost model is unreachable or refuses,
+the baseline does not measure, or every agent fails. Before ``CompilationEnded`` every requested
+experiment gets its ``ExperimentCompleted`` (``timed_out`` or ``cancelled`` if need be). On
+shutdown the runner stops without ending the compilation; a new process resumes it.
 """
 
 from __future__ import annotations
@@ -74,16 +60,8 @@ log = get_logger("kiln.agent_runner.compilation")
 
 @dataclass(frozen=True)
 class RunnerDeps:
-    """What every runner of one agent-runner process shares.
-
-    Attributes:
-        ledger: ledger clients per team.
-        dispatcher: requests experiments and resolves results.
-        board: the message board (ideas and claims).
-        cost_model: a ``kiln.v1.CostModel`` stub (grpc.aio) calling as the given team.
-        cost_model_addr: its address (for messages).
-        space: the candidate space of a hardware target.
-        config: tunables.
+    """What every runner of one agent-runner process shares (ledger clients per team, dispatcher,
+    board, a cost model stub and its address, candidate space, config).
     """
 
     ledger: LedgerPool
@@ -96,13 +74,8 @@ class RunnerDeps:
 
 
 class CompilationRunner:
-    """Runs one compilation; its agents measure through :attr:`lab`.
-
-    Args:
-        state: the compilation as its stream (and, after a restart, its experiments) say; its
-            aggregate (``state.compilation``) holds the live counters.
-        deps: shared services.
-        resumed: True when started by a restart (orphan claims are then measured).
+    """Runs one compilation; its agents measure through :attr:`lab`. ``resumed``: started by a
+    restart (orphan claims are then measured).
     """
 
     def __init__(self, state: CompilationState, deps: RunnerDeps, *, resumed: bool = False) -> None:
@@ -140,7 +113,6 @@ class CompilationRunner:
 
     @property
     def compilation_id(self) -> str:
-        """The compilation."""
         return self.state.compilation_id
 
     # ------------------------------------------------------------------ control
@@ -226,9 +198,9 @@ class CompilationRunner:
         return "succeeded", wall.end_reason()
 
     async def _end(self, status: EndStatus, reason: str) -> None:
-        """Settle every experiment, then append TierAgreement (once a baseline was measured)
-        and CompilationEnded (a succeeded one's reason ends with the tier agreement) in one
-        atomic append, so no experiment can come between them."""
+        """Settle every experiment, then append TierAgreement (once a baseline was measured) and
+        CompilationEnded in one atomic append.
+        """
         self._stop.set()
         await self._settle(f"the compilation ended ({status}) before an engine answered")
         st, events = self.state, []
@@ -245,9 +217,9 @@ class CompilationRunner:
         log.info("compilation ended", compilation=self.compilation_id, status=status, reason=reason)
 
     async def _settle(self, why: str, *, compares: bool = True) -> None:
-        """Wait for requests and judgements under way; close the search's experiments still
-        pending, and the baselines' too unless ``compares`` is False (the search ended and the
-        baselines are measured next)."""
+        """Wait for requests and judgements under way and close the experiments still pending
+        (the baselines' too when ``compares``).
+        """
         await self._experiments.drain()
         for req in list(self._experiments.in_flight.values()):
             completed = await self._deps.dispatcher.close(req, why, status="cancelled")
@@ -336,22 +308,20 @@ class CompilationRunner:
             raise Failure(f"the baseline (reference forward pass) did not measure: {detail}")
 
     async def _catch_up_best(self) -> None:
-        """After a restart: judge the completed confirmations again, in the order they
-        completed, in case a BestCandidateImproved was not recorded before the stop (judging
-        one that was recorded gives nothing)."""
+        """After a restart: judge the completed confirmations again in completion order (a
+        recorded judgement gives nothing).
+        """
         for req, completed in completed_on(self.state, CONFIRM_TIER):
             if not req.candidate.is_reference:
                 await self.lab.judge(req, completed)
 
     async def _finish_adopted(self, req: Requested) -> None:
-        """Wait for an experiment requested before a restart and judge it (its result reaches
-        the agents through ``lab.results``)."""
+        """Wait for an experiment requested before a restart and judge it."""
         with self.lab.confirmations.searching():
             await self.lab.finish(req)
 
     async def _orphan_claims(self) -> list[Coroutine[Any, Any, Any]]:
-        """Measure candidates claimed before a restart but never requested, for their
-        claimants, so no claimed candidate is lost."""
+        """Measure candidates claimed before a restart but never requested."""
         posts = await self._deps.board.history(self.compilation_id, kinds=["claim"])
         return [
             self._measure_orphan(candidate, agent)

@@ -1,7 +1,5 @@
-"""Tunables of the agent runner that ``KilnSettings`` does not carry (defaults suit a real pool).
-
-Tests pass a :class:`RunnerConfig` with short times to
-:class:`kiln.agent_runner.app.AgentRunnerApp`; ``kiln serve agent-runner`` uses the defaults.
+"""Tunables of the agent runner that ``KilnSettings`` does not carry (defaults suit a real pool;
+tests pass short times).
 """
 
 from __future__ import annotations
@@ -14,24 +12,17 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """How the agent runner drives compilations.
+    """How the agent runner drives compilations (seconds throughout).
 
     Attributes:
-        experiment_deadline_s: ``ExperimentWork.deadline_s``: seconds an engine may spend on one
-            candidate (load, check, measure) before it times it out; at most 3600.
-        experiment_margin_s: seconds on top of the deadline the runner waits for an engine's
-            ``ExperimentCompleted`` (queueing, restarts) before recording the experiment as
-            ``timed_out`` itself.
-        search_share: the largest share of the wall-clock budget one search-tier candidate
-            may take on an engine (its deadline: :meth:`search_deadline_s`), so one slow
-            candidate (an 8B model under ``torch_compile(max-autotune)`` took over 100 s on an
-            H200) cannot hold the engine for a short search's whole budget.
-        search_min_deadline_s: the search-tier deadline never goes below this, seconds.
-        plan_timeout_s: deadline of one cost-model ``Plan`` call, seconds.
-        plan_attempts: ``Plan`` tries while the cost model is UNAVAILABLE before the
-            compilation fails.
-        cancel_wait_s: how long ``Cancel`` waits for a local runner to record the end, seconds.
-        resume_retry_s: pause between resume attempts while the ledger is unreachable, seconds.
+        experiment_deadline_s: ``ExperimentWork.deadline_s`` (at most 3600).
+        experiment_margin_s: waited beyond the deadline before the runner records ``timed_out``.
+        search_share: the largest share of the wall-clock budget one search-tier candidate may
+            take (:meth:`search_deadline_s`), at least ``search_min_deadline_s``.
+        plan_timeout_s, plan_attempts: one cost-model ``Plan`` call's deadline; tries while it is
+            UNAVAILABLE.
+        cancel_wait_s: how long ``Cancel`` waits for a local runner to record the end.
+        resume_retry_s: pause between resume attempts while the ledger is unreachable.
     """
 
     experiment_deadline_s: float = 300.0
@@ -44,9 +35,9 @@ class RunnerConfig:
     resume_retry_s: float = 2.0
 
     def search_deadline_s(self, wall_seconds: float) -> float:
-        """The deadline of a search-tier candidate under a ``wall_seconds`` budget: its
-        :attr:`search_share`, within [:attr:`search_min_deadline_s`,
-        :attr:`experiment_deadline_s`]."""
+        """:attr:`search_share` of ``wall_seconds`` within [:attr:`search_min_deadline_s`,
+        :attr:`experiment_deadline_s`].
+        """
         share = max(self.search_min_deadline_s, self.search_share * wall_seconds)
         return min(self.experiment_deadline_s, share)
 
@@ -57,11 +48,8 @@ class RunnerConfig:
 
 
 class LLMSettings(BaseSettings):
-    """The code-writing agent's endpoint (kind ``llm``), from ``KILN_LLM_*``; off by default.
-
-    Any server speaking OpenAI's Chat Completions API works (OpenAI, vLLM, llama.cpp, Ollama):
-    the agent POSTs to ``{url}/chat/completions``. With ``KILN_LLM_URL`` unset the ``llm``
-    agent kind is refused (:func:`kiln.agent_runner.agents.llm.require_llm`).
+    """The code-writing agent's OpenAI-compatible endpoint, from ``KILN_LLM_*``; the ``llm``
+    agent is refused while ``KILN_LLM_URL`` is unset.
     """
 
     model_config = SettingsConfigDict(env_prefix="KILN_LLM_", extra="ignore")
@@ -95,13 +83,8 @@ class LLMSettings(BaseSettings):
 
 
 class OptunaSettings(BaseSettings):
-    """Where the ``optuna`` agent keeps its studies, from ``KILN_OPTUNA_*``.
-
-    ``KILN_OPTUNA_STORAGE`` is a SQLAlchemy URL (optuna's ``RDBStorage``) or ``memory``;
-    unset, the study is in memory and a restarted agent rebuilds it from the compilation's
-    results. On Postgres the study lives in schema ``KILN_OPTUNA_DB_SCHEMA`` (default
-    ``optuna``), apart from any other tables. See
-    :func:`kiln.agent_runner.agents.optuna_search.resolve_storage`.
+    """Where the ``optuna`` agent keeps its studies, from ``KILN_OPTUNA_*``: ``STORAGE`` a
+    SQLAlchemy URL or ``memory`` (unset: memory), ``DB_SCHEMA`` its Postgres schema.
     """
 
     model_config = SettingsConfigDict(env_prefix="KILN_OPTUNA_", extra="ignore")

@@ -1,16 +1,10 @@
 """A compilation's lab: how its agents (and its runner) measure candidates and judge results.
 
-The lab is the agents' :class:`~kiln.agent_runner.agents.Lab`. A search-tier measurement takes
-an experiment slot of the :class:`~kiln.agent_runner.budget.ExperimentBudget`, passes the
-confirmations' gate (:class:`~kiln.agent_runner.confirmations.Confirmations`, which the lab
-feeds with full-tier measurements), is requested and completed once through the
-:class:`~kiln.agent_runner.tracker.ExperimentTracker`, and is judged
-(:func:`~kiln.agent_runner.judge.judgement`, one at a time): a judgement that calls for
-``BaselineMeasured`` or ``BestCandidateImproved`` appends it to the compilation's stream.
-Every search-tier judgement also feeds :attr:`CompilationLab.results` (the agents' only source
-of results; filled on start with the search results ``state`` already holds, so a resumed
-compilation's agents see those completed before the restart). Once ``stop`` is set, no slot is
-given.
+A search-tier measurement takes a budget slot, passes the confirmations' gate, is requested and
+completed once through the tracker and judged one at a time; ``BaselineMeasured`` and
+``BestCandidateImproved`` are appended to the compilation's stream. Every search-tier judgement
+feeds :attr:`CompilationLab.results`, the agents' only source of results. Once ``stop`` is set,
+no slot is given.
 """
 
 from __future__ import annotations
@@ -42,17 +36,8 @@ log = get_logger(__name__)
 
 
 class CompilationLab:
-    """The measuring side of one compilation.
-
-    Args:
-        state: the compilation.
-        experiments: its experiments (requests and completions).
-        budget: its experiment slots.
-        dispatcher: waits for experiments.
-        board: the message board (ideas and claims).
-        space: the candidate space of a hardware target.
-        append: appends an event to the compilation's stream (and folds it).
-        stop: set when the compilation stops (no slot is given after).
+    """The measuring side of one compilation; ``append`` appends an event to its stream (and
+    folds it), ``stop`` is set when it stops.
     """
 
     def __init__(
@@ -85,16 +70,12 @@ class CompilationLab:
 
     @property
     def compilation_id(self) -> str:
-        """The compilation."""
         return self.state.compilation_id
 
     @property
     def space(self) -> CandidateSpace:
-        """The candidate space of the workload's hardware restricted to what an engine runs for
-        the model (:func:`~kiln.agent_runner.space.model_space`): agents draw only from it.
-
-        Raises:
-            Failure: kiln cannot build the model, so it has no space (the reason says why).
+        """The hardware's candidate space restricted to the model; Failure when kiln cannot build
+        it.
         """
         if self._space is None:
             hardware = self.state.workload.hardware.name
@@ -117,7 +98,6 @@ class CompilationLab:
 
     @property
     def board(self) -> Board:
-        """The message board (ideas and claims)."""
         return self._board
 
     @property
@@ -126,15 +106,15 @@ class CompilationLab:
         return self.state.workload
 
     def reserve(self) -> bool:
-        """Take an experiment slot; False when the experiment budget is spent or the
-        compilation is stopping."""
+        """Take an experiment slot; False when the budget is spent or the compilation is
+        stopping.
+        """
         return not self._stop.is_set() and self.budget.reserve()
 
     async def acquire(self) -> bool:
-        """Take an experiment slot for an agent once no confirmation holds the gate (the
-        confirmations due get their slots first), waiting while the last slots are only
-        reserved (see :meth:`ExperimentBudget.acquire`); False once the budget is spent or the
-        compilation is stopping."""
+        """Take a slot for an agent once no confirmation holds the gate; False once the budget is
+        spent or the compilation is stopping.
+        """
         if self._stop.is_set() or not await self.budget.acquire(self.confirmations.gate):
             return False
         if self._stop.is_set():  # stopped while waiting: the slot is not used
@@ -149,17 +129,12 @@ class CompilationLab:
     async def measure(
         self, candidate: Candidate, agent: str, *, profile: bool = False
     ) -> Outcome | None:
-        """Request an experiment on the search tier for a reserved slot (after any
-        confirmation under way), wait for it and judge it; ``profile`` asks the engine for the
-        per-op profile (``ExperimentCompleted.op_ms``).
-
-        Returns:
-            The outcome; None (slot released) when the candidate was requested before in this
-            compilation.
+        """Request ``candidate`` on the search tier for a reserved slot, wait and judge it
+        (``profile`` asks for ``op_ms``). None (slot released) when requested before in this
+        compilation.
 
         Raises:
-            KilnError, nats.errors.Error: the ledger or NATS failed (the slot is released when
-                nothing was requested).
+            KilnError, nats.errors.Error: the ledger or NATS failed.
         """
         try:
             await self.confirmations.gate.wait()
@@ -194,8 +169,9 @@ class CompilationLab:
         return await self.judge(req, completed)
 
     async def judge(self, req: Requested, completed: Completed) -> Outcome:
-        """Record the baseline or a new best if it calls for one; a search-tier result goes to
-        :attr:`results` and may make a confirmation due (one judgement at a time)."""
+        """Record the baseline or a new best if called for; a search-tier result goes to
+        :attr:`results`.
+        """
         async with self._judge_lock:
             event = judgement(self.state, req, completed)
             if event is not None:

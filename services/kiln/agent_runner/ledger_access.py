@@ -1,8 +1,5 @@
-"""The agent runner's ways into the ledger: one client per team, paged queries, retries.
-
-Appends are made with the team that asked for the work (the caller of ``Submit``/``Cancel``,
-or the compilation's team for the runner's own events), so the ledger records who asked:
-:class:`LedgerPool` keeps one :class:`~kiln.ledger.client.LedgerClient` (one channel) per team.
+"""The agent runner's ways into the ledger: one client per team (appends record who asked), paged
+queries, retries.
 """
 
 from __future__ import annotations
@@ -28,8 +25,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Page:
-    """One page of projection rows, the token of the next ("" = last page) and the ledger
-    position the projection reflects."""
+    """One page of projection rows, the next page's token ("" = last) and the projection's
+    position.
+    """
 
     rows: list[dict[str, Any]]
     next_page_token: str
@@ -37,11 +35,8 @@ class Page:
 
 
 class LedgerPool:
-    """Ledger clients by team, created on first use and closed together.
-
-    Args:
-        addr: ``host:port`` of the ledger.
-        system_team: the team of the runner's own reads (followers, resume scans).
+    """Ledger clients by team, created on first use and closed together; ``system_team`` makes
+    the runner's own reads.
     """
 
     def __init__(self, addr: str, system_team: str) -> None:
@@ -52,11 +47,7 @@ class LedgerPool:
         self._query_stub = ledger_pb2_grpc.LedgerStub(self._query_channel)
 
     def client(self, team: str) -> LedgerClient:
-        """The client appending as ``team``.
-
-        Raises:
-            Unauthenticated, InvalidArgument: ``team`` is empty or not a valid team name.
-        """
+        """The client appending as ``team``; Unauthenticated or InvalidArgument for a bad team."""
         found = self._clients.get(team)
         if found is None:
             found = self._clients[team] = LedgerClient(self.addr, team)
@@ -76,11 +67,8 @@ class LedgerPool:
         page_token: str = "",
         timeout_s: float = 30.0,
     ) -> Page:
-        """One page of a projection (``Ledger.Query``), with its token and checkpoint.
-
-        Raises:
-            InvalidArgument: unknown projection or column, bad value or token.
-            Unavailable: the ledger cannot be reached.
+        """One page of a projection with its token and checkpoint; InvalidArgument for a bad
+        query, Unavailable when the ledger cannot be reached.
         """
         request = ledger_pb2.QueryRequest(
             projection=PROJECTIONS[projection],
@@ -124,11 +112,8 @@ class LedgerPool:
 async def retry_unavailable(
     call: Callable[[], Awaitable[T]], *, attempts: int = 5, first_wait_s: float = 0.2
 ) -> T:
-    """``await call()``, again after a growing pause while it raises :class:`Unavailable`.
-
-    Raises:
-        Unavailable: still unavailable after ``attempts`` tries.
-        Exception: any other error of ``call`` at once.
+    """``await call()``, retried after growing pauses while it raises Unavailable (at most
+    ``attempts`` tries); other errors at once.
     """
     wait = first_wait_s
     for attempt in range(1, attempts + 1):

@@ -1,27 +1,10 @@
 """The memory roofline of each op of one decode step: the bytes it must move, over bandwidth.
 
-A decode step at batch B and context C is memory-bound for the batches kiln serves, so an op's
-floor is the bytes it must read divided by the device's memory bandwidth. Counted per op (the
-names of :mod:`kiln.ops.registry`), over the ``layers`` decoder layers the engine held:
-
-- ``qkv_proj``: the q, k, v weights (and biases): ``H·(Hq·d + 2·Hkv·d)`` elements per layer;
-- ``o_proj``: ``Hq·d·H`` per layer (+ bias);
-- ``mlp``: gate, up and down: ``3·H·I`` per dense layer;
-- ``moe``: the router ``E·H``, plus the experts a step touches: with B·k routed choices spread
-  uniformly over E experts, ``E·(1 − (1 − k/E)^B)`` distinct experts are expected, each
-  ``3·H·I_e`` (gate, up, down), plus ``3·H·I_e`` per shared expert;
-- ``attention``: the KV cache read: ``2·B·(C+1)·Hkv·d`` per layer (K and V of the C cached
-  tokens and the step's own);
-- ``rms_norm``: the norm weights: 2·H per layer (input, post-attention; + 2·d for Qwen3's q/k
-  norms) and H for the final norm;
-- ``embedding``: the B rows gathered, ``B·H``; ``lm_head``: the whole ``V·H`` matrix (tied or
-  not, a decode step reads all of it);
-- ``rope``, ``sampler``: 0 (they read only activations and a small table).
-
-Elements are multiplied by ``dtype_bytes`` (weights and KV cache in the engine's dtype).
-Activations are left out (negligible next to the weights at decode: B·H per op). Sources: the
-HF Llama/Qwen3/Mixtral module shapes (``kiln.workloads.models.slots``); the expected number of
-distinct experts is the occupancy of B·k uniform draws over E bins.
+Per op over the ``layers`` held, in elements times ``dtype_bytes``: ``qkv_proj``, ``o_proj``,
+``mlp`` their weights (and biases); ``moe`` the router plus the experts expected touched by B·k
+uniform choices, ``E·(1 - (1 - k/E)^B)``, and shared experts; ``attention`` the KV read,
+``2·B·(C+1)·Hkv·d`` per layer; ``rms_norm`` the norm weights; ``embedding`` B rows; ``lm_head``
+the whole ``V·H``; ``rope`` and ``sampler`` 0. Activations are left out.
 """
 
 from __future__ import annotations
@@ -33,20 +16,11 @@ from kiln.workloads.config import ModelConfig
 def op_bytes(
     config: ModelConfig, *, layers: int, batch_size: int, context_len: int, dtype_bytes: int
 ) -> dict[str, int]:
-    """Bytes each op must read in one decode step (see the module docs).
+    """Bytes each op must read in one decode step: op -> bytes (ops the model does not call
+    absent).
 
-    Args:
-        config: the model architecture (all layers; only the first ``layers`` count).
-        layers: decoder layers held by the engine (1..``num_hidden_layers``).
-        batch_size: sequences decoded together (B >= 1).
-        context_len: tokens already in each sequence's KV cache (C >= 0).
-        dtype_bytes: bytes per weight / KV element (2 for bf16, 4 for fp32).
-
-    Returns:
-        op name -> bytes per decode step (ops the model does not call are absent).
-
-    Raises:
-        ValueError: a bad count, or an MLA model (its latent KV cache is not modelled here).
+    ``layers`` in 1..``num_hidden_layers``, ``batch_size`` >= 1, ``context_len`` >= 0 tokens
+    already cached. ValueError on a bad count or an MLA model.
     """
     if not 1 <= layers <= config.num_hidden_layers:
         raise ValueError(f"layers {layers} is outside 1..{config.num_hidden_layers}")
@@ -89,23 +63,15 @@ def op_bytes(
 
 
 def bandwidth_bytes_per_s(hardware: str) -> tuple[float, Hardware]:
-    """The achievable memory bandwidth of a hardware target, bytes/s: the catalogue's peak ×
-    its achievable fraction (:mod:`kiln.cost_model.hardware`; the ``cpu`` entry is an assumed
-    sustained 20 GB/s for a 2-vCPU VM, documented there). Returns it with the entry.
-
-    Raises:
-        kiln.common.errors.NotFound: ``hardware`` is not in the catalogue.
+    """(achievable memory bandwidth in bytes/s, catalogue entry) of ``hardware``; NotFound if
+    unknown.
     """
     entry = get_hardware(hardware)
     return entry.achievable_bandwidth_bytes_per_s, entry
 
 
 def roofline_ms(bytes_by_op: dict[str, int], bandwidth: float) -> dict[str, float]:
-    """Each op's floor, ms per decode step: bytes / ``bandwidth`` (bytes/s, > 0).
-
-    Raises:
-        ValueError: a bandwidth that is not positive.
-    """
+    """Each op's floor, ms per step: bytes / ``bandwidth`` (bytes/s); ValueError unless positive."""
     if not bandwidth > 0:
         raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth!r}")
     return {op: n / bandwidth * 1e3 for op, n in bytes_by_op.items()}

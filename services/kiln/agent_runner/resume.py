@@ -1,23 +1,10 @@
 """After a restart: find the open compilations and rebuild what their runners need.
 
-Open compilations are those the ledger's compilations projection shows as pending or running
-(any team), corrected by a scan of ``CompilationSubmitted``/``CompilationEnded`` events after the
-projection's checkpoint (the projection may lag the ledger by a moment). Each one's state is
-folded from its stream; its experiments come from one scan of ``ExperimentRequested`` /
-``ExperimentCompleted`` events from the earliest open compilation's submission on, which, unlike
-the experiments projection, cannot miss an experiment requested just before the stop.
-
-The rebuilt runner (:class:`kiln.agent_runner.compilation.CompilationRunner` with
-``resumed=True``) re-publishes work for experiments requested but not completed (same
-``Nats-Msg-Id``: harmless), measures candidates claimed on the board but never requested,
-judges the confirmations completed before the stop again (a ``BestCandidateImproved`` lost in
-the stop is recorded; one recorded is not repeated), finishes a confirmation cut by the stop
-(its full-tier experiments in flight, then its candidate if only the reference was requested),
-starts the confirmation that is due (:func:`kiln.agent_runner.judge.confirmation_due`, from
-these experiments), starts its agents (the board's claims keep them off what was taken; the
-search results completed before the stop are in their result feed from the start,
-:mod:`kiln.agent_runner.results`), and keeps the original wall-clock deadline (it may be spent
-already: then it ends at once).
+Open compilations come from the compilations projection, corrected by a scan of the events
+after its checkpoint; each state is folded from its stream and its experiments from one scan of
+experiment events (which cannot miss one requested just before the stop). The resumed runner
+re-publishes unfinished work, measures orphan claims, re-judges completed confirmations,
+finishes a cut confirmation and keeps the original deadline.
 """
 
 from __future__ import annotations
@@ -37,11 +24,7 @@ log = get_logger("kiln.agent_runner.resume")
 
 
 async def open_compilation_ids(ledger: LedgerPool) -> list[str]:
-    """Ids of compilations that were submitted and have not ended (every team).
-
-    Raises:
-        KilnError: the ledger failed (e.g. Unavailable).
-    """
+    """Ids of compilations submitted and not ended (every team); KilnError when the ledger fails."""
     ids: set[str] = set()
     checkpoints = []
     for status in OPEN_STATUSES:
@@ -64,10 +47,8 @@ async def open_compilation_ids(ledger: LedgerPool) -> list[str]:
 
 
 async def load_open_states(ledger: LedgerPool, ids: list[str]) -> list[CompilationState]:
-    """The states of the compilations ``ids`` that have not ended, with their experiments.
-
-    Raises:
-        KilnError: the ledger failed.
+    """The states, with experiments, of those of ``ids`` not ended; KilnError when the ledger
+    fails.
     """
     states: dict[str, CompilationState] = {}
     for cid in ids:
@@ -94,9 +75,9 @@ async def load_open_states(ledger: LedgerPool, ids: list[str]) -> list[Compilati
 
 
 def orphan_claims(claims: Iterable[BoardPost], requested: set[str]) -> list[tuple[Candidate, str]]:
-    """(candidate, claimant) of claim posts whose candidate was never requested (a stop between
-    the claim and the request); the recipe comes from the claim's body (claims without one, or
-    whose recipe does not hash to the claimed id, are skipped)."""
+    """(candidate, claimant) of claims never requested, the recipe from the claim's body (skipped
+    when missing or not hashing to the claimed id).
+    """
     out = []
     for post in claims:
         if post.kind != "claim" or post.candidate_id in requested:

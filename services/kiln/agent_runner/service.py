@@ -1,23 +1,10 @@
 """The ``kiln.v1.Compiler`` servicer: Submit, Watch, Get, List, Cancel.
 
-Every append is made as the caller's team (``current_call()``), so the ledger records who
-asked. Bad input is refused before anything is appended:
-
-- INVALID_ARGUMENT: no workload or model config; a config that is not JSON or names an
-  unsupported architecture; a bad dtype; a missing or malformed traffic shape; an empty
-  hardware name; a budget that is missing, not a number > 0, or over 30 days; an unknown agent;
-  an unknown baseline; a malformed compilation id;
-- NOT_FOUND: unknown hardware; a weights directory that does not exist; an unknown compilation
-  (Get, Watch, Cancel);
-- ALREADY_EXISTS: a compilation id used before;
-- PERMISSION_DENIED: cancelling another team's compilation;
-- FAILED_PRECONDITION: cancelling a compilation that has ended.
-
-Teams: the ``kiln-team`` metadata names the caller (it is a label, not authentication: kiln
-trusts the network it runs on). A compilation belongs to the team that submitted it; only that
-team may cancel it. Reads (Get, Watch, List with ``team``) cross teams, since audit and replay
-of a shared deployment's history are the point of the ledger; List's ``team`` "*" lists every
-team's.
+Appends are made as the caller's team. Bad input is refused before anything is appended:
+INVALID_ARGUMENT for a missing or malformed workload, budget, agent, baseline or compilation id;
+NOT_FOUND for unknown hardware, weights directory or compilation; ALREADY_EXISTS for a reused
+compilation id; PERMISSION_DENIED for cancelling another team's compilation; FAILED_PRECONDITION
+for cancelling one that has ended. Reads cross teams (List's ``team`` "*" lists every team's).
 """
 
 from __future__ import annotations
@@ -115,12 +102,9 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
     async def List(
         self, request: compiler_pb2.ListRequest, context: Any
     ) -> compiler_pb2.ListResponse:
-        """Summaries of a team's compilations (default: the caller's; "*": every team's),
-        optionally of one status, oldest first (created_at, then id), ``limit`` per page
-        (default 100, at most 1000).
-
-        Raises:
-            InvalidArgument: a malformed team name or an unknown status.
+        """Summaries of a team's compilations (default the caller's; "*": all), optionally of one
+        status, oldest first, ``limit`` per page (default 100, at most 1000). InvalidArgument for
+        a malformed team or unknown status.
         """
         team = request.team or current_call().team
         filters: dict[str, str] = {}
@@ -148,8 +132,9 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
     async def Cancel(
         self, request: compiler_pb2.CancelRequest, context: Any
     ) -> compiler_pb2.Compilation:
-        """Ask a compilation to stop (``CompilationCancelRequested`` as the caller's team).
-        When it runs here, wait up to ``cancel_wait_s`` for it to end CANCELLED."""
+        """Append ``CompilationCancelRequested``; when the compilation runs here, wait up to
+        ``cancel_wait_s`` for it to end.
+        """
         team, cid = current_call().team, request.compilation_id
         app = self._app
         reason = request.reason or f"cancelled by team {team}"

@@ -1,14 +1,9 @@
 """Folding ledger events into a ``kiln.v1.Compilation`` (what Get, Watch and Submit return).
 
-:class:`Snapshot` folds the compilation's own stream and the ``ExperimentRequested`` /
-``ExperimentCompleted`` events of its experiments, in global order, through the domain aggregate
-(:class:`kiln.domain.compilation.Compilation`: status, counters, reason, plan, baseline, best;
-events already folded are skipped), and presents it as the message, plus the candidates and
-measurements of the experiments it has seen, the per-agent usage
-(:mod:`kiln.agent_runner.usage`) and the best-so-far curve (:mod:`kiln.domain.curve`).
-``TierAgreement`` has no field of its own in the message: Watch sends it as an event, and a
-succeeded compilation's reason ends with it.
-:func:`from_row` turns a compilations projection row into a summary ``Compilation`` (List).
+:class:`Snapshot` folds the compilation's stream and its experiments' events, in global order,
+through the domain aggregate and presents it as the message, with the experiments' candidates
+and measurements, per-agent usage and the best-so-far curve. :func:`from_row` turns a
+projection row into a summary (List).
 """
 
 from __future__ import annotations
@@ -48,8 +43,7 @@ WATCHED_TYPES = COMPILATION_TYPES + EXPERIMENT_TYPES
 
 
 def measurement_from(d: dict[str, Any]) -> common_pb2.Measurement:
-    """An ``ExperimentCompleted`` payload as a Measurement (timings in ms, tokens/s). The
-    event's total ``memory_bytes`` has no breakdown, so ``memory`` stays unset."""
+    """An ``ExperimentCompleted`` payload as a Measurement (``memory`` unset: no breakdown)."""
     return common_pb2.Measurement(
         status=common_pb2.ExperimentStatus.Value(
             "EXPERIMENT_STATUS_" + str(d.get("status", "unspecified")).upper()
@@ -101,14 +95,8 @@ def _timestamp(dt: datetime) -> Timestamp:
 
 
 class Snapshot:
-    """A compilation folded from its events.
-
-    Args:
-        compilation_id: the compilation.
-
-    Attributes:
-        message: the Compilation so far.
-        compilation: the domain aggregate (None until ``CompilationSubmitted`` is folded).
+    """A compilation folded from its events: ``message`` so far and the domain ``compilation``
+    (None until submitted).
     """
 
     def __init__(self, compilation_id: str) -> None:
@@ -141,11 +129,8 @@ class Snapshot:
         return self.compilation is not None and self.compilation.ended
 
     def apply(self, event: ledger_pb2.RecordedEvent) -> None:
-        """Fold one event (of this compilation, in global order); events before the
-        submission, and events already folded, change nothing.
-
-        Raises:
-            ValueError, KeyError: as :meth:`kiln.domain.compilation.Compilation.apply`.
+        """Fold one event (global order); events before the submission or already folded change
+        nothing. Raises as :meth:`Compilation.apply`.
         """
         m, ev, t = self.message, domain_event(event), event.type
         comp = self.compilation
@@ -175,8 +160,9 @@ class Snapshot:
         m.updated_at.CopyFrom(event.recorded_at)
 
     def learn(self, event: ledger_pb2.RecordedEvent) -> None:
-        """Take an experiment's candidate or measurement without counting it (Get reads the
-        best experiment's stream this way), and refresh the baseline and best with it."""
+        """Take an experiment's candidate or measurement without counting it, refreshing baseline
+        and best.
+        """
         eid = experiment_id_of(event)
         if eid is None:
             return
@@ -192,8 +178,7 @@ class Snapshot:
             m.baseline.CopyFrom(self._measurements[eid])
 
     def count_usage(self, event: ledger_pb2.RecordedEvent) -> None:
-        """Fold an experiment event into the per-agent usage (each experiment once) and
-        refresh ``agent_usage``."""
+        """Fold an experiment event into the per-agent usage (each experiment once)."""
         eid = experiment_id_of(event)
         if eid is None:
             return
@@ -305,9 +290,7 @@ class Snapshot:
 
 
 def from_row(row: dict[str, Any]) -> compiler_pb2.Compilation:
-    """A compilations-projection row as a summary Compilation: ids, team, workload key, model
-    and hardware names, budget, status, counters, baseline and best tokens/s, speedup, reason
-    and times (no plan, no recipes)."""
+    """A compilations-projection row as a summary Compilation (no plan, no recipes)."""
     m = compiler_pb2.Compilation(
         compilation_id=row["compilation_id"],
         team=row.get("team") or "",

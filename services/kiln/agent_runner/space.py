@@ -1,35 +1,15 @@
 """The candidate space agents search: one dimension per swappable op and per transform.
 
-For the CPU target a point of the space picks
+A point picks, per op of :mod:`kiln.ops.registry` with alternatives, ``reference`` or one of its
+non-lossy implementations that run on the target's device; ``threads`` (``cpu``: unset or
+1, 2, 4, ... up to ``os.cpu_count()``); ``torch_compile`` (off or a mode); and on GPU targets
+``cuda_graph`` and ``fused_decode`` (with one parameter dimension per kernel parameter, unset =
+the kernels' default, meaningful only with the transform on).
 
-- per op of :mod:`kiln.ops.registry` that has alternatives: ``reference`` or one of its
-  *non-lossy* implementations (lossy ones, e.g. quantization, must be opted into and are not
-  proposed);
-- ``threads``: unset (the engine's default) or ``n`` in 1, 2, 4, ... up to ``os.cpu_count()``
-  (transform ``Transform("threads", {"n": "<n>"})``);
-- ``torch_compile``: off or ``Transform("torch_compile", {"mode": "default"})``;
-- on GPU targets (anything but ``cpu``), ``cuda_graph``: off or ``Transform("cuda_graph")``
-  (the decode step captured as one CUDA graph); ``fused_decode``: off or on
-  (:mod:`kiln.runtime.fused_decode`: the decode step as a chain of fused Triton kernels), with
-  one *parameter dimension* per kernel parameter (``fused_decode.block_k``, ...: unset = the
-  kernels' own default for the shape), which only matter when the transform is on; and a second
-  ``torch_compile`` mode, ``max-autotune-no-cudagraphs``.
-
-Op implementations that run only on some devices (Triton kernels: CUDA) are offered only on
-targets of those devices.
-
-A compilation searches :func:`model_space`: the hardware target's space restricted to what an
-engine runs for its model (:mod:`kiln.runtime.support`, the statement engines refuse
-candidates with): a transform that does not apply loses its dimension and its parameter
-dimensions (``fused_decode`` on MoE models), an op implementation that does not apply its value,
-an op the model never calls its dimension (``moe`` in a dense model, ``mlp`` in a model whose
-every layer is MoE: varying it would measure the same forward twice), and two values that apply
-alone but not together (``cuda_graph`` with an implementation a code module registered as not
-capturable) become an *exclusion*: no point holds both. The restricted space keeps the statement, so
-:meth:`CandidateSpace.refusal` also judges candidates outside its points (an LLM's code module).
-
-The all-reference point is the reference candidate: the baseline, never proposed by agents.
-Importing :mod:`kiln.ops` (to read the registry) imports torch; importing this module does not.
+:func:`model_space` restricts that to what an engine runs for the model
+(:mod:`kiln.runtime.support`): values and dimensions that do not apply go, and two values that
+apply alone but not together become an :class:`Exclusion`. The all-reference point is the
+baseline, never proposed. Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -120,8 +100,9 @@ def _transform_value(t: Transform) -> Value:
 
 @dataclass(frozen=True)
 class Exclusion:
-    """No point has transform dimension ``transform`` on together with op dimension ``op_dim`` at
-    ``value`` (None: ``reference``), for ``reason``."""
+    """No point has ``transform`` on together with op dimension ``op_dim`` at ``value`` (None:
+    ``reference``).
+    """
 
     transform: str
     op_dim: str
@@ -134,15 +115,14 @@ class Exclusion:
 
 
 class CandidateSpace:
-    """A finite product of dimensions less its excluded points; candidates are its points
-    (content-addressed).
+    """A finite product of dimensions less its excluded points; candidates are its points.
 
     Args:
-        dims: the dimensions, each with at least one value; op dimensions start with
-            ``reference`` (stored as None) and transform dimensions with None (off).
+        dims: op dimensions start with ``reference`` (stored as None), transform dimensions with
+            None (off).
         exclusions: value pairs no point holds.
-        support: the statement the space was restricted to (:func:`model_space`), kept to
-            judge candidates that are not points (:meth:`refusal`); None for a hardware space.
+        support: the statement the space was restricted to (:func:`model_space`), used by
+            :meth:`refusal`; None for a hardware space.
 
     Raises:
         ValueError: a dimension without values, or two with the same name.
@@ -169,11 +149,10 @@ class CandidateSpace:
         return CandidateSpace(dims, self._exclusions_over(dims), self.support)
 
     def within(self, support: ModelSupport) -> CandidateSpace:
-        """This space restricted to what ``support`` says applies (see the module docs): op
-        values and transform values it refuses removed, a dimension left with its default
-        only removed (a transform's parameter dimensions with it), conflicts as exclusions (a
-        conflict with an op's ``reference`` when the op has no dimension removes the
-        transform)."""
+        """This space restricted to what ``support`` says applies: refused values removed, a
+        dimension left with its default only removed (a transform's parameter dimensions with
+        it), conflicts as exclusions.
+        """
         kept: list[Dimension] = []
         for d in self.dims:
             if d.parameter_of is not None:
@@ -204,7 +183,6 @@ class CandidateSpace:
     def _exclusions_over(
         self, dims: Sequence[Dimension], exclusions: Sequence[Exclusion] | None = None
     ) -> list[Exclusion]:
-        """``exclusions`` (default: this space's) over dimensions that ``dims`` has."""
         names = {d.name for d in dims}
         pool = self.exclusions if exclusions is None else exclusions
         return [e for e in pool if e.transform in names and e.op_dim in names]
@@ -214,9 +192,9 @@ class CandidateSpace:
         return next((e.reason for e in self.exclusions if e.holds(point)), None)
 
     def refusal(self, candidate: Candidate) -> str | None:
-        """Why an engine would refuse ``candidate`` as far as this space knows: its support
-        statement's reason (any candidate, code modules included: their implementations are
-        judged when an engine loads them), else an exclusion it holds; None otherwise."""
+        """Why an engine would refuse ``candidate`` as far as this space knows (the support
+        statement's reason, else an exclusion it holds), or None.
+        """
         if self.support is not None:
             reason = self.support.refusal(candidate)
             if reason is not None:
@@ -225,16 +203,16 @@ class CandidateSpace:
 
     @property
     def size(self) -> int:
-        """Points of the product of the dimensions, the reference and excluded ones
-        included."""
+        """Points of the product, the reference and excluded ones included."""
         n = 1
         for d in self.dims:
             n *= len(d.values)
         return n
 
     def candidate(self, assignment: dict[str, Value]) -> Candidate:
-        """The candidate of a point (dimension name -> value; missing = default). A
-        transform-parameter value counts only when its transform is on."""
+        """The candidate of a point (dimension -> value; missing = default); a transform
+        parameter counts only when its transform is on.
+        """
         ops: dict[str, str] = {}
         transforms: dict[str, Transform] = {}
         params: dict[str, dict[str, str]] = {}
@@ -278,8 +256,7 @@ class CandidateSpace:
         return inside and self.excluded(point) is None and self.candidate(point) == candidate
 
     def __iter__(self) -> Iterator[Candidate]:
-        """Every point except the reference and the excluded ones, in a fixed order (the last
-        dimension varies fastest)."""
+        """Every point but the reference and excluded ones, the last dimension varying fastest."""
         for values in itertools.product(*(d.values for d in self.dims)):
             point = dict(zip((d.name for d in self.dims), values, strict=True))
             if self.excluded(point) is not None:
@@ -289,12 +266,10 @@ class CandidateSpace:
                 yield c
 
     def stacked(self) -> Candidate | None:
-        """The point with every on/off transform of the space on (``cuda_graph`` and
-        ``fused_decode`` on a GPU target: the engine's fastest known path), and, with
-        ``fused_decode`` on (decode then no longer calls the bound attention op), the attention
-        op of :data:`PREFILL_ATTENTION` where the space offers it, so prefill does not build
-        the reference's float32 score matrix; everything else at its default. None when the
-        space has no such transform or the point is excluded."""
+        """The point with every on/off transform on, and with ``fused_decode`` on the attention
+        op of :data:`PREFILL_ATTENTION` where offered; the rest at defaults. None when the space
+        has no such transform or the point is excluded.
+        """
         point: dict[str, Value] = {
             d.name: "on" for d in self.dims if d.op is None and d.values == (None, "on")
         }
@@ -309,9 +284,9 @@ class CandidateSpace:
         return self.candidate(point)
 
     def neighbours(self, candidate: Candidate) -> list[tuple[str, Value, Candidate]]:
-        """Points that differ from ``candidate`` in exactly one dimension, as (dimension,
-        new value, candidate), dimension by dimension; the reference and excluded points are
-        left out."""
+        """Points differing from ``candidate`` in exactly one dimension, as (dimension, value,
+        candidate), without the reference and excluded points.
+        """
         point = self.assignment(candidate)
         out: list[tuple[str, Value, Candidate]] = []
         for d in self.dims:
@@ -325,8 +300,7 @@ class CandidateSpace:
 
 
 def thread_counts(cpus: int | None = None) -> tuple[int, ...]:
-    """1, 2, 4, ... up to ``cpus`` (default ``os.cpu_count()``), always with 1 and 2, and
-    ``cpus`` itself."""
+    """1, 2, 4, ... up to ``cpus`` (default ``os.cpu_count()``), always with 1, 2 and ``cpus``."""
     top = max(2, cpus or os.cpu_count() or 2)
     counts = {1, 2, top}
     n = 4
@@ -337,9 +311,9 @@ def thread_counts(cpus: int | None = None) -> tuple[int, ...]:
 
 
 def op_dimensions(device_type: str | None = None) -> list[Dimension]:
-    """One dimension per op with a non-lossy alternative to ``reference`` that runs on
-    ``device_type`` (``"cpu"``, ``"cuda"``; None: every device); aliases (names kept for old
-    recipes) are not offered (imports kiln.ops)."""
+    """One dimension per op with a non-lossy, non-alias alternative that runs on ``device_type``
+    (None: any device); imports kiln.ops.
+    """
     import kiln.ops  # noqa: F401  (registers the built-in implementations)
     from kiln.ops import registry
 
@@ -359,9 +333,7 @@ def op_dimensions(device_type: str | None = None) -> list[Dimension]:
 
 
 def space_for(hardware: str, cpus: int | None = None) -> CandidateSpace:
-    """The space for a hardware target: op implementations that run on its device and
-    ``torch_compile`` everywhere, plus ``threads`` on ``cpu``, and ``cuda_graph``,
-    ``fused_decode`` with its kernel parameters elsewhere (see the comment for the order)."""
+    """The space for a hardware target (see the module docstring)."""
     # Order = the order of the coordinate agent's single moves: the cheap move with the largest
     # expected effect first (threads on a CPU, a CUDA graph on a GPU: on the H200 it took
     # Llama-3.2-1B batch-1 decode from 14.8 to 3.3 ms a step, benchmarks/RESULTS.md), then the
@@ -383,14 +355,14 @@ def space_for(hardware: str, cpus: int | None = None) -> CandidateSpace:
 
 
 def device_type(hardware: str) -> str:
-    """The device type engines of a hardware target run on: ``"cpu"`` for ``cpu``, else
-    ``"cuda"``."""
+    """``"cpu"`` for the ``cpu`` target, else ``"cuda"``."""
     return "cpu" if hardware.strip().lower() == "cpu" else "cuda"
 
 
 def _refusal(support: ModelSupport, d: Dimension, value: str) -> str | None:
-    """Why ``support`` refuses value ``value`` of op or transform dimension ``d`` (None for a
-    dimension of no transform it knows)."""
+    """Why ``support`` refuses ``value`` of dimension ``d`` (None for a transform it does not
+    know).
+    """
     if d.op is not None:
         return support.op_reason(d.op, value)
     if d.name not in (THREADS, TORCH_COMPILE, CUDA_GRAPH, FUSED_DECODE):
@@ -405,16 +377,12 @@ def model_space(
     *,
     name: str = "model",
 ) -> CandidateSpace:
-    """``space`` (the hardware target's) restricted to what an engine runs for the model
-    (:meth:`CandidateSpace.within` of :func:`kiln.runtime.support.support_for`; imports
-    torch).
+    """``space`` restricted to what an engine runs for the model (imports torch).
 
-    Args:
-        config: a :class:`~kiln.workloads.config.ModelConfig`, or its ``config.json`` object
-            (the model named ``name``).
+    ``config`` is a :class:`~kiln.workloads.config.ModelConfig` or its ``config.json`` object.
 
     Raises:
-        kiln.runtime.support.ModelNotSupported: kiln cannot build the model (no space).
+        kiln.runtime.support.ModelNotSupported: kiln cannot build the model.
     """
     from kiln.runtime.support import support_for
 

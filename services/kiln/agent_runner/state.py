@@ -1,11 +1,8 @@
 """A compilation's state as the runner keeps it: the stream's fold plus the runner's records.
 
-The ``compilation-<id>`` stream folds through the domain aggregate
-(:class:`kiln.domain.compilation.Compilation`: status, plan, baseline, best, cancel, end); the
-runner keeps folding the events it appends (and any it finds on an optimistic-concurrency
-conflict, such as a cancel request), so after a restart the same fold gives the same state.
-:attr:`CompilationState.experiments` are the runner's own records of its experiments (request
-and completion), filled by the runner and, on resume, by :meth:`apply_experiment`.
+The stream folds through :class:`kiln.domain.compilation.Compilation`, including the events the
+runner appends or finds on a conflict, so after a restart the same fold gives the same state.
+:attr:`CompilationState.experiments` are the runner's records of its experiments.
 """
 
 from __future__ import annotations
@@ -30,21 +27,9 @@ __all__ = ["Baseline", "Best", "CompilationState", "ExperimentRecord"]
 
 
 class CompilationState:
-    """What the compilation stream says (plus the experiments, filled in by the runner).
-
-    Args/attributes (read through :attr:`compilation`, the aggregate, unless noted):
-        compilation_id, team: the compilation and the team that submitted it.
-        workload: the submitted workload message (with its key) (the state's own).
-        wall_seconds, max_experiments: the budget (0 experiments = no limit).
-        agents: agent names asked for (empty = the default set).
-        submitted_at: ledger time of the submission (the wall budget's origin).
-        submitted_position: global position of the submission.
-        version: the stream's last version folded.
-        plan, baseline, best, tier_agreement ((n, rho)), compared, end_status, end_reason.
-        cancel_reason: set once a cancel was requested (the request's reason, else
-            "cancel requested"); the runner sets it too when told of a cancel.
-        baselines: baselines of :mod:`kiln.baselines` to measure beside the search.
-        experiments: experiment id -> record (the runner's, not the stream's).
+    """What the compilation stream says (read through :attr:`compilation`, the aggregate) plus
+    ``experiments``: experiment id -> the runner's record, and ``workload``, the submitted
+    message.
     """
 
     def __init__(
@@ -90,8 +75,8 @@ class CompilationState:
         """Fold a compilation stream (in version order).
 
         Raises:
-            ValueError: the stream does not start with CompilationSubmitted, or breaks the
-                status machine (:class:`kiln.domain.compilation.IllegalTransition`).
+            ValueError: the stream does not start with CompilationSubmitted or breaks the status
+                machine.
             KeyError: a payload misses a required field.
         """
         if not events:
@@ -123,11 +108,10 @@ class CompilationState:
         self.compilation.apply(Event(event_type, d, self.compilation.stream_id, version))
 
     def apply_experiment(self, event: ledger_pb2.RecordedEvent) -> None:
-        """Fold one of this compilation's ``ExperimentRequested`` / ``ExperimentCompleted``
-        events (read from its experiment stream) into :attr:`experiments`; a completion
-        without its request, or after the first, is ignored
-        (:func:`kiln.domain.experiment.fold_experiment`). A completion is also counted by
-        :attr:`compilation` (the compilations projection's rules)."""
+        """Fold one of this compilation's ``ExperimentRequested`` / ``ExperimentCompleted`` into
+        :attr:`experiments` (a completion without its request, or after the first, is ignored)
+        and count a completion in :attr:`compilation`.
+        """
         ev = domain_event(event)
         fold_experiment(self.experiments, ev)
         if ev.type == EXPERIMENT_COMPLETED and self.compilation.belongs(ev):
@@ -136,17 +120,14 @@ class CompilationState:
     # ------------------------------------------------------------------ the aggregate's facts
     @property
     def compilation_id(self) -> str:
-        """The compilation."""
         return self.compilation.compilation_id
 
     @property
     def team(self) -> str:
-        """The team that submitted it."""
         return self.compilation.team
 
     @property
     def workload_key(self) -> str:
-        """The workload key."""
         return self.workload.workload_key
 
     @property
@@ -219,7 +200,7 @@ class CompilationState:
 
     @property
     def cancel_reason(self) -> str | None:
-        """Set once a cancel was requested (None before)."""
+        """Set once a cancel was requested (its reason, else "cancel requested"); None before."""
         reason = self.compilation.cancel_reason
         return None if reason is None else (reason or CANCEL_DEFAULT_REASON)
 

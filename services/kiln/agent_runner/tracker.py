@@ -1,12 +1,7 @@
-"""The experiments a compilation's runner requests (search, reference, confirmations), each
-tracked from its request to its one completion.
-
-A request is recorded in the ledger, tracked as in flight and queued for the engines; work that
-cannot be queued closes the experiment at once (``timed_out`` with the NATS error), so none is
-left open. A completion is taken once: it fills the state's record and is counted by the
-compilation aggregate (:meth:`kiln.domain.compilation.Compilation.count`, the compilations
-projection's rules). Steps a cancelled caller must not cut run *shielded*; :meth:`drain` waits
-for them. The baseline comparisons are tracked apart (:mod:`kiln.agent_runner.comparisons`).
+"""The experiments a compilation's runner requests, each tracked from its request to its one
+completion. Work that cannot be queued closes its experiment at once (``timed_out``), so none is
+left open; a completion fills the state's record and is counted once. Steps a cancelled caller
+must not cut run shielded; :meth:`ExperimentTracker.drain` waits for them.
 """
 
 from __future__ import annotations
@@ -32,15 +27,9 @@ log = get_logger(__name__)
 class ExperimentTracker:
     """One compilation's experiments in flight (after a restart: those of ``state``).
 
-    Args:
-        state: the compilation; its experiments are the records kept.
-        dispatcher: records, queues, waits for and closes experiments.
-        config: tunables (a search candidate's deadline).
-        workload_json: the work items' workload (JSON object).
-
     Attributes:
         in_flight: experiment id -> request, not completed yet.
-        requested: ids of the candidates requested on the search tier (each is measured once).
+        requested: candidate ids requested on the search tier (each measured once).
     """
 
     def __init__(
@@ -69,11 +58,8 @@ class ExperimentTracker:
     async def request(
         self, candidate: Candidate, agent: str, tier: Tier, *, profile: bool = False
     ) -> Requested:
-        """Record the experiment, track it, queue its work (``profile``: ask for the per-op
-        profile).
-
-        Raises:
-            KilnError: the ledger refused the request (nothing was requested).
+        """Record the experiment, track it and queue its work; KilnError when the ledger refused
+        it.
         """
         st, dispatcher = self.state, self._dispatcher
         req = await dispatcher.record(
@@ -107,8 +93,7 @@ class ExperimentTracker:
         return True
 
     async def shielded(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Run ``coro`` as a task that a cancelled caller does not cancel (:meth:`drain` waits
-        for it)."""
+        """Run ``coro`` as a task a cancelled caller does not cancel."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -1,17 +1,9 @@
 """Per-agent spending, projected from a compilation's events.
 
-Device time: an experiment's engine busy time is ``ExperimentCompleted.device_ms`` — the
-engine's whole ``Engine.run`` (its phases ``phases_ms`` plus fingerprinting, restoring the
-engine and reading memory), in ms. Events from engines that did not report it (older events)
-count the sum of ``phases_ms`` instead. Not counted anywhere: an engine's build (weights, caches,
-warm-up: shared by every experiment of the engine), queueing, and experiments the runner closed
-itself (``timed_out`` / ``cancelled`` with no engine answer: 0 ms).
-
-Attribution: to ``ExperimentRequested.agent``. The reference on the fast tier counts under
-``baseline``; the runner's full-tier confirmations (reference and candidates) under ``confirm``
-(:data:`kiln.domain.judging.CONFIRM_AGENT`).
-
-The best-so-far curve is :mod:`kiln.domain.curve`.
+Device time is ``ExperimentCompleted.device_ms`` (the engine's whole ``Engine.run``), else the
+sum of ``phases_ms``; engine builds, queueing and experiments the runner closed itself count 0.
+Attributed to ``ExperimentRequested.agent``: the fast-tier reference under ``baseline``, the
+runner's confirmations under ``confirm``.
 """
 
 from __future__ import annotations
@@ -24,8 +16,7 @@ from kiln.events.types import is_counted, is_failure
 
 
 def device_ms_of(completed: Mapping[str, Any]) -> float:
-    """An ``ExperimentCompleted`` payload's engine busy time, ms: ``device_ms`` when set, else
-    the sum of ``phases_ms`` (0 for neither)."""
+    """A payload's engine busy time, ms: ``device_ms``, else the sum of ``phases_ms``, else 0."""
     device = float(completed.get("device_ms") or 0.0)
     if device > 0:
         return device
@@ -35,15 +26,8 @@ def device_ms_of(completed: Mapping[str, Any]) -> float:
 
 @dataclass
 class AgentUsage:
-    """What one agent spent.
-
-    Attributes:
-        agent: its name (``baseline`` and ``confirm`` for the runner's own experiments).
-        experiments: completed experiments (``cancelled`` ones excluded).
-        ok: those measured correct.
-        failed: those incorrect, crashed, timed out or rejected.
-        device_ms: engine busy time, ms (see the module docstring).
-        best_tokens_per_s: the most tokens/s among its correct results (0 without one).
+    """What one agent spent: completed experiments (cancelled excluded), those ok and those
+    failed, engine time (ms) and its best correct tokens/s (0 without one).
     """
 
     agent: str
@@ -61,8 +45,7 @@ class AgentUsage:
 
 @dataclass
 class UsageBook:
-    """Per-agent usage folded from ``ExperimentRequested`` / ``ExperimentCompleted`` payloads
-    (each experiment counted once, whatever the order of delivery of its two events)."""
+    """Per-agent usage, each experiment counted once whatever order its two events arrive in."""
 
     agents: dict[str, AgentUsage] = field(default_factory=dict)
     _agent_of: dict[str, str] = field(default_factory=dict)

@@ -1,17 +1,9 @@
 """Workloads: validating a submitted ``kiln.v1.Workload`` and computing its workload key.
 
-The **workload key** identifies "the same optimization problem" across compilations (the ledger's
-best-candidates projection is keyed by it): ``wk-`` + the first 16 hex digits of the SHA-256 of
-the canonical JSON (sorted keys, no spaces) of
-
-- the model config as parsed from ``config_json`` (so key order and whitespace do not matter)
-  and the effective weight dtype (``model.dtype``, else the config's ``torch_dtype``);
-- every traffic-shape field except ``source`` (the same shape read from a renamed file is the
-  same workload);
-- the hardware catalogue name (lower case) and device count (0 resolved to the catalogue's
-  ``max_devices_per_node``).
-
-The model's display name, weights directory and seed are not part of it.
+The workload key identifies the same optimization problem across compilations: ``wk-`` + 16 hex
+digits of the SHA-256 of the canonical JSON of the parsed model config and effective weight
+dtype, every traffic field but ``source``, and the hardware name (lower case) and device count
+(0 resolved to the catalogue's). Not the model's name, weights directory or seed.
 """
 
 from __future__ import annotations
@@ -39,14 +31,8 @@ _RATES = ("arrival_rate_rps", "interarrival_cv", "mean_concurrency", "expert_loa
 
 @dataclass(frozen=True)
 class ValidWorkload:
-    """A workload that passed :func:`validate_workload`.
-
-    Attributes:
-        message: the workload with ``workload_key`` (and a default model name) filled in.
-        config: the parsed model architecture.
-        key: the workload key (``wk-<16 hex>``).
-        hardware: the catalogue name, lower case.
-        devices: the device count (0 resolved to the catalogue default).
+    """A workload that passed :func:`validate_workload`: ``message`` with its key (and a default
+    name) filled in, the parsed ``config``, ``key``, ``hardware`` (lower case) and ``devices``.
     """
 
     message: common_pb2.Workload
@@ -57,7 +43,6 @@ class ValidWorkload:
 
     @property
     def model_name(self) -> str:
-        """The model's display name."""
         return self.message.model.name
 
     def to_json(self) -> dict[str, Any]:
@@ -140,12 +125,9 @@ def validate_workload(workload: common_pb2.Workload | None) -> ValidWorkload:
     """Check a submitted workload and fill in its key.
 
     Raises:
-        InvalidArgument: no workload or model config; config not JSON or of an unsupported
-            architecture; an unknown dtype; no traffic shape, or one with batch_size or
-            context_len < 1, non-finite or negative numbers, or percentiles out of order; no
-            hardware name.
-        NotFound: a hardware name the catalogue does not know (the message lists the known
-            ones), or a ``weights_dir`` that does not exist.
+        InvalidArgument: no workload or config; a config not JSON or unsupported; an unknown
+            dtype; no traffic shape or one out of range; no hardware name.
+        NotFound: an unknown hardware name or a ``weights_dir`` that does not exist.
     """
     if workload is None or workload.ByteSize() == 0:
         raise InvalidArgument("workload is missing: send model, traffic and hardware")
@@ -195,23 +177,15 @@ def build_workload(
     weights_dir: str = "",
     max_batch: int | None = None,
 ) -> common_pb2.Workload:
-    """A workload from local files (what ``kiln compile`` sends): the model's ``config.json``
-    and a trace (Azure CSV or Mooncake JSONL) whose shape and operating point are computed here.
+    """A workload from local files (what ``kiln compile`` sends): a ``config.json`` and a trace
+    (Azure CSV or Mooncake JSONL) whose shape and operating point are computed here.
 
-    Args:
-        config_path: a Hugging Face ``config.json`` (or ``<name>.json``).
-        trace_path: a serving trace.
-        hardware: catalogue name ("cpu", "h100", ...); checked by :func:`validate_workload`.
-        num_devices: 0 = the catalogue's default.
-        dtype: "" = the config's ``torch_dtype``.
-        seed: seed of random weights.
-        weights_dir: a directory of ``*.safetensors`` ("" = random weights).
-        max_batch: upper clamp of the operating batch size (None = the traffic module's default).
+    ``num_devices`` 0 and ``dtype`` "" take the defaults, ``weights_dir`` "" random weights,
+    ``max_batch`` clamps the operating batch.
 
     Raises:
         NotFound: a file that does not exist.
-        InvalidArgument: a config that is not JSON, or a trace that cannot be read (unknown
-            format, no requests, too many malformed rows: the reader's message).
+        InvalidArgument: a config that is not JSON or a trace that cannot be read.
     """
     from kiln.workloads.traffic import TraceError, TrafficShape, read_trace
 

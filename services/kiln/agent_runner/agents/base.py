@@ -1,15 +1,10 @@
 """The agent loop every strategy shares, and what an agent may use of its compilation.
 
-One step: propose a candidate (the strategy) -> drop it, logged, if the compilation's space says
-an engine refuses it (:meth:`CandidateSpace.refusal`: strategies draw from the space, so this
-only catches what they build outside it) -> ``board.claim`` it (skip it if another agent
-holds it) -> post the idea -> have it measured (the runner requests the experiment, waits for
-the ledger's answer and judges it, which puts the result in ``lab.results`` for every agent).
-The board carries ideas and claims; results reach agents only from the result feed. An agent
-stops when the compilation has no experiment slot left, or when its strategy has nothing left
-to propose and no claimed candidate's result is pending (a pending one may open new moves, so
-it waits for it, at most ``idle_timeout_s``); the runner cancels it when the wall-clock budget
-is spent or the compilation is cancelled.
+One step: propose a candidate; drop it, logged, if an engine would refuse it; claim it on the
+board (skip it if another agent holds it); post the idea; have it measured (its result reaches
+every agent through ``lab.results``). An agent stops when no experiment slot is left, or when
+its strategy has nothing to propose and no claimed result is pending (waiting at most
+``idle_timeout_s``); the runner cancels it at the wall-clock budget or on cancel.
 """
 
 from __future__ import annotations
@@ -32,8 +27,9 @@ log = get_logger("kiln.agent_runner.agent")
 
 @dataclass(frozen=True)
 class Outcome:
-    """A measured candidate: the experiment, its completion and the speedup over the baseline
-    (tokens/s ÷ baseline tokens/s; None unless the candidate was measured correct)."""
+    """A measured candidate: the experiment, its completion and its speedup over the baseline
+    (None unless correct).
+    """
 
     experiment_id: str
     candidate: Candidate
@@ -58,8 +54,7 @@ class Lab(Protocol):
 
     @property
     def space(self) -> CandidateSpace:
-        """The candidate space: the hardware target's, restricted to what an engine runs for
-        the model."""
+        """The hardware target's candidate space restricted to the model."""
 
     @property
     def board(self) -> Board:
@@ -70,9 +65,9 @@ class Lab(Protocol):
         """The compilation's search results, from the runner's fold of the ledger."""
 
     async def acquire(self) -> bool:
-        """Take an experiment slot, waiting while every slot left is reserved by work that
-        may give it back; False once the experiment budget is spent or the compilation
-        stops."""
+        """Take an experiment slot, waiting while every slot left is reserved; False once the
+        budget is spent or the compilation stops.
+        """
 
     def release(self) -> None:
         """Give back a slot that was not used."""
@@ -80,17 +75,15 @@ class Lab(Protocol):
     async def measure(
         self, candidate: Candidate, agent: str, *, profile: bool = False
     ) -> Outcome | None:
-        """Request an experiment for a reserved slot (on the fast tier, once any full-tier
-        confirmation under way is done) and wait for its result; None (slot released) when the
-        candidate was already requested in this compilation. ``profile`` asks the engine for
-        the per-op profile (``ExperimentCompleted.op_ms``); the loop passes it only for agents
-        with ``wants_profiles``."""
+        """Request an experiment for a reserved slot and wait for its result; None (slot
+        released) when already requested in this compilation. ``profile`` asks for ``op_ms``.
+        """
 
 
 async def slot_left(lab: Lab) -> bool:
-    """Whether the compilation has an experiment slot left, without keeping it (a strategy
-    checks this before paying for work only a measurement would use: an LLM completion, a
-    wait for results to compose); waits while the last slots are only reserved."""
+    """Whether an experiment slot is left, without keeping it (waits while the last are
+    reserved).
+    """
     if not await lab.acquire():
         return False
     lab.release()
@@ -98,11 +91,8 @@ async def slot_left(lab: Lab) -> bool:
 
 
 class Agent(ABC):
-    """A search strategy with the shared loop.
-
-    Args:
-        name: the agent's name on the board (``[A-Za-z0-9_.-]``), unique in the compilation.
-        seed: its random seed.
+    """A search strategy with the shared loop; ``name`` (``[A-Za-z0-9_.-]``) unique in the
+    compilation.
     """
 
     kind: ClassVar[str]
@@ -120,19 +110,17 @@ class Agent(ABC):
 
     @abstractmethod
     def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
-        """The next candidate to try (not claimed per ``view``, not tried by this agent), or
-        None when the strategy has nothing left."""
+        """The next candidate to try (unclaimed, untried by this agent), or None when done."""
 
     async def next_proposal(self, view: BoardView, lab: Lab) -> Proposal | None:
-        """The loop's hook for the next proposal; strategies that must await (an LLM call)
-        override it. The default is :meth:`propose` on ``lab.space``."""
+        """The loop's hook: :meth:`propose` on ``lab.space``; strategies that must await override
+        it.
+        """
         return self.propose(view, lab.space)
 
     async def run(self, lab: Lab) -> int:
-        """Propose, claim and measure until done; returns the experiments measured.
-
-        Raises:
-            nats.errors.Error, KilnError: the board or the ledger failed.
+        """Propose, claim and measure until done; returns the experiments measured. Raises NATS
+        or ledger errors.
         """
         view = BoardView(lab.board, lab.compilation_id, lab.results)
         await view.start()

@@ -1,23 +1,12 @@
 """The code-writing agent (kind ``llm``): an LLM behind an OpenAI-compatible endpoint writes op
 implementations as code modules. Off unless ``KILN_LLM_URL`` is set.
 
-Each proposal picks a target op — the op dimensions of the space in turn, or, once result
-bodies carry a per-op profile (``op_ms``), the op with the largest time per attempt made on it
-(``ms / (1 + attempts)``) — asks the LLM for a faster implementation (prompt:
-:mod:`kiln.agent_runner.llm.prompt`), validates the reply
-(:mod:`kiln.agent_runner.llm.parse`) and proposes the best candidate so far with
-``ops[op] = <new implementation>`` and the module added (replacing an earlier LLM module of the
-same op). The target ops are the space's, so never one the model does not call. A candidate
-an engine would refuse (:meth:`CandidateSpace.refusal`: the base's choices, the op, or a module
-registered only for devices this compilation's engines are not) is dropped before it is
-requested, logged, and counts as an unusable reply. The engine's correctness gate judges the
-code like any other candidate.
-
-An unusable reply (no code, wrong op, disallowed import, a module tried before) or an endpoint
-that stays unavailable is logged and posted on the board as an idea note (candidate id
-``llm-note-<hash>``, body ``{"note", "op", "reason", "excerpt"}``), and the agent asks again,
-showing the LLM why; after ``KILN_LLM_MAX_BAD_REPLIES`` in a row, or at once when the endpoint
-refuses the request (4xx: a bad key or model), it stops proposing.
+Each proposal picks a target op of the space (:meth:`LLMAgent.pick_op`), asks the LLM for a
+faster implementation, validates the reply and proposes the best candidate so far with that op
+replaced and the module added. A candidate an engine would refuse is dropped as an unusable
+reply. An unusable reply or an unavailable endpoint is posted on the board as an idea note
+(``llm-note-<hash>``) and the agent asks again, showing why; after ``KILN_LLM_MAX_BAD_REPLIES``
+in a row, or at once on a 4xx refusal, it stops proposing.
 """
 
 from __future__ import annotations
@@ -49,10 +38,8 @@ WHY_CHARS = 1500
 
 
 def require_llm(settings: LLMSettings | None = None) -> LLMSettings:
-    """The LLM settings (``settings``, else from ``KILN_LLM_*``) when the adapter is on.
-
-    Raises:
-        InvalidArgument: ``KILN_LLM_URL`` is unset; the message says how to enable it.
+    """The LLM settings (``settings``, else ``KILN_LLM_*``); InvalidArgument if ``KILN_LLM_URL``
+    is unset.
     """
     settings = settings if settings is not None else LLMSettings()
     if not (settings.url or "").strip():
@@ -65,8 +52,9 @@ def require_llm(settings: LLMSettings | None = None) -> LLMSettings:
 
 
 def workload_facts(lab: object) -> WorkloadFacts:
-    """Hardware and model facts of ``lab``'s workload: its ``workload`` attribute, or its
-    ``state.workload``, a ``kiln.v1.Workload``; empty facts when it has neither."""
+    """Hardware and model facts of ``lab``'s ``workload`` (or ``state.workload``); empty without
+    one.
+    """
     workload: Any = getattr(lab, "workload", None)
     if workload is None:
         workload = getattr(getattr(lab, "state", None), "workload", None)
@@ -90,8 +78,9 @@ def target_ops(space: CandidateSpace) -> list[str]:
 
 
 def with_module(base: Candidate, parsed: ParsedModule) -> Candidate:
-    """``base`` with ``ops[op] = impl`` and the module added (an earlier LLM module of the same
-    op, named ``llm_<op>_...``, is dropped)."""
+    """``base`` with ``ops[op] = impl`` and the module added, replacing an earlier LLM module of
+    the op.
+    """
     ops = {**dict(base.ops), parsed.op: parsed.impl}
     prefix = f"llm_{parsed.op}_"
     modules = [m for m in base.code_modules if not m.name.startswith(prefix)]
@@ -99,16 +88,8 @@ def with_module(base: Candidate, parsed: ParsedModule) -> Candidate:
 
 
 class LLMAgent(Agent):
-    """Asks an LLM for op implementations (see the module docs).
-
-    Args:
-        name, seed: as :class:`Agent`.
-        settings: the endpoint; None = from ``KILN_LLM_*``.
-        client: a ready client (tests); None = one built from ``settings`` on first use and
-            closed when :meth:`run` ends.
-
-    Raises:
-        InvalidArgument: the adapter is off (``KILN_LLM_URL`` unset).
+    """Asks an LLM for op implementations; ``client`` (tests) or one built from ``settings`` on
+    first use and closed when :meth:`run` ends. InvalidArgument when the adapter is off.
     """
 
     kind = "llm"
@@ -132,7 +113,7 @@ class LLMAgent(Agent):
         self.stopped = False
 
     def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
-        """Unused: this agent proposes through :meth:`next_proposal` (it awaits the LLM)."""
+        """Unused: this agent proposes through :meth:`next_proposal`."""
         return None
 
     def client(self) -> ChatClient:
@@ -161,8 +142,9 @@ class LLMAgent(Agent):
                 self._client = None
 
     def pick_op(self, targets: Sequence[str], op_ms: Mapping[str, float]) -> str:
-        """The next target: the largest ``op_ms / (1 + attempts)`` when the profile covers a
-        target, else the least-asked op (round-robin in the space's order)."""
+        """The largest ``op_ms / (1 + attempts)`` when the profile covers a target, else the
+        least-asked op.
+        """
         profiled = any(op_ms.get(op, 0.0) > 0 for op in targets)
 
         def score(op: str) -> tuple[float, int]:
@@ -172,10 +154,8 @@ class LLMAgent(Agent):
         return min(targets, key=score)
 
     async def next_proposal(self, view: BoardView, lab: Lab) -> Proposal | None:
-        """Ask the LLM until a reply makes a new candidate, at most ``max_bad_replies`` in a
-        row; None once stopped (see the module docs) or when the experiment budget is spent
-        (checked by taking and giving back a slot before asking); the history it shows is
-        ``lab.results``.
+        """Ask the LLM until a reply makes a new candidate (at most ``max_bad_replies`` in a
+        row); None once stopped or when the budget is spent.
         """
         targets = target_ops(lab.space)
         if self.stopped or not targets:
@@ -241,11 +221,7 @@ class LLMAgent(Agent):
     def _check_supported(
         self, space: CandidateSpace, parsed: ParsedModule, proposal: Proposal
     ) -> None:
-        """Drop (raise) a proposal an engine of this compilation would refuse.
-
-        Raises:
-            LLMReplyError: with the engine's reason (shown to the LLM on its next try).
-        """
+        """Raise LLMReplyError with the engine's reason if an engine would refuse ``proposal``."""
         reason = space.refusal(proposal.candidate)
         device = space.support.device_type if space.support is not None else None
         if reason is None and device and parsed.devices and device not in parsed.devices:
@@ -263,7 +239,7 @@ class LLMAgent(Agent):
             raise LLMReplyError(f"an engine would refuse that candidate: {reason}")
 
     async def _note(self, lab: Lab, op: str, reason: str, text: str) -> None:
-        """Post a rejected reply on the board as an idea note (best effort: failures logged)."""
+        """Post a rejected reply on the board as an idea note (best effort)."""
         digest = hashlib.sha256(f"{self.name}:{op}:{reason}:{text}".encode()).hexdigest()[:16]
         body = {"note": "rejected LLM reply", "op": op, "reason": reason, "excerpt": text[:400]}
         try:

@@ -1,27 +1,12 @@
 """Model-based search: optuna's TPE sampler over the candidate space.
 
-Every dimension of the :class:`~kiln.agent_runner.space.CandidateSpace` is one categorical
-parameter (its name, its values; op, transform and transform-parameter dimensions alike), so a
-trial's params are a point of the space. The study maximizes tokens/s; an incorrect or failed
-candidate is a FAIL trial (TPE leaves those out of its model).
-
-- **Learning from everyone**: results of the compilation that this agent did not ask for (other
-  agents', the baseline) become completed trials (``study.add_trial``), so TPE models the whole
-  compilation's history, not only its own trials.
-- **No duplicates**: a sampled point that is the reference, claimed on the board, already in the
-  study or already tried, or one the space excludes (a pair an engine refuses together), is told
-  FAIL (user attr ``skipped``) and the sampler asked again, at most
-  :attr:`OptunaAgent.max_asks` times; then the first free point in the space's order is
-  enqueued and asked for, so the agent still covers the space. None when no point is free.
-- **Storage** (:func:`resolve_storage`): in memory by default: a restarted runner's agent
-  rebuilds its study from the compilation's results (every result becomes a trial, above), so
-  the agent needs no database of its own and never opens the ledger's. ``KILN_OPTUNA_STORAGE``
-  names one (an optuna ``RDBStorage`` URL): the study, named ``kiln-<compilation id>-<agent
-  name>``, is then loaded if it exists, and trials asked but never told are matched to their
-  candidate's result when it shows in the view.
-- **Blocking calls**: optuna's storage calls are synchronous (a few Postgres round trips per
-  trial), so the loop runs each proposal, view folding included, in a worker thread
-  (``asyncio.to_thread``) on a copy of the view.
+Each dimension is one categorical parameter; the study maximizes tokens/s, an incorrect or
+failed candidate being a FAIL trial. Results of the compilation this agent did not ask for
+become completed trials. A sampled point that is the reference, claimed, tried or excluded is
+told FAIL (user attr ``skipped``) and TPE asked again, at most :attr:`OptunaAgent.max_asks`
+times; then the first free point is enqueued. The study is in memory unless
+``KILN_OPTUNA_STORAGE`` names a database (docs/design/layers.md). Proposals run in a worker
+thread, since optuna's storage calls block.
 """
 
 from __future__ import annotations
@@ -56,8 +41,7 @@ _storages_lock = threading.Lock()
 
 
 def sync_url(url: str) -> str:
-    """``url`` with a synchronous driver optuna can use: ``postgresql+asyncpg`` and a bare
-    ``postgresql`` become ``postgresql+psycopg`` (psycopg 3, kiln's driver)."""
+    """``url`` with ``postgresql+asyncpg`` or bare ``postgresql`` made ``postgresql+psycopg``."""
     if url.startswith("postgresql+asyncpg://"):
         return "postgresql+psycopg://" + url[len("postgresql+asyncpg://") :]
     if url.startswith(("postgresql://", "postgres://")):
@@ -66,10 +50,8 @@ def sync_url(url: str) -> str:
 
 
 def resolve_storage(explicit: str | None = None) -> str | None:
-    """The SQLAlchemy URL of the studies, or None for an in-memory study.
-
-    Order: ``explicit``; ``KILN_OPTUNA_STORAGE``; else in memory (None). ``memory`` (or
-    ``in-memory``) asks for memory.
+    """The studies' SQLAlchemy URL: ``explicit``, else ``KILN_OPTUNA_STORAGE``; None (also for
+    ``memory`` or ``in-memory``) for in memory.
     """
     url = explicit or OptunaSettings().storage
     if url is None or url.strip().lower() in _MEMORY_NAMES:
@@ -78,14 +60,9 @@ def resolve_storage(explicit: str | None = None) -> str | None:
 
 
 def open_storage(url: str | None, schema: str | None = None) -> optuna.storages.BaseStorage:
-    """The storage at ``url`` (None: in memory), one per (url, schema) in this process.
-
-    On Postgres the tables live in ``schema`` (default ``KILN_OPTUNA_DB_SCHEMA``, ``optuna``),
-    created if missing, via the connection's ``search_path``: optuna keeps its own
-    ``alembic_version`` table, which must not meet the ledger's in ``public``.
-
-    Raises:
-        sqlalchemy.exc.SQLAlchemyError: the database is unreachable or refuses.
+    """The storage at ``url`` (None: in memory), one per (url, schema) in this process; on
+    Postgres in ``schema`` (default ``KILN_OPTUNA_DB_SCHEMA``), created if missing, away from the
+    ledger's tables. Raises SQLAlchemyError when the database fails.
     """
     if url is None:
         return optuna.storages.InMemoryStorage()
@@ -127,13 +104,8 @@ def study_name(compilation_id: str, agent: str) -> str:
 
 
 class OptunaAgent(Agent):
-    """TPE over the candidate space, learning from every result of the compilation (module
-    docs).
-
-    Args:
-        name, seed: as :class:`~kiln.agent_runner.agents.base.Agent` (the seed seeds TPE).
-        storage: the study's SQLAlchemy URL or ``memory``; None = :func:`resolve_storage`.
-        schema: its Postgres schema; None = ``KILN_OPTUNA_DB_SCHEMA``.
+    """TPE over the candidate space (the seed seeds TPE); ``storage`` a URL or ``memory`` (None:
+    :func:`resolve_storage`), ``schema`` its Postgres schema.
     """
 
     kind = "optuna"
@@ -159,10 +131,8 @@ class OptunaAgent(Agent):
         return await asyncio.to_thread(self._propose, cid, claimed, results, lab.space)
 
     def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
-        """Fold the view's new results into the study, then ask TPE for a free point.
-
-        Raises:
-            sqlalchemy.exc.SQLAlchemyError: the study's database failed.
+        """Fold the view's new results into the study, then ask TPE for a free point; raises
+        SQLAlchemyError when the database fails.
         """
         return self._propose(view.compilation_id, set(view.claimed), dict(view.results), space)
 

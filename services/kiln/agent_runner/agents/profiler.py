@@ -1,22 +1,11 @@
 """Profile-guided search: attack the op whose measured time is furthest above its roofline.
 
-Every candidate this agent measures is profiled by the engine (``wants_profiles``: one extra
-eager decode step timed per op, ``op_ms`` in the result), and so is the runner's baseline. From
-the newest leader that has a profile (the fastest correct result with ``op_ms``) it computes
-each op's gap = measured ms − roofline ms (:mod:`kiln.agent_runner.op_roofline`: the bytes
-the op must read at that profile's operating point over the hardware target's achievable
-memory bandwidth) and ranks ops by gap, largest first. It then proposes the top op's untried
-alternatives on top of the best candidate so far (the fastest correct result, profiled or
-not); when that op's alternatives are used up (claimed, tried, or excluded with the best
-candidate's other choices), the next op. A new leader with a profile re-ranks the ops at the
-next proposal. Ops without an alternative in the space are skipped. Without any profile in
-its view, or without the workload (a Lab that has no ``workload``), it has nothing to
+Every candidate this agent measures is profiled (``wants_profiles``). From the newest leader
+with a profile it ranks ops by measured minus roofline ms (:mod:`kiln.agent_runner.op_roofline`
+at that profile's operating point and the target's achievable bandwidth; an unknown target
+falls back to the ``cpu`` entry, logged) and proposes the top op's untried alternatives on top of
+the best candidate so far, then the next op's. Without a profile or a workload it has nothing to
 propose.
-
-The hardware target's bandwidth comes from the cost model's catalogue
-(:mod:`kiln.cost_model.hardware`; ``cpu`` is its assumed 20 GB/s). A target the catalogue does
-not know falls back to the ``cpu`` entry (logged): the ranking then still follows the
-measured times, with every roofline scaled alike.
 """
 
 from __future__ import annotations
@@ -47,25 +36,16 @@ class OpGap:
 
     @property
     def gap_ms(self) -> float:
-        """Measured − roofline, ms (negative when the op beats the modelled floor)."""
+        """Measured - roofline, ms (negative when the op beats the modelled floor)."""
         return self.measured_ms - self.roofline_ms
 
 
 def rank_gaps(
     op_ms: dict[str, float], shape: dict[str, int], config: ModelConfig, bandwidth: float
 ) -> list[OpGap]:
-    """Ops of a profile, largest gap first (ties by op name).
-
-    Args:
-        op_ms: op -> measured ms per decode step (the engine's ``op_ms``).
-        shape: its operating point: ``layers``, ``batch_size``, ``context_len``,
-            ``dtype_bytes`` (the engine's ``op_profile_shape``).
-        config: the model's architecture.
-        bandwidth: achievable memory bandwidth, bytes/s.
-
-    Raises:
-        KeyError: ``shape`` lacks a field. ValueError: see
-            :func:`~kiln.agent_runner.op_roofline.op_bytes`.
+    """Ops of a profile, largest gap first (ties by name): ``op_ms`` and ``shape`` as the
+    engine's ``op_ms`` and ``op_profile_shape``, ``bandwidth`` in bytes/s. KeyError when
+    ``shape`` lacks a field, ValueError as :func:`~kiln.agent_runner.op_roofline.op_bytes`.
     """
     floor = roofline_ms(
         op_bytes(
@@ -82,7 +62,7 @@ def rank_gaps(
 
 
 class ProfilerAgent(Agent):
-    """Largest roofline gap first (see the module docs)."""
+    """Largest roofline gap first."""
 
     kind = "profiler"
     wants_profiles = True
@@ -117,8 +97,9 @@ class ProfilerAgent(Agent):
         return self.propose(view, lab.space)
 
     def ranking(self, view: BoardView) -> list[OpGap]:
-        """The gap ranking of the fastest correct result with a profile (recomputed when a
-        new one leads); empty without a profile or before :meth:`configure`."""
+        """The gap ranking of the fastest correct profiled result; empty without one or before
+        :meth:`configure`.
+        """
         if self.config is None:
             return []
         profiled = [s for s in view.ranked() if s.op_ms and s.op_profile_shape]
@@ -133,8 +114,9 @@ class ProfilerAgent(Agent):
         return self._ranked
 
     def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
-        """The first unclaimed, untried alternative of the op with the largest gap, on top of
-        the best candidate so far."""
+        """The first unclaimed, untried alternative of the op with the largest gap, on the best
+        so far.
+        """
         ranked = self.ranking(view)
         if not ranked:
             return None

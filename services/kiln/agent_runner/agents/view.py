@@ -1,10 +1,5 @@
-"""What one agent knows about its compilation: claims from the message board, results from
-the runner's fold of the ledger.
-
-Agents never share memory: each keeps its own :class:`BoardView`. Its claims come from the
-board's history when it starts, kept current by following the board; its results come from the
-compilation's :class:`~kiln.agent_runner.results.ResultFeed` (every search-tier result, the
-baseline's included), which tells the view of each new one as the runner judges it.
+"""What one agent knows about its compilation: claims from the board (its history, then followed)
+and results from the compilation's :class:`~kiln.agent_runner.results.ResultFeed`.
 """
 
 from __future__ import annotations
@@ -26,10 +21,9 @@ log = get_logger("kiln.agent_runner.view")
 
 @dataclass(frozen=True)
 class Seen:
-    """A result as an agent sees it: the candidate, tokens/s, whether it was measured correct
-    (status ok and correct), the agent that requested it, and its per-op profile when it has
-    one (``op_ms``: op name -> ms per decode step summed over layers; ``op_profile_shape``:
-    layers, batch_size, context_len, dtype_bytes; both empty when not profiled)."""
+    """A result as an agent sees it: candidate, tokens/s, correct (ok and correct), requesting
+    agent, and its ``op_ms`` / ``op_profile_shape`` (empty when not profiled).
+    """
 
     candidate: Candidate
     tokens_per_s: float
@@ -40,7 +34,6 @@ class Seen:
 
 
 def seen_of(result: SearchResult) -> Seen:
-    """A feed's result as :class:`Seen`."""
     return Seen(
         result.candidate,
         result.tokens_per_s,
@@ -52,19 +45,11 @@ def seen_of(result: SearchResult) -> Seen:
 
 
 class BoardView:
-    """Claims (from the board) and results (from the result feed) of one compilation.
-
-    The view takes the feed's results from when it is made until :meth:`close`; :meth:`start`
-    reads the board's claims and follows them.
-
-    Args:
-        board: the message board.
-        compilation_id: the compilation.
-        feed: its results.
+    """Claims and results of one compilation, taken from the feed until :meth:`close`.
 
     Attributes:
-        claimed: ids of candidates some agent claimed (or whose result is known).
-        results: candidate id -> the result seen for it.
+        claimed: ids of candidates claimed (or whose result is known).
+        results: candidate id -> the result seen.
     """
 
     def __init__(self, board: Board, compilation_id: str, feed: ResultFeed) -> None:
@@ -94,7 +79,6 @@ class BoardView:
 
     @property
     def compilation_id(self) -> str:
-        """The compilation this view follows."""
         return self._cid
 
     @property
@@ -122,10 +106,8 @@ class BoardView:
         return sorted(good, key=lambda s: (-s.tokens_per_s, s.candidate.id))
 
     async def start(self) -> None:
-        """Read the board's claims, then follow them in the background.
-
-        Raises:
-            nats.errors.Error: the board cannot be read.
+        """Read the board's claims, then follow them in the background; NATS errors if
+        unreadable.
         """
         for post in await self._board.history(self._cid, kinds=["claim"]):
             self.take(post)

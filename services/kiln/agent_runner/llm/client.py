@@ -1,11 +1,7 @@
-"""An async client for the OpenAI-compatible Chat Completions API.
-
-One call: ``POST {base_url}/chat/completions`` with JSON ``{"model", "messages", "temperature",
-"max_tokens"}`` and, when an API key is given, ``Authorization: Bearer <key>``; the answer's
-``choices[0].message.content`` is the completion (API reference:
-https://platform.openai.com/docs/api-reference/chat/create). 429, 5xx and connection failures
-are retried with exponential backoff (tenacity) a bounded number of times; any other 4xx, a body
-that is not JSON or a reply without choices raises at once.
+"""An async client for the OpenAI-compatible Chat Completions API (``POST
+{base_url}/chat/completions``; the completion is ``choices[0].message.content``). 429, 5xx and
+connection failures are retried with exponential backoff a bounded number of times; any other
+4xx, a body that is not JSON or a reply without choices raises at once.
 """
 
 from __future__ import annotations
@@ -34,13 +30,8 @@ Message = dict[str, str]
 
 @dataclass(frozen=True)
 class Completion:
-    """The first choice of a chat completion.
-
-    Attributes:
-        text: ``choices[0].message.content``.
-        model: the model that answered (as the server names it; the requested one if absent).
-        finish_reason: ``stop``, ``length``, ... ("" if absent).
-        prompt_tokens, completion_tokens: token usage (0 when the server reports none).
+    """The first choice of a chat completion: its text, the answering model (else the requested
+    one), ``finish_reason`` ("" if absent) and token usage (0 when not reported).
     """
 
     text: str
@@ -51,7 +42,7 @@ class Completion:
 
 
 class _Retryable(Exception):
-    """A failure worth another try (429, 5xx, connection error); carries the reason."""
+    """A failure worth another try (429, 5xx, connection error)."""
 
 
 def _excerpt(text: str, limit: int = 300) -> str:
@@ -60,10 +51,8 @@ def _excerpt(text: str, limit: int = 300) -> str:
 
 
 def parse_reply(data: Any, requested_model: str) -> Completion:
-    """A :class:`Completion` from a decoded Chat Completions response body.
-
-    Raises:
-        LLMReplyError: no ``choices``, or the first choice has no string ``message.content``.
+    """A :class:`Completion` from a decoded response body; LLMReplyError without a string
+    ``choices[0].message.content``.
     """
     if not isinstance(data, dict):
         raise LLMReplyError(f"LLM reply is not a JSON object: {_excerpt(repr(data))}")
@@ -87,17 +76,14 @@ def parse_reply(data: Any, requested_model: str) -> Completion:
 
 
 class ChatClient:
-    """Chat Completions over HTTP (use ``async with`` or call :meth:`close`).
+    """Chat Completions over HTTP (``async with`` or :meth:`close`).
 
     Args:
-        base_url: e.g. ``http://127.0.0.1:8000/v1`` (``/chat/completions`` is appended).
-        model: the model name sent with each request.
+        base_url: e.g. ``http://127.0.0.1:8000/v1``.
         api_key: bearer token, or None for no ``Authorization`` header.
-        timeout_s: deadline of one HTTP request (connect, read, write), seconds.
-        max_tokens: completion length limit, tokens.
-        temperature: sampling temperature (0..2).
-        attempts: tries per request on 429/5xx/connection errors (>= 1).
-        backoff_s: first pause between tries, seconds; doubles each retry, at most 30 s.
+        timeout_s: deadline of one HTTP request, seconds.
+        attempts: tries per request on retryable failures (>= 1).
+        backoff_s: first pause between tries, seconds; doubling, at most 30 s.
         transport: an httpx transport (tests); None = the network.
 
     Raises:
@@ -148,10 +134,9 @@ class ChatClient:
         """Ask for one completion of ``messages``.
 
         Raises:
-            LLMUnavailable: no connection, a time-out, or 429/5xx on every one of ``attempts``
-                tries (the message gives the last failure).
-            LLMRequestError: a 4xx other than 429 (the message quotes the server's answer).
-            LLMReplyError: a 2xx whose body is not JSON or has no usable first choice.
+            LLMUnavailable: every one of ``attempts`` tries failed retryably.
+            LLMRequestError: a 4xx other than 429.
+            LLMReplyError: a 2xx without JSON or a usable first choice.
         """
         body = {
             "model": self.model,

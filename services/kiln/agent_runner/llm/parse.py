@@ -1,11 +1,9 @@
 """From a completion to a validated code module registering one new implementation of one op.
 
-The module is the completion's first ```python fenced block (or the whole text when it parses as
-Python). It must parse, stay under a size limit, import only from an allow-list, call no
-dynamic-code builtin, and call ``register("<op>", "<impl>", ...)`` exactly once, for the op asked
-for and with an implementation name not registered yet. The engine's correctness gate still
-decides whether it computes the right thing; this check only refuses what cannot be a proper
-candidate, early and with a reason the LLM can be shown.
+The module is the first ```python block (or the whole text if it parses). It must parse, stay
+under a size limit, import only allowed modules, call no dynamic-code builtin, and call
+``register("<op>", "<new impl>", ...)`` exactly once for the op asked for. Correctness is the
+engine's gate's.
 """
 
 from __future__ import annotations
@@ -43,13 +41,9 @@ class ParsedModule:
     """A usable completion.
 
     Attributes:
-        op: the op it registers.
-        impl: the implementation name it registers.
-        module: the code module (name ``llm_<op>_<first 8 hex of the source's SHA-256>``).
-        explanation: the reply's text around the code block (at most
-            :data:`MAX_EXPLANATION_CHARS`).
-        devices: the device types its ``register(..., devices=(...))`` names, or None (every
-            device, or not a literal: the engine judges it when it loads the module).
+        module: the code module, named ``llm_<op>_<first 8 hex of the source's SHA-256>``.
+        explanation: the text around the code (at most :data:`MAX_EXPLANATION_CHARS`).
+        devices: the device types ``register`` names literally, or None.
     """
 
     op: str
@@ -70,10 +64,8 @@ def allowed_imports(*, triton: bool = False) -> frozenset[str]:
 
 
 def extract_code(text: str) -> tuple[str, str]:
-    """The module source in a completion and the text around it (the explanation).
-
-    Raises:
-        LLMReplyError: no closed ```python block and the text is not Python either.
+    """(module source, text around it); LLMReplyError without a closed ```python block or Python
+    text.
     """
     match = _FENCE.search(text)
     if match:
@@ -146,7 +138,7 @@ def _devices(call: ast.Call) -> tuple[str, ...] | None:
 
 
 def _registration(tree: ast.Module, op: str, taken: Collection[str]) -> ast.Call:
-    """The module's one ``register`` call, checked (op, new implementation name, not lossy)."""
+    """The module's one ``register`` call, checked."""
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     if any(_is_register(c, "unregister") for c in calls):
         raise LLMReplyError("the module calls unregister(), which is not allowed")
@@ -184,16 +176,8 @@ def parse_completion(
 ) -> ParsedModule:
     """Validate a completion as a code module registering a new implementation of ``op``.
 
-    Args:
-        text: the completion.
-        op: the op that was asked for.
-        taken: implementation names of ``op`` already in use (default: the registry's).
-        triton: allow ``import triton``.
-        max_bytes: size limit of the module source, bytes.
-
-    Raises:
-        LLMReplyError: with the reason (no code, syntax error, too large, a disallowed import
-            or name, not exactly one registration of ``op``, a taken or malformed name).
+    ``taken``: implementation names in use (default the registry's); ``triton`` allows ``import
+    triton``; ``max_bytes`` bounds the source. Raises LLMReplyError with the reason.
     """
     if taken is None:
         import kiln.ops  # noqa: F401  (registers the built-in implementations)

@@ -1,9 +1,5 @@
-"""The messages the code-writing agent sends: the contract (system) and the task (user).
-
-The user message gives the op's one-line call contract (:data:`kiln.ops.registry.OPS`), its
-reference implementation's source and its module's docstring, the op's measured time when the
-compilation's results carry a profile (``op_ms``), their history (best results and failures
-with their errors, within a character budget) and the hardware and model facts.
+"""The messages the code-writing agent sends: the contract (system) and the task (user: the op's
+call contract, its reference source, its profile, the result history and the target's facts).
 """
 
 from __future__ import annotations
@@ -20,14 +16,8 @@ from kiln.agent_runner.llm.parse import allowed_imports
 
 @dataclass(frozen=True)
 class WorkloadFacts:
-    """What the prompt says about the target.
-
-    Attributes:
-        hardware: catalogue name ("cpu", "h200", ...; "" if unknown).
-        model: the model's name ("" if unknown).
-        batch: the decode batch size measured at (None if unknown).
-        context: the context length in tokens measured at (None if unknown).
-        dtype: the model's dtype ("" if unknown).
+    """What the prompt says about the target: hardware, model, dtype ("" if unknown), batch and
+    context measured at (None if unknown).
     """
 
     hardware: str = ""
@@ -37,8 +27,9 @@ class WorkloadFacts:
     dtype: str = ""
 
     def text(self) -> str:
-        """One line, e.g. ``hardware h200; model Llama-3.2-1B (bfloat16); batch 8; context
-        2048 tokens``."""
+        """One line, e.g. ``hardware h200; model Llama-3.2-1B (bfloat16); batch 8; context 2048
+        tokens``.
+        """
         parts = [f"hardware {self.hardware or 'unknown'}"]
         model = self.model or "unknown"
         parts.append(f"model {model} ({self.dtype})" if self.dtype else f"model {model}")
@@ -74,11 +65,8 @@ block holding the whole module."""
 
 
 def reference_source(op: str) -> str:
-    """The op's reference implementation as the prompt shows it: its module's docstring and the
-    function's source (``inspect.getsource``).
-
-    Raises:
-        kiln.ops.registry.UnknownOpError: ``op`` is not an op.
+    """The op's reference implementation with its module's docstring; UnknownOpError if no such
+    op.
     """
     import kiln.ops  # noqa: F401  (registers the built-in implementations)
     from kiln.ops import registry
@@ -113,16 +101,9 @@ def build_messages(
 ) -> list[Message]:
     """The system and user messages asking for an implementation of ``op``.
 
-    Args:
-        op: the op (a key of :data:`kiln.ops.registry.OPS`).
-        facts: hardware and model facts.
-        results: the compilation's result bodies, oldest first (``op_ms`` read when present).
-        notes: why this agent's earlier replies were rejected (shown with the history).
-        history_chars: budget of the history section, characters.
-        triton: whether the module may import triton.
-
-    Raises:
-        kiln.ops.registry.UnknownOpError: ``op`` is not an op.
+    ``results``: the compilation's result bodies, oldest first; ``notes``: why this agent's
+    earlier replies were rejected; ``history_chars``: the history's budget. UnknownOpError for an
+    unknown op.
     """
     from kiln.ops import registry
 
