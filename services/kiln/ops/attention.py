@@ -1,14 +1,9 @@
 """``attention``: causal grouped-query attention over a static KV cache.
 
-Call: ``attention(q, k_cache, v_cache, positions, seq_lens) -> out``; params ``scale``.
-
-The cache holds every sequence's keys and values at their positions (this step's already
-written). Query ``t`` of sequence ``b`` sits at position ``positions[b, t]`` and sees cache slot
-``s`` when ``s <= positions[b, t]`` (causal) and ``s < seq_lens[b]`` (valid). This covers prefill
-(``T > 1``, positions ``0..T-1``), decode (``T == 1``, position = the length before the step) and
-right-padded batches of different lengths (padded queries attend to something finite; their
-outputs are garbage and unused). Grouped-query attention: query head ``h`` reads KV head
-``h // (Hq // Hkv)``, as transformers' ``repeat_kv``.
+Call: ``attention(q, k_cache, v_cache, positions, seq_lens) -> out``; params ``scale``. Query
+``t`` of sequence ``b`` at ``positions[b, t]`` sees cache slot ``s`` when ``s <= positions[b,
+t]`` and ``s < seq_lens[b]``; this step's keys are already written. Padded queries give unused
+finite output. Query head ``h`` reads KV head ``h // (Hq // Hkv)``.
 """
 
 from __future__ import annotations
@@ -22,14 +17,7 @@ Tensor = torch.Tensor
 
 
 def cache_mask(positions: Tensor, seq_lens: Tensor, cache_len: int) -> Tensor:
-    """Which cache slots each query sees.
-
-    Args:
-        positions: ``[B, T]`` int64. seq_lens: ``[B]`` int64. cache_len: S.
-
-    Returns:
-        ``[B, 1, T, S]`` bool, True where attention is allowed.
-    """
+    """``[B, 1, T, S]`` bool, True where query (``positions [B, T]``) may see a slot."""
     slots = torch.arange(cache_len, device=positions.device)
     causal = slots[None, None, :] <= positions[:, :, None]
     valid = slots[None, None, :] < seq_lens[:, None, None]
@@ -46,17 +34,14 @@ def reference(
     *,
     scale: float,
 ) -> Tensor:
-    """Explicit ``softmax(q k^T * scale + mask) v``, all in float32.
+    """Explicit ``softmax(q k^T * scale + mask) v`` in float32.
 
     Args:
         q: ``[B, Hq, T, D]`` (model dtype).
         k_cache, v_cache: ``[B, Hkv, S, D]``, Hq a multiple of Hkv.
-        positions: ``[B, T]`` int64 query positions.
-        seq_lens: ``[B]`` int64 valid cache length per sequence after this step's write.
-        scale: score multiplier (``head_dim ** -0.5`` for Llama and Qwen3).
+        positions: ``[B, T]`` int64; seq_lens: ``[B]`` int64 valid lengths after this step.
 
-    Returns:
-        ``[B, Hq, T, D]`` in ``q.dtype``.
+    Returns ``[B, Hq, T, D]`` in ``q.dtype``.
     """
     b, hq, t, d = q.shape
     hkv = k_cache.shape[1]
@@ -72,8 +57,9 @@ def reference(
 
 
 def _whole_prompt(positions: Tensor, seq_lens: Tensor, cache_len: int) -> bool:
-    """True when every row of the step is a prompt from position 0 filling exactly its ``T``
-    positions (a host sync; False while capturing a CUDA graph or tracing for compile)."""
+    """True when every row is a whole prompt from position 0 (a host sync; False while capturing
+    or compiling).
+    """
     t = positions.shape[1]
     if t > cache_len or torch.compiler.is_compiling():
         return False
@@ -93,15 +79,11 @@ def sdpa(
     *,
     scale: float,
 ) -> Tensor:
-    """``torch.nn.functional.scaled_dot_product_attention`` with ``enable_gqa`` (torch >= 2.5);
-    PyTorch picks the backend. Same contract as :func:`reference`; accumulation as the backend
-    does it (float32 on CPU and GPU).
+    """``scaled_dot_product_attention`` with ``enable_gqa``; the contract of :func:`reference`.
 
-    A whole-prompt prefill (``T > 1``, every row at positions ``0..T-1`` with ``seq_lens == T``)
-    attends causally over the first ``T`` cache slots with no mask tensor, which lets PyTorch
-    pick its flash or memory-efficient kernel (no ``[B, H, T, S]`` scores); deciding that costs
-    one device-to-host sync, so it is skipped inside CUDA-graph capture and ``torch.compile``.
-    Every other step uses the boolean cache mask."""
+    A whole-prompt prefill runs causally without a mask tensor, so PyTorch may pick a flash or
+    memory-efficient kernel; other steps use the boolean cache mask.
+    """
     t = q.shape[2]
     if t > 1 and _whole_prompt(positions, seq_lens, k_cache.shape[2]):
         return F.scaled_dot_product_attention(

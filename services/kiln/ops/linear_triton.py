@@ -1,11 +1,7 @@
 """Triton GEMV implementations of the projection ops for small-batch decode (CUDA only).
 
-At decode (``T == 1``) with at most :data:`MAX_M` sequences they run :mod:`kiln.ops.kernels.gemv`;
-prefill or larger batches take the plain-PyTorch path. Registered: ``qkv_proj`` ``triton_gemv``
-(fused QKV weight; outputs as ``qkv_proj fused``), ``o_proj`` ``triton_gemv``, ``mlp``
-``triton_gate_up`` (fused gate_up weight, SiLU·mul epilogue; falls back to ``mlp fused_gate_up``),
-``lm_head`` ``triton_gemv`` (logits rounded to the model dtype, returned as float32). Kernel modules
-are imported on first call (``TRITON_INTERPRET=1`` must precede Triton's first import).
+At decode (``T == 1``, at most :data:`MAX_M` sequences) they run the GEMV kernels; other steps
+take the plain-PyTorch path. Kernel modules are imported on first call.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ IMPL = "triton_gemv"
 
 
 def _decode_rows(x: Tensor) -> bool:
-    """True when ``x [B, T, ...]`` is a decode step the GEMV kernels take (T == 1, B <= MAX_M)."""
     return x.shape[1] == 1 and 1 <= x.shape[0] <= MAX_M
 
 
@@ -41,13 +36,8 @@ def qkv_proj_gemv(
     num_kv_heads: int,
     head_dim: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``qkv_proj`` on the fused ``[(Hq+2Hkv)*D, H]`` weight; one GEMV at decode.
-
-    Args:
-        x: ``[B, T, H]`` (model dtype).
-
-    Returns:
-        ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]``, ``v [B, Hkv, T, D]`` views, ``x.dtype``.
+    """``qkv_proj`` on the fused ``[(Hq+2Hkv)*D, H]`` weight: ``x [B, T, H]`` -> views ``q [B,
+    Hq, T, D]``, ``k``, ``v [B, Hkv, T, D]``.
     """
     if not _decode_rows(x):
         return qkv_proj_op.fused(
@@ -73,14 +63,7 @@ def qkv_proj_gemv(
 
 @register("o_proj", IMPL, devices=("cuda",))
 def o_proj_gemv(attn: Tensor, *, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``o_proj``: ``merge_heads(attn) @ weight.T + bias``; one GEMV at decode.
-
-    Args:
-        attn: ``[B, Hq, T, D]`` (model dtype).
-
-    Returns:
-        ``[B, T, H]`` in ``attn.dtype``.
-    """
+    """``o_proj``: ``merge_heads(attn [B, Hq, T, D]) @ weight.T + bias`` -> ``[B, T, H]``."""
     b, _, t, _ = attn.shape
     if t != 1 or not 1 <= b <= MAX_M:
         return o_proj_op.reference(attn, weight=weight, bias=bias)
@@ -91,14 +74,8 @@ def o_proj_gemv(attn: Tensor, *, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 @register("mlp", "triton_gate_up", derived=mlp_op.FUSED_GATE_UP, devices=("cuda",))
 def mlp_gate_up_gemv(x: Tensor, *, gate_up_weight: Tensor, down_weight: Tensor) -> Tensor:
-    """``mlp`` at decode: gate/up GEMV with the SiLU·mul epilogue, then the down GEMV. Same contract
-    as ``mlp reference``.
-
-    Args:
-        x: ``[B, T, H]`` (model dtype).
-
-    Returns:
-        ``[B, T, H]`` in ``x.dtype``.
+    """``mlp`` at decode: gate/up GEMV with the SiLU·mul epilogue, then down; the contract of
+    ``mlp reference``.
     """
     if not _decode_rows(x):
         return mlp_op.fused_gate_up(x, gate_up_weight=gate_up_weight, down_weight=down_weight)
@@ -112,15 +89,7 @@ def mlp_gate_up_gemv(x: Tensor, *, gate_up_weight: Tensor, down_weight: Tensor) 
 
 @register("lm_head", IMPL, devices=("cuda",))
 def lm_head_gemv(x: Tensor, *, weight: Tensor) -> Tensor:
-    """``lm_head``: ``F.linear(x, weight)`` in the model dtype, as float32; one GEMV when ``x`` has
-    at most :data:`MAX_M` rows.
-
-    Args:
-        x: ``[..., H]`` (model dtype).
-
-    Returns:
-        ``[..., V]`` float32.
-    """
+    """``lm_head``: ``F.linear(x [..., H], weight)`` in the model dtype -> ``[..., V]`` float32."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 1 <= rows <= MAX_M:
         return lm_head_op.reference(x, weight=weight)

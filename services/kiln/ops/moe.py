@@ -1,27 +1,19 @@
 """``moe``: the mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral), in an expert layer's
-``ffn`` slot in place of ``mlp`` (design: docs/design/kernels.md, "MoE").
+``ffn`` slot (design: docs/design/kernels.md, "MoE").
 
-Semantics of transformers' (>= 5) ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` in eval
-mode: (1) :func:`route`: ``logits = x @ router_weight.T`` in the model dtype, in float32 ``p =
-softmax(logits + router_bias)``, ``(w, e) = topk(p, top_k)``, ``w /= w.sum(-1)`` if
-``norm_topk_prob``; (2) each chosen expert computes ``down_e(silu(gate_e(x)) * up_e(x))`` in the
-model dtype, scaled by ``w`` (cast to the model dtype first when ``round_router_weights``,
-Qwen3-MoE; else in float32 then cast, Mixtral); (3) the scaled outputs are summed per token in the
-model dtype.
+Semantics of transformers' (>= 5) sparse MoE blocks in eval mode: :func:`route`; each chosen
+expert computes ``down_e(silu(gate_e(x)) * up_e(x))`` in the model dtype, scaled by its weight
+(rounded to the model dtype first when ``round_router_weights``, Qwen3-MoE; else in float32,
+Mixtral); the scaled outputs are summed per token in the model dtype.
 
-Call: ``moe(x[B, T, H]) -> [B, T, H]`` in ``x.dtype``. Params (stacked, as transformers >= 5;
-:mod:`kiln.workloads.weights`): ``router_weight`` ``[E, H]`` (HF ``mlp.gate.weight``);
-``gate_up_weight`` ``[E, 2I, H]``, gate rows ``[:I]`` then up (HF ``mlp.experts.gate_up_proj``);
-``down_weight`` ``[E, H, I]``; ``top_k`` (int), ``norm_topk_prob``, ``round_router_weights`` (bool);
-``router_bias``: kiln's float32 ``[E]`` logit bias imposing the traffic's expert-load skew on random
-weights (:mod:`kiln.workloads.models.routing`), or None.
+Call: ``moe(x[B, T, H]) -> [B, T, H]`` in ``x.dtype``. Params: ``router_weight [E, H]``,
+``gate_up_weight [E, 2I, H]`` (gate rows first), ``down_weight [E, H, I]``, ``top_k``,
+``norm_topk_prob``, ``round_router_weights``, ``router_bias`` (float32 ``[E]`` or None: kiln's
+expert-load skew, :mod:`kiln.workloads.models.routing`).
 
-Every implementation keeps shapes static and never synchronises with the host (CUDA-graph and
-``torch.compile(fullgraph=True)`` safe; scratch sized by ``N * top_k``) and shares :func:`route`:
-``reference`` (assignments sorted by expert, one grouped product per projection, summed in
-increasing expert id with a rounding after each add, as transformers' loop), ``gathered`` (each
-assignment times its expert's gathered weights; small batches), ``dense`` (every expert on every
-token: E/top_k times the FLOPs, no gather).
+Implementations keep shapes static and never synchronise with the host: ``reference`` (grouped
+by expert, summed in increasing expert id as transformers' loop), ``gathered`` (small batches),
+``dense`` (every expert on every token).
 """
 
 from __future__ import annotations
@@ -44,18 +36,10 @@ def route(
     norm_topk_prob: bool,
     router_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Top-k routing of tokens to experts (step 1 of the module docs).
+    """Top-k routing: in float32 ``softmax(x @ router_weight.T + router_bias)`` (the product in
+    the model dtype), top ``top_k`` (``1..E``), renormalised to sum 1 if ``norm_topk_prob``.
 
-    Args:
-        x: ``[N, H]`` tokens (model dtype).
-        router_weight: ``[E, H]`` (model dtype).
-        top_k: experts per token, ``1..E``.
-        norm_topk_prob: renormalise the top-k probabilities to sum to 1.
-        router_bias: float32 ``[E]`` added to the logits, or None.
-
-    Returns:
-        ``(weights [N, top_k] float32, experts [N, top_k] int64)``, experts in decreasing
-        probability (``torch.topk`` order).
+    Returns ``(weights [N, top_k] float32, experts [N, top_k] int64)`` in ``torch.topk`` order.
     """
     logits = F.linear(x, router_weight).float()
     if router_bias is not None:
@@ -69,14 +53,10 @@ def route(
 
 @dataclass(frozen=True)
 class Assignments:
-    """The ``S = N * top_k`` (token, expert) assignments of a step, sorted by expert (stable).
-
-    Attributes:
-        token: ``[S]`` int64 token of each assignment. experts: ``[S]`` int64 its expert.
-        weights: ``[S]`` its routing weight (the dtype :func:`route`'s caller chose).
-        offsets: ``[E]`` int32 cumulative ends of each expert's rows (``grouped_mm``'s ``offs``).
-        dest: ``[S]`` int64 unique row ``token * top_k + r`` of a ``[N * top_k]`` buffer, ``r`` the
-            assignment's rank among its token's experts by expert id.
+    """The ``S = N * top_k`` (token, expert) assignments sorted (stably) by expert: ``token``,
+    ``experts``, ``weights`` ``[S]``; ``offsets [E]`` int32 cumulative ends per expert
+    (``grouped_mm``'s ``offs``); ``dest [S]`` int64 row ``token * top_k + r`` (``r`` the rank
+    among its token's experts by id).
     """
 
     token: Tensor
@@ -87,12 +67,7 @@ class Assignments:
 
 
 def sort_by_expert(weights: Tensor, experts: Tensor, num_experts: int) -> Assignments:
-    """Sort :func:`route`'s ``[N, top_k]`` choices by expert, on the device (no host sync).
-
-    Args:
-        weights: ``[N, top_k]`` routing weights. experts: ``[N, top_k]`` int64 in ``0..E-1``.
-        num_experts: E.
-    """
+    """Sort :func:`route`'s ``[N, top_k]`` choices by expert, on the device (no host sync)."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -112,7 +87,6 @@ def sort_by_expert(weights: Tensor, experts: Tensor, num_experts: int) -> Assign
 
 
 def _cpu_grouped_mm() -> bool:
-    """Whether this torch runs ``grouped_mm`` on CPU tensors (probed once, at import)."""
     fn = getattr(F, "grouped_mm", None)
     if fn is None:
         return False
@@ -129,9 +103,9 @@ _ALIGN_BYTES = 16
 
 
 def grouped_mm_applies(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`grouped_linear` runs PyTorch's ``grouped_mm`` for ``x [S, K]``, ``weight [E,
-    N, K]``: bfloat16, K and N rows of 16-byte multiples, on CUDA capability >= 9.0 or a CPU whose
-    torch has it. Depends on shapes and device only, so a captured step never changes path.
+    """Whether :func:`grouped_linear` runs ``grouped_mm`` for ``x [S, K]``, ``weight [E, N, K]``
+    (bfloat16, 16-byte aligned rows, CUDA >= 9.0 or a CPU torch that has it); shapes and device
+    only.
     """
     size = x.element_size()
     if x.dtype != torch.bfloat16 or getattr(F, "grouped_mm", None) is None:
@@ -150,9 +124,8 @@ of rows).
 
 
 def gathered_linear(x: Tensor, weight: Tensor, experts: Tensor) -> Tensor:
-    """Row ``s`` of ``x [S, K]`` times ``weight[experts[s]].T`` (``weight [E, N, K]``) -> ``[S,
-    N]``, float32 accumulation, in row chunks whose gathered weights fit :data:`GATHER_BYTES`
-    (shape-determined).
+    """``x [S, K]`` row ``s`` times ``weight[experts[s]].T`` -> ``[S, N]``, float32 accumulation,
+    in chunks within :data:`GATHER_BYTES`.
     """
     s, (_, n, k) = x.shape[0], weight.shape
     rows = max(1, GATHER_BYTES // max(1, n * k * weight.element_size()))
@@ -164,10 +137,7 @@ def gathered_linear(x: Tensor, weight: Tensor, experts: Tensor) -> Tensor:
 
 
 def grouped_linear(x: Tensor, weight: Tensor, a: Assignments) -> Tensor:
-    """Rows ``x[offsets[e-1]:offsets[e]]`` times ``weight[e].T`` for every expert e: ``x [S, K]``
-    sorted by expert, ``weight [E, N, K]`` -> ``[S, N]``; one grouped GEMM where
-    :func:`grouped_mm_applies`, else :func:`gathered_linear`.
-    """
+    """Each expert's rows of ``x [S, K]`` (sorted by expert) times ``weight[e].T`` -> ``[S, N]``."""
     if grouped_mm_applies(x, weight):
         out: Tensor = F.grouped_mm(x, weight.transpose(1, 2), offs=a.offsets)
         return out
@@ -183,9 +153,7 @@ def _routed(
     round_router_weights: bool,
     router_bias: Tensor | None,
 ) -> tuple[Tensor, Assignments]:
-    """``x [B, T, H]`` flattened to ``[N, H]``, and its assignments sorted by expert (weights
-    rounded to the model dtype when ``round_router_weights``).
-    """
+    """``x`` flattened to ``[N, H]`` and its assignments sorted by expert."""
     flat = x.reshape(-1, x.shape[-1])
     weights, experts = route(
         flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias
@@ -196,9 +164,8 @@ def _routed(
 
 
 def _combine(flat: Tensor, a: Assignments, ys: Tensor, top_k: int) -> Tensor:
-    """Scale each assignment's expert output by its weight, round to the model dtype, and add per
-    token in increasing expert id, rounding after each add (transformers' ``index_add_`` order;
-    deterministic): ``[N, H]``.
+    """``[N, H]``: weighted expert outputs added per token in increasing expert id, rounding
+    after each add.
     """
     scaled = (ys * a.weights[:, None]).to(flat.dtype)
     n, h = flat.shape
@@ -223,13 +190,8 @@ def reference(
     round_router_weights: bool,
     router_bias: Tensor | None = None,
 ) -> Tensor:
-    """Assignments sorted by expert, one grouped product per projection (module docs).
-
-    Args:
-        x: ``[B, T, H]`` (model dtype); params as in the module docs.
-
-    Returns:
-        ``[B, T, H]`` in ``x.dtype``.
+    """Assignments sorted by expert, one grouped product per projection: ``x [B, T, H]`` ->
+    ``[B, T, H]`` in ``x.dtype``.
     """
     flat, a = _routed(
         x, router_weight, gate_up_weight.shape[0], top_k, norm_topk_prob, round_router_weights,
@@ -252,9 +214,7 @@ def gathered(
     round_router_weights: bool,
     router_bias: Tensor | None = None,
 ) -> Tensor:
-    """Each assignment times its own expert's gathered weights (:func:`gathered_linear`, scratch
-    bounded by :data:`GATHER_BYTES`). Same contract as :func:`reference`.
-    """
+    """Each assignment times its expert's gathered weights; the contract of :func:`reference`."""
     flat, a = _routed(
         x, router_weight, gate_up_weight.shape[0], top_k, norm_topk_prob, round_router_weights,
         router_bias,
@@ -276,9 +236,8 @@ def dense(
     round_router_weights: bool,
     router_bias: Tensor | None = None,
 ) -> Tensor:
-    """Every expert on every token (``bmm`` over ``[E, N, H]``), combined through a dense ``[N, E]``
-    weight matrix in float32: E/top_k times the reference's FLOPs, scratch ``E * N * (2I + H)``
-    elements. Same contract as :func:`reference`.
+    """Every expert on every token (E/top_k times the FLOPs, scratch ``E * N * (2I + H)``); the
+    contract of :func:`reference`.
     """
     b, t, h = x.shape
     flat = x.reshape(-1, h)

@@ -1,11 +1,9 @@
 """Op implementations chosen by name.
 
-Every op of the decoder (``OPS``) has a plain-PyTorch ``reference`` and any number of alternatives
-(:func:`register`, :func:`get`). An implementation is a function: positional call tensors (the same
-for every implementation of the op), keyword params bound once per call site (weights, config
-scalars), tensors out. One needing weights in another layout names a :class:`Derivation`, computed
-once per site and cached in the weight store. Importing :mod:`kiln.ops` registers the built-ins; a
-candidate's module registers more (``replace=True`` on hot reload).
+Every op (``OPS``) has a plain-PyTorch ``reference`` and any number of alternatives. An
+implementation takes the op's positional call tensors and keyword params bound once per call
+site (weights, config scalars) and returns tensors; one needing another weight layout names a
+:class:`Derivation`. Importing :mod:`kiln.ops` registers the built-ins.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class OpLookupError(KeyError):
-    """Base of the registry's lookup errors; ``str()`` is the plain message (not repr-quoted
-    like a bare ``KeyError``)."""
+    """Base of the lookup errors; ``str()`` is the plain message."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -63,10 +60,8 @@ class DuplicateImplementationError(ValueError):
 class Derivation:
     """A named weight-layout transform, e.g. ``Derivation("fused_qkv", fuse)``.
 
-    ``fn`` maps an op site's base params (the keyword params the ``reference`` implementation
-    takes: weights as stored in the checkpoint, plus config scalars) to the params the deriving
-    implementation takes. It must not modify its input. Engines cache its result per
-    (``name``, site), so ``name`` must identify the transform (and its parameters) uniquely.
+    ``fn`` maps a site's base params to the deriving implementation's params without modifying
+    its input; results are cached per (``name``, site), so ``name`` must identify the transform.
     """
 
     name: str
@@ -78,17 +73,12 @@ class OpImpl:
     """One registered implementation of an op.
 
     Attributes:
-        op: the op name (a key of :data:`OPS`).
-        name: the implementation name (``"reference"``, ``"sdpa"``, ...).
-        fn: the function; positional call tensors, keyword params.
-        lossy: True when it changes results beyond dtype rounding (quantization); used only when a
-            candidate opts in, and reported.
-        derived: the weight transform it needs, or None to take the base params.
-        devices: the device types it runs on, or None for every device; search spaces offer it only
-            there.
-        capturable: False when a call synchronises with the host or has data-dependent shapes;
-            search spaces never pair it with ``cuda_graph``. Every built-in is capturable.
-        alias_of: the implementation this older name now runs; search spaces do not offer aliases.
+        lossy: changes results beyond dtype rounding; used only when a candidate opts in.
+        derived: the weight transform it needs, or None.
+        devices: the device types it runs on (None: all).
+        capturable: False when a call syncs with the host or has data-dependent shapes (never
+            paired with ``cuda_graph``).
+        alias_of: the implementation this older name runs (aliases are not offered).
     """
 
     op: str
@@ -129,11 +119,11 @@ def register(
     alias_of: str | None = None,
     replace: bool = False,
 ) -> Callable[[F], F]:
-    """Decorator registering ``fn`` as implementation ``impl`` of ``op``; returns ``fn`` unchanged.
+    """Decorator registering ``fn`` as ``impl`` of ``op``; returns ``fn`` unchanged.
 
     Raises:
         UnknownOpError: ``op`` is not one of :data:`OPS`.
-        DuplicateImplementationError: ``impl`` is registered already and ``replace`` is False.
+        DuplicateImplementationError: ``impl`` exists and ``replace`` is False.
         ValueError: ``impl`` is empty.
     """
     impls = _check_op(op)
@@ -155,11 +145,8 @@ def register(
 
 
 def unregister(op: str, impl: str) -> None:
-    """Remove an implementation (a code module being unloaded). The reference cannot be removed.
-
-    Raises:
-        UnknownOpError, UnknownImplementationError: no such op or implementation.
-        ValueError: ``impl`` is ``"reference"``.
+    """Remove an implementation (not ``reference``: ValueError); UnknownOpError or
+    UnknownImplementationError when there is none.
     """
     get(op, impl)
     if impl == REFERENCE:
@@ -173,22 +160,15 @@ def ops() -> tuple[str, ...]:
 
 
 def implementations(op: str) -> tuple[str, ...]:
-    """The implementation names registered for ``op``, ``reference`` first, then sorted.
-
-    Raises:
-        UnknownOpError: ``op`` is not one of :data:`OPS`.
+    """Implementation names of ``op``, ``reference`` first, then sorted; UnknownOpError if
+    unknown.
     """
     names = _check_op(op)
     return tuple(sorted(names, key=lambda n: (n != REFERENCE, n)))
 
 
 def get(op: str, impl: str = REFERENCE) -> OpImpl:
-    """The implementation ``impl`` of ``op``.
-
-    Raises:
-        UnknownOpError: ``op`` is not one of :data:`OPS` (the message lists them).
-        UnknownImplementationError: no implementation ``impl`` (the message lists the known ones).
-    """
+    """The implementation ``impl`` of ``op``; UnknownOpError or UnknownImplementationError."""
     impls = _check_op(op)
     try:
         return impls[impl]

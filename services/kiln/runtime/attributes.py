@@ -1,7 +1,5 @@
 """Snapshots of a module's, class's or instance's attributes by identity, down to what each
-function, method, property or partial wraps (code, defaults, closure cells): what changed since,
-and putting it back. The building block of :class:`kiln.runtime.integrity.HarnessFingerprint`
-and of the engine's watch on its measured model.
+function, method, property or partial wraps: what changed since, and putting it back.
 """
 
 from __future__ import annotations
@@ -22,9 +20,9 @@ _EMPTY = object()
 
 
 def _parts(value: object) -> tuple[object, ...]:
-    """The mutable insides of a callable that change what it does without changing its
-    identity: a function's code, defaults and closure cells; what a method, property or
-    ``functools.partial`` wraps. Empty for anything else (never calls user code)."""
+    """The mutable insides of a callable (code, defaults, closure cells; what a method, property
+    or partial wraps); empty for anything else. Never calls user code.
+    """
     t = type(value)
     if t is types.FunctionType:
         fn: Any = value
@@ -57,8 +55,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def _torch_rewrap(old: object, new: object) -> bool:
-    """True when ``new`` is torch's own wrapper of ``old`` (``functools.wraps``, code inside
-    the torch package): importing ``torch._dynamo`` replaces ``torch.manual_seed`` so."""
+    """True when ``new`` is torch's own ``functools.wraps`` wrapper of ``old``."""
     if getattr(new, "__wrapped__", None) is not old:
         return False
     code = getattr(new, "__code__", None)
@@ -81,9 +78,9 @@ _KEYWORDS = operator.attrgetter("keywords")
 
 @dataclass
 class _Insides:
-    """The wrapped values of a namespace, grouped so that the identities of their insides are
-    read by C-level ``map``/``attrgetter`` (:meth:`signature`): comparing a namespace of a
-    thousand functions costs tens of microseconds, not milliseconds."""
+    """The wrapped values of a namespace, grouped so their insides' identities are compared at C
+    level.
+    """
 
     functions: list[types.FunctionType] = field(default_factory=list)
     cells: list[types.CellType] = field(default_factory=list)
@@ -118,9 +115,7 @@ class _Insides:
         self.cells.extend(c for c in fn.__closure__ or () if _cell_full(c))
 
     def objects(self) -> list[object]:
-        """The insides, in a fixed order: each function's code, defaults and keyword defaults,
-        each closure cell's contents, each method's function, each property's accessors, each
-        partial's function, arguments, keyword dict and keyword values."""
+        """The insides, in a fixed order."""
         return list(
             itertools.chain(
                 itertools.chain.from_iterable(map(_FN, self.functions)),
@@ -140,17 +135,12 @@ def _identical(a: list[object], b: list[object]) -> bool:
 
 @dataclass
 class AttributeSnapshot:
-    """The attributes of one module, class or instance at one moment, by identity (and, for
-    functions, methods, properties and partials, what they wrap: see :func:`_parts`).
+    """The attributes of one module, class or instance at one moment, by identity.
 
     Args:
-        label: how changes are named (``"kiln.runtime.engine.compare"``).
-        owner: the module, class or instance.
-        additions: whether a new attribute counts as a change (classes: it can shadow an
-            inherited one; modules gain attributes legitimately, e.g. lazily imported
-            submodules).
-        keys: only these attributes (None: all).
-        ignore: attributes left out (e.g. a model's op binding, which hot reload swaps).
+        label: how changes are named.
+        additions: whether a new attribute counts as a change.
+        keys: only these attributes (None: all); ignore: attributes left out.
     """
 
     label: str
@@ -187,8 +177,7 @@ class AttributeSnapshot:
         return self
 
     def unchanged(self) -> bool:
-        """True when every attribute and its insides are the recorded objects (fast: C-level
-        maps over identities)."""
+        """True when every attribute and its insides are the recorded objects."""
         now = self.current()
         return (
             len(now) == len(self._order)
@@ -197,8 +186,7 @@ class AttributeSnapshot:
         )
 
     def changes(self) -> Iterator[str]:
-        """One line per attribute replaced, deleted, modified in place or (``additions``)
-        added since :meth:`take`."""
+        """One line per attribute replaced, deleted, modified in place or (``additions``) added."""
         now = self.current()
         if not (len(now) == len(self._order) and all(map(operator.is_, now.values(), self._order))):
             for key, value in self.values.items():
@@ -216,10 +204,8 @@ class AttributeSnapshot:
                 yield f"{self.label}.{key} modified in place (code, defaults or closure)"
 
     def restore(self) -> None:
-        """Put the recorded attributes back and delete added ones (``additions``).
-
-        Raises:
-            TypeError, AttributeError: the owner refuses the assignment (immutable type).
+        """Put the recorded attributes back and delete added ones; TypeError or AttributeError
+        when the owner refuses.
         """
         now = self.current()
         put = _setter(self.owner)

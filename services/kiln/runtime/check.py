@@ -1,20 +1,11 @@
 """Correctness of a candidate: its logits against the reference forward's on fresh inputs
 (rationale: docs/design/engine.md, "Check").
 
-Each experiment draws new random prompts (right-padded, varied lengths) and decode tokens from its
-seed, runs the candidate first and the reference second on its own copy of the inputs, and compares
-every step's logits. Outputs already returned are poisoned (NaN) before each call. The gate
-(:meth:`kiln.runtime.engine.Engine.run`) checks (1) the first decode step at the traffic shape, (2)
-a prefill plus decode steps at a small batch, and (3) ``k`` timed steps chosen uniformly after the
-fact (:class:`TimedOutputs`).
-
-Tolerance: ``max |candidate - reference| <= rtol x max |reference|`` over all checked logits, and
-the same argmax wherever the reference's top-2 margin exceeds twice that; rtol float32 1e-3,
-bfloat16 5e-2, float16 1e-2. In bfloat16/float16 that is a floor: a candidate may also be
-:data:`NOISE_FACTOR` times as far from a float32 forward (:mod:`kiln.runtime.exact`) as the
-reference is (:func:`compare`). MoE models are checked routing-aware
-(:mod:`kiln.runtime.moe_check`); lossy candidates (opted in) are held to :data:`LOSSY_RTOL`. What a
-candidate may do besides computing is watched by :mod:`kiln.runtime.integrity`.
+Tolerance: ``max |candidate - reference| <= rtol x max |reference|`` over all checked logits,
+with the same argmax wherever the reference's top-2 margin exceeds twice that; rtol float32 1e-3,
+bfloat16 5e-2, float16 1e-2. In reduced precision a candidate may also be :data:`NOISE_FACTOR`
+times as far from a float32 forward as the reference is. Lossy candidates (opted in) are held to
+:data:`LOSSY_RTOL`; MoE models are checked routing-aware (:mod:`kiln.runtime.moe_check`).
 """
 
 from __future__ import annotations
@@ -41,12 +32,8 @@ class EngineFault(RuntimeError):
 
 @dataclass(frozen=True)
 class CheckInputs:
-    """Fresh inputs of one check.
-
-    Attributes:
-        tokens: ``[B, P]`` int64 prompts, right-padded.
-        seq_lens: ``[B]`` int64 prompt lengths in ``[ceil(P/2), P]`` (row 0 is P).
-        decode: ``[steps, B, 1]`` int64 tokens fed to the decode steps.
+    """Fresh inputs of one check: ``tokens [B, P]`` int64 right-padded prompts, ``seq_lens [B]``
+    int64 in ``[ceil(P/2), P]`` (row 0 is P), ``decode [steps, B, 1]`` int64.
     """
 
     tokens: Tensor
@@ -69,14 +56,9 @@ class CheckInputs:
 
 @dataclass(frozen=True)
 class CheckResult:
-    """Verdict of one comparison.
-
-    Attributes:
-        correct: within tolerance, same decisive argmax, shapes equal, all finite.
-        max_abs_error: largest ``|candidate - reference|`` (``inf`` for non-finite outputs or
-            mismatched shapes).
-        tolerance: the absolute bound applied (``rtol x max |reference|``).
-        reason: why not correct (empty when correct).
+    """Verdict of one comparison: ``correct`` (within tolerance, same decisive argmax, shapes
+    equal, finite), ``max_abs_error`` (inf for non-finite or mismatched outputs), ``tolerance``
+    (the absolute bound applied) and ``reason`` ("" when correct).
     """
 
     correct: bool
@@ -86,10 +68,8 @@ class CheckResult:
 
 
 class OutputGuard:
-    """Holds the logits a model returned and poisons them (NaN) before its next call.
-
-    Args:
-        protected: storage addresses never to poison (weights, KV caches).
+    """Holds the logits a model returned and poisons them (NaN) before its next call; never
+    poisons storage at the ``protected`` addresses (weights, KV caches).
     """
 
     def __init__(self, protected: set[int]) -> None:
@@ -120,10 +100,8 @@ def _copy(out: object) -> Tensor:
 
 
 def run_steps(calls: Sequence[Callable[[], object]], guard: OutputGuard) -> list[Tensor]:
-    """Run each call (prefill, then decode steps) with poisoning; float32 copies of the outputs.
-
-    Raises:
-        TypeError: a call returned something other than a tensor.
+    """Run each call with poisoning; float32 copies of the outputs. TypeError if one is not a
+    tensor.
     """
     outs: list[Tensor] = []
     for call in calls:
@@ -145,13 +123,10 @@ def compare(
 
     Args:
         rtol: the tolerance is ``rtol x max |reference|`` over every step and row.
-        rows: per step, ``[B]`` bool rows to compare (the rest need only be finite); all rows when
-            None (MoE: :meth:`kiln.runtime.moe_check.RoutedCheck.rows`). The scale stays the
-            reference's largest logit over all rows.
-        exact: the same steps in float32 over the same weights (:mod:`kiln.runtime.exact`), for a
-            reduced-precision model: the candidate must then be within ``max(NOISE_FACTOR x noise,
-            rtol x max |reference| + noise)`` of it, ``noise`` = max |reference - exact| over the
-            compared rows (never stricter than the fixed tolerance).
+        rows: per step, ``[B]`` bool rows to compare (the rest need only be finite); None: all.
+        exact: the same steps in float32 arithmetic; then the candidate must be within
+            ``max(NOISE_FACTOR x noise, rtol x max |reference| + noise)`` of it, ``noise`` = max
+            |reference - exact| over the compared rows.
 
     Raises:
         EngineFault: the reference's (or the exact) logits are not finite.
@@ -206,13 +181,9 @@ def compare(
 
 
 class TimedOutputs:
-    """Copies of the outputs of ``k`` timed steps, chosen uniformly among however many run
-    (reservoir sampling, Vitter's algorithm R), each decision drawn from ``random.SystemRandom``
-    after the step's call returned. Copies are float32 ``[B, V]``; at most ``k`` held at once, about
-    ``k (1 + ln(n / k))`` made over ``n`` steps.
-
-    Args:
-        k: how many steps to keep (0: none).
+    """float32 ``[B, V]`` copies of the outputs of ``k`` timed steps chosen uniformly among
+    however many run (reservoir sampling), each choice drawn from ``random.SystemRandom`` after
+    the step returned. At most ``k`` held at once.
     """
 
     def __init__(self, k: int) -> None:
@@ -222,11 +193,8 @@ class TimedOutputs:
         self._rng = random.SystemRandom()
 
     def offer(self, step: int, out: object) -> Callable[[], None] | None:
-        """Consider the output of timed step ``step`` (0-based): return the copy to make (run
-        outside the timed interval, :mod:`kiln.runtime.timing`), or None.
-
-        Raises:
-            TypeError: ``out`` is not a tensor (the forward must return logits).
+        """The copy to make of timed step ``step``'s output (outside the timed interval), or
+        None. TypeError if ``out`` is not a tensor.
         """
         if not isinstance(out, Tensor):
             raise TypeError(f"the forward returned {type(out).__name__}, not a tensor of logits")

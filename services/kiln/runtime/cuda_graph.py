@@ -1,11 +1,7 @@
-"""The ``cuda_graph`` transform: the whole decode step at the traffic shape as one CUDA graph.
-
-Eager warm-up on a side stream, then capture into a private pool (PyTorch's whole-network recipe);
-each call copies the tokens into the static input and replays. The captured step reads and advances
-the static cache's lengths on the device; the host side follows through
-:meth:`StaticKVCache.advanced_on_device`. Only the captured shape (``[batch, 1]`` with ``batch``
-sequences active) replays; any other call runs eagerly through the same bound ops. The graph is
-dropped when the experiment ends.
+"""The ``cuda_graph`` transform: the whole decode step at the traffic shape as one CUDA graph
+(rationale: docs/design/engine.md). Only the captured shape replays; any other call runs eagerly
+through the same bound ops. The host follows the lengths the graph advances through
+:meth:`StaticKVCache.advanced_on_device`.
 """
 
 from __future__ import annotations
@@ -24,19 +20,9 @@ eager ops, and ``torch.compile`` compiles on the first)."""
 
 
 class DecodeGraph:
-    """A captured decode step of ``model`` at its cache's active batch.
-
-    Args:
-        model: the measured model, bound to the candidate's ops (and transforms), on CUDA, with the
-            cache at the operating point (``batch`` sequences active).
-        warmup_iters: eager iterations before capture.
-
-    Attributes:
-        capture_ms: wall time of warm-up plus capture, ms.
-        batch: the captured batch (sequences).
-
-    Raises:
-        RuntimeError: the model is not on CUDA, or capture failed (CUDA's message).
+    """A captured decode step of ``model`` (on CUDA, its cache at the operating point) at the
+    active batch; ``capture_ms`` is warm-up plus capture. RuntimeError when not on CUDA or
+    capture fails.
     """
 
     def __init__(self, model: DecoderModel, warmup_iters: int = WARMUP_ITERS) -> None:
@@ -65,12 +51,9 @@ class DecodeGraph:
         self.capture_ms = (time.perf_counter() - start) * 1e3
 
     def __call__(self, tokens: Tensor) -> Tensor:
-        """Decode step (same contract as :meth:`DecoderModel.decode_step`): replay when
-        ``tokens`` is ``[batch, 1]`` with ``batch`` sequences active, else run eagerly.
-
-        Returns:
-            ``[batch, V]`` float32 logits: the graph's static output buffer on replay (the next
-            call overwrites it).
+        """Decode step (the contract of :meth:`DecoderModel.decode_step`): replays for ``[batch,
+        1]``, else eager. On replay the logits are the graph's static buffer, overwritten by the
+        next call.
         """
         cache = self.model.cache
         if tokens.shape != self._tokens.shape or cache.batch != self.batch:
@@ -87,11 +70,8 @@ class DecodeGraph:
 
 
 def install(model: DecoderModel) -> tuple[DecodeGraph, Callable[[], None]]:
-    """Capture ``model``'s decode step and route :meth:`DecoderModel.decode_step` through it
-    (on this instance only); returns the graph and the undo.
-
-    Raises:
-        RuntimeError: see :class:`DecodeGraph`.
+    """Capture ``model``'s decode step and route this instance's ``decode_step`` through it;
+    returns the graph and the undo. RuntimeError as :class:`DecodeGraph`.
     """
     graph = DecodeGraph(model)
     model.__dict__["decode_step"] = graph

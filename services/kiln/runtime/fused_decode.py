@@ -1,28 +1,19 @@
-"""The ``fused_decode`` transform: a decode step of any dense decoder kiln builds (Llama, Qwen3) as
-a short chain of fused kernels (rationale and measurements: docs/design/kernels.md).
+"""The ``fused_decode`` transform: a decode step of any dense decoder kiln builds (Llama, Qwen3)
+as a short chain of fused kernels (design: docs/design/kernels.md).
 
-A layer is: (1) RMSNorm → QKV product → (Qwen3 per-head Q/K RMSNorm) → RoPE → K/V cache write (one
-kernel, :func:`kiln.ops.kernels.qkv_rope.rms_norm_qkv_rope`, without Q/K norms at a matrix-vector
-batch; else the product then :func:`kiln.ops.kernels.qk_norm_rope.qk_norm_rope`); (2) split-KV
-attention and its combine (:func:`kiln.ops.kernels.decode_attention.decode_attention`); (3)
-``o_proj`` + residual; (4) RMSNorm → gate/up → SiLU·mul; (5) ``down`` + residual; then the final
-RMSNorm and LM head. Products run as :mod:`kiln.ops.kernels.gemv` kernels or as cuBLAS GEMMs with
-add+RMSNorm fused in :func:`kiln.ops.kernels.add_rms_norm.add_rms_norm`. Rounding follows the
-reference ops (projections in the model dtype, norms and RoPE in float32): outputs match within the
+A layer: RMSNorm, QKV, (Q/K norm), RoPE and KV write; split-KV attention and combine; ``o_proj``
++ residual; RMSNorm, gate/up and SiLU·mul; ``down`` + residual; then the final norm and LM head.
+Products run as matrix-vector kernels or cuBLAS GEMMs. Outputs match the reference within the
 engine's bf16 tolerance.
 
-Parameters (strings; unset = each kernel's default for its shape): ``projections`` (``gemv``:
-matrix-vector kernels up to :data:`kiln.ops.kernels.gemv.MAX_M` sequences, tensor cores above;
-``tensor_core``: GEMMs at every batch; unset: GEMV below :data:`TENSOR_CORE_BATCH`), ``block_k``,
-``num_warps`` (all matrix-vector kernels), ``o_block_n``, ``gate_up_block_n``, ``down_block_n``,
-``down_split_k``, ``lm_block_n`` (output rows per program), ``qkv_block`` (rotary pairs per program
-of the fused QKV kernel; rows per program where the product runs apart), ``split_s`` (cache
-positions per attention split), ``fused_combine`` (1: splits combined by the last program of each
-group; 0: a second kernel), ``pdl`` (:mod:`kiln.ops.kernels.pdl`: 0 off, 1 wait then release, 2
-release then wait; default :data:`DEFAULT_PDL`; ignored before Hopper).
+Parameters (strings; unset = each kernel's default for its shape): ``projections`` (``gemv`` up
+to :data:`kiln.ops.kernels.gemv.MAX_M` sequences, ``tensor_core`` always; unset: GEMV below
+:data:`TENSOR_CORE_BATCH`), ``block_k``, ``num_warps``, ``o_block_n``, ``gate_up_block_n``,
+``down_block_n``, ``down_split_k``, ``lm_block_n``, ``qkv_block``, ``split_s`` (cache positions
+per attention split), ``fused_combine`` (0/1), ``pdl`` (0 off, 1 wait then release, 2 release
+then wait; default :data:`DEFAULT_PDL`; ignored before Hopper).
 
-Takes the models :func:`unsupported_reason` accepts; multi-token steps (prefill, the check's
-prompts) run through the bound ops. Needs Triton on CUDA (or its interpreter, for tests).
+Multi-token steps run through the bound ops. Needs Triton on CUDA (or its interpreter).
 """
 
 from __future__ import annotations
@@ -117,11 +108,9 @@ def _int_params(params: Mapping[str, str]) -> tuple[dict[str, int], str | None]:
 
 
 def unsupported_reason(config: ModelConfig) -> str | None:
-    """Why ``fused_decode`` cannot run ``config`` on a CUDA engine, or None when it can.
-
-    The one statement of the fused path's reach (:class:`FusedDecode` raises with it; search spaces
-    leave the transform out): any dense decoder (Q/K norms, any GQA ratio, even head_dim up to 256,
-    tied or untied LM head, llama3 RoPE); not experts, MLA or projection biases.
+    """Why ``fused_decode`` cannot run ``config`` on a CUDA engine, or None: any dense decoder
+    runs (Q/K norms, any GQA ratio, even head_dim up to 256, llama3 RoPE); not experts, MLA or
+    biases.
     """
     if config.is_moe:
         return f"fused_decode: {config.name} has experts (dense models only)"
@@ -136,9 +125,7 @@ def unsupported_reason(config: ModelConfig) -> str | None:
 
 @dataclass(frozen=True)
 class _Layer:
-    """One layer's tensors for the fused chain (views of, or layouts derived from, the
-    engine's weight store); ``q_norm``/``k_norm`` ``[D]`` or None.
-    """
+    """One layer's tensors for the chain (weight-store views or derived layouts)."""
 
     input_norm: Tensor
     input_eps: float
@@ -208,10 +195,8 @@ def attention_default(
     *, cache_batch: int, kv_heads: int, cache_len: int, head_dim: int = 128
 ) -> Any:
     """The split-KV attention launch for a cache of ``cache_len`` positions: tensor-core scores,
-    splits of 64 positions, doubled (up to 512) while ``batch x kv_heads x splits`` exceeds
-    :data:`ATTENTION_PROGRAMS`; heads over 128 wide take blocks of 32 (not measured). Within 5 % of
-    the best launch of ``benchmarks/attention_sweep.py`` on an H200 at each shape measured
-    (docs/design/kernels.md).
+    splits of 64 positions doubled (up to 512) while ``batch x kv_heads x splits`` exceeds
+    :data:`ATTENTION_PROGRAMS`, blocks of 32 for heads over 128 wide (docs/design/kernels.md).
     """
     from kiln.ops.kernels.decode_attention import DecodeAttentionConfig
 
@@ -222,17 +207,12 @@ def attention_default(
 
 
 class FusedDecode:
-    """The fused decode step of ``model`` (same contract as
-    :meth:`DecoderModel.decode_step`); built once per experiment.
-
-    Args:
-        model: a dense decoder (:func:`unsupported_reason` None) on a device Triton runs on, bound
-            to any ops (they serve the steps the fused path does not take).
-        params: the transform's parameters (strings).
+    """The fused decode step of ``model`` (the contract of :meth:`DecoderModel.decode_step`);
+    built once per experiment. The bound ops serve the steps the fused path does not take.
 
     Raises:
-        FusedDecodeUnsupported: the model does not fit (the reason of :func:`unsupported_reason`) or
-            a parameter is unknown or out of range.
+        FusedDecodeUnsupported: the model does not fit, or a parameter is unknown or out of
+            range.
         kiln.ops.kernels.runtime.KernelUnavailableError: no Triton, or a CPU without the
             interpreter.
     """
@@ -348,17 +328,8 @@ class FusedDecode:
         return batch >= self.tensor_core_batch or batch > self.max_m
 
     def __call__(self, tokens: Tensor) -> Tensor:
-        """One decode step.
-
-        Args:
-            tokens: ``[B, 1]`` int64, B the cache's active batch.
-
-        Returns:
-            ``[B, V]`` float32 logits (rounded to the model dtype first, as the reference LM head
-            does).
-
-        Raises:
-            kiln.workloads.models.kv_cache.CacheCapacityError: as the eager step.
+        """One decode step: ``tokens [B, 1]`` int64 -> ``[B, V]`` float32 logits (rounded to the
+        model dtype first). Raises CacheCapacityError as the eager step.
         """
         cache = self.model.cache
         if tokens.shape != (cache.batch, 1):
@@ -368,9 +339,7 @@ class FusedDecode:
         return self._gemv_step(tokens, cache)
 
     def _prologue(self, i: int, layer: _Layer, x: Tensor, pos: Tensor, cache: Any) -> Tensor:
-        """q ``[B, Hq, D]`` from the QKV product ``x [B, (Hq + 2Hkv) D]``: Q/K norms, RoPE, and
-        k/v written into the cache.
-        """
+        """q ``[B, Hq, D]`` from the QKV product; Q/K norms, RoPE and the cache write."""
         return self._qk_norm_rope(
             x, layer.q_norm, layer.k_norm, layer.qk_eps, self.cos, self.sin, pos,
             cache.k[i], cache.v[i], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -378,9 +347,7 @@ class FusedDecode:
         )  # fmt: skip
 
     def _gemv_step(self, tokens: Tensor, cache: Any) -> Tensor:
-        """The step with matrix-vector products (norms and residual adds in their prologues
-        and epilogues).
-        """
+        """The step with matrix-vector products."""
         rms_norm_qkv_rope, decode_attention = self._qkv_rope, self._attention
         gemv, rms_norm_gemv = self._gemv, self._norm_gemv
         positions, seq_lens = cache.next_positions()
@@ -418,9 +385,7 @@ class FusedDecode:
         return logits.float()
 
     def _gemm_step(self, tokens: Tensor, cache: Any) -> Tensor:
-        """The step with tensor-core GEMMs (cuBLAS); the residual add of each product is fused
-        into the next RMSNorm.
-        """
+        """The step with cuBLAS GEMMs, each residual add fused into the next RMSNorm."""
         add_rms_norm, decode_attention = self._add_rms_norm, self._attention
         positions, seq_lens = cache.next_positions()
         b = tokens.shape[0]
@@ -445,19 +410,15 @@ class FusedDecode:
 
 
 def _pending(s: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """``(x, residual)`` arguments of ``add_rms_norm`` that add ``delta`` (when there is one)
-    to the residual stream ``s`` before the norm.
+    """``(x, residual)`` of ``add_rms_norm`` adding ``delta`` (if any) to the residual stream
+    ``s``.
     """
     return (s, None) if delta is None else (delta, s)
 
 
 def install(model: DecoderModel, params: Mapping[str, str]) -> Callable[[], None]:
-    """Route ``model``'s decode step through :class:`FusedDecode` (this instance only);
-    returns the undo. Apply before ``cuda_graph`` so the graph captures the fused step.
-
-    Raises:
-        FusedDecodeUnsupported, kiln.ops.kernels.runtime.KernelUnavailableError: as
-            :class:`FusedDecode`.
+    """Route ``model``'s decode step through :class:`FusedDecode` (this instance only) and return
+    the undo; apply before ``cuda_graph``. Raises as :class:`FusedDecode`.
     """
     fused = FusedDecode(model, params)
     model.__dict__["decode_step"] = fused

@@ -1,11 +1,6 @@
-"""The gate's comparisons against the engine's reference models: the candidate's first step at the
-traffic shape plus a fresh prefill/decode check (:meth:`GateChecks._check`), and the kept timed
-steps after timing (:meth:`GateChecks._verify`).
-
-Tolerances by dtype (:mod:`kiln.runtime.check`); in bfloat16/float16 each comparison also runs the
-float32 exact forward (:mod:`kiln.runtime.exact`); on an MoE model comparisons are routing-aware and
-every MoE layer is also checked on the reference's own inputs (:mod:`kiln.runtime.moe_check`). The
-reference always gets its own copy of every input.
+"""The gate's comparisons against the engine's reference models: the first step at the traffic
+shape plus a fresh prefill/decode check (:meth:`GateChecks._check`), and the kept timed steps
+(:meth:`GateChecks._verify`). The reference always gets its own copy of every input.
 """
 
 from __future__ import annotations
@@ -40,14 +35,12 @@ def _compare(
     rows: list[Tensor] | None,
     exact: list[Tensor] | None,
 ) -> CheckResult:
-    """:func:`~kiln.runtime.check.compare`, with ``rows`` and ``exact`` only when given."""
     extra = {k: v for k, v in (("rows", rows), ("exact", exact)) if v is not None}
     return compare(got, want, rtol, **extra)
 
 
 class GateChecks:
-    """The comparison phases of :class:`~kiln.runtime.engine.Engine` (a base class of it;
-    the attributes below are the engine's, set when it is built)."""
+    """The comparison phases of :class:`~kiln.runtime.engine.Engine` (a base class of it)."""
 
     spec: EngineSpec
     device: torch.device
@@ -65,18 +58,9 @@ class GateChecks:
     def _verify(
         self, kept: TimedOutputs, tokens: Tensor, rtol: float, timed: int, notes: list[str]
     ) -> CheckResult:
-        """The reference's decode step on each kept timed step's token, at the same cache state
-        (every timed step starts at ``context_len``), against the kept logits.
-
-        Args:
-            kept: the timed steps' outputs kept (see :class:`~kiln.runtime.check.TimedOutputs`).
-            tokens: ``[repeats, batch_size, 1]`` int64 on the CPU: the engine's own copy of the
-                timed steps' tokens.
-            rtol: relative tolerance.
-            timed: how many timed steps ran (for the message).
-            notes: the measurement's notes (an MoE model's routing-aware comparison adds one).
-
-        Cost: one reference decode step per kept step (two in reduced precision).
+        """The reference's decode step on each kept timed step's token at the same cache state,
+        against the kept logits; ``tokens [repeats, batch_size, 1]`` int64 is the engine's own
+        copy.
         """
         ref_guard = OutputGuard(self._protected)
         worst, tolerance = 0.0, 0.0
@@ -105,7 +89,6 @@ class GateChecks:
 
     @property
     def _reduced_precision(self) -> bool:
-        """bfloat16 / float16: comparisons also run the float32 exact forward."""
         return self.dtype in (torch.bfloat16, torch.float16)
 
     def _exact(self, calls: list[Callable[[], object]]) -> list[Tensor] | None:
@@ -127,21 +110,10 @@ class GateChecks:
         guard: OutputGuard,
         notes: list[str],
     ) -> CheckResult:
-        """Compare the candidate against the reference forward: the step at the traffic shape (same
-        cache contents), then a prefill of ``check_batch`` fresh right-padded prompts and
-        ``check_steps`` decode steps on each side.
-
-        Args:
-            seed: the experiment's check seed (fresh inputs every experiment).
-            rtol: relative tolerance (see :mod:`kiln.runtime.check`).
-            at_shape: the candidate's first-step logits at the traffic shape (``[[batch_size, V]]``
-                float32, on :meth:`_shape_token`), taken right before this call with nothing run
-                since.
-            guard: the candidate's output guard (its outputs are poisoned before each call).
-            notes: the measurement's notes (an MoE model's routing-aware check adds one).
-
-        The reference's inputs are drawn again from the seed, so a candidate writing into its inputs
-        cannot steer it.
+        """Compare the candidate with the reference: the step at the traffic shape (``at_shape``,
+        taken right before with nothing run since), then a prefill of ``check_batch`` fresh
+        prompts and ``check_steps`` decode steps each. The reference's inputs are drawn again
+        from ``seed``.
         """
         spec = self.spec
         ref_guard = OutputGuard(self._protected)

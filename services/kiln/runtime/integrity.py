@@ -1,17 +1,12 @@
-"""What a candidate must not do besides computing: change the engine's code or global numerics, or
-keep working after its call returned (rationale and limits: docs/design/engine.md, "Integrity").
+"""What a candidate must not do besides computing: change the engine's code or global numerics,
+or keep working after its call returned (rationale and limits: docs/design/engine.md,
+"Integrity").
 
-- :class:`HarnessFingerprint`: taken (or refreshed) before a candidate loads, compared after. It
-  records which objects make up the code the reference, the check and the timers run (globals of the
-  engine's, models', ops' and key torch/stdlib modules, attributes of their classes and
-  ``torch.Tensor``, the reference models, bound ops and timer, down to code objects, defaults and
-  closure cells) and the numerics state (matmul precision, TF32 and reduced-precision flags, torch
-  function/dispatch modes, ``aten`` kernels via :mod:`kiln.runtime.dispatch_watch`, trace and
-  profile hooks). Changes are put back (:meth:`HarnessFingerprint.restore`,
-  :mod:`kiln.runtime.attributes`) and the engine restarts.
-- :class:`~kiln.runtime.thread_watch.ThreadWatch`: after each timed call no thread may still run
-  candidate code (a ``<candidate:...>`` frame or target), and none started during the call may
-  outlive it.
+:class:`HarnessFingerprint` records the objects the reference, the check and the timers are made
+of (down to code objects, defaults and closure cells) and the numerics state (precision flags,
+torch function/dispatch modes, ``aten`` kernels, trace and profile hooks); changes are put back
+and the engine restarts. :class:`~kiln.runtime.thread_watch.ThreadWatch` checks no thread still
+runs candidate code after a timed call.
 """
 
 from __future__ import annotations
@@ -83,8 +78,7 @@ them back in the reverse order)."""
 
 @dataclass(frozen=True)
 class _Unreadable:
-    """A flag whose getter raised (PyTorch refuses to read a legacy precision flag once the
-    legacy and per-backend APIs disagree)."""
+    """A flag whose getter raised."""
 
     error: str
 
@@ -163,8 +157,7 @@ _Target = tuple[str, object, bool, tuple[str, ...] | None]
 
 
 def _static_targets() -> list[_Target]:
-    """``(label, owner, additions, keys)`` of the watched modules, their classes, ``sys`` and
-    torch's tensor, event and stream classes."""
+    """``(label, owner, additions, keys)`` of everything watched statically."""
     wanted: list[_Target] = []
     for mod in _modules():
         wanted.append((mod.__name__, mod, False, None))
@@ -177,11 +170,9 @@ def _static_targets() -> list[_Target]:
 
 @dataclass
 class HarnessFingerprint:
-    """What the reference, the check and the timers are made of, at one moment (module docstring):
-    :meth:`take` before a candidate loads (or :meth:`refresh` a kept one), :meth:`changes` after,
-    :meth:`restore` puts back what it can. About 5,000 attributes compared by identity: a few ms a
-    take, about one ms a comparison or refresh (2 ms on a loaded 2-core VM), plus one dispatcher
-    dump each.
+    """What the reference, the check and the timers are made of, at one moment: :meth:`take` (or
+    :meth:`refresh`) before a candidate loads, :meth:`changes` after, :meth:`restore` puts back
+    what it can.
     """
 
     namespaces: list[AttributeSnapshot]
@@ -195,8 +186,9 @@ class HarnessFingerprint:
     def take(
         instances: Iterable[tuple[str, object, tuple[str, ...] | None]] = (),
     ) -> HarnessFingerprint:
-        """Record the watched modules, classes and global state, and ``instances``: ``(label,
-        object, attribute names or None for all)``, e.g. the engine's reference models."""
+        """Record the watched state and ``instances``: ``(label, object, attribute names or None
+        for all)``.
+        """
         fingerprint = HarnessFingerprint([], [], (0, 0), DispatchTables())
         fingerprint.refresh(instances)
         return fingerprint
@@ -204,12 +196,8 @@ class HarnessFingerprint:
     def refresh(
         self, instances: Iterable[tuple[str, object, tuple[str, ...] | None]] = ()
     ) -> list[str]:
-        """Make the present state the recorded one, re-taking only what changed (and adding
-        modules imported since); returns what had changed (:meth:`changes`' lines).
-
-        An engine refreshes its fingerprint before each candidate: changes made between
-        experiments (a test's monkeypatching, torch's lazy imports) become the baseline
-        rather than a later candidate's fault.
+        """Make the present state the recorded one (re-taking only what changed, adding modules
+        imported since); returns what had changed.
         """
         changed: list[str] = []
         kept = {id(space.owner): space for space in self.namespaces}
@@ -260,7 +248,8 @@ class HarnessFingerprint:
 
     def restore(self) -> list[str]:
         """Put back every changed attribute, flag and mode stack; returns what could not be
-        undone (kernels registered through ``torch.library``, failed assignments)."""
+        undone.
+        """
         problems: list[str] = []
         for space in self.namespaces:
             try:

@@ -1,8 +1,4 @@
-"""The result of one experiment, as plain data (no torch, no protobuf).
-
-The worker process fills a :class:`Measurement` and sends it as a dict (:meth:`to_dict`); the
-service turns it into a ``kiln.v1.Measurement`` (``kiln.engine_pool.service``) or an
-``ExperimentCompleted`` payload (``kiln.engine_pool.queue``). Units: milliseconds, tokens/s,
+"""The result of one experiment, as plain data (no torch, no protobuf); milliseconds, tokens/s,
 bytes.
 """
 
@@ -20,13 +16,9 @@ MAX_ERROR_CHARS = 4000
 
 @dataclass
 class Timing:
-    """Wall-clock times of the timed decode steps after warm-up, milliseconds.
-
-    Attributes:
-        median_ms, p10_ms, p90_ms: percentiles of ``samples_ms`` (linear interpolation).
-        stdev_ms: sample standard deviation (0 with fewer than two samples).
-        samples_ms: every timed step, in order.
-        warmup_runs: untimed steps before them.
+    """Times of the timed decode steps after warm-up, ms: percentiles (linear interpolation),
+    sample standard deviation (0 with fewer than two), every sample in order, and the untimed
+    runs before.
     """
 
     median_ms: float = 0.0
@@ -39,10 +31,8 @@ class Timing:
 
 @dataclass
 class MemoryUsage:
-    """Memory the engine holds for one experiment, bytes: ``weights_bytes`` (base weights, shared by
-    reference and candidate), ``kv_cache_bytes`` (the measured model's, batch x context slots, all
-    layers), ``workspace_bytes`` (derived layouts plus one step's activations: estimated on CPU,
-    measured peak on CUDA).
+    """Memory held for one experiment, bytes: base weights, the measured model's KV cache, and
+    workspace (derived layouts plus one step's activations: estimated on CPU, peak on CUDA).
     """
 
     weights_bytes: int = 0
@@ -60,25 +50,17 @@ class Measurement:
     """One experiment's outcome.
 
     Attributes:
-        status: ok / incorrect / crashed / timed_out / rejected.
-        correct: matched the reference within tolerance; max_abs_error: largest ``|candidate -
-            reference|`` over the checked logits (``inf`` for non-finite).
+        status: ok / incorrect / crashed / timed_out / rejected; error: why, for any but ok.
+        max_abs_error: largest ``|candidate - reference|`` over the checked logits (``inf`` for
+            non-finite).
         timing: decode-step timings (None unless timed); tokens_per_s: ``batch_size / median_s``.
-        prefill: timings of a prefill of ``batch_size`` prompts of ``context_len`` tokens (None
-            unless asked); prefill_tokens_per_s: ``batch_size x context_len / median_s``.
-        memory: bytes held (:class:`MemoryUsage`).
-        error: why, for any status but ok.
-        engine_id, tier: where it ran; candidate_id: the candidate's content id.
-        phases_ms: wall time per phase, ms; device_ms: :meth:`Engine.run` from start to the engine
-            put back, ms.
-        environment: versions measured with (:mod:`kiln.runtime.environment`).
-        batch_size, context_len: the operating point measured at (after any fitting to free memory);
-            0 when unknown.
-        op_ms: per-op profile of one extra eager step (op -> ms per step over layers;
-            :mod:`kiln.runtime.op_profile`), empty unless asked; op_profile_shape: its operating
-            point (layers, batch_size, context_len, dtype_bytes).
-        notes: clamps, defaults, check seed, transforms applied, in words.
-        restart_engine: the worker asks to be restarted after replying; never sent over the wire.
+        prefill: timings of a ``batch_size x context_len`` prefill (None unless asked).
+        phases_ms: wall time per phase; device_ms: :meth:`Engine.run` until the engine is put
+            back.
+        batch_size, context_len: the operating point measured at (0 when unknown).
+        op_ms: op -> ms per step of one extra eager step (empty unless asked), at
+            ``op_profile_shape``.
+        restart_engine: the worker asks to be restarted after replying (never sent).
     """
 
     status: Status
@@ -111,7 +93,6 @@ class Measurement:
 
     @staticmethod
     def failed(status: Status, error: str, **fields: Any) -> Measurement:
-        """A measurement without results: ``status`` with ``error``."""
         return Measurement(status=status, error=error, **fields)
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,30 +1,21 @@
-"""Routing-aware correctness for mixture-of-experts models (derivation and measurements:
-docs/design/engine.md, "MoE check").
+"""Routing-aware correctness for mixture-of-experts models (derivation: docs/design/engine.md,
+"MoE check").
 
-Top-k routing is discontinuous: near-tied router scores may pick different experts in two correct
-implementations. For a model with ``moe`` layers, :class:`RoutedCheck` changes the gate of
+For a model with ``moe`` layers, :class:`RoutedCheck` changes the gate of
 :mod:`kiln.runtime.check`:
 
-1. every reference forward runs through a recording view (:meth:`RoutedCheck.record`) that keeps
-   each MoE layer's input and site params; the reference's routing is recomputed from them, never
-   taken from a candidate;
-2. per layer (:meth:`RoutedCheck.check_layers`): the candidate's ``moe`` op on a copy of the
-   reference's input is compared with the reference op at every position whose top-k choice is
-   *determined* (:func:`determined`, no drift): max |error| <= rtol x max |reference output| of that
-   call. Undetermined positions must be finite;
-3. end to end (:meth:`RoutedCheck.rows`): logit rows whose route may have flipped (undetermined at
-   some MoE layer under a radius widened by :meth:`RoutedCheck.drift`; after a prefill, also earlier
-   valid positions of the sequence) are skipped but must be finite.
+1. every reference forward runs through a recording view that keeps each MoE layer's input and
+   params; the reference's routing is recomputed from them, never taken from a candidate;
+2. per layer, the candidate's ``moe`` op on a copy of the reference's input must match the
+   reference op at every position whose top-k choice is determined (max |error| <= rtol x max
+   |reference output| of that call); other positions must be finite;
+3. end to end, logit rows whose route may have flipped (under a radius widened by the drift;
+   after a prefill, also earlier positions of the sequence) are skipped but must be finite.
 
-Tie bound (:func:`routing_of`): score ``s_e = fl(x . w_e) + b_e`` as :func:`kiln.ops.moe.route`;
-radius ``r_e = 2 u |l_e| + 2 g_H (|x| . |w_e|)`` with ``u`` the model dtype's unit roundoff
-(bfloat16 2^-8, float16 2^-11, float32 2^-24), ``g_H`` = :func:`gamma` (H) at ``u32 = 2^-24``, H the
-hidden size. A position is determined when every chosen expert's ``s - r`` lies above every other's
-``s + r``. End to end the radius grows by ``drift x ||w_e o x||_2``, ``drift = min(rtol, 2 u (L +
-1))`` at MoE layer L (0-based), ``rtol`` for lossy candidates.
-
-The bounds are the reference's: masks and a checksum of every recorded input and mask are taken
-right after the reference's forward, before candidate code runs again; a change fails the check.
+Tie radius of a score: ``r_e = 2 u |l_e| + 2 g_H (|x| . |w_e|)``, ``u`` the model dtype's unit
+roundoff, ``g_H`` = :func:`gamma` (H) at float32 roundoff. A position is determined when every
+chosen expert's ``s - r`` lies above every other's ``s + r``. Masks and a checksum of every
+recorded input are taken before candidate code runs again; a change fails the check.
 """
 
 from __future__ import annotations
@@ -54,13 +45,9 @@ def gamma(n: int, u: float = ACCUMULATION_ROUNDOFF) -> float:
 
 @dataclass(frozen=True)
 class Routing:
-    """The reference's router on one MoE call.
-
-    Attributes:
-        scores: ``[N, E]`` float32 ``fl(x . w_e) + b_e`` (the order :func:`route` ranks by).
-        radius: ``[N, E]`` float32 rounding radius of each score (module docs).
-        spread: ``[N, E]`` float32 ``||w_e o x||_2``, a score's sensitivity to drift in ``x``.
-        top_k: experts per token.
+    """The reference's router on one MoE call: ``[N, E]`` float32 ``scores`` (``fl(x . w_e) +
+    b_e``), ``radius`` of each and ``spread`` (``||w_e o x||_2``, sensitivity to drift in ``x``);
+    ``top_k``.
     """
 
     scores: Tensor
@@ -70,9 +57,7 @@ class Routing:
 
 
 def routing_of(x: Tensor, params: Mapping[str, Any]) -> Routing:
-    """The reference's scores and radii for ``x [..., H]`` (model dtype) under an ``moe`` site's
-    params (``router_weight [E, H]``, ``top_k``, ``router_bias`` float32 ``[E]`` or None).
-    """
+    """The reference's scores and radii for ``x [..., H]`` under an ``moe`` site's params."""
     weight: Tensor = params["router_weight"]
     flat = x.reshape(-1, x.shape[-1])
     logits = F.linear(flat, weight).float()
@@ -86,8 +71,8 @@ def routing_of(x: Tensor, params: Mapping[str, Any]) -> Routing:
 
 
 def determined(r: Routing, drift: float = 0.0) -> Tensor:
-    """``[N]`` bool: whether the top-k set is the same for every score within ``radius + drift
-    x spread`` of the reference's (all chosen intervals above all others).
+    """``[N]`` bool: whether the top-k set is the same for every score within ``radius + drift x
+    spread``.
     """
     reach = r.radius + drift * r.spread if drift else r.radius
     chosen = torch.zeros_like(r.scores, dtype=torch.bool)
@@ -98,8 +83,8 @@ def determined(r: Routing, drift: float = 0.0) -> Tensor:
 
 
 def decisions(x: Tensor, params: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
-    """The reference's top-k choice for ``x [..., H]``: ``(weights [N, k] float32, experts
-    [N, k] int64)`` as :func:`kiln.ops.moe.route` makes it (renormalised per the params).
+    """The reference's top-k for ``x [..., H]``: ``(weights [N, k] float32, experts [N, k]
+    int64)``.
     """
     return route(
         x.reshape(-1, x.shape[-1]),
@@ -112,9 +97,8 @@ def decisions(x: Tensor, params: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
 
 @dataclass
 class _Call:
-    """One MoE call of a reference forward: the layer, a copy of its input, the site's params and
-    the reference's bound op (bound at build time); once sealed, the positions determined without
-    drift and a checksum of input and mask (Python floats).
+    """One MoE call of a reference forward (layer, input copy, params, bound op); once sealed,
+    its determined positions and checksum.
     """
 
     layer: int
@@ -125,7 +109,7 @@ class _Call:
     checksum: tuple[float, ...] = ()
 
     def seal(self, routing: Routing | None = None) -> None:
-        """Take the mask (from ``routing``, this call's, when given) and the checksum, once."""
+        """Take the mask (from ``routing`` when given) and the checksum, once."""
         if self.sure is None:
             self.sure = determined(routing or routing_of(self.x, self.params))
             self.checksum = self._sums()
@@ -141,9 +125,7 @@ class _Call:
 
 @dataclass
 class _Step:
-    """One recorded forward: valid positions ``[B, T]`` (``position < seq_len``), whether it
-    started sequences (a prefill), and its MoE calls.
-    """
+    """One recorded forward: valid positions ``[B, T]``, whether it was a prefill, its MoE calls."""
 
     valid: Tensor
     starts: bool
@@ -196,12 +178,8 @@ def _checksum(x: Tensor) -> tuple[float, float]:
 
 
 def check_call(got: object, want: Tensor, sure: Tensor, rtol: float) -> tuple[float, float, str]:
-    """One MoE call's verdict: ``got`` (candidate) against ``want`` (reference, ``[..., H]``) at the
-    positions where ``sure`` (``[N]`` bool) holds.
-
-    Returns:
-        ``(max |error| there (inf when not comparable), rtol x max |want|, why not correct or "")``;
-        every position must be finite and the shapes equal.
+    """``(max |error| at positions where sure holds (inf when not comparable), rtol x max |want|,
+    why not correct or "")`` of a candidate MoE output ``got`` against ``want [..., H]``.
     """
     tol = rtol * float(want.float().abs().max())
     if not isinstance(got, Tensor):
@@ -223,13 +201,8 @@ def check_call(got: object, want: Tensor, sure: Tensor, rtol: float) -> tuple[fl
 
 
 class RoutedCheck:
-    """One check's MoE bookkeeping (module docs); inert for a model without ``moe`` layers.
-
-    Args:
-        model: any model over the engine's config (decides whether the check applies).
-        rtol: the relative tolerance in force.
-        lossy: the candidate opted into a lossy implementation (its hidden states drift by up to
-            ``rtol``, not by rounding).
+    """One check's MoE bookkeeping; inert for a model without ``moe`` layers. ``lossy``: the
+    candidate opted into a lossy implementation (drift up to ``rtol``).
     """
 
     def __init__(self, model: DecoderModel, rtol: float, *, lossy: bool = False) -> None:
@@ -243,17 +216,16 @@ class RoutedCheck:
         self._positions = [0, 0]  # undetermined, total (per-layer check)
 
     def drift(self, layer: int) -> float:
-        """Relative per-element drift of an honest candidate's input to MoE layer ``layer``'s
-        router: ``min(rtol, 2 u (layer + 1))``, or ``rtol`` when lossy (module docs).
+        """Relative per-element drift allowed at MoE layer ``layer``: ``min(rtol, 2 u (layer +
+        1))``, or ``rtol`` when lossy.
         """
         if self.lossy:
             return self.rtol
         return min(self.rtol, self._unit * 2 * (layer + 1))
 
     def record(self, model: DecoderModel, label: str) -> DecoderModel:
-        """A view of ``model`` (a reference) whose forwards are recorded; ``model`` itself when
-        the check does not apply. Call the view's ``prefill`` / ``decode_step`` as the model's,
-        then :meth:`rows` before any candidate code runs again.
+        """A recording view of the reference ``model`` (``model`` itself when inert); call
+        :meth:`rows` before any candidate code runs again.
         """
         if not self.applies:
             return model
@@ -262,9 +234,8 @@ class RoutedCheck:
         return rec.view
 
     def rows(self, view: DecoderModel) -> list[Tensor] | None:
-        """Per recorded step of ``view``, ``[B]`` bool: True for the rows to compare end to end
-        (None when the check does not apply). Also seals the recorded calls for
-        :meth:`check_layers` (their masks and input checksums).
+        """Per recorded step of ``view``, ``[B]`` bool rows to compare end to end (None when
+        inert); seals the recorded calls.
         """
         rec = self._recordings.get(id(view))
         if rec is None:
@@ -296,11 +267,8 @@ class RoutedCheck:
     @torch.no_grad()
     def check_layers(self, candidate: DecoderModel) -> CheckResult:
         """The candidate's ``moe`` op of each layer on every recorded input against the reference
-        op, at determined positions (:func:`check_call`). A recorded input whose checksum changed
-        since sealing fails; the reference op runs after each candidate call.
-
-        Raises:
-            whatever the candidate's op raises (the experiment is then CRASHED).
+        op at determined positions; a recorded input changed since sealing fails. Propagates what
+        the candidate's op raises.
         """
         calls = [
             (f"{rec.label} step {j}", call)

@@ -1,15 +1,10 @@
 """Per-op profile of one decode step: ms per step of each op slot, summed per op name over the
-layers held.
+layers held (rationale: docs/design/engine.md, "Op profile and CUDA graph").
 
-On ``RunRequest.profile``, after timing and verification, the engine runs one extra decode step at
-the traffic shape with every bound op wrapped in a timer, eagerly (a CUDA graph replay or a compiled
-forward is set aside for that step). CUDA: a CUDA event pair around each call, one synchronize after
-the step; the time includes the GPU waiting for launches when the step is launch-bound, so it says
-where an eager step's time goes, not bare kernel durations. CPU: ``time.perf_counter``.
-
-The timed steps are untouched; the cache is put back at the operating point and the model's ops and
-shadowed attributes restored, even when the step raises. Ops a candidate fuses inside one slot are
-timed as that slot.
+One extra eager decode step at the traffic shape with every bound op timed (CUDA event pairs,
+or ``time.perf_counter`` on CPU). Afterwards the cache is back at the operating point and the
+model's ops and shadowed attributes restored, even when the step raises. Ops a candidate fuses
+inside one slot are timed as that slot.
 """
 
 from __future__ import annotations
@@ -28,13 +23,8 @@ Tensor = torch.Tensor
 
 @dataclass
 class OpProfile:
-    """One profiled decode step.
-
-    Attributes:
-        op_ms: op name -> ms per decode step, summed over the layers held.
-        shape: the operating point: ``layers`` (decoder layers held), ``batch_size``,
-            ``context_len`` (tokens in the KV cache before the step), ``dtype_bytes`` (bytes
-            per element of weights and KV cache).
+    """One profiled decode step: ``op_ms`` (op -> ms per step, summed over layers) and ``shape``
+    (``layers``, ``batch_size``, ``context_len`` before the step, ``dtype_bytes``).
     """
 
     op_ms: dict[str, float] = field(default_factory=dict)
@@ -42,7 +32,7 @@ class OpProfile:
 
 
 class _Recorder:
-    """Collects (op, start, end) marks for one step: CUDA events, or perf_counter seconds."""
+    """Collects (op, start, end) marks for one step."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -79,8 +69,7 @@ class _Recorder:
 
 
 def _class_shadows(model: DecoderModel) -> dict[str, Any]:
-    """Instance attributes that shadow a method of the model's class (transforms install
-    these: ``forward`` for torch.compile, ``decode_step`` for a CUDA graph)."""
+    """Instance attributes shadowing a method of the model's class (installed by transforms)."""
     cls = type(model)
     return {
         name: value
@@ -92,20 +81,9 @@ def _class_shadows(model: DecoderModel) -> dict[str, Any]:
 def profile_decode_step(
     model: DecoderModel, token: Tensor, reset: Callable[[], None], dtype: torch.dtype
 ) -> OpProfile:
-    """Time each op slot of one eager decode step of ``model``.
-
-    Args:
-        model: the measured model, bound to the candidate's ops, its cache at the operating point
-            (every sequence at ``context_len`` tokens).
-        token: ``[batch_size, 1]`` int64 on the model's device.
-        reset: puts the cache back at the operating point (called before and after the step).
-        dtype: the model's dtype (for ``shape["dtype_bytes"]``).
-
-    Returns:
-        The per-op times (ms per step) and the operating point.
-
-    Raises:
-        whatever the candidate's ops raise (the model is restored first).
+    """Time each op slot of one eager decode step of ``model`` (its cache at the operating point)
+    on ``token [batch_size, 1]`` int64; ``reset`` puts the cache back. Propagates what the
+    candidate's ops raise, after restoring the model.
     """
     device = token.device
     recorder = _Recorder(device)
@@ -138,10 +116,9 @@ def profile_decode_step(
 def profile_fields(
     wanted: bool, run: Callable[[], OpProfile], notes: list[str], phases: dict[str, float]
 ) -> dict[str, Any]:
-    """The ``Measurement`` fields of a profile, if ``wanted``: ``op_ms`` and
-    ``op_profile_shape`` (empty dict when not wanted). A profile that raises is noted, not
-    fatal: the experiment's verdict and timings stand without it. Its wall time is the
-    ``profile`` phase, ms."""
+    """The ``Measurement`` fields ``op_ms`` and ``op_profile_shape`` if ``wanted`` (else empty);
+    a profile that raises is noted, not fatal. Its wall time is the ``profile`` phase.
+    """
     if not wanted:
         return {}
     start = time.perf_counter()

@@ -1,10 +1,7 @@
-"""What one engine is built for: model, tier, dtype, device and the traffic shape's operating point.
+"""What one engine is built for: model, tier, dtype, device and the traffic's operating point.
 
-An :class:`EngineSpec` is derived from a workload (``kiln.v1.Workload`` as JSON, as
-:class:`kiln.common.work.ExperimentWork` carries it) and a tier; equal :attr:`EngineSpec.key` share
-one engine. The operating point comes from :func:`engine_operating_point` (traffic lowered to
-:class:`EngineLimits`); every clamp or default is in :attr:`EngineSpec.notes`. No torch at module
-level (only :func:`check_buildable` imports it).
+Equal :attr:`EngineSpec.key` share one engine; every clamp or default is in
+:attr:`EngineSpec.notes`. No torch at module level.
 """
 
 from __future__ import annotations
@@ -27,27 +24,21 @@ ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class SpecError(ValueError):
-    """A workload an engine cannot be built for (no or invalid config, unbuildable architecture,
-    unknown dtype); the message names the field.
-    """
+    """A workload an engine cannot be built for; the message names the field."""
 
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """Host caps and defaults applied when a spec is derived
-    (:meth:`kiln.engine_pool.settings.EngineSettings.limits`).
+    """Host caps and defaults applied when a spec is derived.
 
     Attributes:
         device: ``"cpu"`` or ``"cuda[:N]"``.
-        dtype: force this dtype for every engine; None = the workload's, else the device default.
-        max_batch: largest decode batch (sequences). max_context: largest context (tokens).
+        dtype: forced for every engine; None = the workload's, else the device default.
+        max_batch, max_context: largest decode batch and context (tokens).
         fast_layers: layers of a fast-tier engine (clamped to the model's).
-        prompt_len: prompt tokens of the check (clamped to the context). check_steps: decode steps
-            compared after the prefill.
-        check_batch: prompts of the check (clamped to the batch; the traffic-shape check uses the
-            full batch).
-        max_layers: most decoder layers an engine of either tier holds (None = all; a too-big
-            full-tier model is scaled by layer count, noted).
+        prompt_len, check_steps, check_batch: the check's prompt tokens, decode steps and prompts
+            (clamped to the context and batch).
+        max_layers: most decoder layers an engine holds (None = all).
     """
 
     device: str = "cpu"
@@ -66,19 +57,15 @@ class EngineSpec:
     """Everything an engine is built for.
 
     Attributes:
-        model_name: ``workload.model.name``. config: the parsed ``config.json``.
         tier: "fast" (first ``layers`` layers plus embedding and LM head) or "full".
-        layers: decoder layers held; total_layers: the model's ``num_hidden_layers``.
+        layers, total_layers: decoder layers held; the model's.
         dtype: one of :data:`ENGINE_DTYPES`. device: ``"cpu"`` or ``"cuda[:N]"``.
-        seed: of random weights (ignored with ``weights_dir``, a local ``*.safetensors`` directory
-            or None).
-        batch_size, context_len: the decode batch (sequences) and the tokens already in the KV cache
-            measured at.
-        prompt_len, check_steps, check_batch: the correctness check's prompt tokens, decode steps
-            and prompts.
-        expert_zipf_exponent: MoE expert-load skew imposed on random-weight routers
-            (:mod:`kiln.workloads.models.routing`); 0.0 for dense models and checkpoints; in the key
-            only when non-zero.
+        seed: of random weights (ignored with ``weights_dir``, a ``*.safetensors`` directory).
+        batch_size, context_len: the decode batch and the tokens in each KV cache measured at.
+        prompt_len, check_steps, check_batch: the check's prompt tokens, decode steps and
+            prompts.
+        expert_zipf_exponent: MoE expert-load skew imposed on random routers; 0.0 for dense
+            models and checkpoints (in the key only when non-zero).
         notes: clamps and defaults applied, in words (not part of the key).
     """
 
@@ -110,15 +97,13 @@ class EngineSpec:
 
     @property
     def cache_len(self) -> int:
-        """KV-cache slots per sequence: the context plus the timed step, at least the check's prompt
-        plus its decode steps.
+        """KV slots per sequence: the context plus the timed step, at least the check's prompt
+        and steps.
         """
         return max(self.context_len + 1, self.prompt_len + self.check_steps)
 
     def model_config(self) -> ModelConfig:
-        """The architecture (all layers; the engine truncates to ``layers``), with the
-        expert-load skew set on MoE configs (:meth:`ModelConfig.with_expert_skew`).
-        """
+        """The architecture (all layers), with the expert-load skew set on MoE configs."""
         config = parse_config(self.config, self.model_name)
         if self.expert_zipf_exponent:
             config = config.with_expert_skew(self.expert_zipf_exponent)
@@ -132,19 +117,18 @@ class EngineSpec:
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> EngineSpec:
-        """Inverse of :meth:`to_dict`."""
         values = dict(data)
         values["notes"] = tuple(values.get("notes", ()))
         return EngineSpec(**values)
 
     @staticmethod
     def from_workload(workload: Mapping[str, Any], tier: str, limits: EngineLimits) -> EngineSpec:
-        """The spec for ``workload`` on ``tier`` ("fast" or "full") under ``limits``; ``workload``
-        is ``MessageToDict(..., preserving_proto_field_name=True)`` (uint64 fields may be strings).
+        """The spec for ``workload`` (``MessageToDict`` with proto field names) on ``tier`` under
+        ``limits``.
 
         Raises:
-            SpecError: empty or invalid ``model.config_json``, an architecture kiln cannot parse or
-                build, an unknown dtype or tier, a bad seed.
+            SpecError: a missing or invalid config, an architecture kiln cannot build, an unknown
+                dtype or tier, a bad seed.
         """
         if tier not in ("fast", "full"):
             raise SpecError(f"invalid tier {tier!r}: expected 'fast' or 'full'")
@@ -230,11 +214,7 @@ def _parse(model: Mapping[str, Any], name: str) -> ModelConfig:
 
 
 def check_buildable(config: ModelConfig) -> None:
-    """Raise :class:`SpecError` unless kiln can build ``config`` (imports torch on first use).
-
-    Raises:
-        SpecError: the message of ``kiln.workloads.models.build.UnbuildableModelError``.
-    """
+    """Raise :class:`SpecError` unless kiln can build ``config`` (imports torch)."""
     from kiln.workloads.models.build import UnbuildableModelError
     from kiln.workloads.models.build import check_buildable as check
 
@@ -247,12 +227,8 @@ def check_buildable(config: ModelConfig) -> None:
 def _expert_skew(
     traffic: Mapping[str, Any], config: ModelConfig, weights_dir: str | None, notes: list[str]
 ) -> float:
-    """The Zipf exponent an MoE engine imposes (0.0 for dense models and checkpoints):
-    ``traffic.expert_zipf_exponent``, else the one whose hottest-expert ratio is
-    ``traffic.expert_load_skew``.
-
-    Raises:
-        SpecError: either field negative or not finite.
+    """The Zipf exponent an MoE engine imposes: ``traffic.expert_zipf_exponent``, else the one
+    matching ``traffic.expert_load_skew``; SpecError if negative or not finite.
     """
     values = {}
     for name in ("expert_zipf_exponent", "expert_load_skew"):
@@ -292,12 +268,8 @@ def _expert_skew(
 def engine_operating_point(
     traffic: Mapping[str, Any] | None, config: ModelConfig, limits: EngineLimits
 ) -> DerivedPoint:
-    """The operating point of ``traffic`` (``kiln.v1.TrafficShape`` as JSON, or None) on ``limits``:
-    :meth:`OperatingPoint.from_traffic`, batch capped at ``limits.max_batch``, context at
-    ``limits.max_context`` and the model's window.
-
-    Raises:
-        SpecError: a traffic field that is not a number in range.
+    """The operating point of ``traffic`` (or None) with batch and context capped by ``limits``
+    and the model's window; SpecError on a traffic field out of range.
     """
     try:
         return OperatingPoint.from_traffic(

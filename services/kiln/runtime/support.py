@@ -1,17 +1,9 @@
 """What an engine runs for a model on a device: the one statement agents and engines share.
 
-:func:`support_for` ``(config, device_type)`` says per transform (and ``torch_compile`` mode), per
-op implementation of :mod:`kiln.ops.registry` and per conflicting pair whether it applies and, if
-not, why. The agent runner searches within it
-(:meth:`kiln.agent_runner.space.CandidateSpace.within`); the engine rejects with
-:meth:`ModelSupport.refusal`'s reason before binding. Sources: ``fused_decode``:
-:func:`kiln.runtime.fused_decode.unsupported_reason` and a device its Triton kernels run on (CPU
-only under ``TRITON_INTERPRET=1``); ``cuda_graph``: CUDA only, not with an implementation whose
-:attr:`kiln.ops.registry.OpImpl.capturable` is False; ``threads``: every engine; ``torch_compile``:
-every engine, ``reduce-overhead`` on CUDA only; op implementations: :meth:`OpImpl.runs_on`, none for
-an op the model never calls (:func:`unused_ops`); lossy ones apply where they run (choosing one
-stays opt-in). Unknown names are left to the transforms and the registry. Importing does not import
-torch; :func:`support_for` does.
+:func:`support_for` says per transform (and ``torch_compile`` mode), per op implementation and
+per conflicting pair whether it applies and, if not, why. Agents search within it; engines
+refuse with :meth:`ModelSupport.refusal`'s reason before binding. Unknown names are left to the
+transforms and the registry. Importing does not import torch; :func:`support_for` does.
 """
 
 from __future__ import annotations
@@ -34,8 +26,7 @@ CUDA = "cuda"
 
 
 class ModelNotSupported(ValueError):
-    """kiln cannot build the model (an architecture it cannot parse or build): it has no search
-    space. The message says why."""
+    """kiln cannot parse or build the model, so it has no search space; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -50,13 +41,9 @@ class Conflict:
 
 @dataclass(frozen=True)
 class ModelSupport:
-    """What an engine on ``device_type`` runs for ``config`` (module docs).
-
-    Attributes:
-        transforms: transform -> reason (None: applies), for :data:`TRANSFORMS`; compile_modes: the
-            same for :data:`COMPILE_MODES`.
-        ops: op -> implementation -> reason (``reference`` always applies).
-        unused_ops: ops the model never calls. conflicts: pairs that apply alone but not together.
+    """What an engine on ``device_type`` runs for ``config``: ``transforms`` and
+    ``compile_modes`` (name -> reason, None: applies), ``ops`` (op -> implementation -> reason),
+    ``unused_ops`` and ``conflicts``.
     """
 
     config: ModelConfig = field(repr=False)
@@ -68,8 +55,9 @@ class ModelSupport:
     conflicts: tuple[Conflict, ...] = ()
 
     def transform_reason(self, transform: Transform | str) -> Reason:
-        """Why ``transform`` (a name, or a transform with its ``mode``) does not apply; None
-        when it does or when it is not one of :data:`TRANSFORMS`."""
+        """Why ``transform`` (a name or a transform with its mode) does not apply; None when it
+        does or is unknown.
+        """
         t = Transform(transform) if isinstance(transform, str) else transform
         reason = self.transforms.get(t.name)
         if reason is None and t.name == "torch_compile":
@@ -77,9 +65,9 @@ class ModelSupport:
         return reason
 
     def op_reason(self, op: str, impl: str) -> Reason:
-        """Why ``op`` bound to ``impl`` does not apply; None when it does, for ``reference``,
-        and for an op or implementation the registry does not know (yet: a candidate's code
-        module registers it when an engine loads it)."""
+        """Why ``op`` bound to ``impl`` does not apply; None when it does, for ``reference`` and
+        for names the registry does not know.
+        """
         if impl == REFERENCE:
             return None
         if op in self.unused_ops:
@@ -96,8 +84,9 @@ class ModelSupport:
     def transforms_refusal(
         self, transforms: Iterable[Transform], ops: Mapping[str, str] | None = None
     ) -> Reason:
-        """The first reason ``transforms`` do not apply, alone or with the ``ops`` bound (op ->
-        implementation; missing = ``reference``); None when they all do."""
+        """The first reason ``transforms`` do not apply, alone or with ``ops``; None when they
+        all do.
+        """
         names = set()
         for t in transforms:
             names.add(t.name)
@@ -111,8 +100,9 @@ class ModelSupport:
         return None
 
     def refusal(self, candidate: Candidate) -> Reason:
-        """The first reason an engine refuses ``candidate`` (op implementations, then
-        transforms, then conflicts); None when everything it chooses applies."""
+        """The first reason an engine refuses ``candidate`` (ops, transforms, conflicts), or
+        None.
+        """
         for op, impl in candidate.ops:
             reason = self.op_reason(op, impl)
             if reason is not None:
@@ -129,8 +119,7 @@ class ModelSupport:
 
 
 def unused_ops(config: ModelConfig) -> frozenset[str]:
-    """Ops ``config``'s forward never calls: ``moe`` in a dense model, ``mlp`` in a model
-    whose every layer routes to experts."""
+    """``moe`` in a dense model, ``mlp`` in a model whose every layer routes to experts."""
     if not config.is_moe:
         return frozenset({"moe"})
     if all(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
@@ -149,8 +138,6 @@ def _unused_reason(config: ModelConfig, op: str) -> str:
 
 
 def _impl_reason(config: ModelConfig, device: str, impl: Any) -> Reason:
-    """Why the registered ``impl`` (an :class:`~kiln.ops.registry.OpImpl`) cannot run
-    ``config`` on ``device``."""
     name = f"{impl.op}={impl.name}"
     del config
     if not impl.runs_on(device):
@@ -198,11 +185,7 @@ def _conflicts(config: ModelConfig, unused: frozenset[str]) -> tuple[Conflict, .
 
 
 def _config(config: ModelConfig | Mapping[str, Any], name: str) -> ModelConfig:
-    """``config`` parsed and checked buildable.
-
-    Raises:
-        ModelNotSupported: see :func:`support_for`.
-    """
+    """``config`` parsed and checked buildable (ModelNotSupported)."""
     from kiln.workloads.models.build import UnbuildableModelError, check_buildable
 
     try:
@@ -216,11 +199,8 @@ def _config(config: ModelConfig | Mapping[str, Any], name: str) -> ModelConfig:
 def support_for(
     config: ModelConfig | Mapping[str, Any], device_type: str, *, name: str = "model"
 ) -> ModelSupport:
-    """What an engine on ``device_type`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``) runs for ``config``
-    (the architecture, or its ``config.json`` object).
-
-    Raises:
-        ModelNotSupported: kiln cannot parse or build the architecture.
+    """What an engine on ``device_type`` runs for ``config`` (or its ``config.json`` object);
+    ModelNotSupported when kiln cannot parse or build it.
     """
     import kiln.ops  # noqa: F401  (registers the built-in implementations)
     from kiln.ops import registry

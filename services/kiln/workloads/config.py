@@ -1,9 +1,6 @@
-"""Model architecture from a Hugging Face ``config.json``.
-
-One frozen dataclass for the decoder-only families kiln supports — Llama (``llama``), Qwen3 dense
-(``qwen3``), Qwen3-MoE (``qwen3_moe``), Mixtral (``mixtral``) and DeepSeek-V3 (``deepseek_v3``,
-MLA attention) — with the derived sizes the engines and the cost model need. Field names follow
-the Hugging Face configs; the formulas follow each family's ``modeling_*.py`` in transformers.
+"""Model architecture from a Hugging Face ``config.json``: Llama, Qwen3, Qwen3-MoE, Mixtral and
+DeepSeek-V3 (MLA), with the derived sizes engines and the cost model need. Field names follow the
+Hugging Face configs.
 """
 
 from __future__ import annotations
@@ -25,19 +22,15 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Mixture-of-experts FFN: ``num_experts`` routed experts of width ``intermediate_size``,
-    ``top_k`` per token, ``num_shared_experts`` always-on experts (DeepSeek), and which layers
-    are dense (``dense_layers``).
+    """Mixture-of-experts FFN: ``num_experts`` routed experts, ``top_k`` per token, shared
+    experts and the dense layers.
 
     Attributes:
-        norm_topk_prob: renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE's
-            ``norm_topk_prob``; Mixtral always does).
-        round_router_weights: cast the top-k weights to the model dtype before scaling the
-            experts' outputs (transformers' ``Qwen3MoeTopKRouter``); False keeps them float32
-            (``MixtralTopKRouter``). Equal results in float32.
-        load_zipf_exponent: not a Hugging Face field: the expert-load skew (Zipf exponent, from
-            the traffic shape) that engines impose on random-weight routers with a router bias
-            (:mod:`kiln.workloads.models.routing`); 0 = the router's own load.
+        norm_topk_prob: renormalise the top-k router probabilities to sum to 1.
+        round_router_weights: cast the top-k weights to the model dtype before scaling
+            (Qwen3-MoE); False keeps them float32 (Mixtral).
+        load_zipf_exponent: kiln's, not Hugging Face's: the expert-load skew engines impose on
+            random-weight routers; 0 = the router's own load.
     """
 
     num_experts: int
@@ -52,8 +45,9 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """DeepSeek multi-head latent attention ranks (tokens cache ``kv_lora_rank`` +
-    ``qk_rope_head_dim`` values per layer instead of full K and V)."""
+    """DeepSeek multi-head latent attention ranks (the cache holds ``kv_lora_rank +
+    qk_rope_head_dim`` values per token and layer).
+    """
 
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -64,9 +58,8 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer's architecture.
-
-    Sizes are element counts; ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
+    """A decoder-only transformer's architecture; sizes in elements, ``head_dim`` defaulting to
+    ``hidden_size // num_attention_heads``.
     """
 
     name: str
@@ -130,8 +123,9 @@ class ModelConfig:
         return q + kv + o + bias + norms
 
     def ffn_params(self, layer: int) -> tuple[int, int]:
-        """(total, active per token) FFN weights of layer ``layer``, elements (gate, up, down;
-        plus the router for MoE)."""
+        """(total, active per token) FFN weights of ``layer``, elements (router included for
+        MoE).
+        """
         h = self.hidden_size
         if not self.is_moe_layer(layer):
             dense = 3 * h * self.intermediate_size
@@ -154,9 +148,9 @@ class ModelConfig:
         return embed + layers + self.hidden_size + head
 
     def active_param_count(self) -> int:
-        """Weights read per token when every expert load is distinct: the decode roofline's
-        bytes-per-token numerator (without the KV cache). Embedding rows read per token are
-        negligible and not counted; the LM head is."""
+        """Weights read per token when every expert load is distinct (the LM head, not embedding
+        rows).
+        """
         layers = sum(
             self.attention_params() + self.ffn_params(i)[1] + 2 * self.hidden_size
             for i in range(self.num_hidden_layers)
@@ -176,18 +170,14 @@ class ModelConfig:
         return self.kv_elements_per_token() * DTYPE_BYTES[dtype]
 
     def with_layers(self, num_hidden_layers: int) -> ModelConfig:
-        """The same architecture truncated to its first ``num_hidden_layers`` layers (the
-        fast engine tier)."""
+        """The same architecture truncated to its first ``num_hidden_layers`` layers."""
         if not 1 <= num_hidden_layers <= self.num_hidden_layers:
             raise ValueError(f"layers must be within 1..{self.num_hidden_layers}")
         return replace(self, num_hidden_layers=num_hidden_layers)
 
     def with_expert_skew(self, zipf_exponent: float) -> ModelConfig:
-        """The same architecture with :attr:`MoEConfig.load_zipf_exponent` set (a dense config
-        is returned unchanged).
-
-        Raises:
-            ValueError: ``zipf_exponent`` negative or not finite.
+        """The same with :attr:`MoEConfig.load_zipf_exponent` set (dense configs unchanged);
+        ValueError if negative or not finite.
         """
         if not (math.isfinite(zipf_exponent) and zipf_exponent >= 0):
             raise ValueError(f"the Zipf exponent must be finite and >= 0, got {zipf_exponent}")
@@ -203,11 +193,8 @@ def _require(cfg: dict[str, Any], key: str, name: str) -> Any:
 
 
 def parse_config(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
-    """A ModelConfig from a parsed ``config.json``.
-
-    Raises:
-        UnsupportedModelError: unknown ``model_type`` (the message lists the supported ones), or
-            a required field missing.
+    """A ModelConfig from a parsed ``config.json``; UnsupportedModelError for an unknown
+    ``model_type`` or a missing field.
     """
     if not isinstance(cfg, dict):
         raise UnsupportedModelError(f"{name}: config.json must be a JSON object")
@@ -285,12 +272,9 @@ def parse_config(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Read and parse a ``config.json`` (the model is named after the file's stem, or its
-    directory when the file is called ``config.json``).
-
-    Raises:
-        FileNotFoundError: no such file.
-        UnsupportedModelError: not JSON, or an unsupported architecture.
+    """Read and parse a ``config.json`` (named after its stem, or its directory for
+    ``config.json``). FileNotFoundError, or UnsupportedModelError for bad JSON or an unsupported
+    architecture.
     """
     p = Path(path)
     name = p.parent.name if p.name == "config.json" else p.stem

@@ -1,11 +1,9 @@
 """Model weights held once per engine, and layouts derived from them.
 
-A :class:`WeightStore` maps Hugging Face parameter names to tensors; other layouts (fused QKV,
-gate/up, quantized) come from :meth:`WeightStore.derived`, computed once per (transform, site).
-Weights come from :func:`seeded_random` or :func:`load_safetensors`. MoE experts are held stacked
-per layer as transformers >= 5 holds them: ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows,
-then up), ``mlp.experts.down_proj`` ``[E, H, I]``, router ``mlp.gate.weight`` ``[E, H]``; per-expert
-checkpoints (Qwen3-MoE, Mixtral names) are stacked on load.
+A :class:`WeightStore` maps Hugging Face names to tensors. MoE experts are held stacked per
+layer as transformers >= 5 holds them: ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows
+first), ``mlp.experts.down_proj [E, H, I]``, router ``mlp.gate.weight [E, H]``; per-expert
+checkpoints are stacked on load.
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ class WeightError(ValueError):
 
 
 class WeightStore:
-    """Parameters by HF name, plus a cache of derived layouts; ``tensors``: name → tensor; with
-    ``tied`` and no ``lm_head.weight``, that name is the embedding table (same tensor).
+    """Parameters by HF name, plus a cache of derived layouts; with ``tied`` and no
+    ``lm_head.weight``, that name is the embedding table.
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], *, tied: bool = False) -> None:
@@ -66,11 +64,7 @@ class WeightStore:
         return self._tensors.get(name)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Hold one more base tensor (e.g. a router bias).
-
-        Raises:
-            WeightError: ``name`` is held already.
-        """
+        """Hold one more base tensor; WeightError if ``name`` is held already."""
         if name in self._tensors:
             raise WeightError(f"a weight named {name!r} is held already")
         self._tensors[name] = tensor
@@ -88,7 +82,7 @@ class WeightStore:
 
     def derived(self, transform: str, site: str, fn: Callable[[], T]) -> T:
         """The layout ``transform`` (a name identifying it and its parameters) of the weights at
-        ``site`` (HF module prefix), computed by ``fn`` at most once per key and cached.
+        ``site``, computed by ``fn`` at most once and cached.
         """
         key = (transform, site)
         if key not in self._derived:
@@ -117,12 +111,8 @@ class WeightStore:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of a Llama / Qwen3 / Qwen3-MoE / Mixtral model with
-    ``config``'s layers (``lm_head.weight`` only when untied; MoE experts stacked as in the module
-    docs).
-
-    Raises:
-        WeightError: MLA, or MoE with shared experts (DeepSeek-V3).
+    """HF names and shapes of a Llama / Qwen3 / Qwen3-MoE / Mixtral model with ``config``'s
+    layers; WeightError for MLA or shared experts.
     """
     if config.mla is not None or (config.moe is not None and config.moe.num_shared_experts):
         raise WeightError(f"{config.name}: MLA and shared-expert layouts are not known")
@@ -176,10 +166,11 @@ def seeded_random(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> WeightStore:
-    """Random weights for ``config``: norms 1, the rest ``normal(0, initializer_range)`` (0.02 when
-    unset), as transformers initialises Llama. Each tensor is drawn in float32 from its own
-    generator on ``device`` seeded by ``(seed, name)``, then cast: the same seed gives the same
-    weights on the same device type, and the fast tier's first N layers equal the full model's.
+    """Random weights for ``config``: norms 1, the rest ``normal(0, initializer_range)``.
+
+    Each tensor is drawn in float32 from a generator on ``device`` seeded by ``(seed, name)``,
+    then cast: same seed, same weights on the same device type, and a fast tier's layers equal
+    the full model's.
     """
     std = float(config.raw.get("initializer_range", 0.02))
     dev = torch.device(device)
@@ -202,7 +193,6 @@ def seeded_random(
 
 
 def _index(directory: Path) -> dict[str, Path]:
-    """tensor name → the ``*.safetensors`` file holding it."""
     from safetensors import safe_open
 
     files = sorted(directory.glob("*.safetensors"))
@@ -229,10 +219,8 @@ _MOE_NAME = re.compile(
 
 
 def checkpoint_sources(name: str, shape: tuple[int, ...]) -> list[list[Part]]:
-    """The ways a checkpoint may hold tensor ``name`` of ``shape``, preferred first: its own name;
-    MoE also per expert, Qwen3-MoE (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``) or
-    Mixtral (``block_sparse_moe.experts.{e}.w1/w3/w2.weight``, router
-    ``block_sparse_moe.gate.weight``).
+    """The ways a checkpoint may hold ``name`` of ``shape``, preferred first: its own name, or
+    per expert (Qwen3-MoE or Mixtral names).
     """
     options: list[list[Part]] = [[(name, ())]]
     m = _MOE_NAME.fullmatch(name)
@@ -266,12 +254,9 @@ def load_safetensors(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
 ) -> WeightStore:
-    """Read ``config``'s weights (only those it needs) from the ``*.safetensors`` in ``directory``,
-    cast to ``dtype`` on ``device``; tied ``lm_head.weight`` is the embedding table; per-expert MoE
-    tensors stacked (:func:`checkpoint_sources`).
-
-    Raises:
-        WeightError: no such directory or files; a tensor missing, mis-shaped or in two files.
+    """Read the weights ``config`` needs from ``directory``'s ``*.safetensors``, cast to
+    ``dtype`` on ``device``. WeightError: no directory or files, a tensor missing, mis-shaped or
+    in two files.
     """
     from safetensors import safe_open
 

@@ -1,12 +1,10 @@
-"""Decode attention (one query token per sequence) over a static KV cache: split-KV flash-decoding
-in two Triton kernels (design: docs/design/kernels.md, "Split-KV attention").
+"""Decode attention (one query token per sequence) over a static KV cache: split-KV
+flash-decoding in two Triton kernels (design: docs/design/kernels.md).
 
-Stage 1: one program per (sequence, KV head, split of ``split_s`` positions) covering all query
-heads of the group, online softmax in float32 (running max, sum, ``acc [group, D]``); stage 2: one
-program per (sequence, query head) combines the splits by log-sum-exp. Splits = ``cdiv(S_max,
-split_s)``, fixed by the cache length (CUDA-graph safe); splits past ``seq_lens[b]`` write an empty
-partial. Flash-decoding: Dao, Haziza, Massa, Sizov 2023; grouped stage 1 after vLLM's
-``triton_decode_attention``. On CPU set ``TRITON_INTERPRET`` before importing this module.
+Stage 1: one program per (sequence, KV head, split of ``split_s`` positions) over all query heads
+of the group, online softmax in float32; stage 2 combines the splits by log-sum-exp. The split
+count is fixed by the cache length (CUDA-graph safe). On CPU set ``TRITON_INTERPRET`` before
+importing this module.
 """
 
 from __future__ import annotations
@@ -35,21 +33,17 @@ def _is_pow2(n: int) -> bool:
 
 @dataclass(frozen=True)
 class DecodeAttentionConfig:
-    """Launch configuration of :func:`decode_attention` (explicit: no autotuning at call time, so
-    calls are CUDA-graph capturable).
+    """Launch configuration of :func:`decode_attention` (no autotuning at call time).
 
     Attributes:
         split_s: cache positions per stage-1 program (a power of two, a multiple of ``block_s``).
         block_s: positions per inner iteration (a power of two >= 16).
-        num_warps: warps per stage-1 program (1, 2, 4, 8 or 16).
-        use_dot: scores and ``p @ v`` via ``tl.dot`` (tensor cores; group padded to 16 rows, ``p``
-            rounded to the cache dtype) when True, float32 broadcast-multiply-sum when False; None
-            picks ``tl.dot`` (1.7-4.9x faster on an H200, docs/design/kernels.md).
-        fused_combine: the last stage-1 program of each (sequence, KV head) combines the splits
-            (acquire-release counter, reset by the combiner) instead of a second kernel.
-        pdl: programmatic dependent launch of both kernels (:mod:`kiln.ops.kernels.pdl`; 0 off, 1 or
-            2; ignored without device support).
-        num_stages: pipelining depth of stage 1's loop (1..4), or None for Triton's default.
+        num_warps: 1, 2, 4, 8 or 16.
+        use_dot: ``tl.dot`` for scores and ``p @ v`` (``p`` rounded to the cache dtype) or
+            float32 multiply-sum; None: ``tl.dot``.
+        fused_combine: the last stage-1 program of each (sequence, KV head) combines the splits.
+        pdl: programmatic dependent launch (0 off, 1 or 2).
+        num_stages: pipelining depth of stage 1 (1..4), None for Triton's default.
 
     Raises:
         ValueError: a value outside those ranges.
@@ -227,9 +221,7 @@ def _combine_row(
     BLOCK_SPLITS: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """Combine one (sequence, query head)'s split partials by log-sum-exp and store the row (loads
-    bypass L1: partials are read after an acquire).
-    """
+    """Combine one (sequence, query head)'s split partials by log-sum-exp and store the row."""
     offs_c = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, D_PAD)
     mask_d = offs_d < HEAD_DIM
@@ -340,19 +332,13 @@ def decode_attention(
 
     Args:
         q: ``[B, Hq, D]`` (model dtype).
-        k_cache, v_cache: ``[B, Hkv, S, D]`` in q's dtype, any strides; query head h reads KV head
-            ``h // (Hq // Hkv)``.
-        seq_lens: ``[B]`` int64 on q's device, valid slots including this step's; in ``[1, S]``
-            (larger clamped to S; 0 gives a zero row).
-        scale: score multiplier (``D ** -0.5``).
-        config: launch configuration (default :class:`DecodeAttentionConfig`).
+        k_cache, v_cache: ``[B, Hkv, S, D]`` in q's dtype, any strides; query head h reads KV
+            head ``h // (Hq // Hkv)``.
+        seq_lens: ``[B]`` int64 on q's device in ``[1, S]`` (larger clamped; 0 gives a zero row).
+        scale: score multiplier.
 
-    Returns:
-        ``[B, Hq, D]`` in q's dtype; softmax and accumulation in float32.
-
-    Raises:
-        ValueError: inconsistent shapes, dtypes or devices.
-        KernelUnavailableError: no CUDA device and no ``TRITON_INTERPRET=1``.
+    Returns ``[B, Hq, D]`` in q's dtype. Raises ValueError on inconsistent shapes, dtypes or
+    devices, KernelUnavailableError without CUDA or ``TRITON_INTERPRET=1``.
     """
     _check(q, k_cache, v_cache, seq_lens)
     runtime.require(q.device)
@@ -436,9 +422,7 @@ _COUNTERS: dict[tuple[str, int], Tensor] = {}
 
 
 def _counters(device: torch.device, n: int) -> Tensor:
-    """``[n]`` int32 zeros on ``device``, one per (sequence, KV head), kept between calls (reset by
-    the combining program).
-    """
+    """Per-(sequence, KV head) ``[n]`` int32 counters on ``device``, kept between calls."""
     key = (str(device), n)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)

@@ -1,10 +1,8 @@
 """Small-M GEMV on fp8 (e4m3) weights with one float32 scale per output row: lossy.
 
-Row-wise symmetric quantisation ``scale[n] = max|W[n, :]| / 448`` (e4m3's largest finite value),
-``W8 = round_e4m3(W / scale)``; the kernel widens fp8 tiles in registers, accumulates ``x @ W8.T``
-in float32, applies the scale per output column, then the bias. Each weight is off by up to 2^-4
-relative, a GEMV's output by a few percent (tests/unit/test_kernel_fp8_gemv.py). On CPU import only
-after setting ``TRITON_INTERPRET`` (:mod:`kiln.ops.kernels.runtime`).
+``scale[n] = max|W[n, :]| / 448``, ``W8 = round_e4m3(W / scale)``; the kernel accumulates
+``x @ W8.T`` in float32, scales per column, then adds the bias. Each weight is off by up to 2^-4
+relative. On CPU import only after setting ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
@@ -26,17 +24,8 @@ MIN_SCALE = 1e-12
 
 
 def quantize_fp8_rowwise(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Row-wise symmetric fp8 quantisation.
-
-    Args:
-        weight: ``[N, K]`` float (bf16, fp16 or fp32).
-
-    Returns:
-        ``(w_fp8 [N, K] torch.float8_e4m3fn, scale [N] float32)`` with ``scale = max(amax(|row|) /
-        448, 1e-12)``; ``w_fp8.float() * scale[:, None]`` approximates ``weight``.
-
-    Raises:
-        ValueError: weight is not a 2-D floating tensor.
+    """Row-wise symmetric fp8 quantisation of a 2-D float ``weight [N, K]``: ``(w_fp8 [N, K]
+    float8_e4m3fn, scale [N] float32)``, scale at least 1e-12. ValueError otherwise.
     """
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight must be a 2-D float tensor, got {tuple(weight.shape)}")
@@ -125,21 +114,13 @@ def fp8_gemv(
     """``x @ (w_fp8.float() * scale[:, None]).T + bias`` with a float32 accumulator.
 
     Args:
-        x: ``[M, K]`` activations (bf16, fp16 or fp32), ``1 <= M <= 16``, contiguous last dim.
-        w_fp8: ``[N, K]`` ``torch.float8_e4m3fn`` from :func:`quantize_fp8_rowwise`.
-        scale: ``[N]`` float32 row scales.
-        bias: ``[N]`` or None, added in float32.
-        out_dtype: result dtype (default x's).
-        block_n, block_k: tile sizes (powers of two >= 16). num_warps: per program.
-        use_dot: ``tl.dot`` with M padded to 16 (True) or broadcast-multiply-sum (False); None
-            picks the sum for M <= 2 and ``tl.dot`` above.
+        x: ``[M, K]`` bf16/fp16/fp32, ``1 <= M <= 16``, contiguous last dim.
+        w_fp8, scale: from :func:`quantize_fp8_rowwise`; bias: ``[N]`` or None.
+        block_n, block_k: powers of two >= 16.
+        use_dot: ``tl.dot`` (M padded to 16) or multiply-sum; None: sum for M <= 2.
 
-    Returns:
-        ``[M, N]`` in ``out_dtype``.
-
-    Raises:
-        ValueError: shapes, dtypes, devices or block sizes out of range.
-        KernelUnavailableError: no CUDA device and no ``TRITON_INTERPRET=1``.
+    Returns ``[M, N]`` in ``out_dtype`` (default x's). Raises ValueError on bad shapes, dtypes,
+    devices or blocks; KernelUnavailableError without CUDA or ``TRITON_INTERPRET=1``.
     """
     check_gemv_args(x, w_fp8, block_n=block_n, block_k=block_k, num_warps=num_warps)
     n = w_fp8.shape[0]
@@ -186,8 +167,7 @@ def fp8_gemv_reference(
     bias: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Plain PyTorch :func:`fp8_gemv`: float32 ``x @ dequant(W).T + bias`` rounded to
-    ``out_dtype`` (default x's). Any M. Returns ``[M, N]``."""
+    """Plain PyTorch :func:`fp8_gemv` (float32, rounded to ``out_dtype``), any M: ``[M, N]``."""
     y = x.float() @ (w_fp8.float() * scale[:, None]).T
     if bias is not None:
         y = y + bias.float()

@@ -1,11 +1,7 @@
-"""LM head GEMV fused with greedy argmax, in two Triton kernels.
-
-Kernel 1 (one program per ``block_n`` vocabulary rows) computes ``x @ weight[rows].T`` in float32,
-rounds to the model dtype (as ``F.linear``), stores the float32 logits and its own ``(max, argmax)``
-per row; kernel 2 reduces the partials to the token, lowest index on ties, with no second pass over
-the ``[M, V]`` logits. The ``V x K`` weight is read once (Llama-3.2-1B's bf16 head: 525 MB, ~123 µs
-at 4.26 TB/s). On CPU import only after setting ``TRITON_INTERPRET``
-(:mod:`kiln.ops.kernels.runtime`).
+"""LM head GEMV fused with greedy argmax, in two Triton kernels: per block of vocabulary rows the
+logits (rounded to the model dtype, stored as float32) and a partial ``(max, argmax)``, then a
+reduction to the token; the weight is read once. On CPU import only after setting
+``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
@@ -28,11 +24,8 @@ _WARPS = (1, 2, 4, 8, 16)
 def check_gemv_args(
     x: Tensor, weight: Tensor, *, block_n: int, block_k: int, num_warps: int
 ) -> None:
-    """Shared argument checks of the small-M GEMV kernels (this one and :mod:`fp8_gemv`).
-
-    Raises:
-        ValueError: x not ``[M <= 16, K]``, weight not ``[N, K]`` with a contiguous last dim,
-            devices that differ, or block sizes that are not powers of two >= 16.
+    """Shared argument checks of the small-M GEMV kernels; ValueError unless x is ``[M <= 16,
+    K]``, weight ``[N, K]`` with a contiguous last dim on x's device, blocks powers of two >= 16.
     """
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS}, got {tuple(x.shape)}")
@@ -147,20 +140,13 @@ def lm_head_argmax(
     Args:
         x: ``[M, K]`` final-normed hidden states (model dtype), ``1 <= M <= 16``.
         weight: ``[V, K]`` in x's dtype, contiguous last dim.
-        block_n: vocabulary rows per program (a power of two >= 16).
-        block_k: hidden elements per inner iteration (a power of two >= 16).
-        num_warps: warps per GEMV program.
-        use_dot: ``tl.dot`` with M padded to 16 (True) or broadcast-multiply-sum (False); None
-            picks the sum for M <= 2 and ``tl.dot`` above.
+        block_n, block_k: powers of two >= 16.
+        use_dot: ``tl.dot`` (M padded to 16) or multiply-sum; None: sum for M <= 2.
 
-    Returns:
-        ``(logits [M, V] float32, tokens [M] int64)``: logits are ``F.linear(x, weight)``
-        rounded to x's dtype then widened; tokens are their argmax, lowest index on ties
-        (NaN logits are not treated specially, unlike ``torch.argmax``).
-
-    Raises:
-        ValueError: shapes, dtypes, devices or block sizes out of range.
-        KernelUnavailableError: no CUDA device and no ``TRITON_INTERPRET=1``.
+    Returns ``(logits [M, V] float32, tokens [M] int64)``: ``F.linear(x, weight)`` rounded to x's
+    dtype, and its argmax (lowest index on ties; NaN not special). Raises ValueError on bad
+    shapes, dtypes, devices or blocks; KernelUnavailableError without CUDA or
+    ``TRITON_INTERPRET=1``.
     """
     check_gemv_args(x, weight, block_n=block_n, block_k=block_k, num_warps=num_warps)
     if weight.dtype != x.dtype:
@@ -204,8 +190,8 @@ def lm_head_argmax(
 
 
 def lm_head_argmax_reference(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Plain PyTorch: ``F.linear(x, weight).float()`` and its ``argmax`` over V (kiln's
-    ``lm_head`` and ``sampler`` references). Returns ``(logits [M, V] float32, tokens [M]
-    int64)``."""
+    """Plain PyTorch: ``F.linear(x, weight).float()`` and its argmax: ``(logits [M, V], tokens
+    [M])``.
+    """
     logits = F.linear(x, weight).float()
     return logits, torch.argmax(logits, dim=-1)

@@ -1,14 +1,11 @@
 """Small-batch MoE decode: SwiGLU over only the routed experts' weights, read straight from the
-stacked ``[E, ...]`` weights (no gather, no sort), in two launches: :func:`_gate_up_kernel` (grid
-``(N * k, cdiv(I, block_i))``, ``h[s] = silu(gate) * up`` for assignment ``s = n * k + r``) and
-:func:`_down_kernel` (grid ``(N, cdiv(H, block_o))``, the weighted combine over slots in increasing
-order, float32, no atomics: deterministic).
+stacked ``[E, ...]`` weights (no gather, no sort), in two launches: gate/up per (assignment,
+column block), then down with the weighted combine over slots in increasing order (float32, no
+atomics: deterministic).
 
-Rounding mirrors kiln's ``moe`` (each product and expert output rounded to the model dtype) except
-the per-token sum, accumulated in float32 and rounded once (within the bfloat16 tolerance); bfloat16
-rounding is emulated under the interpreter (:mod:`kiln.ops.kernels.rounding`). Explicit launch
-configs, shapes from ``N``, ``k`` and the weights only, no host reads: CUDA-graph capturable.
-Imports Triton: import lazily, and set ``TRITON_INTERPRET=1`` first on CPU.
+Rounding mirrors kiln's ``moe`` except the per-token sum, accumulated in float32 and rounded
+once. CUDA-graph capturable (no host reads). Imports Triton: import lazily, and set
+``TRITON_INTERPRET=1`` first on CPU.
 """
 
 from __future__ import annotations
@@ -30,12 +27,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class MoeDecodeConfig:
-    """Launch configuration (powers of two; tiles clamped to the shapes): ``block_i`` intermediate
-    columns per gate/up program, ``block_h`` its reduction chunk along H, ``block_o`` output columns
-    per down program, ``block_r`` its chunk along I, ``num_warps``.
-
-    Raises:
-        ValueError: a field not a positive power of two.
+    """Launch configuration: ``block_i``/``block_h`` (gate/up columns and reduction chunk),
+    ``block_o``/``block_r`` (down columns and chunk), ``num_warps``; tiles are clamped to the
+    shapes. ValueError unless each is a positive power of two.
     """
 
     block_i: int = 8
@@ -52,9 +46,7 @@ class MoeDecodeConfig:
 
 
 def default_config(tokens: int, hidden: int) -> MoeDecodeConfig:
-    """Thinner down tiles when few tokens would leave the down kernel few programs (aims at >= 256
-    programs on an H200's 132 SMs; not measured); wide tiles under the interpreter.
-    """
+    """The launch for ``tokens`` x ``hidden``: thinner down tiles when few tokens (not measured)."""
     if runtime.interpreting():
         return MoeDecodeConfig(block_i=64, block_h=512, block_o=64, block_r=256)
     block_o = 16
@@ -79,9 +71,8 @@ def _gate_up_kernel(
     BLOCK_H: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
-    """Program ``(s, j)``: ``h[s, j*BLOCK_I ..] = silu(x[n] @ gate_e.T) * (x[n] @ up_e.T)`` for
-    assignment ``s = n * TOP_K + r`` and its expert ``e = ids[s]`` (gate rows ``[:INTER]``, up
-    rows ``[INTER:]`` of ``w[e]``).
+    """Program ``(s, j)``: ``h[s, j-th block] = silu(x[n] @ gate_e.T) * (x[n] @ up_e.T)``, ``s =
+    n * TOP_K + r``, ``e = ids[s]``.
     """
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     s = tl.program_id(0)
@@ -127,8 +118,8 @@ def _down_kernel(
     BLOCK_R: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
-    """Program ``(n, j)``: ``out[n, j*BLOCK_O ..] = sum_r wts[n, r] * (h[n*TOP_K + r] @
-    down_e.T)`` over slots r in increasing order, ``e = ids[n, r]``; float32 sum, rounded once.
+    """Program ``(n, j)``: ``out[n, j-th block] = sum_r wts[n, r] * (h[n*TOP_K + r] @
+    down_e.T)``, in increasing r, float32, rounded once.
     """
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     n = tl.program_id(0).to(tl.int64)
@@ -161,11 +152,8 @@ def _down_kernel(
 
 
 def check_interpreter() -> bool:
-    """Whether the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``).
-
-    Raises:
-        kiln.ops.kernels.runtime.KernelUnavailableError: the variable is set but Triton was imported
-            before it.
+    """Whether the kernels run under ``TRITON_INTERPRET=1``; KernelUnavailableError if it is set
+    but Triton was imported before.
     """
     if not runtime.interpreting():
         return False
@@ -224,19 +212,13 @@ def moe_decode(
 
     Args:
         x: ``[N, H]`` float32/float16/bfloat16.
-        topk_ids: ``[N, k]`` int32/int64 in ``0..E-1`` (not checked: out of range reads out of
-            bounds).
-        topk_weights: ``[N, k]`` float32 (already rounded when the model rounds them).
-        gate_up_weight: ``[E, 2I, H]`` in x's dtype, gate rows ``[:I]`` then up.
-        down_weight: ``[E, H, I]`` in x's dtype; both unit stride along the last dim.
-        config: default :func:`default_config`.
+        topk_ids: ``[N, k]`` int32/int64 in ``0..E-1`` (not checked).
+        topk_weights: ``[N, k]`` float32.
+        gate_up_weight: ``[E, 2I, H]`` in x's dtype, gate rows first; down_weight ``[E, H, I]``;
+            both unit stride along the last dim.
 
-    Returns:
-        ``[N, H]`` in x's dtype; a new tensor.
-
-    Raises:
-        ValueError: shape, dtype, stride or device mismatches.
-        kiln.ops.kernels.runtime.KernelUnavailableError: Triton cannot run on ``x.device``.
+    Returns a new ``[N, H]`` tensor in x's dtype. Raises ValueError on shape, dtype, stride or
+    device mismatches, KernelUnavailableError when Triton cannot run on ``x.device``.
     """
     _check(x, topk_ids, topk_weights, gate_up_weight, down_weight)
     runtime.require(x.device)
@@ -291,7 +273,7 @@ def moe_decode(
 def moe_decode_reference(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_weight: Tensor, down_weight: Tensor
 ) -> Tensor:
-    """Plain PyTorch :func:`moe_decode` (same roundings; a per-slot loop, for tests)."""
+    """Plain PyTorch :func:`moe_decode` with the same roundings (for tests)."""
     inter = down_weight.shape[2]
     total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for r in range(topk_ids.shape[1]):

@@ -1,12 +1,6 @@
-"""RMS norm fused into the GEMV that consumes it, and the gate/up GEMV with a SiLU·mul epilogue (the
-shared GEMV of :mod:`kiln.ops.kernels.gemv` with its prologue/epilogue on; design:
-docs/design/kernels.md, "GEMV").
-
-Every program recomputes the RMS of its input rows; with ``activation="silu_mul"`` the weight is the
-fused ``[2I, K]`` ``cat([gate, up])`` and the ``[M, 2I]`` intermediate never reaches memory.
-Rounding follows kiln's references: ``rms_norm`` (float32 statistics, ``x * rstd`` cast to the model
-dtype, then scaled in the model dtype), ``F.linear`` rounded to the model dtype, then ``F.silu(gate)
-* up`` with each op rounded.
+"""RMS norm fused into the GEMV that consumes it, and the gate/up GEMV with a SiLU·mul epilogue
+(design: docs/design/kernels.md, "GEMV"). Rounding follows kiln's ``rms_norm``, ``F.linear``
+and ``F.silu(gate) * up`` references, each op rounded to the model dtype.
 """
 
 from __future__ import annotations
@@ -76,42 +70,28 @@ def rms_norm_gemv(
     activation: str | None = None,
     config: GemvConfig | None = None,
 ) -> Tensor:
-    """``rms_norm(x) @ weight.T`` in one kernel (optionally with the SwiGLU epilogue).
+    """``rms_norm(x) @ weight.T`` in one kernel, optionally with the SwiGLU epilogue.
 
     Args:
-        x: ``[M, K]`` residual stream (``1 <= M <= MAX_M``; float32/float16/bfloat16).
-        norm_weight: ``[K]`` RMS-norm scale in ``x.dtype``.
-        eps: added to the mean square (the config's ``rms_norm_eps``), >= 0.
+        x: ``[M, K]`` (``1 <= M <= MAX_M``; float32/float16/bfloat16).
+        norm_weight: ``[K]`` in ``x.dtype``; eps >= 0.
         weight: ``[N, K]`` contiguous, ``x.dtype``; with ``activation="silu_mul"`` the fused
-            ``cat([gate_weight, up_weight])`` ``[2I, K]``.
-        activation: None, or ``"silu_mul"`` for ``silu(x̂ @ Wg.T) * (x̂ @ Wu.T)``.
-        config: launch configuration; ``block_n`` counts output rows (gate/up row *pairs*). Default
-            :func:`kiln.ops.kernels.gemv_config.default_config`.
+            ``[2I, K]`` ``cat([gate, up])``.
+        config: ``block_n`` counts output rows (gate/up row pairs); default from ``gemv_config``.
 
-    Returns:
-        ``[M, N]`` (``[M, I]`` with ``silu_mul``) in ``x.dtype``; a new tensor.
+    Returns a new ``[M, N]`` (``[M, I]`` with ``silu_mul``) in ``x.dtype``.
 
     Raises:
-        ValueError: shape/dtype/device mismatches, ``M > MAX_M``, an odd row count with
-            ``silu_mul``, an unknown activation, or a negative ``eps``.
-        kiln.ops.kernels.runtime.KernelUnavailableError: Triton cannot run on ``x.device``.
+        ValueError: mismatches, ``M > MAX_M``, an odd row count with ``silu_mul``, an unknown
+            activation, a negative ``eps``.
+        KernelUnavailableError: Triton cannot run on ``x.device``.
     """
     return _fused(x, norm_weight, eps, weight, activation, config)
 
 
 def gate_up_silu(x: Tensor, gate_up_weight: Tensor, *, config: GemvConfig | None = None) -> Tensor:
-    """``silu(x @ Wg.T) * (x @ Wu.T)`` from the fused ``[2I, K]`` weight, without a norm (the
-    first half of kiln's ``mlp`` ``fused_gate_up``).
-
-    Args:
-        x: ``[M, K]`` (``1 <= M <= MAX_M``). gate_up_weight: ``[2I, K]`` contiguous, ``x.dtype``.
-        config: launch configuration (``block_n`` = gate/up row pairs per program).
-
-    Returns:
-        ``[M, I]`` in ``x.dtype``.
-
-    Raises:
-        ValueError, KernelUnavailableError: as :func:`rms_norm_gemv`.
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` from the fused ``[2I, K]`` weight, no norm: ``[M, I]`` in
+    ``x.dtype``. Raises as :func:`rms_norm_gemv`.
     """
     return _fused(x, None, 0.0, gate_up_weight, "silu_mul", config)
 
@@ -130,12 +110,7 @@ def rms_norm_gemv_reference(
     activation: str | None = None,
     config: GemvConfig | None = None,
 ) -> Tensor:
-    """Plain PyTorch :func:`rms_norm_gemv`: kiln's ``rms_norm`` reference, ``F.linear``, and for
-    ``silu_mul`` the ``mlp`` ``fused_gate_up`` epilogue. ``config`` is ignored.
-
-    Raises:
-        ValueError: an unknown activation or an odd row count with ``silu_mul``.
-    """
+    """Plain PyTorch :func:`rms_norm_gemv` (``config`` ignored); ValueError as it."""
     del config
     _out_rows(weight, activation)
     normed, _ = rms_norm_op.reference(x, weight=norm_weight, eps=eps)

@@ -1,8 +1,7 @@
-"""Per-head Q/K RMSNorm + RoPE + KV-cache write from a fused QKV product's output, in one kernel:
-the decode chain's prologue when the product runs apart (Qwen3's Q/K norms, or tensor-core batches).
-Program ``(b, h)`` owns head ``h`` of sequence ``b``: q normed, rotated, returned; k normed,
-rotated, written to the cache at the device-side position; v copied. Rounding follows kiln's
-reference (per-head ``rms_norm`` with float32 statistics, rotation in float32, then cast).
+"""Per-head Q/K RMSNorm + RoPE + KV-cache write from a fused QKV product's output, in one kernel
+(the decode chain's prologue when the product runs apart). q is returned normed and rotated; k
+normed, rotated and written to the cache at the device-side position; v copied. Rounding follows
+kiln's reference ops.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ def _qk_norm_rope_kernel(
     EMULATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program ``(b, h)``: head ``h`` of sequence ``b`` (see the module docs)."""
+    """Program ``(b, h)``: head ``h`` of sequence ``b``."""
     DTYPE: tl.constexpr = qkv_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
     b = tl.program_id(0).to(tl.int64)
@@ -102,12 +101,9 @@ def check_rope_write(
     num_kv_heads: int,
     head_dim: int,
 ) -> None:
-    """Validate what a RoPE + KV-cache write of ``x [B, ...]``'s heads needs: head counts and an
-    even ``head_dim``, ``[P, D/2]`` float32 cos/sin tables, ``[B]`` int64 positions, and
-    ``[max_batch >= B, Hkv, S, D]`` contiguous caches in x's dtype, all on x's device.
-
-    Raises:
-        ValueError: the first mismatch, naming the argument.
+    """Validate the arguments of a RoPE + KV-cache write of ``x [B, ...]``'s heads (even
+    ``head_dim``, ``[P, D/2]`` float32 tables, ``[B]`` int64 positions, ``[>= B, Hkv, S, D]``
+    contiguous caches in x's dtype, one device); ValueError naming the first mismatch.
     """
     if min(num_heads, num_kv_heads, head_dim) < 1 or head_dim % 2:
         raise ValueError(
@@ -184,20 +180,15 @@ def qk_norm_rope(
 
     Args:
         qkv: ``[B, (Hq + 2*Hkv) * D]`` (model dtype), unit stride along the last dim.
-        q_norm, k_norm: ``[D]`` per-head RMSNorm scales, or None; eps: their epsilon.
-        cos, sin: ``[P, D/2]`` float32 (``kiln.ops.rope``).
-        positions: ``[B]`` int64 on the device, each ``< P`` and ``< S`` (not checked).
-        k_cache, v_cache: ``[max_batch, Hkv, S, D]`` contiguous in qkv's dtype; written in place at
+        q_norm, k_norm: ``[D]`` per-head RMSNorm scales, or None.
+        cos, sin: ``[P, D/2]`` float32.
+        positions: ``[B]`` int64, each ``< P`` and ``< S`` (not checked).
+        k_cache, v_cache: ``[max_batch, Hkv, S, D]`` contiguous; written at
             ``[b, :, positions[b], :]``.
-        num_heads, num_kv_heads, head_dim: Hq, Hkv, D (D even).
         pdl: :mod:`kiln.ops.kernels.pdl` mode.
 
-    Returns:
-        q ``[B, Hq, D]`` normed and rotated, qkv's dtype; a new tensor.
-
-    Raises:
-        ValueError: shape, dtype or device mismatches.
-        kiln.ops.kernels.runtime.KernelUnavailableError: Triton cannot run on qkv's device.
+    Returns a new q ``[B, Hq, D]``. Raises ValueError on mismatches, KernelUnavailableError when
+    Triton cannot run.
     """
     check_rope_write(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, head_dim)
     _check(qkv, (q_norm, k_norm), num_heads, num_kv_heads, head_dim)
@@ -255,9 +246,9 @@ def rope_write_reference(
     k_cache: Tensor,
     v_cache: Tensor,
 ) -> Tensor:
-    """Plain PyTorch RoPE of ``q [B, Hq, D]`` and ``k [B, Hkv, D]`` (``kiln.ops.rope``'s
-    rotation in float32, cast back) and the k/v write of ``StaticKVCache.write`` at
-    ``positions [B]``; returns the rotated q."""
+    """Plain PyTorch RoPE of ``q [B, Hq, D]`` and ``k [B, Hkv, D]`` and the k/v cache write at
+    ``positions [B]``; returns the rotated q.
+    """
     c, s = cos[positions][:, None], sin[positions][:, None]  # [B, 1, D/2]
     rows = torch.arange(q.shape[0], device=q.device)
     k_cache[rows, :, positions] = _rotate(k, c, s)
@@ -281,8 +272,7 @@ def qk_norm_rope_reference(
     head_dim: int,
     pdl: int = 0,
 ) -> Tensor:
-    """Plain PyTorch :func:`qk_norm_rope`, same side effects on the caches: kiln's ``rms_norm``
-    reference per head, then :func:`rope_write_reference`."""
+    """Plain PyTorch :func:`qk_norm_rope`, same cache writes."""
     del pdl
     d = head_dim
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)

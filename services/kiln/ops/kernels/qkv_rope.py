@@ -1,10 +1,8 @@
 """RMS norm + fused QKV projection + RoPE + KV-cache write for one decode step, in one kernel.
 
-Program ``(h, j)`` owns head ``h`` of the fused ``[(Hq + 2Hkv) * D, K]`` weight and ``block_n``
-rotation pairs (rows ``h*D + i`` and ``h*D + i + D/2``), so RoPE needs no exchange between programs.
-q heads are rotated and returned; k rotated and v copied into the static cache at each sequence's
-device-side position (no host sync). Rounding follows kiln's reference (``rms_norm``, ``F.linear``
-rounded to the model dtype, rotation in float32 then cast).
+Program ``(h, j)`` owns head ``h`` and ``block_n`` rotation pairs, so RoPE needs no exchange
+between programs; q is returned rotated, k rotated and v copied into the cache at device-side
+positions. Rounding follows kiln's reference ops.
 """
 
 from __future__ import annotations
@@ -34,12 +32,9 @@ Tensor = torch.Tensor
 def default_qkv_rope_config(
     num_heads: int, num_kv_heads: int, head_dim: int, k: int, *, sms: int = DEFAULT_SMS
 ) -> GemvConfig:
-    """Launch configuration of :func:`rms_norm_qkv_rope`: ``block_n`` the largest power of two <= 16
-    (and <= D/2) giving >= ``2 * sms`` programs; ``block_k`` fills :data:`TILE_BUDGET` for two tiles
-    (Llama-3.2-1B: 4, 2048; 384 programs).
-
-    Raises:
-        ValueError: a non-positive size or an odd ``head_dim``.
+    """Launch of :func:`rms_norm_qkv_rope`: ``block_n`` the largest power of two <= min(16, D/2)
+    giving >= ``2 * sms`` programs, ``block_k`` filling :data:`TILE_BUDGET`. ValueError on a
+    non-positive size or odd ``head_dim``.
     """
     if min(num_heads, num_kv_heads, head_dim, k) < 1 or head_dim % 2:
         raise ValueError(
@@ -88,8 +83,7 @@ def _qkv_rope_kernel(
     EMULATE_RNE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program ``(h, j)``: pairs ``i = j*BLOCK_N ..`` of head ``h`` for all M sequences (PDL:
-    :func:`kiln.ops.kernels.pdl.pdl_enter`, after the first weight chunk's loads)."""
+    """Program ``(h, j)``: pairs ``j*BLOCK_N ..`` of head ``h`` for all M sequences."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
     h = tl.program_id(0)
@@ -174,28 +168,21 @@ def rms_norm_qkv_rope(
     config: GemvConfig | None = None,
     qkv_bias: Tensor | None = None,
 ) -> Tensor:
-    """One decode step's attention prologue: ``rms_norm`` -> fused QKV GEMV -> RoPE of q and k -> k
-    and v written into the cache.
+    """One decode step's attention prologue: ``rms_norm``, fused QKV GEMV, RoPE of q and k, k and
+    v written into the cache.
 
     Args:
-        x: ``[B, K]`` residual stream, ``1 <= B <= MAX_M``, model dtype.
-        norm_weight: ``[K]`` (``x.dtype``), or None for no norm; eps: its epsilon.
-        qkv_weight: ``[(Hq + 2*Hkv) * D, K]`` (``kiln.ops.qkv_proj.fuse_qkv``), contiguous,
-            ``x.dtype``.
-        cos, sin: ``[P, D/2]`` float32 (``kiln.ops.rope``'s ``cos_sin_table``).
-        positions: ``[B]`` int64 on the device, each ``< P`` and ``< S`` (not checked).
-        k_cache, v_cache: ``[max_batch, Hkv, S, D]`` contiguous, ``x.dtype``; written in place at
+        x: ``[B, K]``, ``1 <= B <= MAX_M``, model dtype.
+        norm_weight: ``[K]``, or None for no norm.
+        qkv_weight: ``[(Hq + 2*Hkv) * D, K]`` contiguous (``fuse_qkv``).
+        cos, sin: ``[P, D/2]`` float32.
+        positions: ``[B]`` int64, each ``< P`` and ``< S`` (not checked).
+        k_cache, v_cache: ``[max_batch, Hkv, S, D]`` contiguous; written at
             ``[b, h, positions[b], :]``.
-        num_heads, num_kv_heads, head_dim: Hq, Hkv, D (D even).
-        config: default :func:`default_qkv_rope_config`; ``split_k`` must be 1.
-        qkv_bias: must be None.
+        config: ``split_k`` must be 1; qkv_bias must be None.
 
-    Returns:
-        q ``[B, Hq, D]`` rotated, ``x.dtype``; a new tensor.
-
-    Raises:
-        ValueError: shape/dtype/device mismatches, ``B > MAX_M``, ``split_k > 1``, or a bias.
-        kiln.ops.kernels.runtime.KernelUnavailableError: Triton cannot run on ``x.device``.
+    Returns a new rotated q ``[B, Hq, D]``. Raises ValueError on mismatches, ``B > MAX_M``,
+    ``split_k > 1`` or a bias; KernelUnavailableError when Triton cannot run.
     """
     if qkv_bias is not None:
         raise ValueError("rms_norm_qkv_rope does not support a QKV bias")
@@ -276,10 +263,7 @@ def rms_norm_qkv_rope_reference(
     config: GemvConfig | None = None,
     qkv_bias: Tensor | None = None,
 ) -> Tensor:
-    """Plain PyTorch :func:`rms_norm_qkv_rope`, same side effects on the caches: kiln's
-    ``rms_norm`` reference, ``F.linear`` on the fused weight, then
-    :func:`kiln.ops.kernels.qk_norm_rope.qk_norm_rope_reference` without norms (the ``rope``
-    rotation and the cache write of ``StaticKVCache.write``). ``config`` is ignored."""
+    """Plain PyTorch :func:`rms_norm_qkv_rope`, same cache writes (``config`` ignored)."""
     del config
     h = x if norm_weight is None else rms_norm_op.reference(x, weight=norm_weight, eps=eps)[0]
     qkv = F.linear(h, qkv_weight, qkv_bias)

@@ -1,11 +1,6 @@
-"""Which implementation runs each op: the part of a model that hot reload swaps.
-
-An :class:`OpBinding` maps every op to an implementation, from a recipe like
-``{"attention": "sdpa"}`` (ops not named get ``reference``). :meth:`OpBinding.bind_model` turns
-a model's :class:`~kiln.workloads.models.slots.ModelSlots` of sites into the same slots of
-callables — each implementation with its params bound (derived layouts taken from, or computed
-once into, the weight store). Building a binding and binding a model are cheap: no weight is
-read or copied unless a derived layout is needed for the first time.
+"""Which implementation runs each op: the part of a model that hot reload swaps. Binding is
+cheap:
+no weight is read or copied unless a derived layout is needed for the first time.
 """
 
 from __future__ import annotations
@@ -51,11 +46,7 @@ def _check_params(impl: OpImpl, site: Site, params: Mapping[str, Any]) -> None:
 
 
 class OpBinding:
-    """Op name → implementation.
-
-    Args:
-        impls: op name → :class:`~kiln.ops.registry.OpImpl`; ops missing here cannot be bound.
-    """
+    """Op name -> implementation; ops missing from ``impls`` cannot be bound."""
 
     def __init__(self, impls: Mapping[str, OpImpl]) -> None:
         self._impls = dict(impls)
@@ -64,12 +55,10 @@ class OpBinding:
     def from_recipe(
         cls, recipe: Mapping[str, str] | None = None, *, allow_lossy: bool = False
     ) -> OpBinding:
-        """A binding choosing ``recipe[op]`` for the ops it names and ``reference`` for every
-        other op that has one (a candidate's ``ops`` mapping is such a recipe).
+        """A binding with ``recipe[op]`` for the ops named, ``reference`` for every other.
 
         Raises:
-            kiln.ops.registry.UnknownOpError: the recipe names an unknown op.
-            kiln.ops.registry.UnknownImplementationError: ... or an unknown implementation.
+            kiln.ops.registry.UnknownOpError, UnknownImplementationError: an unknown name.
             LossyImplementationError: a lossy implementation without ``allow_lossy``.
         """
         recipe = dict(recipe or {})
@@ -90,7 +79,7 @@ class OpBinding:
 
     @property
     def recipe(self) -> dict[str, str]:
-        """Op → implementation name, every bound op included."""
+        """Op -> implementation name, every bound op included."""
         return {op: impl.name for op, impl in self._impls.items()}
 
     @property
@@ -99,11 +88,7 @@ class OpBinding:
         return any(impl.lossy for impl in self._impls.values())
 
     def impl(self, op: str) -> OpImpl:
-        """The implementation chosen for ``op``.
-
-        Raises:
-            kiln.ops.registry.UnknownImplementationError: ``op`` has no implementation here.
-        """
+        """The implementation chosen for ``op``; UnknownImplementationError if none."""
         try:
             return self._impls[op]
         except KeyError:
@@ -113,11 +98,8 @@ class OpBinding:
             ) from None
 
     def bind(self, site: Site, store: WeightStore) -> BoundOp:
-        """The implementation of ``site.op`` with its params bound: ``site.params``, or the
-        implementation's derived layout of them (cached in ``store`` under (transform, site)).
-
-        Raises:
-            BindError: the params do not fit the implementation's signature.
+        """The implementation of ``site.op`` with ``site.params`` (or its derived layout, cached
+        in ``store``) bound; BindError when they do not fit its signature.
         """
         impl = self.impl(site.op)
         params: Mapping[str, Any] = site.params

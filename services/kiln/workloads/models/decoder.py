@@ -1,10 +1,9 @@
-"""The forward pass of a decoder (Llama, Qwen3, Qwen3-MoE, Mixtral), written only in op-slot calls.
+"""The forward pass of a decoder (Llama, Qwen3, Qwen3-MoE, Mixtral), written only in op-slot
+calls.
 
-Per layer: ``input_norm`` (adds the residual) → ``qkv_proj`` → ``q_norm``/``k_norm`` (Qwen3) →
-``rope`` → KV-cache write → ``attention`` → ``o_proj`` → ``post_attention_norm`` (adds the residual)
-→ ``ffn`` (``mlp``, or ``moe`` on expert layers); then ``final_norm`` → ``lm_head``. The
-:class:`~kiln.workloads.models.binding.OpBinding` picks each slot's implementation;
-:meth:`DecoderModel.rebind` swaps it without touching weights or the cache.
+Per layer: ``input_norm`` (adds the residual), ``qkv_proj``, ``q_norm``/``k_norm`` (Qwen3),
+``rope``, KV-cache write, ``attention``, ``o_proj``, ``post_attention_norm`` (adds the residual),
+``ffn`` (``mlp``, or ``moe`` on expert layers); then ``final_norm`` and ``lm_head``.
 """
 
 from __future__ import annotations
@@ -26,19 +25,13 @@ Tensor = torch.Tensor
 
 
 class DecoderModel:
-    """A decoder over a weight store and a static KV cache.
-
-    Args:
-        config: the architecture (truncated to the layers held, for the fast tier).
-        weights: parameters by HF name (may be shared with other models, e.g. the reference).
-        cache: the KV cache, ``config.num_hidden_layers`` layers.
-        binding: op implementations; all ``reference`` when None.
+    """A decoder over a weight store (may be shared, e.g. with the reference) and a static KV
+    cache.
 
     Attributes:
-        slots: the sites (op, HF prefix, base params) of every op call.
-        ops: the same slots bound to implementations.
+        slots: the sites (op, HF prefix, base params) of every op call; ``ops`` the same bound.
         expert_load: for an MoE model whose routers were biased at build, the load measured on
-            held-out prompts (:class:`~kiln.workloads.models.routing.ExpertLoadReport`); else None.
+            held-out prompts; else None.
     """
 
     def __init__(
@@ -59,8 +52,9 @@ class DecoderModel:
         self.expert_load: ExpertLoadReport | None = None
 
     def rebind(self, binding: OpBinding) -> None:
-        """Swap op implementations (hot reload): weights and cache stay; derived layouts are
-        computed on first use and cached in the weight store."""
+        """Swap op implementations (hot reload); weights and cache stay, derived layouts are
+        cached.
+        """
         ops = binding.bind_model(self.slots, self.weights)
         self.binding, self.ops = binding, ops
 
@@ -85,16 +79,9 @@ class DecoderModel:
         return ops.ffn(x), residual
 
     def forward(self, tokens: Tensor, positions: Tensor, seq_lens: Tensor) -> Tensor:
-        """Final-normed hidden states of a step; writes the step's K/V into the cache (does not
-        change the cache's lengths).
-
-        Args:
-            tokens: ``[B, T]`` int64 token ids.
-            positions: ``[B, T]`` int64 positions of those tokens.
-            seq_lens: ``[B]`` int64 valid cache length per sequence after this step.
-
-        Returns:
-            ``[B, T, H]`` in the model dtype.
+        """Final-normed hidden states ``[B, T, H]`` (model dtype) of ``tokens [B, T]`` at
+        ``positions [B, T]``, ``seq_lens [B]`` the cache length after the step (int64 all);
+        writes the step's K/V but not the cache's lengths.
         """
         h = self.ops.embedding(tokens)
         residual: Tensor | None = None
@@ -107,19 +94,15 @@ class DecoderModel:
     def prefill(
         self, tokens: Tensor, seq_lens: Tensor | None = None, *, all_logits: bool = False
     ) -> Tensor:
-        """Start new sequences from their prompts (the cache's previous contents are dropped).
+        """Start new sequences from prompts (the cache's previous contents are dropped).
 
         Args:
-            tokens: ``[B, T]`` int64 prompts, right-padded to T.
-            seq_lens: ``[B]`` int64 prompt lengths (each in ``1..T``); all T when None.
-            all_logits: return every position's logits instead of the last valid one's.
+            tokens: ``[B, T]`` int64 prompts, right-padded.
+            seq_lens: ``[B]`` int64 lengths in ``1..T``; all T when None.
+            all_logits: every position's logits instead of the last valid one's.
 
-        Returns:
-            float32 logits ``[B, V]`` at position ``seq_lens - 1``, or ``[B, T, V]``.
-
-        Raises:
-            kiln.workloads.models.kv_cache.CacheCapacityError: more sequences or tokens than the
-                cache holds.
+        Returns float32 logits ``[B, V]`` (or ``[B, T, V]``). Raises CacheCapacityError when the
+        cache cannot hold them.
         """
         b, t = tokens.shape
         if seq_lens is None:
@@ -133,17 +116,8 @@ class DecoderModel:
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor) -> Tensor:
-        """Append one token to every active sequence.
-
-        Args:
-            tokens: ``[B, 1]`` int64, B the batch given to :meth:`prefill`.
-
-        Returns:
-            ``[B, V]`` float32 logits of the next token.
-
-        Raises:
-            kiln.workloads.models.kv_cache.CacheCapacityError: nothing prefilled, or a sequence
-                fills the cache.
+        """Append one token to every active sequence: ``[B, 1]`` int64 -> ``[B, V]`` float32
+        logits. CacheCapacityError when nothing is prefilled or a sequence fills the cache.
         """
         positions, seq_lens = self.cache.next_positions()
         if tokens.shape != (self.cache.batch, 1):
@@ -160,11 +134,7 @@ class DecoderModel:
 
     @torch.no_grad()
     def generate(self, tokens: Tensor, seq_lens: Tensor | None = None, steps: int = 1) -> Tensor:
-        """Greedy continuation: prefill, then ``steps - 1`` decode steps.
-
-        Returns:
-            ``[B, steps]`` int64 generated tokens.
-        """
+        """Greedy continuation (prefill, then ``steps - 1`` decode steps): ``[B, steps]`` int64."""
         out = [self.sample(self.prefill(tokens, seq_lens))]
         for _ in range(steps - 1):
             out.append(self.sample(self.decode_step(out[-1][:, None])))

@@ -1,7 +1,5 @@
-"""A static KV cache: fixed-size K and V buffers per layer, and each sequence's length.
-
-Buffers never change shape or address (CUDA-graph friendly, as gpt-fast's ``KVCache``); a step
-writes its keys and values at their positions and attention masks by position and length.
+"""A static KV cache: fixed-size K and V buffers per layer and each sequence's length; buffers
+never change shape or address (CUDA-graph friendly).
 """
 
 from __future__ import annotations
@@ -17,10 +15,7 @@ class CacheCapacityError(ValueError):
 
 class StaticKVCache:
     """Per-layer ``k[l]``, ``v[l]``: ``[max_batch, Hkv, max_len, D]`` in the model dtype, and
-    ``lengths``: ``[max_batch]`` int64 (valid slots per sequence), on ``device``.
-
-    The active batch is the first ``batch`` rows (set by :meth:`start`). A host-side copy of the
-    longest length lets :meth:`advance` check capacity without reading the device.
+    ``lengths [max_batch]`` int64, on ``device``; the active batch is the first ``batch`` rows.
     """
 
     def __init__(
@@ -59,15 +54,9 @@ class StaticKVCache:
                 t.zero_()
 
     def start(self, seq_lens: Tensor, tokens: int) -> Tensor:
-        """Begin ``B = len(seq_lens)`` new sequences whose prompts fill ``tokens`` slots
-        (right-padded), replacing whatever the cache held.
-
-        Args:
-            seq_lens: ``[B]`` int64, each in ``[1, tokens]``.
-            tokens: T, the padded prompt length.
-
-        Returns:
-            positions ``[B, T]`` int64 (``0..T-1`` per row).
+        """Begin ``B`` new sequences (``seq_lens [B]`` int64, each in ``[1, tokens]``) from
+        right-padded prompts of ``tokens`` slots, replacing what the cache held; returns
+        positions ``[B, T]`` int64.
 
         Raises:
             CacheCapacityError: ``B > max_batch`` or ``T > max_len``.
@@ -89,11 +78,8 @@ class StaticKVCache:
         return positions.expand(b, tokens)
 
     def next_positions(self) -> tuple[Tensor, Tensor]:
-        """For a decode step of the active batch: positions ``[B, 1]`` (the current lengths) and
-        the lengths after the step ``[B]`` (both int64, on the cache's device).
-
-        Raises:
-            CacheCapacityError: no active batch, or some sequence already fills the cache.
+        """Positions ``[B, 1]`` and lengths after the step ``[B]`` (int64) of a decode step;
+        CacheCapacityError with no active batch or a full sequence.
         """
         if self.batch == 0:
             raise CacheCapacityError("no sequences in the cache: prefill first")
@@ -108,32 +94,24 @@ class StaticKVCache:
         self._longest += steps
 
     def state(self) -> tuple[Tensor, int, int]:
-        """A copy of the bookkeeping (lengths ``[max_batch]`` int64, active batch, host-side
-        longest length) for :meth:`restore_state`; the K/V buffers are not copied."""
+        """A copy of the bookkeeping (not the K/V buffers) for :meth:`restore_state`."""
         return self.lengths.clone(), self.batch, self._longest
 
     def restore_state(self, state: tuple[Tensor, int, int]) -> None:
-        """Put back bookkeeping taken by :meth:`state` (in place: ``lengths`` keeps its address,
-        which a captured CUDA graph relies on)."""
+        """Put back bookkeeping from :meth:`state`, in place (``lengths`` keeps its address)."""
         lengths, self.batch, self._longest = state
         self.lengths.copy_(lengths)
 
     def advanced_on_device(self, steps: int = 1) -> None:
         """Record on the host that a replayed CUDA graph advanced every active sequence by
-        ``steps`` (the graph already incremented ``lengths`` on the device)."""
+        ``steps``.
+        """
         self._longest += steps
 
     def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Store a step's keys and values at their positions.
-
-        Args:
-            layer: layer index.
-            k, v: ``[B, Hkv, T, D]`` (B the active batch).
-            positions: ``[B, T]`` int64 slots to write.
-
-        Returns:
-            The layer's cache for the active batch, ``(k [B, Hkv, S, D], v [B, Hkv, S, D])`` (views
-            of the buffers).
+        """Store ``k``, ``v`` ``[B, Hkv, T, D]`` at ``positions [B, T]`` int64 of ``layer``;
+        returns views of the layer's cache for the active batch, ``(k, v)`` each ``[B, Hkv, S,
+        D]``.
         """
         b = k.shape[0]
         rows = torch.arange(b, device=positions.device)[:, None]

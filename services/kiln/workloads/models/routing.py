@@ -1,14 +1,10 @@
 """Expert-load skew for MoE models with random weights, and measuring expert load (rationale:
 docs/design/kernels.md, "MoE").
 
-An engine with seeded random weights for a traffic shape whose ``expert_zipf_exponent`` s > 0 gives
-each MoE layer's router a float32 logit bias ``b [E]`` (weight-store name
-``model.layers.{i}.mlp.gate.kiln_skew_bias``, :data:`kiln.workloads.weights.ROUTER_BIAS`): the
-target is :func:`~kiln.workloads.traffic.experts.zipf_shares` ``(E, top_k, s)`` permuted over the
-experts by (seed, layer); :func:`fit_router_bias` fits it on the logits of seeded random prompts;
-:func:`calibrate_router_bias` fits layer by layer in one forward; :class:`ExpertLoadReport`
-(:attr:`DecoderModel.expert_load`) is the load measured on a fresh sample. Checkpoint weights get no
-bias; :func:`measure_expert_load` works on any MoE model.
+With seeded random weights and ``expert_zipf_exponent`` s > 0, each MoE layer's router gets a
+float32 logit bias ``[E]`` (:func:`bias_name`) fitted so that routing loads the experts as the
+Zipf shares ``(E, top_k, s)`` permuted by (seed, layer). Checkpoint weights get no bias;
+:func:`measure_expert_load` works on any MoE model.
 """
 
 from __future__ import annotations
@@ -56,11 +52,8 @@ def bias_name(layer: int) -> str:
 
 
 def target_load(config: ModelConfig, layer: int, seed: int) -> Tensor:
-    """Target share of routed assignments per expert of ``layer``: float64 ``[E]`` summing to 1, the
-    Zipf shares of ``config.moe.load_zipf_exponent`` permuted by ``(seed, layer)``.
-
-    Raises:
-        ValueError: ``config`` is not MoE.
+    """Target share per expert of ``layer``: float64 ``[E]`` summing to 1, the Zipf shares
+    permuted by ``(seed, layer)``. ValueError if ``config`` is not MoE.
     """
     if config.moe is None:
         raise ValueError(f"{config.name} has no experts")
@@ -74,8 +67,8 @@ def target_load(config: ModelConfig, layer: int, seed: int) -> Tensor:
 
 
 def load_fractions(experts: Tensor, num_experts: int) -> Tensor:
-    """Share of routed assignments per expert: float64 ``[E]`` summing to 1, from the chosen
-    experts ``[N, top_k]`` int64.
+    """Share of routed assignments per expert, float64 ``[E]`` summing to 1, of ``experts [N,
+    top_k]``.
     """
     counts = torch.bincount(experts.reshape(-1), minlength=num_experts).double()
     return counts / max(1, experts.numel())
@@ -84,17 +77,9 @@ def load_fractions(experts: Tensor, num_experts: int) -> Tensor:
 def fit_router_bias(
     logits: Tensor, target: Tensor, top_k: int, *, steps: int = FIT_STEPS
 ) -> Tensor:
-    """A router-logit bias under which top-k routing of ``logits`` loads experts as ``target``:
-    Gumbel-max start ``b = β ln target``, fixed-point steps ``b += β/2 · ln(target / measured)``,
-    the bias of smallest total-variation distance kept. Deterministic.
-
-    Args:
-        logits: ``[N, E]`` float32 router logits (without bias).
-        target: ``[E]`` target shares (sum 1, each at most ``1/top_k``).
-        top_k: experts per token. steps: fixed-point iterations.
-
-    Returns:
-        float32 ``[E]`` on ``logits``' device, mean 0.
+    """A bias under which top-k routing of ``logits [N, E]`` float32 loads experts as ``target
+    [E]`` (shares summing to 1, each at most ``1/top_k``): fixed-point steps from a Gumbel-max
+    start, the best kept. Deterministic; float32 ``[E]``, mean 0, on ``logits``' device.
     """
     n, e = logits.shape
     logits = logits.float()
@@ -119,13 +104,8 @@ def fit_router_bias(
 
 @dataclass(frozen=True)
 class ExpertLoadReport:
-    """Expert load of an MoE model's layers on a sample of prompts.
-
-    Attributes:
-        tokens: tokens routed through each MoE layer.
-        zipf_exponent: the imposed skew s (0.0 = the router's own load).
-        measured: layer index -> share of routed assignments per expert (E floats, sum 1).
-        target: layer index -> target share per expert (empty without a skew).
+    """Expert load of an MoE model's layers on a sample: ``tokens`` per layer, the imposed
+    ``zipf_exponent`` (0.0: none), and per layer index the ``measured`` and ``target`` shares.
     """
 
     tokens: int
@@ -134,23 +114,19 @@ class ExpertLoadReport:
     target: dict[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     def rank_profile(self) -> list[float]:
-        """Mean over layers of each layer's shares sorted in decreasing order: the load by rank,
-        comparable with :func:`~kiln.workloads.traffic.experts.zipf_shares`.
-        """
+        """Mean over layers of the shares sorted in decreasing order."""
         rows = [sorted(v, reverse=True) for v in self.measured.values()]
         return [sum(col) / len(rows) for col in zip(*rows, strict=True)] if rows else []
 
     def hot_ratio(self) -> float:
-        """Mean over layers of the hottest expert's share over the uniform share (>= 1; the form
-        of ``TrafficShape.expert_load_skew``).
-        """
+        """Mean over layers of the hottest share over the uniform share (>= 1)."""
         if not self.measured:
             return 1.0
         return sum(len(v) * max(v) for v in self.measured.values()) / len(self.measured)
 
     def distance(self) -> float:
-        """Largest total-variation distance between a layer's measured and target load
-        (0 = exact, 1 = disjoint); 0.0 without a target.
+        """Largest total-variation distance between a layer's measured and target load (0.0
+        without one).
         """
         return max(
             (
@@ -171,9 +147,7 @@ class ExpertLoadReport:
 
 
 def sample_prompts(config: ModelConfig, seed: int, device: torch.device | str) -> Tensor:
-    """Seeded uniform random prompts ``[SAMPLE_BATCH, T]`` int64 (T = :data:`SAMPLE_LEN`, at most
-    the model's context window), like the engines' check inputs.
-    """
+    """Seeded uniform random prompts ``[SAMPLE_BATCH, T]`` int64, T at most the context window."""
     length = max(1, min(SAMPLE_LEN, config.max_position_embeddings))
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(config.vocab_size, (SAMPLE_BATCH, length), generator=gen).to(device)
@@ -183,8 +157,8 @@ Tap = Callable[[int, Tensor, dict[str, object]], None]
 
 
 def _run_tapped(model: DecoderModel, tokens: Tensor, tap: Tap) -> None:
-    """Prefill ``tokens`` through a reference model over ``model``'s weights with its own small
-    cache, calling ``tap(layer, x[B, T, H], moe params)`` before every ``moe`` ffn.
+    """Prefill ``tokens`` with reference ops over ``model``'s weights (own cache), calling
+    ``tap`` before every ``moe`` ffn.
     """
     w = model.weights
     cfg = model.config
@@ -227,12 +201,8 @@ def _router_logits(x: Tensor, params: dict[str, object]) -> Tensor:
 def measure_expert_load(
     model: DecoderModel, tokens: Tensor, *, target: dict[int, tuple[float, ...]] | None = None
 ) -> ExpertLoadReport:
-    """Route ``tokens`` (``[B, T]`` int64) through ``model``'s weights with reference ops (router
-    biases included) and count assignments per expert per MoE layer; ``target`` is reported beside.
-    The model's cache is not touched.
-
-    Raises:
-        ValueError: ``model`` has no MoE layers.
+    """Assignments per expert per MoE layer of ``tokens [B, T]`` through ``model``'s weights with
+    reference ops (biases included); the cache is untouched. ValueError without MoE layers.
     """
     moe = model.config.moe
     if moe is None or not moe_layers(model.config):
@@ -257,9 +227,7 @@ def measure_expert_load(
 
 
 def add_router_biases(store: WeightStore, config: ModelConfig) -> None:
-    """Hold a zero float32 ``[E]`` router bias for every MoE layer of ``config`` that has none
-    (on the router weight's device), to be fitted by :func:`calibrate_router_bias`.
-    """
+    """Hold a zero float32 ``[E]`` router bias for every MoE layer that has none."""
     if config.moe is None:
         return
     for i in moe_layers(config):
@@ -271,12 +239,8 @@ def add_router_biases(store: WeightStore, config: ModelConfig) -> None:
 
 @torch.no_grad()
 def calibrate_router_bias(model: DecoderModel, *, seed: int) -> ExpertLoadReport:
-    """Fit ``model``'s router biases (:func:`add_router_biases`) in place to the Zipf target of
-    ``model.config.moe.load_zipf_exponent``; ``seed`` seeds the permutations and both prompt
-    samples. Returns the held-out measurement, with the targets.
-
-    Raises:
-        ValueError: not an MoE model, or its slots hold no router bias.
+    """Fit ``model``'s router biases in place to its Zipf target and return the held-out
+    measurement. ValueError if not MoE or its slots hold no router bias.
     """
     cfg = model.config
     moe = cfg.moe

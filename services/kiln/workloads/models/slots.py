@@ -1,12 +1,8 @@
 """Op slots: where in a decoder each op is called, and with which base params.
 
-A :class:`Site` names one call site (its op, its HF module prefix, and the params the op's
-reference implementation takes there: weights from the store and config scalars). The
-:class:`LayerSlots` / :class:`ModelSlots` containers give every site a role in the forward
-(``input_norm``, ``qkv_proj``, ...); the same containers hold the bound callables after
-:meth:`kiln.workloads.models.binding.OpBinding.bind_model`, so the decoder reads
-``layer.qkv_proj(x)`` whichever implementation is bound. This module is the only place that
-knows HF parameter names for the forward.
+A :class:`Site` is one call site; :class:`LayerSlots` / :class:`ModelSlots` give each a role in
+the forward and hold the bound callables after binding. The only place that knows HF parameter
+names for the forward.
 """
 
 from __future__ import annotations
@@ -25,13 +21,8 @@ U = TypeVar("U")
 
 @dataclass(frozen=True)
 class Site:
-    """One op call site.
-
-    Attributes:
-        op: the op name (a key of :data:`kiln.ops.registry.OPS`).
-        name: the HF module prefix, e.g. ``"model.layers.3.self_attn"``; with the transform name,
-            the key of derived layouts in the weight store.
-        params: the reference implementation's keyword params at this site.
+    """One op call site: ``op``, ``name`` (the HF module prefix, which keys derived layouts) and
+    ``params`` (the reference implementation's keyword params here).
     """
 
     op: str
@@ -41,8 +32,9 @@ class Site:
 
 @dataclass(frozen=True)
 class LayerSlots(Generic[S]):
-    """One decoder layer's op slots (``q_norm``/``k_norm`` None when the model has none;
-    ``ffn`` is an ``mlp`` site for dense layers, a ``moe`` site for expert layers)."""
+    """One decoder layer's op slots (``q_norm``/``k_norm`` may be None; ``ffn`` is ``mlp`` or
+    ``moe``).
+    """
 
     input_norm: S
     qkv_proj: S
@@ -132,7 +124,6 @@ def _layer(config: ModelConfig, store: WeightStore, i: int, rope_site: Site) -> 
 
 
 def _ffn(config: ModelConfig, store: WeightStore, i: int) -> Site:
-    """Layer ``i``'s ``ffn`` site: ``moe`` on expert layers, ``mlp`` otherwise."""
     mlp = f"model.layers.{i}.mlp"
     if config.moe is None or not config.is_moe_layer(i):
         return Site(
@@ -163,18 +154,12 @@ def _ffn(config: ModelConfig, store: WeightStore, i: int) -> Site:
 def dense_decoder_slots(
     config: ModelConfig, store: WeightStore, *, max_positions: int
 ) -> ModelSlots[Site]:
-    """The sites of a Llama / Qwen3 / Qwen3-MoE / Mixtral decoder with
-    ``config.num_hidden_layers`` layers (expert layers' ``ffn`` is a ``moe`` site).
-
-    Args:
-        config: the (possibly truncated) architecture.
-        store: its weights (HF names).
-        max_positions: the KV-cache length (the bound for table-based RoPE).
+    """The sites of a Llama / Qwen3 / Qwen3-MoE / Mixtral decoder with ``config``'s layers;
+    ``max_positions`` bounds table-based RoPE.
 
     Raises:
         kiln.workloads.weights.WeightError: a weight the forward needs is not in ``store``.
-        UnsupportedRopeError: a RoPE type kiln does not implement
-            (:mod:`kiln.workloads.models.rope_frequencies`).
+        UnsupportedRopeError: a RoPE type kiln does not implement.
     """
     freq = rope_frequencies.inv_freq(config, device=store[LM_HEAD].device)
     rope_site = Site("rope", "model.rotary_emb", {"inv_freq": freq, "max_positions": max_positions})

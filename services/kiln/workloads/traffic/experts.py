@@ -1,13 +1,9 @@
-"""MoE expert-load skew from a trace: a Zipf exponent, and the per-expert shares it implies (stdlib
-only; rationale: docs/design/kernels.md, "Expert load from a trace").
+"""MoE expert-load skew from a trace: a Zipf exponent and the per-expert shares it implies
+(stdlib only; rationale: docs/design/kernels.md, "Expert load from a trace").
 
-``expert_zipf_exponent`` s is the split-half maximum-likelihood Zipf exponent of the trace's content
-popularity: how often each distinct 512-token block id of Mooncake prompts recurs
-(:func:`block_popularity_exponent`). On ``../shared/data/traces``: Mooncake conversation ≈ 0.40,
-synthetic ≈ 0.40; Azure (no block ids) 0. Expert load is modelled as ``share(rank r) ∝ r^-s`` over a
-seeded permutation of each layer's experts (a stated proxy, not a measurement), imposed on
-random-weight routers by :mod:`kiln.workloads.models.routing`. ``TrafficShape.expert_load_skew`` is
-the same skew as a ratio: :func:`hot_ratio`, inverted by :func:`exponent_for_hot_ratio`.
+``expert_zipf_exponent`` s is the split-half MLE Zipf exponent of how often Mooncake prompts'
+block ids recur (0 for Azure); expert load is modelled as ``share(r) ∝ r^-s``.
+``TrafficShape.expert_load_skew`` is the same skew as a ratio (:func:`hot_ratio`).
 """
 
 from __future__ import annotations
@@ -26,9 +22,7 @@ _SIMPSON_INTERVALS = 400
 
 
 def _tail_sums(s: float, a: float, b: float) -> tuple[float, float]:
-    """(∫ x^-s dx, ∫ x^-s ln x dx) over ``[a, b]`` by composite Simpson in ``u = ln x``
-    (integrands ``e^{(1-s)u}`` and ``u e^{(1-s)u}``: smooth, stable at s = 1).
-    """
+    """(∫ x^-s dx, ∫ x^-s ln x dx) over ``[a, b]`` by Simpson's rule in ``ln x``."""
     lo, hi = math.log(a), math.log(b)
     n = _SIMPSON_INTERVALS
     h = (hi - lo) / n
@@ -43,10 +37,7 @@ def _tail_sums(s: float, a: float, b: float) -> tuple[float, float]:
 
 
 def _mean_log_rank(s: float, n: int) -> float:
-    """``E_s[ln r]`` under ``P(r) ∝ r^-s`` on ``1..n``: exact for the first
-    :data:`_EXACT_RANKS` ranks, the midpoint-rule integral (Euler–Maclaurin, error ~ f''/24 per
-    rank) beyond.
-    """
+    """``E_s[ln r]`` under ``P(r) ∝ r^-s`` on ``1..n`` (exact head, integral tail)."""
     head = min(n, _EXACT_RANKS)
     z = z1 = 0.0
     for r in range(1, head + 1):
@@ -62,9 +53,7 @@ def _mean_log_rank(s: float, n: int) -> float:
 
 
 def _fit(pairs: Sequence[tuple[int, int]], n: int) -> float:
-    """MLE of s from ``(rank, occurrences)`` pairs under ``P(r) ∝ r^-s`` on ``1..n``:
-    ``E_s[ln r]`` decreases in s, so bisection on ``E_s[ln r] = mean ln r``.
-    """
+    """MLE of s from ``(rank, occurrences)`` on ``1..n``, by bisection on ``E_s[ln r]``."""
     total = sum(c for _, c in pairs)
     if n < 2 or total == 0:
         return 0.0
@@ -84,17 +73,11 @@ def _fit(pairs: Sequence[tuple[int, int]], n: int) -> float:
 
 
 def zipf_exponent(groups: Sequence[Sequence[Hashable]]) -> float:
-    """Zipf exponent of how often items recur, by split-half maximum likelihood (Piantadosi 2014):
-    groups alternate into halves A and B; items ranked by their count in A (ties by first
-    appearance, absent ones last) fit B's occurrences, and vice versa; the mean of the two. Support:
-    every distinct item.
+    """Zipf exponent of how often items recur, by split-half maximum likelihood (Piantadosi
+    2014).
 
-    Args:
-        groups: the items of each unit in order (e.g. each request's block ids); a unit stays in one
-            half.
-
-    Returns:
-        s in ``[0, MAX_EXPONENT]``; 0.0 with fewer than two distinct items.
+    ``groups``: each unit's items in order (a unit stays in one half). Returns s in
+    ``[0, MAX_EXPONENT]``; 0.0 with fewer than two distinct items.
     """
     halves: tuple[Counter[Hashable], Counter[Hashable]] = (Counter(), Counter())
     first: dict[Hashable, int] = {}
@@ -114,19 +97,13 @@ def zipf_exponent(groups: Sequence[Sequence[Hashable]]) -> float:
 
 
 def block_popularity_exponent(requests: Sequence[Request]) -> float:
-    """``expert_zipf_exponent`` of a trace: :func:`zipf_exponent` of its requests' hash-id blocks;
-    0.0 when none has hash ids (Azure).
-    """
+    """:func:`zipf_exponent` of the requests' hash-id blocks; 0.0 when none has any."""
     return zipf_exponent([r.hash_ids for r in requests])
 
 
 def zipf_shares(num_experts: int, top_k: int, s: float) -> list[float]:
-    """Target share of routed assignments per expert rank (rank 1 first), summing to 1: ``share(r) ∝
-    r^-s`` capped at ``1 / top_k``, the excess spread over uncapped ranks in proportion
-    (water-filling).
-
-    Raises:
-        ValueError: ``top_k`` outside ``1..num_experts``, or ``s`` negative or not finite.
+    """Target share per expert rank (rank 1 first), summing to 1: ``r^-s`` capped at ``1 /
+    top_k``, the excess water-filled. ValueError for ``top_k`` outside ``1..E`` or a bad ``s``.
     """
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be within 1..{num_experts}, got {top_k}")
@@ -152,15 +129,13 @@ def zipf_shares(num_experts: int, top_k: int, s: float) -> list[float]:
 
 
 def hot_ratio(num_experts: int, top_k: int, s: float) -> float:
-    """The hottest expert's share over the uniform share: ``num_experts × zipf_shares(...)[0]`` (>=
-    1, at most ``num_experts / top_k``).
-    """
+    """``num_experts x zipf_shares(...)[0]``: in ``[1, num_experts / top_k]``."""
     return num_experts * zipf_shares(num_experts, top_k, s)[0]
 
 
 def exponent_for_hot_ratio(ratio: float, num_experts: int, top_k: int) -> float:
-    """The smallest Zipf exponent whose :func:`hot_ratio` is ``ratio`` (bisection); ratio clamped to
-    at most ``num_experts / top_k``, exponent to ``MAX_EXPONENT``.
+    """The smallest exponent whose :func:`hot_ratio` is ``ratio`` (clamped to the reachable
+    range).
     """
     if not ratio > 1.0:
         return 0.0

@@ -1,14 +1,12 @@
 """Readers for the public LLM-serving traces: Azure LLM inference CSV and Mooncake JSONL.
 
-- Azure (Splitwise trace): CSV, header ``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps like
-  ``2023-11-16 18:15:46.6805900``, read as UTC.
-- Mooncake (FAST'25 release): JSON lines with ``timestamp`` (ms from trace start), ``input_length``,
-  ``output_length`` (tokens), ``hash_ids`` (512-token prefix-block ids).
+- Azure: CSV with ``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps read as UTC.
+- Mooncake: JSON lines with ``timestamp`` (ms), ``input_length``, ``output_length``,
+  ``hash_ids`` (512-token prefix-block ids).
 
-Malformed rows are skipped up to ``max_bad_fraction`` of the data rows (default 0.1 %) and at most
-``max_bad_rows`` (default 100), returned in :attr:`Trace.problems` as ``(line, reason)`` and logged
-once; beyond that the reader raises :class:`TraceError` naming ``file:line``. Rows out of time order
-are sorted into place (stable) and counted in :attr:`Trace.reordered`.
+Malformed rows are skipped up to ``max_bad_fraction`` of the rows and at most ``max_bad_rows``,
+returned in :attr:`Trace.problems` as ``(line, reason)``; beyond that :class:`TraceError` names
+``file:line``. Rows out of time order are sorted into place and counted.
 """
 
 from __future__ import annotations
@@ -41,9 +39,7 @@ _Row = tuple[int, float, int, int, tuple[int, ...]]
 
 
 class TraceError(ValueError):
-    """A trace file that cannot be read: unknown format, no requests, or too many malformed rows.
-
-    The message names the file and, for row errors, ``file:line: reason`` of the first few;
+    """A trace that cannot be read (unknown format, no requests, too many malformed rows);
     ``problems`` holds every malformed row found.
     """
 
@@ -66,14 +62,8 @@ def read_trace(
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
     max_bad_rows: int = DEFAULT_MAX_BAD_ROWS,
 ) -> Trace:
-    """Read an Azure CSV or a Mooncake JSONL trace, chosen by content, then by suffix.
-
-    A first non-blank line starting with ``{`` is Mooncake; one whose first field is ``TIMESTAMP``
-    is Azure; otherwise ``.csv`` means Azure and ``.jsonl``/``.ndjson``/``.json`` Mooncake.
-
-    Raises:
-        TraceError: unknown format, empty, or too many malformed rows.
-        OSError: the file cannot be opened.
+    """Read an Azure CSV or a Mooncake JSONL trace, recognised by its first line, else by suffix.
+    TraceError (unknown format, empty, too many malformed rows) or OSError.
     """
     p = Path(path)
     first = _first_line(p)
@@ -101,13 +91,8 @@ def read_azure_csv(
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
     max_bad_rows: int = DEFAULT_MAX_BAD_ROWS,
 ) -> Trace:
-    """Read an Azure LLM inference trace (``TIMESTAMP,ContextTokens,GeneratedTokens``).
-
-    Columns are found by header name (case-insensitive, any order; extra columns ignored).
-    Arrivals become seconds after the earliest timestamp.
-
-    Raises:
-        TraceError: no such header, no requests, or too many malformed rows.
+    """Read an Azure trace (columns by header name, any order); arrivals in seconds after the
+    earliest. TraceError: no such header, no requests, too many malformed rows.
     """
     p = Path(path)
     rows: list[_Row] = []
@@ -145,11 +130,8 @@ def read_mooncake_jsonl(
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
     max_bad_rows: int = DEFAULT_MAX_BAD_ROWS,
 ) -> Trace:
-    """Read a Mooncake trace: JSON objects with ``timestamp`` (ms), ``input_length``,
-    ``output_length`` and ``hash_ids``, one a line. Other keys are ignored.
-
-    Raises:
-        TraceError: no requests, or too many malformed rows.
+    """Read a Mooncake trace (other keys ignored); TraceError: no requests or too many malformed
+    rows.
     """
     p = Path(path)
     rows: list[_Row] = []
@@ -185,9 +167,9 @@ def _azure_columns(path: Path, line: int, header: list[str]) -> tuple[int, int, 
 
 
 def _wall_clock(text: str) -> tuple[int, float]:
-    """(whole seconds since the Unix epoch, fraction of a second) of an ISO-8601 wall-clock time
-    such as ``2023-11-16 18:15:46.6805900``; naive times are read as UTC. Any number of
-    fractional digits is kept (``datetime`` alone would truncate the 7th)."""
+    """(whole Unix seconds, fraction) of an ISO-8601 time, naive as UTC, keeping every fractional
+    digit.
+    """
     s = text.strip()
     head, dot, digits = s.partition(".")
     try:
