@@ -1,12 +1,7 @@
-"""A compact gpt-fast-style dense decoder (after pytorch-labs/gpt-fast ``model.py``): Llama
-(``default`` or ``llama3`` RoPE, tied or untied head) and Qwen3 dense (per-head q/k RMSNorm).
-
-Fused ``wqkv`` ``[(Hq + 2 Hkv) D, H]`` and ``w13`` ``[2 I, H]`` weights, a static KV cache per layer
-``[B, Hkv, S, D]`` (``index_copy_``), SDPA with a boolean causal mask, no host sync in a step.
-Unlike gpt-fast, RoPE rotates halves (kiln's layout, so no Q/K row permutation). Rounding as kiln's
-reference ops (RMSNorm in float32 then cast then scaled; RoPE in float32). Weights come from a kiln
-:class:`~kiln.workloads.weights.WeightStore` (fused layouts are new tensors; norms and embedding
-shared).
+"""A compact gpt-fast-style dense decoder (after pytorch-labs/gpt-fast ``model.py``): Llama and
+Qwen3 dense, fused ``wqkv`` and ``w13`` weights, a static KV cache per layer, SDPA with a
+boolean causal mask, no host sync in a step. RoPE rotates halves (kiln's layout); rounding as
+kiln's reference ops.
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ FAMILIES = ("llama", "qwen3")
 
 
 def unsupported(config: ModelConfig) -> str | None:
-    """Why this model cannot build ``config`` (a sentence), or None when it can: a model type
-    outside :data:`FAMILIES`, experts (MoE), MLA attention, or biased projections."""
+    """Why this model cannot build ``config`` (another family, MoE, MLA, biases), or None."""
     if config.model_type not in FAMILIES:
         return f"builds dense Llama and Qwen3 only, not {config.model_type!r}"
     if config.is_moe:
@@ -39,17 +33,16 @@ def unsupported(config: ModelConfig) -> str | None:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim: normalised in float32, cast to
-    ``x.dtype``, then scaled (transformers' ``LlamaRMSNorm`` / ``Qwen3RMSNorm``, kiln's
-    reference). ``x``: ``[..., N]``; ``weight``: ``[N]``."""
+    """kiln's reference RMSNorm: normalised in float32, cast to ``x.dtype``, then scaled."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate halves of ``x`` ``[B, h, T, D]`` by ``cos``/``sin`` ``[T, D/2]`` float32
-    (rotation in float32, result in ``x.dtype``)."""
+    """Rotate halves of ``x [B, h, T, D]`` by ``cos``/``sin [T, D/2]`` float32 (result in
+    ``x.dtype``).
+    """
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     c, s = cos[None, None], sin[None, None]
@@ -57,9 +50,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Block(nn.Module):
-    """One decoder layer with its KV cache buffers ``[batch, Hkv, max_len, D]`` (weights'
-    dtype and device); ``q_norm``/``k_norm`` ``[D]`` when the config has them (Qwen3), else
-    None."""
+    """One decoder layer with its KV cache buffers ``[batch, Hkv, max_len, D]``."""
 
     k_cache: Tensor
     v_cache: Tensor
@@ -120,17 +111,11 @@ class Block(nn.Module):
 
 
 class GptFastTransformer(nn.Module):
-    """The model: embedding, blocks, final norm, LM head; static caches of ``batch`` x ``max_len``.
-
-    Args:
-        config: a dense Llama or Qwen3 config (all its layers built).
-        store: kiln's weights (HF names), in the model's dtype and device.
-        batch: cache batch (sequences). max_len: cache slots per sequence.
+    """The model with static caches of ``batch`` x ``max_len`` over kiln's weights.
 
     Raises:
-        ValueError: a config :func:`unsupported` refuses (the message says why).
-        UnsupportedRopeError: a RoPE type kiln does not implement
-            (:mod:`kiln.workloads.models.rope_frequencies`).
+        ValueError: a config :func:`unsupported` refuses.
+        UnsupportedRopeError: a RoPE type kiln does not implement.
         kiln.workloads.weights.WeightError: a weight missing from ``store``.
     """
 
@@ -158,8 +143,9 @@ class GptFastTransformer(nn.Module):
         self.register_buffer("causal_mask", torch.tril(causal))
 
     def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
-        """Logits ``[B, T, V]`` (model dtype) of tokens ``idx [B, T]`` int64 at positions
-        ``input_pos [T]`` int64 (``< max_len``; unchecked); writes their K/V into the caches."""
+        """Logits ``[B, T, V]`` (model dtype) of ``idx [B, T]`` at ``input_pos [T]`` (< max_len,
+        unchecked); writes their K/V.
+        """
         mask = self.causal_mask[None, None, input_pos]
         cos, sin = self.cos[input_pos], self.sin[input_pos]
         x = F.embedding(idx, self.tok_embeddings)
@@ -173,13 +159,11 @@ GptFastLlama = GptFastTransformer
 
 
 def decode_one_token(model: GptFastTransformer, x: Tensor, input_pos: Tensor) -> Tensor:
-    """One decode step: ``x [B, 1]`` int64 at ``input_pos [1]`` int64 → ``[B, V]`` float32
-    logits (gpt-fast's compile boundary)."""
+    """One decode step: ``x [B, 1]`` at ``input_pos [1]`` -> ``[B, V]`` float32 logits."""
     return model(x, input_pos)[:, -1].float()
 
 
 def prefill(model: GptFastTransformer, x: Tensor) -> Tensor:
-    """The prompt ``x [B, T]`` int64 from position 0 → last position's ``[B, V]`` float32
-    logits."""
+    """The prompt ``x [B, T]`` from position 0 -> the last position's ``[B, V]`` float32 logits."""
     pos = torch.arange(x.shape[1], device=x.device)
     return model(x, pos)[:, -1].float()

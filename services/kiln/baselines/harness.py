@@ -1,15 +1,11 @@
-"""What every baseline shares: the operating point, kiln's weights and reference logits, the sanity
-check, the timed decode loop, freeing device memory, and each baseline module's ``run``
-(:class:`Baseline`, :class:`CompiledBaseline`: the module supplies its build function).
+"""What every baseline shares: the operating point, kiln's weights and reference logits, the
+check, the timed decode loop, freeing device memory, and each baseline module's ``run``.
 
-One run (:func:`measure`): (1) kiln's seeded weights (:func:`kiln.workloads.weights.seeded_random`,
-the engines' for the same seed) or those given; (2) a seeded prompt ``[batch, context]`` and first
-token ``[batch, 1]``; (3) kiln's reference forward prefills and decodes one step (``[batch, V]``
-float32 logits, kept; its model dropped); (4) the baseline builds, prefills and runs its first
-decode step untimed, compared as the engines check candidates (:func:`kiln.runtime.check.compare`);
-(5) ``warmup`` untimed then ``steps`` timed decode steps on pre-drawn tokens (cache of ``context + 1
-+ warmup + steps`` slots), timed by :func:`kiln.runtime.timing.timer_for`; (6) after decode timing,
-one untimed and ``prefill_repeats`` timed prefills (:func:`time_prefill`).
+One run (:func:`measure`): kiln's seeded (or given) weights; a seeded prompt ``[batch,
+context]``; kiln's reference prefills and decodes one step (``[batch, V]`` float32 logits kept,
+its model dropped); the baseline builds, prefills and runs its first decode step untimed,
+compared as engines check candidates; ``warmup`` untimed and ``steps`` timed decode steps; then
+one untimed and ``prefill_repeats`` timed prefills.
 """
 
 from __future__ import annotations
@@ -41,9 +37,7 @@ PREFILL_REPEATS = 3
 
 
 class SkipBaseline(Exception):
-    """The baseline cannot run here (missing package, unsupported architecture); the message is its
-    ``skipped_reason``.
-    """
+    """The baseline cannot run here; the message is its ``skipped_reason``."""
 
 
 @dataclass
@@ -51,12 +45,9 @@ class BaselineSetup:
     """Where a baseline is measured and on what.
 
     Attributes:
-        config: the architecture (all layers built). batch: sequences decoded together. context:
-            prompt tokens prefilled before the first decode step.
-        device, dtype: of weights, activations and cache.
+        batch, context: sequences decoded together; prompt tokens prefilled first.
         seed: of the weights (when drawn here), prompt and decode tokens.
-        steps: timed decode steps; warmup: untimed ones after the checked one.
-        weights: kiln's weights (drawn from ``seed`` when None).
+        steps, warmup: timed and untimed decode steps after the checked one.
         prefill_repeats: timed prefills after the decode timing (<= 0: none).
         prompt: ``[batch, context]`` int64; tokens: ``[1 + warmup + steps, batch, 1]`` int64
             (checked step first); both on ``device``.
@@ -93,7 +84,7 @@ class BaselineSetup:
         return self.context + 1 + self.warmup + self.steps
 
     def position(self, step: int) -> int:
-        """The position of decode step ``step`` (0 = the checked one): ``context + step``."""
+        """``context + step`` (step 0 is the checked one)."""
         return self.context + step
 
 
@@ -114,7 +105,7 @@ def baseline_setup(
 
     Raises:
         ValueError: non-positive batch, context or steps, or negative warmup.
-        kiln.workloads.weights.WeightError: a layout kiln cannot draw (MLA, shared experts).
+        kiln.workloads.weights.WeightError: a layout kiln cannot draw.
     """
     dev = torch.device(device)
     store = weights if weights is not None else seeded_random(config, dtype, dev, seed)
@@ -124,8 +115,8 @@ def baseline_setup(
 
 
 def reference_model(point: BaselineSetup, max_seq_len: int) -> DecoderModel:
-    """kiln's ``DecoderModel`` with reference ops over the point's weights, dtype and device, with a
-    cache of ``max_seq_len`` slots for ``point.batch`` sequences.
+    """kiln's reference ``DecoderModel`` over the point's weights, with ``max_seq_len`` cache
+    slots.
     """
     return build_model(
         point.config,
@@ -138,9 +129,8 @@ def reference_model(point: BaselineSetup, max_seq_len: int) -> DecoderModel:
 
 
 def reference_logits(point: BaselineSetup) -> tuple[Tensor, Tensor | None]:
-    """kiln's reference forward (prefill, one decode step on the first token): ``[batch, V]``
-    float32 logits, and in reduced precision the float32-arithmetic ones
-    (:func:`kiln.runtime.exact.exact_model`), else None.
+    """kiln's reference prefill and first decode step: ``[batch, V]`` float32 logits, and in
+    reduced precision the float32-arithmetic ones (else None).
     """
     model = reference_model(point, point.context + 1)
     model.prefill(point.prompt)
@@ -159,12 +149,8 @@ def reference_logits(point: BaselineSetup) -> tuple[Tensor, Tensor | None]:
 def compare(
     got: Tensor, want: Tensor, dtype: torch.dtype, exact: Tensor | None = None
 ) -> tuple[bool, float, float]:
-    """``(correct, max_abs_error, tolerance)`` of ``got`` vs ``want`` (``[batch, V]``) by
-    :func:`kiln.runtime.check.compare` with ``RTOL[dtype]`` (against ``exact`` when given);
-    non-finite values are an error of ``inf``.
-
-    Raises:
-        ValueError: the shapes differ.
+    """``(correct, max_abs_error, tolerance)`` of ``got`` vs ``want`` (``[batch, V]``) as engines
+    compare; non-finite values are an error of ``inf``. ValueError when the shapes differ.
     """
     if got.shape != want.shape:
         raise ValueError(f"logits of shape {tuple(got.shape)}, expected {tuple(want.shape)}")
@@ -183,13 +169,9 @@ def free(device: torch.device) -> None:
 
 @dataclass
 class Runner:
-    """What a baseline supplies to :func:`measure`.
-
-    Attributes:
-        prefill: ``prompt [batch, context] -> None``: fills the baseline's cache.
-        step: ``(token [batch, 1], position int) -> logits [batch, V]`` (any float dtype): one
-            decode step at ``position``.
-        notes: what it built, in words.
+    """What a baseline supplies to :func:`measure`: ``prefill(prompt [batch, context])``,
+    ``step(token [batch, 1], position) -> logits [batch, V]`` (any float dtype) and notes in
+    words.
     """
 
     prefill: Callable[[Tensor], None]
@@ -204,9 +186,8 @@ Build = Callable[[BaselineSetup], Runner]
 def compiled(
     fn: Callable[..., Any], compile_mode: str | None, label: str, purpose: str = ""
 ) -> tuple[Callable[..., Any], str]:
-    """``(fn compiled, how in words)``: ``torch.compile(fn, mode=compile_mode, fullgraph=True)``, or
-    ``fn`` ("eager (no compile)") when ``compile_mode`` is None or empty; ``label`` and ``purpose``
-    frame the words.
+    """``(fn compiled with fullgraph, how in words)``, or ``(fn, "eager (no compile)")`` when
+    ``compile_mode`` is empty.
     """
     if not compile_mode:
         return fn, "eager (no compile)"
@@ -217,9 +198,8 @@ def compiled(
 def time_prefill(
     point: BaselineSetup, runner: Runner, timer: CpuTimer | CudaTimer
 ) -> tuple[Timing | None, str]:
-    """The prefill of ``[batch, context]``, timed by :func:`kiln.runtime.timing.time_after_untimed`
-    (one untimed, ``point.prefill_repeats`` timed), ms: ``(timing, note)``; ``(None, "")`` with no
-    repeats, ``(None, why)`` when it raised.
+    """``(timing in ms, note)`` of one untimed and ``prefill_repeats`` timed prefills; ``(None,
+    "")`` with no repeats, ``(None, why)`` when it raised.
     """
     if point.prefill_repeats <= 0:
         return None, ""
@@ -236,17 +216,11 @@ def time_prefill(
 
 
 def measure(name: str, point: BaselineSetup, build: Build) -> BaselineResult:
-    """Run one baseline through the protocol of the module docstring.
+    """Run one baseline (see the module docstring); ``build`` is called after the reference is
+    dropped.
 
-    Args:
-        name: the baseline's name (reported).
-        point: the operating point.
-        build: makes the baseline's model and caches (called after the reference is dropped).
-
-    Returns:
-        Timings, the check's verdict and error, notes. :class:`SkipBaseline` makes it *skipped*; any
-        other exception goes to ``error`` (neither correct nor measured). Device memory is freed
-        either way.
+    :class:`SkipBaseline` makes the result skipped; any other exception goes to ``error``. Device
+    memory is freed either way.
     """
     batch, context = point.batch, point.context
     notes = [
@@ -336,11 +310,8 @@ def run_baseline(
     precheck: Callable[[ModelConfig], None] | None = None,
     prefill_repeats: int = PREFILL_REPEATS,
 ) -> BaselineResult:
-    """:func:`baseline_setup` then :func:`measure`; ``precheck(config)`` runs first and may
-    raise :class:`SkipBaseline` (e.g. transformers missing) before any weight is drawn.
-
-    Raises:
-        ValueError: a bad setup (see :class:`BaselineSetup`).
+    """:func:`baseline_setup` then :func:`measure`, after ``precheck(config)``, which may raise
+    :class:`SkipBaseline` before any weight is drawn. ValueError on a bad setup.
     """
     if precheck is not None:
         try:
@@ -383,12 +354,8 @@ Raises:
 
 class Baseline:
     """A baseline module's ``run(config, *, batch, context, device, dtype, seed, steps, warmup,
-    weights=None, prefill_repeats=PREFILL_REPEATS) -> BaselineResult``: :func:`run_baseline` with
-    the module's name, build and precheck.
-
-    Args:
-        name: the baseline's name. build: its build function. precheck: see :func:`run_baseline`.
-        measures, skipped, option: its docstring's first line, ``Returns`` and extra ``Args`` lines.
+    weights=None, prefill_repeats=...)``: :func:`run_baseline` with its name, build and precheck.
+    ``measures``, ``skipped``, ``option``: its docstring's lines.
     """
 
     def __init__(
@@ -438,11 +405,8 @@ class Baseline:
 
 
 class CompiledBaseline(Baseline):
-    """A compiled baseline module's ``run(..., weights=None, compile_mode=COMPILE_MODE)``, building
-    with ``builder(compile_mode)`` (None: eager).
-
-    Args:
-        compiles: what ``compile_mode`` compiles, in words. Others as :class:`Baseline`.
+    """A compiled baseline's ``run(..., compile_mode=COMPILE_MODE)``, building with
+    ``builder(compile_mode)`` (None: eager); ``compiles`` says what it compiles.
     """
 
     def __init__(

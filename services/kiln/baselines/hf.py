@@ -1,9 +1,4 @@
-"""transformers, imported lazily, and kiln's weights in a transformers model.
-
-:func:`load_transformers` raises :class:`~kiln.baselines.harness.SkipBaseline` without transformers
-(a dev dependency); :class:`HfCall` reads the installed forward's call convention, which changed
-across versions.
-"""
+"""transformers, imported lazily, and kiln's weights in a transformers model."""
 
 from __future__ import annotations
 
@@ -25,11 +20,7 @@ SKIPPED = '("transformers not installed") without transformers'
 
 
 def load_transformers() -> ModuleType:
-    """The transformers module.
-
-    Raises:
-        SkipBaseline: transformers is not installed.
-    """
+    """The transformers module; SkipBaseline when it is not installed."""
     try:
         import transformers
     except ImportError:
@@ -38,13 +29,12 @@ def load_transformers() -> ModuleType:
 
 
 def hf_model(point: BaselineSetup) -> Any:
-    """A transformers ``AutoModelForCausalLM`` of the point's config (all layers), built on the
-    point's device in its dtype, eval mode, with kiln's weights copied in (``strict``: every
-    parameter named the same; a tied LM head shares the embedding).
+    """A transformers causal LM of the point's config on its device and dtype, eval mode, with
+    kiln's weights copied in (strict; a tied head shares the embedding).
 
     Raises:
         SkipBaseline: no transformers, or an architecture kiln's names do not map.
-        RuntimeError: the state dict does not match (names or shapes).
+        RuntimeError: the state dict does not match.
     """
     transformers = load_transformers()
     config = point.config
@@ -66,11 +56,8 @@ def hf_model(point: BaselineSetup) -> Any:
 
 @dataclass
 class HfCall:
-    """How to call the installed transformers' ``forward`` with a cache.
-
-    Attributes:
-        cache_key: ``"cache"`` (transformers >= 5.2x) or ``"past_key_values"``.
-        cache_position: whether ``forward`` takes ``cache_position``.
+    """How to call the installed ``forward`` with a cache: ``cache_key`` (``"cache"`` or
+    ``"past_key_values"``) and whether it takes ``cache_position``.
     """
 
     cache_key: str
@@ -85,9 +72,9 @@ class HfCall:
         return HfCall(key, "cache_position" in outer or "cache_position" in inner)
 
     def kwargs(self, cache: Any, start: int, length: int, batch: int, device: torch.device) -> dict:
-        """Keyword arguments of a forward over ``length`` tokens from position ``start``:
-        the cache, ``position_ids [batch, length]`` and (when taken) ``cache_position
-        [length]``, all int64 on ``device``."""
+        """Keyword arguments of a forward over ``length`` tokens from ``start``: the cache and
+        int64 positions on ``device``.
+        """
         positions = torch.arange(start, start + length, device=device)
         out: dict[str, Any] = {
             self.cache_key: cache,
@@ -100,10 +87,9 @@ class HfCall:
 
 
 def static_cache(transformers: ModuleType, model: Any, point: BaselineSetup) -> Any:
-    """A ``StaticCache`` of ``point.cache_len`` slots for ``point.batch`` sequences, in the
-    model's dtype on its device, whichever constructor the installed version has
-    (``StaticCache(config=..., max_cache_len=...)`` in transformers 5; older ones also take
-    ``max_batch_size``, ``device`` and ``dtype``)."""
+    """A ``StaticCache`` of ``point.cache_len`` slots for ``point.batch`` sequences, whichever
+    constructor the installed version has.
+    """
     cls = transformers.StaticCache
     params = inspect.signature(cls.__init__).parameters
     kwargs: dict[str, Any] = {"config": model.config, "max_cache_len": point.cache_len}
@@ -127,18 +113,11 @@ def runner(
     *,
     clone: bool = False,
 ) -> Runner:
-    """A transformers model as a :class:`~kiln.baselines.harness.Runner`; its step returns the last
-    position's logits ``[batch, V]``.
+    """A transformers model as a :class:`~kiln.baselines.harness.Runner` (steps return ``[batch,
+    V]``).
 
-    Args:
-        point: the operating point (batch, device).
-        call: the installed forward's call convention.
-        cache: makes the cache at each prefill (a fresh one, or the same pre-allocated one reset
-            first, so a prefill after the decode steps starts it empty).
-        prefill: the forward that prefills the prompt ``[batch, context]`` from position 0.
-        decode: the forward of one decode step (``token [batch, 1]`` at its position).
-        note: what was built, in words.
-        clone: clone each step's logits (a CUDA graph's replay overwrites the last ones).
+    ``cache`` makes the cache at each prefill (fresh, or reset), ``prefill`` and ``decode`` are
+    the forwards, ``clone`` copies each step's logits (a graph replay overwrites them).
     """
     caches: list[Any] = []
 
@@ -159,8 +138,7 @@ def runner(
 
 
 def attention(model: Any) -> str:
-    """The attention implementation the model runs (``"sdpa"``, transformers' default when
-    PyTorch has it; ``"eager"``; ...), for notes."""
+    """The attention implementation the model runs (``"sdpa"``, ``"eager"``, ...), for notes."""
     return str(getattr(model.config, "_attn_implementation", None) or "default")
 
 
@@ -176,8 +154,9 @@ def versions() -> str:
 
 
 def precheck(config: Any) -> None:
-    """Raise :class:`SkipBaseline` when transformers is missing or ``config``'s architecture
-    has no transformers counterpart here (before any weight is drawn)."""
+    """Raise :class:`SkipBaseline` when transformers is missing or has no counterpart of
+    ``config``.
+    """
     load_transformers()
     if config.model_type not in HF_MODEL_TYPES:
         raise SkipBaseline(f"transformers baseline of {config.model_type!r} not supported")

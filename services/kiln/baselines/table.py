@@ -1,17 +1,10 @@
-"""The side-by-side table ``kiln compile`` prints at the end: the baselines, kiln's reference and
-kiln's best, each with tokens/s, ms/step, speedup over kiln's reference, the fraction of the
-bandwidth limit and the prefill time (no torch).
-
-Prefill: the median of the full-tier engine's timed prefills of ``batch x context`` prompt tokens
-(``prefill_median_ms``; 0, shown blank, when not timed). kiln's best gets a note, never a rejection,
-when its prefill is slower than the adjacent reference's beyond the reference's spread
-(:meth:`Comparison.prefill_check`).
+"""The side-by-side table ``kiln compile`` prints at the end (no torch): the baselines, kiln's
+reference and kiln's best, each with tokens/s, ms/step, speedup over kiln's reference, the
+fraction of the bandwidth limit and the prefill median (ms, blank when not timed).
 
 Bandwidth limit: ``batch x bandwidth / (weights_bytes + batch x context x kv_bytes_per_token)``
-tokens/s (:func:`kiln.cost_model.roofline.decode_step_bytes`) at the catalogue's achievable
-bandwidth (:attr:`kiln.cost_model.hardware.Hardware.achievable_bandwidth_bytes_per_s`); e.g. an H200
-(4.26 TB/s), Llama-3.2-1B bf16 at context 7,084: about 1,575 tokens/s at batch 1. With the context
-unknown it counts the weights only and says so (an upper bound).
+tokens/s at the catalogue's achievable bandwidth; weights only (an upper bound, said so) when the
+context is unknown.
 """
 
 from __future__ import annotations
@@ -26,13 +19,9 @@ from kiln.workloads.config import DTYPE_BYTES, ModelConfig
 
 @dataclass(frozen=True)
 class Row:
-    """One line of the table.
-
-    Attributes:
-        label: what was measured. tokens_per_s: decode tokens/s (0 = none). median_ms: ms per decode
-            step. tier: "full", "fast", "" unknown. note: skipped or failure reason, correctness
-            flag, prefill check. prefill_ms: median prefill of ``batch x context`` prompt tokens, ms
-            (0 = not timed).
+    """One line of the table: decode tokens/s (0 = none), ms per step, tier ("full", "fast", ""),
+    a note (skip or failure reason, correctness flag, prefill check) and the prefill median, ms
+    (0 = not timed).
     """
 
     label: str
@@ -49,16 +38,13 @@ class Comparison:
 
     Attributes:
         baselines: baseline name -> its ``BaselineCompared`` payload.
-        reference_full: the last correct full-tier ``ExperimentCompleted`` of kiln's reference (same
-            tier and engine as the baselines).
-        reference_fast: the ``BaselineMeasured`` payload (fast tier).
-        reference_id: the reference candidate's id.
-        full_point: the first full-tier ``ExperimentCompleted`` of a baseline or the reference with
-            ``context_len`` > 0: the baselines' operating point, dtype and layers held.
+        reference_full: the reference's last correct full-tier ``ExperimentCompleted``.
+        reference_fast: the ``BaselineMeasured`` payload.
+        full_point: the first full-tier ``ExperimentCompleted`` of a baseline or the reference
+            with ``context_len`` > 0 (operating point, dtype, layers held).
         reference_prefills: the reference's timed full-tier prefill medians (ms), in order.
         confirmed: candidate id -> (its last correct full-tier ``ExperimentCompleted``, the
-            reference's folded last before it, as :func:`kiln.domain.judging.full_reference` pairs
-            them; None if none).
+            reference's last before it or None), as :func:`kiln.domain.judging.full_reference`.
     """
 
     reference_id: str
@@ -103,9 +89,7 @@ class Comparison:
         return None
 
     def best(self, tokens_per_s: float, median_ms: float, tier: str, candidate_id: str) -> Row:
-        """kiln's best (figures from the snapshot), with its last full-tier prefill and the short
-        :meth:`prefill_check` as the note when confirmed on the full tier.
-        """
+        """kiln's best, with its last full-tier prefill and :meth:`prefill_check` as the note."""
         if tier != "full" or candidate_id not in self.confirmed:
             return Row("kiln best", tokens_per_s, median_ms, tier)
         check = self.prefill_check(candidate_id)
@@ -113,16 +97,13 @@ class Comparison:
         return Row("kiln best", tokens_per_s, median_ms, tier, note, self.prefill_of(candidate_id))
 
     def prefill_of(self, candidate_id: str) -> float:
-        """The prefill median (ms) of a candidate's last correct full-tier measurement; 0 when
-        it has none or it was not timed.
-        """
+        """A candidate's last correct full-tier prefill median, ms (0 when none or not timed)."""
         detail, _ = self.confirmed.get(candidate_id, ({}, None))
         return _float(detail, "prefill_median_ms")
 
     def prefill_check(self, candidate_id: str) -> PrefillCheck | None:
-        """A confirmed candidate's full-tier prefill against the adjacent reference's
-        (:attr:`confirmed`), spread over :attr:`reference_prefills`; None when not confirmed or
-        either prefill was not timed.
+        """A confirmed candidate's prefill against the adjacent reference's; None when not
+        confirmed or either prefill was not timed.
         """
         detail, ref = self.confirmed.get(candidate_id, ({}, None))
         mine, theirs = _float(detail, "prefill_median_ms"), _float(ref or {}, "prefill_median_ms")
@@ -155,17 +136,15 @@ class Comparison:
         return rows
 
     def batch(self) -> int:
-        """The decode batch of the baselines' operating point: their ``batch``, else the full
-        tier's ``batch_size`` (1 when unknown).
-        """
+        """The baselines' decode batch, else the full tier's ``batch_size`` (1 when unknown)."""
         for d in self.baselines.values():
             if _int(d, "batch") > 0:
                 return _int(d, "batch")
         return _int(self.full_point or {}, "batch_size") or 1
 
     def context(self) -> int:
-        """Tokens in each sequence's KV cache at the baselines' operating point: their
-        ``context``, else the full tier's ``context_len`` (0 when unknown).
+        """The baselines' KV context per sequence, else the full tier's ``context_len`` (0 when
+        unknown).
         """
         for d in self.baselines.values():
             if _int(d, "context") > 0:
@@ -196,12 +175,12 @@ class Comparison:
         dtype: str = "",
         expert_zipf_exponent: float = 0.0,
     ) -> BandwidthLimit | None:
-        """The bandwidth limit of the baselines' operating point on ``hardware``: weights plus KV at
-        :meth:`context` and :meth:`batch` (KV per token from ``config`` in :meth:`dtype`, else
-        ``dtype``, over the :meth:`layers` held); weights only, saying why, when any is unknown.
-        MoE: the experts a step is expected to leave untouched are left out
-        (:func:`~kiln.cost_model.roofline.moe_unread_expert_bytes`, the traffic's
-        ``expert_zipf_exponent``). None when the weights bytes or hardware are unknown.
+        """The bandwidth limit of the baselines' operating point on ``hardware``.
+
+        Weights plus KV at :meth:`context` and :meth:`batch` (KV per token from ``config``);
+        weights only, saying why, when either is unknown; MoE experts a step is expected not to
+        read (by ``expert_zipf_exponent``) are left out. None when the weights bytes or hardware
+        are unknown.
         """
         context, dtype = self.context(), self.dtype() or dtype
         kv_per_token, why = 0, ""
@@ -232,9 +211,7 @@ class Comparison:
 def _weights_read(
     config: ModelConfig, held: int, batch: int, layers: int, dtype: str, zipf: float
 ) -> tuple[int, str]:
-    """(weight bytes a step reads, what was left out) of an engine holding ``held`` bytes
-    (:func:`~kiln.cost_model.roofline.weights_read_bytes`).
-    """
+    """(weight bytes a step reads, what was left out) of an engine holding ``held`` bytes."""
     from kiln.cost_model.roofline import expected_experts_read, weights_read_bytes
     from kiln.workloads.traffic.experts import zipf_shares
 
@@ -255,14 +232,9 @@ def _weights_read(
 
 @dataclass(frozen=True)
 class PrefillCheck:
-    """The "no prefill regression" check of a confirmed candidate against the adjacent full-tier
-    reference. A note, never a rejection.
-
-    Attributes:
-        candidate_ms, reference_ms: the two prefill medians, ms.
-        spread_ms: max - min of the reference's full-tier prefill medians, ms; None with fewer than
-            two.
-        runs: the reference's timed full-tier prefills the spread is over.
+    """A confirmed candidate's prefill against the adjacent full-tier reference's: a note, never
+    a rejection. Times in ms; ``spread_ms`` is max - min over the reference's ``runs`` prefills
+    (None with fewer than two).
     """
 
     candidate_ms: float
@@ -287,17 +259,13 @@ class PrefillCheck:
         return " (within noise)", f": within {spread}"
 
     def note(self) -> str:
-        """Short, for the row: ``PREFILL SLOWER +6%``, ``prefill +1% (within noise)``,
-        ``prefill +6% (noise unknown)``, ``prefill -12%``.
-        """
+        """Short, for the row, e.g. ``PREFILL SLOWER +6%``, ``prefill +1% (within noise)``."""
         change = f"{self.candidate_ms / self.reference_ms - 1:+.0%}"
         short, _ = self._verdict()
         return f"PREFILL SLOWER {change}" if self.slower else f"prefill {change}{short}"
 
     def describe(self) -> str:
-        """One line, e.g. ``kiln best prefill 75.30 ms vs 71.00 ms for the reference measured
-        next to it (+6%): SLOWER, beyond the reference's spread (0.80 ms over 2 runs)``.
-        """
+        """One line with both medians, the difference and the reference's spread."""
         change = self.candidate_ms / self.reference_ms - 1
         _, long = self._verdict()
         return (
@@ -328,11 +296,10 @@ class BandwidthLimit:
 
     Attributes:
         tokens_per_s: ``batch x bandwidth / (weights + KV)``.
-        bandwidth_bytes_per_s: the bandwidth used, bytes/s. source: where it comes from.
-        step: the bytes a step reads (weights, KV at batch and context).
+        bandwidth_bytes_per_s: the bandwidth used, bytes/s; source: where it comes from.
+        step: the bytes a step reads.
         weights_only_reason: why the KV cache is not counted ("" when it is).
-        moe_note: held weights a step does not read, left out (untied embedding rows, untouched
-            experts); "" when none.
+        moe_note: held weights a step does not read, left out ("" when none).
     """
 
     tokens_per_s: float
@@ -348,8 +315,8 @@ class BandwidthLimit:
         return self.step.context > 0 and self.step.kv_bytes_per_token > 0
 
     def describe(self) -> str:
-        """E.g. ``1,575 tok/s = batch x 4.26 TB/s / (weights 2.47 GB + KV 0.23 GB at batch 1,
-        context 7,084) (h200 achievable bandwidth; ...)``.
+        """The formula with its figures, e.g. ``1,575 tok/s = batch x 4.26 TB/s / (weights ... +
+        KV ...)``.
         """
         s = self.step
         tb_s = self.bandwidth_bytes_per_s / 1e12
@@ -387,10 +354,9 @@ def bandwidth_limit(
     weights_only_reason: str = "",
     moe_note: str = "",
 ) -> BandwidthLimit | None:
-    """The bandwidth limit on ``hardware`` (catalogue name) of a step reading ``weights_bytes`` plus
-    ``batch x context x kv_bytes_per_token`` (:func:`~kiln.cost_model.roofline.decode_step_bytes`);
-    ``context`` or ``kv_bytes_per_token`` 0: weights only. None when the hardware is unknown or
-    ``weights_bytes`` or ``batch`` is 0.
+    """The bandwidth limit on ``hardware`` (catalogue name) of a step reading ``weights_bytes``
+    plus ``batch x context x kv_bytes_per_token``; weights only when either of the last two is 0.
+    None when the hardware is unknown or ``weights_bytes`` or ``batch`` is 0.
     """
     from kiln.common.errors import NotFound
     from kiln.cost_model.hardware import get_hardware
@@ -420,8 +386,8 @@ def table_rows(
     best_tier: str,
     best_id: str = "",
 ) -> list[Row]:
-    """Baselines, then kiln's reference, then kiln's best (when there is one; ``best_id`` its
-    candidate id, for its prefill: :meth:`Comparison.best`).
+    """Baselines, then kiln's reference, then kiln's best when there is one (``best_id`` for its
+    prefill).
     """
     rows = comparison.baseline_rows()
     ref = comparison.reference()

@@ -1,13 +1,10 @@
 """The devices of an engine pool, their kinds, and how an engine process is pinned to one.
 
-A CUDA device's engine process gets ``CUDA_VISIBLE_DEVICES`` set to that GPU alone (by UUID when
-known) and sees it as ``cuda:0``; a CPU engine gets ``""``. Devices come from
-``KILN_ENGINE_DEVICES`` (else ``KILN_ENGINE_DEVICE``): ``auto`` (default: every visible CUDA device,
-else the CPU) or a comma list (``cuda:0,cuda:1``, ``cpu``; ``cuda`` = every visible GPU). GPUs are
-listed with ``nvidia-smi`` (or ``/proc/driver/nvidia/gpus``), never through torch, so the service
-holds no CUDA context; the service's ``CUDA_VISIBLE_DEVICES`` narrows the list. A GPU's kind
-(``h100``, ``h200``, ...) comes from its name or ``KILN_ENGINE_DEVICE_KIND``: the ``device_kind``
-token of the work subjects it serves (:mod:`kiln.common.work`).
+A GPU engine process gets ``CUDA_VISIBLE_DEVICES`` set to that GPU alone and sees it as
+``cuda:0``; a CPU engine gets ``""``. Devices come from ``KILN_ENGINE_DEVICES`` (else
+``KILN_ENGINE_DEVICE``): ``auto`` (every visible GPU, else the CPU) or a comma list (``cuda`` =
+every visible GPU). GPUs are listed with ``nvidia-smi`` or ``/proc``, never torch, so the service
+holds no CUDA context. A GPU's kind comes from its name or ``KILN_ENGINE_DEVICE_KIND``.
 """
 
 from __future__ import annotations
@@ -41,12 +38,8 @@ class DeviceError(ValueError):
 
 @dataclass(frozen=True)
 class Gpu:
-    """One visible NVIDIA GPU.
-
-    Attributes:
-        index: its position among the visible GPUs (``cuda:<index>`` in this process).
-        pin: what ``CUDA_VISIBLE_DEVICES`` names it by in an engine process (UUID when known).
-        name: e.g. ``NVIDIA H200``.
+    """One visible NVIDIA GPU: ``index`` (``cuda:<index>`` here), ``pin`` (its UUID when known),
+    name.
     """
 
     index: int
@@ -56,13 +49,9 @@ class Gpu:
 
 @dataclass(frozen=True)
 class Device:
-    """One device engines run on.
-
-    Attributes:
-        name: ``"cpu"`` or ``"cuda:N"`` (N among the visible GPUs).
-        kind: hardware kind, the work-subject token: ``cpu``, ``h100``, ``h200``, ...
-        label: the GPU's name, or ``cpu``.
-        pin: ``CUDA_VISIBLE_DEVICES`` of its engine processes ("" for the CPU: no GPU).
+    """One device engines run on: ``name`` (``"cpu"`` or ``"cuda:N"``), ``kind`` (the
+    work-subject token), ``label`` and ``pin`` (its engines' ``CUDA_VISIBLE_DEVICES``, "" for the
+    CPU).
     """
 
     name: str
@@ -72,7 +61,6 @@ class Device:
 
     @property
     def is_cuda(self) -> bool:
-        """A GPU."""
         return self.name.startswith("cuda")
 
     @property
@@ -89,9 +77,9 @@ CPU = Device(CPU_KIND, CPU_KIND)
 
 
 def gpu_kind(name: str) -> str:
-    """The hardware kind of a GPU name: ``NVIDIA H200`` -> ``h200``, ``NVIDIA H100 80GB HBM3``
-    -> ``h100``, ``NVIDIA A100-SXM4-80GB`` -> ``a100``; a name without a model number gives its
-    lower-case slug (``NVIDIA GeForce RTX 4090`` -> ``rtx-4090``), an empty one ``cuda``."""
+    """The hardware kind of a GPU name: ``NVIDIA H200`` -> ``h200``; without a model number its
+    lower-case slug (``rtx-4090``); empty: ``cuda``.
+    """
     lower = name.lower()
     m = _GPU_MODEL.search(lower)
     if m:
@@ -140,11 +128,8 @@ def _from_proc(root: Path = Path("/proc/driver/nvidia/gpus")) -> list[tuple[str,
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[Gpu]:
-    """The GPUs this process may use, in ``cuda:N`` order: every GPU the driver lists, narrowed
-    and ordered by ``CUDA_VISIBLE_DEVICES`` (indices or UUID prefixes) when it is set.
-
-    Args:
-        environ: the environment to read ``CUDA_VISIBLE_DEVICES`` from (default: this process's).
+    """The GPUs this process may use, in ``cuda:N`` order, narrowed by ``CUDA_VISIBLE_DEVICES``
+    of ``environ`` (default this process's).
     """
     env = os.environ if environ is None else environ
     rows = _from_nvidia_smi()
@@ -177,16 +162,11 @@ def _gpu_device(gpu: Gpu, kind: str) -> Device:
 
 
 def resolve_devices(settings: EngineSettings, gpus: list[Gpu] | None = None) -> list[Device]:
-    """The devices of a pool under ``settings``.
-
-    Args:
-        settings: ``devices``, ``device`` (when ``devices`` is empty and it was set) and
-            ``device_kind``.
-        gpus: the visible GPUs (default: :func:`visible_gpus`).
+    """The devices of a pool under ``settings`` (``gpus`` default :func:`visible_gpus`).
 
     Raises:
-        DeviceError: an unknown device name, a CUDA device that is not visible, a device named
-            twice, or ``cuda`` with no GPU visible.
+        DeviceError: an unknown device, a CUDA device not visible, one named twice, or ``cuda``
+            with no GPU.
     """
     spec = settings.devices.strip()
     if not spec:
@@ -224,9 +204,9 @@ def resolve_devices(settings: EngineSettings, gpus: list[Gpu] | None = None) -> 
 
 
 def settings_for(settings: EngineSettings, devices: list[Device]) -> EngineSettings:
-    """``settings`` as engines on ``devices`` need them: when the devices are GPUs but
-    ``KILN_ENGINE_DEVICE`` was left at cpu (``auto``), the settings are rebuilt with
-    ``device=cuda`` so the CUDA defaults apply to every field left unset."""
+    """``settings`` rebuilt with ``device=cuda`` when the devices are GPUs but the device was
+    left at its default, so the CUDA defaults apply.
+    """
     if settings.device.startswith("cuda") or not any(d.is_cuda for d in devices):
         return settings
     values = {name: getattr(settings, name) for name in settings.model_fields_set}

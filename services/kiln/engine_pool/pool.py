@@ -1,9 +1,7 @@
-"""The pool of persistent engines on this host: one :class:`DeviceSlot` per device
-(:mod:`kiln.engine_pool.devices`), experiments one at a time per device, each engine its own OS
-process pinned there, at most ``max_engines`` (default 2) per device, the least recently used
-stopped first; engines created on first need of their spec. Work-queue experiments name their
-device; RunExperiment goes to :meth:`EnginePool.choose_slot`'s. An experiment keeps its engine until
-it answers, even when the caller stops waiting (the pipe is never cut mid-answer).
+"""The pool of persistent engines on this host: per device, experiments one at a time, engines as
+OS processes pinned there (at most ``max_engines``, least recently used stopped first), created
+on first need. An experiment keeps its engine until it answers, even when the caller stops
+waiting.
 """
 
 from __future__ import annotations
@@ -40,11 +38,8 @@ def default_pool_id(host: str) -> str:
 
 
 def clean_pool_id(value: str) -> str:
-    """``value`` with characters other than ``[A-Za-z0-9_-]`` replaced by ``-``, at most 100
-    characters.
-
-    Raises:
-        ValueError: nothing is left.
+    """``value`` with characters other than ``[A-Za-z0-9_-]`` replaced by ``-``, at most 100;
+    ValueError if nothing is left.
     """
     cleaned = _ID_JUNK.sub("-", value).strip("-")[:100]
     if not cleaned:
@@ -78,15 +73,8 @@ class DeviceSlot:
 
 
 class EnginePool:
-    """Engines by device and spec key.
-
-    Args:
-        settings: engine settings. host: host name for the registry (default: this host's).
-        pool_id: default ``settings.pool_id``, else ``<host>-<pid>``.
-        devices: default :func:`~kiln.engine_pool.devices.resolve_devices`.
-
-    Attributes:
-        on_change: called (no arguments) whenever an engine or device changes state.
+    """Engines by device and spec key; ``on_change()`` is called whenever an engine or device
+    changes state.
 
     Raises:
         kiln.engine_pool.devices.DeviceError: bad ``KILN_ENGINE_DEVICES``.
@@ -114,10 +102,8 @@ class EnginePool:
 
     # ------------------------------------------------------------------ specs
     def spec_for(self, work: ExperimentWork, device: str | None = None) -> EngineSpec:
-        """The engine spec ``work`` needs on ``device`` (default: the first device).
-
-        Raises:
-            InvalidArgument: the workload cannot be built.
+        """The engine spec ``work`` needs on ``device`` (default the first); InvalidArgument if
+        unbuildable.
         """
         name = device or self.devices[0].name
         limits = dataclasses.replace(self.settings.limits(), device=name)
@@ -131,11 +117,7 @@ class EnginePool:
         return f"{spec.model_name}/{spec.tier}/{spec.key[:8]}/{spec.device}@{self.pool_id}"
 
     def slot(self, device: str) -> DeviceSlot:
-        """The slot of ``device``.
-
-        Raises:
-            InvalidArgument: not a device of this pool.
-        """
+        """The slot of ``device``; InvalidArgument if not this pool's."""
         try:
             return self.slots[device]
         except KeyError:
@@ -156,13 +138,13 @@ class EnginePool:
 
     # ------------------------------------------------------------------ experiments
     async def measure(self, work: ExperimentWork, device: str | None = None) -> Measurement:
-        """Run ``work`` on ``device`` (default: :meth:`choose_slot`) on an engine of its spec
-        (created on first use). A bad candidate is a REJECTED measurement, not an error.
+        """Run ``work`` on ``device`` (default :meth:`choose_slot`) on an engine of its spec. A
+        bad candidate is a REJECTED measurement, not an error.
 
         Raises:
-            InvalidArgument: the workload cannot be built or its engine failed for a reason of the
-                workload (e.g. missing weights), or ``device`` is not the pool's.
-            FailedPrecondition: the engine failed to build for a reason of the host, or the pool is
+            InvalidArgument: the workload cannot be built, its engine failed for a reason of the
+                workload, or ``device`` is not the pool's.
+            FailedPrecondition: the engine failed for a reason of the host, or the pool is
                 closed.
         """
         slot = self.slot(device) if device else self.choose_slot(work)
@@ -233,8 +215,8 @@ class EnginePool:
         return measurement
 
     async def _engine(self, slot: DeviceSlot, spec: EngineSpec, model_key: str) -> EngineProcess:
-        """The engine of ``spec`` on ``slot``, started when missing (after evicting LRU engines);
-        the caller holds ``slot.lock``.
+        """The engine of ``spec`` on ``slot``, started when missing; the caller holds
+        ``slot.lock``.
         """
         if self._closed:
             raise FailedPrecondition("the engine pool is shutting down")
@@ -266,8 +248,8 @@ class EnginePool:
         await engine.stop()
 
     async def warm(self, work: ExperimentWork, device: str | None = None) -> EngineProcess:
-        """Build (or find) the engine ``work`` needs on ``device`` (default :meth:`choose_slot`) and
-        wait until ready; raises as :meth:`measure`.
+        """Build (or find) the engine ``work`` needs and wait until ready; raises as
+        :meth:`measure`.
         """
         slot = self.slot(device) if device else self.choose_slot(work)
         spec = self.spec_for(work, slot.device.name)

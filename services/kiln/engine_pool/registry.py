@@ -1,10 +1,7 @@
-"""The engine registry: every engine pool process registers itself and its engines on NATS.
-
-A pool writes its :class:`PoolRecord` into the JetStream key-value bucket ``{prefix}_engines`` under
-``pool.<pool id>`` every ``KILN_ENGINE_HEARTBEAT_S`` and soon after any engine changes state. One
-revision per key; the bucket's TTL (``KILN_ENGINE_REGISTRY_TTL_S``, set by whichever pool created
-it) drops a pool that stops heartbeating; a clean stop deletes the record at once. The registry is
-news, not the state of record (docs/design/engine.md, "Engine registry").
+"""The engine registry: every engine pool writes its :class:`PoolRecord` into the key-value
+bucket ``{prefix}_engines`` under ``pool.<pool id>`` every ``KILN_ENGINE_HEARTBEAT_S`` and soon
+after any engine changes state. The bucket's TTL drops a pool that stops heartbeating; a clean
+stop deletes the record (docs/design/engine.md, "Engine registry").
 """
 
 from __future__ import annotations
@@ -45,12 +42,7 @@ def registry_bucket(prefix: str) -> str:
 
 @dataclass
 class DeviceRecord:
-    """One device of a pool (see ``kiln.v1.DeviceInfo``).
-
-    Attributes:
-        device: "cpu", "cuda:0", ... kind: "cpu", "h100", ... label: the GPU's name or "cpu".
-        busy: an experiment or a build runs on it. experiments_done: since the pool started.
-    """
+    """One device of a pool (``kiln.v1.DeviceInfo``)."""
 
     device: str
     kind: str
@@ -61,17 +53,13 @@ class DeviceRecord:
 
 @dataclass
 class PoolRecord:
-    """What one pool registers (see ``kiln.v1.PoolInfo``); times are Unix seconds.
+    """What one pool registers (``kiln.v1.PoolInfo``); times are Unix seconds.
 
     Attributes:
-        pool_id, host, pid: which process.
-        started_at: when the pool started. heartbeat_at: when this record was written.
         ttl_s: seconds after ``heartbeat_at`` at which the record expires.
-        devices: its devices. engines: snapshots of its engines.
-        hardware: device kinds it takes queued work for (``*`` = any).
-        models: model keys it takes queued work for (empty = all).
+        hardware, models: device kinds (``*`` = any) and model keys (empty = all) it takes work
+            for.
         subjects: the work subjects it consumes now.
-        experiments_done: experiments finished since it started.
         local: this process's own record (never serialized).
     """
 
@@ -98,10 +86,8 @@ class PoolRecord:
 
     @staticmethod
     def from_json(data: bytes) -> PoolRecord:
-        """Inverse of :meth:`to_json`; unknown keys are ignored.
-
-        Raises:
-            KeyError, TypeError, ValueError: not a pool record.
+        """Inverse of :meth:`to_json` (unknown keys ignored); KeyError, TypeError or ValueError
+        if not a record.
         """
         body: dict[str, Any] = json.loads(data)
         return PoolRecord(
@@ -123,14 +109,9 @@ class PoolRecord:
 class Registry:
     """Keeps this pool registered and reads every pool's record.
 
-    Args:
-        settings: NATS URL and subject prefix.
-        engine_settings: heartbeat interval and TTL.
-        record: builds this pool's current record (``local=True``, ``ttl_s`` as given).
-
     Attributes:
         connected: set while the bucket is reachable.
-        ttl_s: the bucket's TTL (the configured one until the bucket is bound), seconds.
+        ttl_s: the bucket's TTL, seconds (the configured one until bound).
         heartbeats: records written so far.
     """
 
@@ -163,14 +144,12 @@ class Registry:
         return KEY_PREFIX + self.local().pool_id
 
     def poke(self) -> None:
-        """Something changed: write the record soon (not sooner than
-        :data:`MIN_PUT_INTERVAL_S` after the last)."""
+        """Write the record soon (at least :data:`MIN_PUT_INTERVAL_S` after the last)."""
         self._poked.set()
 
     # ------------------------------------------------------------------ heartbeats
     async def run(self, stop: asyncio.Event) -> None:
-        """Connect (retrying while NATS is down or unconfigured) and heartbeat until ``stop``;
-        then delete this pool's record."""
+        """Connect (retrying) and heartbeat until ``stop``; then delete this pool's record."""
         told = False
         while not stop.is_set():
             try:
@@ -241,8 +220,7 @@ class Registry:
 
     # ------------------------------------------------------------------ reading
     async def pools(self) -> list[PoolRecord]:
-        """Every registered pool, this one first and current; just this one when the bucket
-        cannot be read (NATS down or not configured)."""
+        """Every registered pool, this one first; just this one when the bucket cannot be read."""
         own = self.local()
         kv = self._kv
         if kv is None:

@@ -1,18 +1,14 @@
-"""The export artifact: a directory that holds everything needed to rebuild and re-time a
-compilation's winning candidate outside kiln's services.
+"""The export artifact: a directory holding what is needed to rebuild and re-time a compilation's
+winner outside kiln's services. Imports no torch.
 
 Layout::
 
-    manifest.json        Manifest (schema_version, candidate, operating point, weights source,
-                         measured figures, versions measured with)
-    candidate.json       the candidate's canonical JSON (ops, transforms with their parameters,
-                         code modules with their source, lossy)
-    model_config.json    the model's config.json (as the workload sent it)
-    code/NN_NAME.py      each code module's source, for reading (candidate.json is what loads)
+    manifest.json        Manifest
+    candidate.json       the candidate's canonical JSON (what loads)
+    model_config.json    the model's config.json
+    code/NN_NAME.py      each code module's source, for reading
 
-:func:`write_artifact` writes it, :func:`read_artifact` reads and checks it: a bad manifest, a
-candidate whose content does not match its id, or a missing file is an :class:`ArtifactError`
-whose message says what is wrong. Imports no torch.
+:func:`read_artifact` raises :class:`ArtifactError` naming what is wrong.
 """
 
 from __future__ import annotations
@@ -45,9 +41,7 @@ class _Strict(BaseModel):
 
 
 class WeightsSource(_Strict):
-    """Where the weights come from: ``seeded_random`` (``seed``; what random-weight engines
-    draw, :func:`kiln.workloads.weights.seeded_random`) or ``safetensors`` (``path``, a local
-    directory of ``*.safetensors`` with HF names)."""
+    """Where the weights come from: ``seeded_random`` (``seed``) or ``safetensors`` (``path``)."""
 
     kind: Literal["seeded_random", "safetensors"]
     seed: int = Field(default=0, ge=0)
@@ -55,11 +49,9 @@ class WeightsSource(_Strict):
 
 
 class MeasuredAt(_Strict):
-    """``manifest.operating_point``: the operating point the candidate was measured at (decode
-    ``batch_size`` sequences at ``context_len`` tokens) and the engine's extent: ``layers`` of
-    ``total_layers`` decoder layers, weights/activations/cache in ``dtype`` on a ``device``
-    type, ``expert_zipf_exponent`` the MoE expert-load skew imposed on random routers. The
-    JSON schema of the point; :meth:`from_point` fills it from the domain type."""
+    """``manifest.operating_point``: the operating point measured at and the engine's extent
+    (``layers`` of ``total_layers``, ``dtype``, ``device`` type, ``expert_zipf_exponent``).
+    """
 
     batch_size: int = Field(ge=1)
     context_len: int = Field(ge=1)
@@ -71,18 +63,16 @@ class MeasuredAt(_Strict):
 
     @classmethod
     def from_point(cls, point: OperatingPoint, **extent: Any) -> MeasuredAt:
-        """``point``'s batch and context with the engine's ``extent`` (the other fields).
-
-        Raises:
-            pydantic.ValidationError: a field of ``extent`` missing or out of range.
+        """``point``'s batch and context with the engine's ``extent``; ValidationError on a bad
+        field.
         """
         return cls(batch_size=point.batch_size, context_len=point.context_len, **extent)
 
 
 class Measured(_Strict):
-    """The figures the engine recorded: decode tokens/s (``batch_size / median``), the median,
-    p10 and p90 step in ms, the tier, the hardware target's name, the engine and the
-    experiment."""
+    """The figures the engine recorded: tokens/s, median, p10 and p90 step (ms), tier, hardware,
+    engine and experiment.
+    """
 
     tokens_per_s: float = Field(gt=0)
     median_ms: float = Field(gt=0)
@@ -139,11 +129,7 @@ def _read_json(path: Path) -> Any:
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
-    """``out_dir`` as a path when it does not exist or is an empty directory.
-
-    Raises:
-        ArtifactError: it exists and is not an empty directory.
-    """
+    """``out_dir`` as a path; ArtifactError if it exists and is not an empty directory."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ArtifactError(f"{out} exists and is not an empty directory")
@@ -156,11 +142,8 @@ def write_artifact(
     candidate: Candidate,
     model_config: dict[str, Any],
 ) -> Path:
-    """Write the artifact into ``out_dir`` (created; it must not exist or be empty).
-
-    Raises:
-        ArtifactError: ``out_dir`` exists and is not an empty directory; the candidate's id
-            differs from ``manifest.candidate_id``.
+    """Write the artifact into ``out_dir``; ArtifactError if it is not new or empty, or the
+    candidate's id is not ``manifest.candidate_id``.
     """
     out = check_out_dir(out_dir)
     if candidate.id != manifest.candidate_id:
@@ -185,13 +168,8 @@ def write_artifact(
 
 
 def read_artifact(path: str | Path) -> Artifact:
-    """Read and check an artifact directory.
-
-    Raises:
-        ArtifactError: not a directory; a file missing or not JSON; the manifest invalid
-            (each wrong field named); an unsupported schema version; a malformed candidate or
-            one whose content id differs from the manifest's ``candidate_id``; a model config
-            that is not a JSON object.
+    """Read and check an artifact directory; ArtifactError naming the file and field for anything
+    missing, malformed, unsupported or mismatched.
     """
     root = Path(path)
     if not root.is_dir():

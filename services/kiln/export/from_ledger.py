@@ -1,18 +1,10 @@
 """The artifact of a compilation's winner, from its events in the ledger.
 
-The winner is the compilation's last ``BestCandidateImproved`` (a candidate confirmed on the
-full tier), or a given candidate's correct full-tier experiment. The manifest takes:
-
-- the candidate from the experiment's ``ExperimentRequested``;
-- the figures, engine and versions from its ``ExperimentCompleted``;
-- the model config, weights source (seed or safetensors directory) and operating point from
-  the submitted workload, derived as the engine pool derives its engines
-  (:meth:`kiln.runtime.spec.EngineSpec.from_workload` and
-  :func:`kiln.runtime.spec.engine_operating_point` with the engine settings of this
-  environment, ``KILN_ENGINE_*``) unless the experiment recorded the batch and context it was
-  measured at (``ExperimentCompleted.batch_size``/``context_len``, which also carry a CUDA
-  engine's fit of the batch to free memory), which win
-  (:meth:`kiln.domain.operating_point.OperatingPoint.as_measured`).
+The winner is the last ``BestCandidateImproved``, or a given candidate's correct full-tier
+experiment. The candidate comes from its ``ExperimentRequested``, figures and versions from its
+``ExperimentCompleted``, and the model, weights and operating point from the workload as the
+engine pool derives its engines (this environment's ``KILN_ENGINE_*``), the recorded batch and
+context winning.
 """
 
 from __future__ import annotations
@@ -44,8 +36,7 @@ if TYPE_CHECKING:
 
 
 class ExportError(ValueError):
-    """The compilation cannot be exported (unknown, no confirmed best, unknown candidate);
-    the message says which."""
+    """The compilation cannot be exported; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -58,12 +49,7 @@ class Winner:
 
 
 def compilation_of(events: list[ledger_pb2.RecordedEvent]) -> Compilation:
-    """A compilation folded from its stream's events (in version order).
-
-    Raises:
-        ValueError: the stream does not start with ``CompilationSubmitted`` or breaks the
-            status machine; KeyError: a payload misses a required field.
-    """
+    """A compilation folded from its stream's events; ValueError or KeyError on a broken stream."""
     if not events:
         raise ValueError("a compilation stream starts with CompilationSubmitted")
     compilation = Compilation.submitted(recorded_to_domain(events[0]))
@@ -75,11 +61,8 @@ def compilation_of(events: list[ledger_pb2.RecordedEvent]) -> Compilation:
 def manifest_for(
     compilation: Compilation, winner: Winner, limits: EngineLimits
 ) -> tuple[Manifest, dict[str, object]]:
-    """The manifest and model config of ``winner`` in ``compilation``.
-
-    Raises:
-        ExportError: the experiment did not measure correct with tokens/s > 0, or its
-            workload cannot be built.
+    """The manifest and model config of ``winner``; ExportError unless it measured correct with
+    tokens/s > 0 and its workload builds.
     """
     from kiln.runtime.spec import SpecError
 
@@ -148,11 +131,8 @@ async def _experiment(client: LedgerClient, experiment_id: str) -> tuple[Request
 async def find_winner(
     client: LedgerClient, compilation: Compilation, candidate_id: str | None
 ) -> Winner:
-    """The compilation's best (``candidate_id`` None) or ``candidate_id``'s fastest correct
-    full-tier experiment.
-
-    Raises:
-        ExportError: no confirmed best yet; the candidate has no correct full-tier experiment.
+    """The best (``candidate_id`` None) or ``candidate_id``'s fastest correct full-tier
+    experiment; ExportError when there is none.
     """
     cid = compilation.compilation_id
     if candidate_id is None:
@@ -202,8 +182,7 @@ async def export_compilation(
     """Write the artifact of a compilation's winner into ``out_dir``.
 
     Raises:
-        ExportError: unknown compilation; no confirmed best; the candidate was not measured
-            correct on the full tier; ``out_dir`` exists and is not empty.
+        ExportError: unknown compilation, no winner, or ``out_dir`` not empty.
         InvalidArgument: a malformed compilation id.
     """
     try:

@@ -1,18 +1,10 @@
 """``load_optimized``: a compilation's winner, rebuilt in the caller's process.
 
-The model is built with the builder engines use (:func:`kiln.workloads.models.build_model`:
-seeded random weights from the manifest's seed, or a local safetensors directory), the
-candidate's code modules are loaded (:func:`kiln.runtime.reload.load_code_modules`), its
-ops bound (:meth:`OpBinding.from_recipe`) and its transforms applied with the engine's own code
-(:func:`kiln.runtime.transforms.apply_transforms`: ``threads``, ``torch_compile``,
-``cuda_graph``). Like an engine, the KV cache is then filled with seeded random K/V and every
-sequence set at the operating point's context (``batch_size`` sequences of ``context_len``
-tokens), so :meth:`OptimizedModel.decode_step` runs at the shape the candidate was measured at
-(and a ``cuda_graph`` is captured at it). A reference model over the same weights and cache
-(reference ops) is kept for checks (:mod:`kiln.export.reproduce`).
-
-Versions that differ from the manifest's ``environment`` give a :class:`VersionWarning`, not
-an error.
+The model is built as engines build it, the candidate's code modules loaded, its ops bound and
+its transforms applied with the engine's own code; the KV cache is filled as an engine's, at the
+operating point, so :meth:`OptimizedModel.decode_step` runs at the shape the candidate was
+measured at. A reference model over the same weights and cache is kept for checks. Versions that
+differ from the manifest's give a :class:`VersionWarning`, not an error.
 """
 
 from __future__ import annotations
@@ -32,19 +24,14 @@ if TYPE_CHECKING:
 
 
 class VersionWarning(UserWarning):
-    """The loading process's versions (torch, CUDA, GPU...) differ from those the artifact was
-    measured with: speed (and, rarely, numerics) may differ."""
+    """This process's versions (torch, CUDA, GPU...) differ from the artifact's: speed may
+    differ.
+    """
 
 
 class OptimizedModel:
-    """The winner's forward in this process (see the module docstring).
-
-    Attributes:
-        artifact: what it was loaded from.
-        model: the :class:`DecoderModel` bound to the candidate's ops, with its transforms.
-        reference: a reference-ops model over the same weights and KV cache.
-        device, dtype: where it runs.
-        notes: what the transforms did, in words.
+    """The winner's forward in this process: ``model`` bound to the candidate's ops with its
+    transforms, ``reference`` over the same weights and KV cache, ``notes`` on the transforms.
     """
 
     def __init__(
@@ -82,9 +69,9 @@ class OptimizedModel:
             raise RuntimeError("this OptimizedModel was released")
 
     def fill_operating_point(self) -> None:
-        """Seeded random K/V (unit normal) in every cache slot and every sequence at
-        ``context_len`` tokens, as an engine's measured model is
-        (``kiln.runtime.engine.Engine._fill_cache``)."""
+        """Seeded unit-normal K/V in every cache slot and every sequence at ``context_len``, as
+        an engine's.
+        """
         import torch
 
         self._live()
@@ -104,33 +91,23 @@ class OptimizedModel:
         self.model.cache.start(lengths.to(self.device), self.context_len)
 
     def prefill(self, tokens: torch.Tensor, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
-        """Start sequences from prompts.
-
-        Args:
-            tokens: ``[B, T]`` int64 right-padded prompts (B <= ``batch_size``).
-            seq_lens: ``[B]`` int64 prompt lengths (all T when None).
-
-        Returns:
-            ``[B, V]`` float32 logits of the next token.
-
-        Raises:
-            CacheCapacityError: more sequences or tokens than the cache holds.
+        """Start sequences from ``tokens [B, T]`` int64 right-padded prompts (B <=
+        ``batch_size``; ``seq_lens [B]``, None: all T): ``[B, V]`` float32 logits.
+        CacheCapacityError when it does not fit.
         """
         self._live()
         return self.model.prefill(tokens.to(self.device), seq_lens)
 
     def decode_step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One token for every active sequence: ``[B, 1]`` int64 -> ``[B, V]`` float32 logits.
-        A ``cuda_graph`` candidate replays its graph at ``B = batch_size`` after
-        :meth:`at_operating_point` (other shapes run eagerly)."""
+        """``[B, 1]`` int64 -> ``[B, V]`` float32 logits; a ``cuda_graph`` replays at ``B =
+        batch_size`` after :meth:`at_operating_point` (other shapes run eagerly).
+        """
         self._live()
         return self.model.decode_step(tokens.to(self.device))
 
     def generate(self, tokens: torch.Tensor, steps: int) -> torch.Tensor:
-        """Greedy continuation of ``[B, T]`` int64 prompts: ``[B, steps]`` int64 tokens.
-
-        Raises:
-            ValueError: ``steps`` < 1.
+        """Greedy continuation of ``[B, T]`` int64 prompts: ``[B, steps]`` int64; ValueError if
+        steps < 1.
         """
         self._live()
         if steps < 1:
@@ -138,9 +115,9 @@ class OptimizedModel:
         return self.model.generate(tokens.to(self.device), steps=steps)
 
     def release(self) -> None:
-        """Undo the transforms (threads, compiled forward, CUDA graph) and remove what the code
-        modules registered from the process's op registry; the object is unusable afterwards.
-        Idempotent."""
+        """Undo the transforms and unregister what the code modules registered; idempotent, and
+        the object is unusable afterwards.
+        """
         if self._released:
             return
         self._released = True
@@ -168,24 +145,17 @@ def load_optimized(
     dtype: str | None = None,
     max_seq_len: int | None = None,
 ) -> OptimizedModel:
-    """Load an exported winner (see the module docstring).
+    """Load an exported winner, at its operating point.
 
     Args:
-        artifact_dir: the artifact directory (``kiln export``).
-        weights: a local directory of ``*.safetensors`` (HF names) to use instead of the
-            manifest's weights source (seeded random, or the directory recorded).
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default the manifest's device type.
-        dtype: ``float32`` / ``bfloat16`` / ``float16``; default the manifest's.
-        max_seq_len: KV-cache tokens per sequence; default ``context_len + 1`` (the operating
-            point), or more for :meth:`OptimizedModel.generate` on longer prompts.
-
-    Returns:
-        The model, at the operating point.
+        weights: a ``*.safetensors`` directory (HF names) instead of the manifest's weights.
+        device, dtype: default the manifest's.
+        max_seq_len: KV-cache tokens per sequence; default ``context_len + 1``.
 
     Raises:
-        ArtifactError: a bad artifact (:func:`kiln.export.artifact.read_artifact`).
-        kiln.runtime.transforms.RejectedCandidate: an op, implementation or transform this
-            kiln does not know, or ``cuda_graph`` on a CPU device.
+        ArtifactError: a bad artifact.
+        kiln.runtime.transforms.RejectedCandidate: an op, implementation or transform this kiln
+            does not know, or ``cuda_graph`` on a CPU.
         kiln.workloads.weights.WeightError: missing or mis-shaped weights.
         Exception: whatever a code module raises while loading.
     """

@@ -1,19 +1,11 @@
 """``python -m kiln.export.reproduce ARTIFACT [--device cuda:0] [--json PATH]``: re-time an
 exported winner in a fresh process and check it against the reference forward.
 
-1. Load it (:func:`kiln.export.load.load_optimized`).
-2. Check: at the operating point, the optimized decode step against the reference-ops model's
-   on the same weights and cache state; then a prefill of fresh right-padded prompts and a
-   decode step, optimized then reference (:class:`kiln.runtime.check.CheckInputs`),
-   outputs poisoned between calls, compared with the engine's tolerance rules
-   (:func:`kiln.runtime.check.compare`, ``RTOL`` by dtype, ``LOSSY_RTOL`` for lossy).
-3. Time ``--warmup`` untimed then ``--repeats`` decode steps at the operating point, each from
-   ``context_len`` tokens, with the engine's timer (:func:`kiln.runtime.timing.timer_for`:
-   ``perf_counter`` on CPU, CUDA events to a device-wide sync on CUDA); tokens/s =
-   ``batch_size / median_s`` as the engine derives it.
-
-Prints recorded vs measured tokens/s, their ratio, the max error and the verdict. Exit status:
-0 correct, 1 outputs differ beyond tolerance, 2 the artifact cannot be loaded.
+Loads it, checks the optimized decode step at the operating point and a fresh prefill plus decode
+step against the reference-ops model with the engine's tolerance rules, then times ``--warmup``
+untimed and ``--repeats`` timed decode steps with the engine's timer. Prints recorded vs
+measured tokens/s, their ratio, the max error and the verdict. Exit status: 0 correct, 1
+outputs differ beyond tolerance, 2 the artifact cannot be loaded.
 """
 
 from __future__ import annotations
@@ -28,17 +20,8 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Reproduction:
-    """What a reproduction found.
-
-    Attributes:
-        recorded_tokens_per_s, measured_tokens_per_s: the manifest's and this run's, tokens/s.
-        ratio: measured / recorded.
-        median_ms, p10_ms, p90_ms: this run's decode step, ms.
-        max_abs_error: largest ``|optimized - reference|`` over the checked logits.
-        tolerance: the absolute bound applied.
-        correct: within tolerance.
-        reason: why not (empty when correct).
-        device: where it ran.
+    """What a reproduction found: recorded and measured tokens/s and their ratio, this run's step
+    percentiles (ms), the max error, tolerance and verdict (``reason`` "" when correct), device.
     """
 
     recorded_tokens_per_s: float
@@ -66,8 +49,7 @@ run while kiln's services worked beside it spread 378-1,617 ms around a ~1,200 m
 
 
 def report_lines(r: Reproduction) -> list[str]:
-    """The reproduction as the command prints it, a line each (with a note when this run's
-    timing was noisy, since its ratio then says little)."""
+    """The reproduction as the command prints it, noting a noisy timing."""
     verdict = "correct" if r.correct else f"INCORRECT: {r.reason}"
     lines = [
         f"recorded  {r.recorded_tokens_per_s:,.1f} tokens/s",
@@ -94,10 +76,8 @@ def reproduce(
     repeats: int = 20,
     seed: int = 0,
 ) -> Reproduction:
-    """Load, check and time an artifact (see the module docstring).
-
-    Raises:
-        kiln.export.artifact.ArtifactError: a bad artifact; ValueError: ``repeats`` < 1.
+    """Load, check and time an artifact; ArtifactError for a bad artifact, ValueError if
+    ``repeats`` < 1.
     """
     import torch
 
