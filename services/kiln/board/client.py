@@ -1,13 +1,8 @@
 """The board client agents use: post ideas, claim a candidate once, read and follow.
 
-The board carries ideas and claims only; results are the ledger's (``ExperimentCompleted``),
-and agents see them through the runner's fold (:mod:`kiln.agent_runner.results`).
-
-Every post goes to ``{prefix}.board.{compilation_id}.{kind}.{candidate_id}`` on the board stream
-(``{PREFIX}_BOARD``, see :mod:`kiln.common.nats`) with a ``Nats-Msg-Id`` header, so a retried
-post is stored once (inside the stream's duplicate window). A claim also carries
-``Nats-Expected-Last-Subject-Sequence: 0``: JetStream stores it only if the candidate's claim
-subject is still empty, so exactly one agent ever wins a candidate, across processes.
+The board carries ideas and claims only (results are the ledger's). Posts carry a
+``Nats-Msg-Id``, so a retried post is stored once; a claim also carries
+``Nats-Expected-Last-Subject-Sequence: 0``, so exactly one agent ever wins a candidate.
 """
 
 from __future__ import annotations
@@ -51,17 +46,11 @@ def _digest(body: dict[str, Any]) -> str:
 
 
 class Board:
-    """The message board of one subject prefix.
+    """The message board of one subject prefix; the board stream must exist.
 
-    Args:
-        js: a JetStream context; the board stream must exist
-            (:func:`kiln.common.nats.ensure_streams`).
-        prefix: the subject prefix (``settings.subject_prefix``).
-        timeout_s: longest wait for a PubAck or for the next message while reading history.
-
-    Errors: invalid ids raise :class:`kiln.common.errors.InvalidArgument`; NATS failures
-    propagate as ``nats.errors.Error`` (e.g. ``nats.errors.TimeoutError``) or
-    ``nats.js.errors.APIError``.
+    ``timeout_s``: longest wait for a PubAck or the next stored message. Invalid ids raise
+    InvalidArgument; NATS failures propagate (``nats.errors.Error``,
+    ``nats.js.errors.APIError``).
     """
 
     def __init__(
@@ -108,13 +97,8 @@ class Board:
         *,
         msg_id: str | None = None,
     ) -> BoardPost:
-        """Propose a candidate.
-
-        ``Nats-Msg-Id`` is ``msg_id`` or ``idea:{compilation}:{candidate}:{agent}:{body hash}``,
-        so resending the same idea stores it once.
-
-        Returns:
-            The post with its stream ``seq`` (the original's seq when it was a duplicate).
+        """Propose a candidate; the same idea resent (or ``msg_id``) is stored once. Returns the
+        post with its stream ``seq`` (the original's for a duplicate).
         """
         post = self._new("idea", compilation_id, candidate_id, agent, body)
         mid = msg_id or f"idea:{compilation_id}:{candidate_id}:{agent}:{_digest(post.body)}"
@@ -125,17 +109,8 @@ class Board:
     ) -> bool:
         """Take a candidate; at most one agent ever holds it.
 
-        Publishes with ``Nats-Expected-Last-Subject-Sequence: 0`` (JetStream refuses the claim
-        if the candidate's claim subject holds any message) and ``Nats-Msg-Id``
-        ``claim:{compilation}:{candidate}:{agent}``.
-
-        Returns:
-            True if ``agent`` holds the claim (it won now, or it had won before, so a retried
-            claim stays True); False if another agent holds it.
-
-        Raises:
-            InvalidArgument: a bad id or agent.
-            nats.errors.Error, nats.js.errors.APIError: any other NATS failure.
+        Returns True if ``agent`` holds the claim (now or before, so a retry stays True), False
+        if another agent does. Raises InvalidArgument on a bad id, NATS errors otherwise.
         """
         post = self._new("claim", compilation_id, candidate_id, agent, body)
         headers = {
@@ -173,14 +148,8 @@ class Board:
     async def history(
         self, compilation_id: str, kinds: Iterable[str] | None = None
     ) -> list[BoardPost]:
-        """Every post of a compilation stored when the call started, in stream order.
-
-        Args:
-            compilation_id: whose board.
-            kinds: only these kinds (``idea``, ``claim``); None = all.
-
-        Raises:
-            InvalidArgument: an unknown kind (e.g. ``result``: the board carries none).
+        """Every post of a compilation stored when the call started, in stream order; ``kinds``
+        (None = all) filters. InvalidArgument on an unknown kind.
         """
         filt, wanted = self._filter(compilation_id, kinds)
         last = (await self._js.stream_info(self._stream)).state.last_seq
@@ -214,13 +183,8 @@ class Board:
     async def follow(
         self, compilation_id: str, kinds: Iterable[str] | None = None, since_seq: int = 0
     ) -> AsyncGenerator[BoardPost, None]:
-        """Posts of a compilation with stream seq > ``since_seq``: the stored ones, then live.
-
-        Never ends on its own; close it (``contextlib.aclosing``) to drop the consumer. Pass the
-        ``seq`` of the last post seen to resume without gaps or repeats.
-
-        Raises:
-            nats.errors.ConnectionClosedError: the NATS connection was closed.
+        """Posts with stream seq > ``since_seq``: the stored ones, then live; never ends on its
+        own (close it to drop the consumer). ConnectionClosedError when NATS closes.
         """
         filt, wanted = self._filter(compilation_id, kinds)
         sub = await self._subscribe(filt, max(0, since_seq) + 1)

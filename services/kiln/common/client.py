@@ -1,9 +1,4 @@
-"""Client side of the runtime: channels that carry the team identity, and a health wait.
-
-Every kiln call needs metadata ``kiln-team``; :func:`team_channel` adds it (and the correlation
-id) to every call made on the channel, unary and streaming alike, so stubs need no per-call
-metadata.
-"""
+"""Client side of the runtime: channels that carry the team identity, and a health wait."""
 
 from __future__ import annotations
 
@@ -36,18 +31,15 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 
 
 def channel(addr: str, *, interceptors: list[Any] | None = None) -> grpc.aio.Channel:
-    """An insecure ``grpc.aio`` channel to ``addr`` ("host:port") with kiln's keepalive options.
-
-    The channel connects lazily; close it with ``await ch.close()`` (or ``async with``).
+    """A lazily connecting insecure ``grpc.aio`` channel to ``addr`` with kiln's keepalive
+    options.
     """
     return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
 class _TeamMetadata:
-    """Adds ``kiln-team`` and the correlation id to a call's metadata.
-
-    Metadata the caller passes explicitly wins. Without a fixed correlation id, a call made
-    while handling an RPC forwards that RPC's correlation id.
+    """Adds ``kiln-team`` and the correlation id (the current RPC's unless fixed) to a call's
+    metadata; explicit metadata wins.
     """
 
     def __init__(self, team: str, correlation_id: str | None = None) -> None:
@@ -107,42 +99,26 @@ class _StreamStream(_TeamMetadata, grpc.aio.StreamStreamClientInterceptor):
 
 
 def team_interceptors(team: str, correlation_id: str | None = None) -> list[Any]:
-    """Client interceptors (one per RPC kind) adding ``kiln-team`` and the correlation id to
-    every call; pass them to :func:`channel` together with any others.
-
-    Raises:
-        Unauthenticated: ``team`` is empty.
-        InvalidArgument: ``team`` is not a valid team name.
+    """Client interceptors adding ``kiln-team`` and the correlation id to every call.
+    Unauthenticated for an empty team, InvalidArgument for an invalid one.
     """
     kinds = (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
     return [kind(team, correlation_id) for kind in kinds]
 
 
 def team_channel(addr: str, team: str, correlation_id: str | None = None) -> grpc.aio.Channel:
-    """A :func:`channel` whose every call carries ``team`` (and ``correlation_id``).
-
-    Raises:
-        Unauthenticated: ``team`` is empty.
-        InvalidArgument: ``team`` is not a valid team name.
-    """
+    """A :func:`channel` whose every call carries ``team``; raises as :func:`team_interceptors`."""
     return channel(addr, interceptors=team_interceptors(team, correlation_id))
 
 
 async def wait_healthy(
     addr: str, timeout_s: float, service: str = "", *, unknown_is_final: bool = False
 ) -> None:
-    """Poll grpc health ``Check`` at ``addr`` until ``service`` is SERVING.
-
-    Args:
-        addr: "host:port" of the server.
-        timeout_s: give up after this many seconds.
-        service: health service name: "" (overall), "liveness", "readiness" or a gRPC service.
-        unknown_is_final: fail at once when the server has no status for ``service`` (NOT_FOUND)
-            instead of polling.
+    """Poll gRPC health ``Check`` at ``addr`` until ``service`` ("" overall, "liveness",
+    "readiness" or a gRPC service) is SERVING.
 
     Raises:
-        TimeoutError: not SERVING within ``timeout_s``; the message names ``addr`` and the last
-            status seen.
+        TimeoutError: not SERVING within ``timeout_s`` (names the last status seen).
         NotFound: ``unknown_is_final`` and the server has no status for ``service``.
     """
     deadline = time.monotonic() + timeout_s

@@ -1,17 +1,13 @@
 """NATS for kiln: connecting, subject and stream names, and the JetStream streams.
 
-Subjects (``prefix`` is ``settings.subject_prefix``, default ``kiln``):
+Subjects (``prefix`` is ``settings.subject_prefix``):
 
-``{prefix}.events.{category}.{stream_id}.{event_type}``
-    every committed ledger event, published by the outbox (stream ``{PREFIX}_EVENTS``), with
-    ``Nats-Msg-Id`` = event id and the ``Kiln-*`` headers named below.
-``{prefix}.board.{compilation_id}.{kind}.{candidate_id}``
-    the agents' message board (stream ``{PREFIX}_BOARD``); ``kind`` is idea or claim (results
-    are the ledger's ``ExperimentCompleted`` events, above).
-``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``
-    experiments waiting for an engine (work-queue stream ``{PREFIX}_WORK`` over
-    ``{prefix}.work.>``), one subject per (hardware kind, tier, model); see
-    :func:`work_subject` and :mod:`kiln.common.work`.
+- ``{prefix}.events.{category}.{stream_id}.{event_type}``: committed ledger events (stream
+  ``{PREFIX}_EVENTS``, ``Nats-Msg-Id`` = event id).
+- ``{prefix}.board.{compilation_id}.{idea|claim}.{candidate_id}``: the board
+  (``{PREFIX}_BOARD``).
+- ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``: experiments waiting for an
+  engine (work-queue stream ``{PREFIX}_WORK``; see :mod:`kiln.common.work`).
 """
 
 from __future__ import annotations
@@ -75,14 +71,9 @@ async def connect(
     """Connect to NATS, retrying the initial connection, then reconnecting forever.
 
     Args:
-        url: server URL(s), comma-separated, e.g. ``nats://127.0.0.1:4222``.
-        name: client name shown by the server (e.g. the service name).
-        attempts: initial-connect attempts (each tries the servers about twice) before giving up.
-        connect_timeout_s: TCP/handshake timeout of one try, seconds.
-        reconnect_wait_s: pause between tries to the same server, seconds.
-
-    Returns:
-        A connected client whose reconnects are unlimited once connected.
+        url: server URL(s), comma-separated.
+        attempts: initial-connect attempts before giving up.
+        connect_timeout_s, reconnect_wait_s: per-try timeout and pause between tries, seconds.
 
     Raises:
         Unavailable: no server answered within ``attempts`` attempts.
@@ -135,10 +126,8 @@ def _check_prefix(prefix: str) -> str:
 
 
 def check_id(what: str, value: str) -> str:
-    """Return ``value`` if it is a valid id token (``[A-Za-z0-9_-]``, 1-128 chars).
-
-    Raises:
-        InvalidArgument: naming ``what`` and the bad value.
+    """Return ``value`` if it is a valid id token (``[A-Za-z0-9_-]``, 1-128 chars), else
+    InvalidArgument.
     """
     if not isinstance(value, str) or not _ID_RE.match(value):
         raise InvalidArgument(f"invalid {what} {value!r}: expected 1-128 chars of [A-Za-z0-9_-]")
@@ -166,11 +155,8 @@ _WORK_TOKEN_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
 
 def check_work_token(what: str, value: str) -> str:
-    """Return ``value`` if it can be a device kind or model key token of a work subject
-    (``[a-z0-9][a-z0-9_-]{0,63}``: lower case, no dots or wildcards).
-
-    Raises:
-        InvalidArgument: naming ``what`` and the bad value.
+    """Return ``value`` if it is a valid device kind or model key token
+    (``[a-z0-9][a-z0-9_-]{0,63}``), else InvalidArgument.
     """
     if not isinstance(value, str) or not _WORK_TOKEN_RE.match(value):
         raise InvalidArgument(f"invalid {what} {value!r}: expected [a-z0-9][a-z0-9_-]{{0,63}}")
@@ -184,15 +170,10 @@ def _check_tier(tier: str) -> str:
 
 
 def work_subject(prefix: str, device_kind: str, tier: str, model_key: str) -> str:
-    """Subject one experiment is queued on:
-    ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``.
+    """``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``.
 
-    Args:
-        prefix: the subject prefix.
-        device_kind: the hardware kind that should measure it ("cpu", "h100", "h200", ...:
-            ``workload.hardware.name``; see :func:`kiln.common.work.device_kind`).
-        tier: "fast" or "full".
-        model_key: short hash of the model (:func:`kiln.common.work.model_key`).
+    ``device_kind`` and ``model_key`` as :func:`kiln.common.work.device_kind` and
+    :func:`kiln.common.work.model_key` make them; ``tier`` is "fast" or "full".
 
     Raises:
         InvalidArgument: a bad prefix, tier, device kind or model key.
@@ -203,15 +184,11 @@ def work_subject(prefix: str, device_kind: str, tier: str, model_key: str) -> st
 
 
 def work_filter(prefix: str, device_kind: str = "*", tier: str = "*", model_key: str = "*") -> str:
-    """Wildcard over work subjects: each of ``device_kind``, ``tier``, ``model_key`` is a
-    token or ``"*"`` (default: every experiment subject, ``{prefix}.work.experiments.*.*.*``).
+    """Wildcard over work subjects: each token given or ``"*"``.
 
-    A work-queue stream refuses a consumer whose filter overlaps another consumer's, so engine
-    pools consume one exact subject per durable consumer; this filter is for stream-info
-    queries, core subscriptions and single-consumer tools.
-
-    Raises:
-        InvalidArgument: a bad prefix or token.
+    For stream info, core subscriptions and single-consumer tools: a work-queue stream refuses
+    consumers with overlapping filters, so pools consume exact subjects. Raises InvalidArgument
+    on a bad prefix or token.
     """
     kind = device_kind if device_kind == "*" else check_work_token("device kind", device_kind)
     key = model_key if model_key == "*" else check_work_token("model key", model_key)
@@ -220,10 +197,8 @@ def work_filter(prefix: str, device_kind: str = "*", tier: str = "*", model_key:
 
 
 def parse_work_subject(prefix: str, subject: str) -> tuple[str, str, str]:
-    """Split a work subject into (device kind, tier, model key).
-
-    Raises:
-        InvalidArgument: the subject is not an experiment subject under ``prefix``.
+    """Split a work subject into (device kind, tier, model key); InvalidArgument if it is not
+    one.
     """
     parts = subject.split(".")
     if len(parts) != 6 or parts[0] != prefix or parts[1:3] != ["work", "experiments"]:
@@ -233,13 +208,8 @@ def parse_work_subject(prefix: str, subject: str) -> tuple[str, str, str]:
 
 
 def events_subject(prefix: str, stream_id: str, event_type: str) -> str:
-    """Subject of one event: ``{prefix}.events.{category}.{stream_id}.{event_type}``.
-
-    ``category`` is the part of ``stream_id`` before the first ``-``, so a consumer can
-    subscribe to ``kiln.events.compilation.>`` or ``kiln.events.*.*.ExperimentCompleted``.
-
-    Raises:
-        InvalidArgument: a stream id or event type that is not a valid subject token.
+    """``{prefix}.events.{category}.{stream_id}.{event_type}``, ``category`` being ``stream_id``
+    up to its first ``-``. Raises InvalidArgument on a token that is not a valid subject token.
     """
     m = _STREAM_ID_RE.match(stream_id)
     if not m:
@@ -261,10 +231,8 @@ def _check_kind(kind: str) -> BoardKind:
 
 
 def board_subject(prefix: str, compilation_id: str, kind: str, candidate_id: str) -> str:
-    """Subject of one board post: ``{prefix}.board.{compilation_id}.{kind}.{candidate_id}``.
-
-    Raises:
-        InvalidArgument: a bad id (``[A-Za-z0-9_-]``, 1-128 chars) or an unknown kind.
+    """``{prefix}.board.{compilation_id}.{kind}.{candidate_id}``; InvalidArgument on a bad id or
+    kind.
     """
     check_id("compilation id", compilation_id)
     check_id("candidate id", candidate_id)
@@ -272,10 +240,8 @@ def board_subject(prefix: str, compilation_id: str, kind: str, candidate_id: str
 
 
 def board_filter(prefix: str, compilation_id: str, kind: str | None = None) -> str:
-    """Wildcard subject of one compilation's board, or of one kind of post on it.
-
-    Raises:
-        InvalidArgument: a bad compilation id or an unknown kind.
+    """Wildcard subject of one compilation's board, or of one kind of post on it; InvalidArgument
+    on a bad compilation id or kind.
     """
     check_id("compilation id", compilation_id)
     base = f"{_check_prefix(prefix)}.board.{compilation_id}"
@@ -283,10 +249,8 @@ def board_filter(prefix: str, compilation_id: str, kind: str | None = None) -> s
 
 
 def parse_board_subject(prefix: str, subject: str) -> tuple[str, BoardKind, str]:
-    """Split a board subject into (compilation id, kind, candidate id).
-
-    Raises:
-        InvalidArgument: the subject is not a board subject under ``prefix``.
+    """Split a board subject into (compilation id, kind, candidate id); InvalidArgument if it is
+    not one.
     """
     parts = subject.split(".")
     if len(parts) != 5 or parts[0] != prefix or parts[1] != "board":
@@ -347,8 +311,9 @@ WORK_DUPLICATE_WINDOW_S: Final = 600.0
 
 
 def work_stream_config(prefix: str) -> StreamConfig:
-    """Config of the work queue: work-queue retention (a message is gone once an engine acks
-    it), file storage, ``Nats-Msg-Id`` = experiment id so a re-queued experiment is not doubled."""
+    """Config of the work queue: work-queue retention, file storage, de-duplicated by experiment
+    id.
+    """
     return _file_stream(
         work_stream_name(prefix),
         "kiln experiments waiting for an engine",
@@ -388,14 +353,11 @@ async def ensure_streams(
     events_duplicate_window_s: float = EVENTS_DUPLICATE_WINDOW_S,
     board_duplicate_window_s: float = BOARD_DUPLICATE_WINDOW_S,
 ) -> None:
-    """Create or update the events, board and work-queue streams; idempotent and safe to run
-    concurrently.
-
-    Creating a stream that exists with an identical config succeeds on the server; one with a
-    different config is updated to this one.
+    """Create or update (to this config) the events, board and work-queue streams; idempotent and
+    safe to run concurrently.
 
     Raises:
-        nats.js.errors.APIError: the server refused (e.g. an update it cannot apply).
+        nats.js.errors.APIError: the server refused.
         nats.errors.TimeoutError: JetStream did not answer.
     """
     events = events_stream_config(prefix, duplicate_window_s=events_duplicate_window_s)

@@ -55,9 +55,8 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 
 @runtime_checkable
 class ServiceApp(Protocol):
-    """What a service plugs into :func:`serve`. An app may also define ``async def draining(self) ->
-    None``, called when shutdown begins, before in-flight RPCs drain: end endless server streams
-    there, or they hold the drain to the grace period's end.
+    """What a service plugs into :func:`serve`. An optional ``async def draining(self)`` runs
+    when shutdown begins, before in-flight RPCs drain: end endless server streams there.
     """
 
     @property
@@ -75,8 +74,8 @@ class ServiceApp(Protocol):
         """Readiness: True when calls can be served (backing servers reachable, ...)."""
 
     async def stop(self) -> None:
-        """Stop background tasks and close connections (after draining; also after a failed
-        ``start``, so it must tolerate a partial start).
+        """Stop background tasks and close connections; also called after a failed (partial)
+        ``start``.
         """
 
 
@@ -218,12 +217,11 @@ def wrap_handler(
 
 
 class RuntimeInterceptor(grpc.aio.ServerInterceptor):
-    """Server interceptor for every kiln method (health and reflection pass untouched): metadata
-    ``kiln-team`` required (UNAUTHENTICATED when missing, INVALID_ARGUMENT when malformed; read with
-    :func:`kiln.common.identity.current_call`; ``team``, ``method``, ``correlation_id`` bound to the
-    log context); a :class:`KilnError` becomes its status, anything else INTERNAL without details
-    (logged); metrics ``kiln_rpc_requests_total``, ``kiln_rpc_latency_seconds``,
-    ``kiln_rpc_in_flight``. Handlers must be ``async``.
+    """Server interceptor for every kiln method (health and reflection pass untouched).
+
+    Metadata ``kiln-team`` is required (UNAUTHENTICATED when missing, INVALID_ARGUMENT when
+    malformed); a :class:`KilnError` becomes its status, anything else INTERNAL without details
+    (logged); RPC metrics recorded. Handlers must be ``async``.
     """
 
     def __init__(self, service: str) -> None:
@@ -234,7 +232,6 @@ class RuntimeInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Any],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Any:
-        """Wrap the method's handler; pass health and reflection through."""
         handler: grpc.RpcMethodHandler | None = await continuation(handler_call_details)
         method = str(handler_call_details.method)
         if handler is None or method.startswith(_UNINTERCEPTED):
@@ -252,8 +249,8 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class HealthServicer(health_aio.HealthServicer):
-    """grpcio-health-checking's asyncio servicer, except that ``Watch`` streams end (after
-    NOT_SERVING) once graceful shutdown begins, so they do not hold the drain.
+    """grpcio-health-checking's asyncio servicer whose ``Watch`` streams end (after NOT_SERVING)
+    once graceful shutdown begins.
     """
 
     def __init__(self) -> None:
@@ -330,9 +327,7 @@ def _start_metrics(port: int, host: str, service: str) -> int:
 
 @contextlib.contextmanager
 def _signals_set(event: asyncio.Event, enabled: bool) -> Iterator[None]:
-    """While in the block, SIGTERM and SIGINT set ``event`` (main thread only; repeats are logged
-    and ignored).
-    """
+    """While in the block, SIGTERM and SIGINT set ``event`` (main thread only)."""
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
 
@@ -366,16 +361,13 @@ async def serve(
     readiness_interval_s: float = 1.0,
     handle_signals: bool = True,
 ) -> None:
-    """Run ``app`` until SIGTERM/SIGINT (returns normally) or cancellation (re-raises
-    ``CancelledError`` after shutting down). Shutdown: every health status NOT_SERVING,
-    ``app.draining()`` if defined, ``server.stop(grace_period_s)``, then ``app.stop()``.
+    """Run ``app`` until SIGTERM/SIGINT (returns) or cancellation (re-raises after shutting
+    down).
 
-    Args:
-        app: the service. settings: logging, grace period, addresses, metrics port.
-        listen: address to bind; default ``settings.listen_addr``, else the service's address.
-        started: set once the server accepts calls.
-        readiness_interval_s: how often ``app.is_ready()`` is polled, seconds.
-        handle_signals: install SIGTERM/SIGINT handlers (main thread only).
+    Shutdown: every health status NOT_SERVING, ``app.draining()`` if defined,
+    ``server.stop(grace_period_s)``, then ``app.stop()``. ``listen`` defaults to
+    ``settings.listen_addr``, else the service's address; ``started`` is set once calls are
+    accepted.
 
     Raises:
         ServiceStartError: the address or the metrics port cannot be bound.
@@ -426,9 +418,6 @@ async def _shut_down(
     grace_s: float,
     poller: asyncio.Task[None] | None,
 ) -> None:
-    """NOT_SERVING everywhere, ``app.draining()`` if defined, drain in-flight RPCs for up to
-    ``grace_s``, then ``app.stop()``.
-    """
     if poller is not None:
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -447,8 +436,8 @@ async def _shut_down(
 
 
 def run(app_factory: Callable[[KilnSettings], ServiceApp], settings: KilnSettings) -> None:
-    """Build the app with ``app_factory(settings)`` inside the event loop that serves it (aio
-    channels, locks and futures bind to the running loop) and serve it until SIGTERM/SIGINT (CLI).
+    """Build the app inside the event loop that serves it and serve it until SIGTERM/SIGINT
+    (CLI).
     """
 
     async def main() -> None:

@@ -1,15 +1,10 @@
 """The experiment work item: what the agent runner queues and an engine pool runs
 (docs/design/engine.md, "Work queue").
 
-1. The runner appends ``ExperimentRequested`` to ``experiment-<experiment_id>`` (expected: no
-   stream), then publishes an :class:`ExperimentWork` as JSON on :meth:`ExperimentWork.subject` =
-   ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}`` with ``Nats-Msg-Id`` = experiment
-   id (:func:`device_kind`: the workload's hardware target; :func:`model_key`).
-2. A pool (one durable pull consumer per exact subject, shared by every pool serving it; explicit
-   ack, bounded ``max_deliver``) runs it and appends ``ExperimentCompleted`` with expected version 1
-   (``Aborted``: completed elsewhere; ack and drop), then acks. A crash before the ack redelivers.
-3. The runner learns the result from the ledger, never from the engine, so either side can restart
-   at any point.
+The runner appends ``ExperimentRequested`` (expected: no stream) and publishes an
+:class:`ExperimentWork` on its subject with ``Nats-Msg-Id`` = experiment id. A pool runs it,
+appends ``ExperimentCompleted`` at expected version 1 (``Aborted``: completed elsewhere, dropped)
+and acks; a crash before the ack redelivers.
 """
 
 from __future__ import annotations
@@ -30,12 +25,8 @@ _KIND_JUNK = re.compile(r"[^a-z0-9_-]+")
 
 
 def device_kind(workload: Mapping[str, Any]) -> str:
-    """The device kind a workload's experiments are queued for: ``workload.hardware.name`` in
-    lower case ("cpu", "h100", "h200", "b200", ...), characters other than ``[a-z0-9_-]``
-    replaced by ``-``; ``"cpu"`` when the workload names no hardware.
-
-    Args:
-        workload: the ``kiln.v1.Workload`` message as JSON (``MessageToDict``).
+    """``workload.hardware.name`` lower-cased, characters outside ``[a-z0-9_-]`` made ``-``;
+    ``"cpu"`` when none (``workload`` as ``MessageToDict`` JSON).
     """
     name = str((workload.get("hardware") or {}).get("name") or "").strip().lower()
     kind = _KIND_JUNK.sub("-", name).strip("-_")[:64]
@@ -43,14 +34,8 @@ def device_kind(workload: Mapping[str, Any]) -> str:
 
 
 def model_key(workload: Mapping[str, Any]) -> str:
-    """A short stable hash (:data:`MODEL_KEY_CHARS` hex digits) of what makes a model's weights: the
-    config (``config_json`` re-serialized with sorted keys; the raw text when not JSON), ``dtype``,
-    ``weights_dir`` and ``seed``; not the name or the traffic, so experiments on one model share
-    engines and a queue subject.
-
-    Args:
-        workload: the ``kiln.v1.Workload`` message as JSON (``MessageToDict``; the seed may be a
-            string).
+    """A short stable hash (:data:`MODEL_KEY_CHARS` hex digits) of what makes a model's weights:
+    the config (canonical JSON, else raw), ``dtype``, ``weights_dir`` and ``seed``.
     """
     model = dict(workload.get("model") or {})
     text = str(model.get("config_json") or "")
@@ -76,19 +61,14 @@ class ExperimentWork(BaseModel):
     """One experiment to run.
 
     Attributes:
-        experiment_id: id of the ``experiment-<id>`` stream holding its ExperimentRequested.
-        compilation_id: the compilation it belongs to.
-        team: the team that submitted the compilation (appends on its behalf carry it).
-        tier: "fast" (a few layers) or "full" (all layers).
-        candidate: ``kiln.domain.candidate.Candidate.canonical()``.
-        workload: the ``kiln.v1.Workload`` message as JSON (``MessageToDict`` with
-            ``preserving_proto_field_name=True``).
-        deadline_s: seconds the candidate may take (load, check and measure) before it is TIMED_OUT
-            and its engine restarted.
-        profile: also profile one extra eager decode step per op (``ExperimentCompleted.op_ms``;
-            :mod:`kiln.runtime.op_profile`).
-        baseline: measure this baseline of :mod:`kiln.baselines` in the engine instead of the
-            candidate; "" for a normal experiment.
+        experiment_id: of the ``experiment-<id>`` stream holding its ExperimentRequested.
+        team: the submitting team (appends on its behalf carry it).
+        candidate: ``Candidate.canonical()``.
+        workload: ``kiln.v1.Workload`` as ``MessageToDict`` JSON (proto field names).
+        deadline_s: seconds the candidate may take before it is TIMED_OUT and its engine
+            restarted.
+        profile: also profile one eager decode step per op (``op_ms``).
+        baseline: a baseline of :mod:`kiln.baselines` to measure instead ("" for none).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -114,11 +94,8 @@ class ExperimentWork(BaseModel):
         return model_key(self.workload)
 
     def subject(self, prefix: str) -> str:
-        """The work subject it is published on:
-        ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``.
-
-        Raises:
-            kiln.common.errors.InvalidArgument: a bad prefix.
+        """``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``; InvalidArgument on a
+        bad prefix.
         """
         from kiln.common.nats import work_subject  # the NATS client only where it is used
 

@@ -1,9 +1,6 @@
-"""The hardware catalogue: one entry per target the cost model can plan for.
-
-Every number carries its source in ``Hardware.sources`` (field name -> citation). Vendor figures
-are the datasheets' *dense* tensor-core rates (NVIDIA quotes sparse rates first; dense is half).
-Capacities are the datasheets' "GB" read as 10^9 bytes, which is conservative: the devices report
-a little more (an H200 shows 143,771 MiB in ``nvidia-smi``, about 150.7e9 bytes).
+"""The hardware catalogue: one entry per target the cost model can plan for. Every number carries
+its source in ``Hardware.sources``; rates are dense tensor-core rates, capacities the
+datasheets' GB as 10^9 bytes.
 """
 
 from __future__ import annotations
@@ -29,18 +26,15 @@ _NCCL_LATENCY = (
 
 @dataclass(frozen=True)
 class Hardware:
-    """One device type and the node it comes in (``sources``: field -> where the number comes from).
+    """One device type and the node it comes in.
 
     Attributes:
-        name: catalogue key ("cpu", "h100", "h200", "b200"); description: what it describes.
-        memory_bytes: capacity, bytes; memory_bandwidth_bytes_per_s: peak, bytes/s.
-        dense_bf16_flops, dense_fp8_flops: dense tensor rates, FLOP/s (FP8 0 when none).
-        interconnect_bandwidth_bytes_per_s: per device and direction, bytes/s (0: no interconnect);
-            interconnect: the link's name, e.g. "NVLink 4".
+        memory_bytes, memory_bandwidth_bytes_per_s: capacity and peak bandwidth.
+        dense_bf16_flops, dense_fp8_flops: FLOP/s (FP8 0 when none).
+        interconnect_bandwidth_bytes_per_s: per device and direction (0: no interconnect).
         max_devices_per_node: devices in one NVLink domain, the default device count.
-        achievable_bandwidth_fraction: fraction of peak bandwidth a streaming read reaches (measured
-            or assumed).
-        collective_latency_s: fixed cost of one small collective or send, seconds.
+        achievable_bandwidth_fraction: of peak, for a streaming read.
+        collective_latency_s: fixed cost of one small collective or send.
     """
 
     name: str
@@ -62,12 +56,8 @@ class Hardware:
         return self.memory_bandwidth_bytes_per_s * self.achievable_bandwidth_fraction
 
     def flops_for(self, weight_dtype: str) -> float:
-        """Dense tensor rate used for matmuls with weights in ``weight_dtype``, FLOP/s.
-
-        FP8 weights use the FP8 rate (W8A8, how DeepSeek-V3's FP8 checkpoint is served) when the
-        device has one, else BF16 (weights dequantised); float32 uses half the BF16 rate (the
-        TF32 tensor-core rate is half the BF16 one on Hopper and Blackwell datasheets); the rest
-        use BF16.
+        """Dense FLOP/s for matmuls with ``weight_dtype`` weights: FP8 at the FP8 rate when the
+        device has one, float32 at half the BF16 rate, the rest at BF16.
         """
         if weight_dtype.startswith("float8") and self.dense_fp8_flops > 0:
             return self.dense_fp8_flops
@@ -200,11 +190,7 @@ CATALOGUE: dict[str, Hardware] = {
 
 
 def get_hardware(name: str) -> Hardware:
-    """The catalogue entry called ``name`` (case-insensitive).
-
-    Raises:
-        NotFound: no such entry; the message lists the known names.
-    """
+    """The entry called ``name`` (case-insensitive); NotFound listing the known names."""
     hw = CATALOGUE.get(name.strip().lower())
     if hw is None:
         raise NotFound(

@@ -1,20 +1,15 @@
 """Enumerate parallelism plans, prune the infeasible ones with a reason, rank the rest.
 
-Plans: ``tp``, ``pp``, ``dp`` powers of two with ``tp × pp × dp ≤ num_devices``; MoE ``ep`` a power
-of two ≤ ``tp × dp`` (dense: 1); ``dcp`` a power of two dividing ``tp / min(tp, kv heads)``
-(:func:`static_reasons` still rejects others in Explain).
+Plans: ``tp``, ``pp``, ``dp`` powers of two with ``tp x pp x dp <= num_devices``; MoE ``ep`` a
+power of two <= ``tp x dp``; ``dcp`` a power of two dividing ``tp / min(tp, kv heads)``.
 
-Pruning reasons (all that apply, joined by "; "): ``devices``; ``heads`` (``num_attention_heads %
-tp``); ``kv heads`` (``num_key_value_heads % tp``, or ``tp % num_key_value_heads`` when tp is
-larger); ``ffn`` (``intermediate_size % tp``, expert ``moe_intermediate_size % (tp / ep)``);
-``experts`` (ep > 1 on a dense model, ``num_experts % ep``, ``ep > tp × dp``); ``layers``
-(``num_hidden_layers % pp``); ``dcp``; ``topology`` (TP, EP, DCP groups within
-``max_devices_per_node``); ``interconnect`` (several devices without a link, ``cpu``); ``memory``
-(weights + KV + workspace > ``MEMORY_FRACTION`` × device memory, as vLLM's ``gpu_memory_utilization
-= 0.9``); ``estimate`` (non-finite TPOT or TTFT).
+Pruning reasons (all that apply, joined by "; "): ``devices``, ``heads``, ``kv heads``, ``ffn``,
+``experts``, ``layers``, ``dcp`` (divisibility of each by its degree), ``topology`` (groups
+within a node), ``interconnect``, ``memory`` (more than ``MEMORY_FRACTION`` of a device),
+``estimate`` (non-finite times).
 
-Objective: batch ≤ ``LATENCY_BOUND_BATCH`` ranks by TPOT, ties to fewer devices; larger batches by
-output tokens/s per occupied device, then total tokens/s, then TPOT.
+Objective: batch <= ``LATENCY_BOUND_BATCH`` ranks by TPOT, ties to fewer devices; larger
+batches by output tokens/s per occupied device, then total tokens/s, then TPOT.
 """
 
 from __future__ import annotations
@@ -59,8 +54,9 @@ def candidate_plans(cfg: ModelConfig, num_devices: int) -> list[Parallelism]:
 def static_reasons(
     cfg: ModelConfig, plan: Parallelism, hw: Hardware, num_devices: int
 ) -> list[str]:
-    """Why ``plan`` cannot run ``cfg`` on ``num_devices`` of ``hw``, memory aside (empty when
-    it can)."""
+    """Why ``plan`` cannot run ``cfg`` on ``num_devices`` of ``hw``, memory aside (empty when it
+    can).
+    """
     r: list[str] = []
     tp, ep = plan.tp, plan.ep
     if min(tp, ep, plan.dp, plan.pp, plan.dcp) < 1:
@@ -110,8 +106,7 @@ def static_reasons(
 
 
 def memory_reason(est: Estimate, hw: Hardware) -> str | None:
-    """The memory reason when ``est`` needs more than ``MEMORY_FRACTION`` of a device, else
-    None."""
+    """The memory reason when ``est`` needs more than ``MEMORY_FRACTION`` of a device, else None."""
     limit = MEMORY_FRACTION * hw.memory_bytes
     if est.memory_bytes_per_device <= limit:
         return None
@@ -160,8 +155,9 @@ def objective(point: OperatingPoint) -> str:
 
 @dataclass(frozen=True)
 class PlanResult:
-    """Feasible estimates best first, pruned ones with their reasons, the objective, and
-    ``batch_note``: why the batch planned for is below the traffic's ("" when it is not)."""
+    """Feasible estimates best first, pruned ones with reasons, the objective, and ``batch_note``
+    (why the batch planned for is below the traffic's, "" if not).
+    """
 
     feasible: list[Estimate]
     pruned: list[tuple[Estimate, str]]
@@ -177,10 +173,9 @@ def plan_workload(
     weight_dtype: str = "bfloat16",
     act_dtype: str = "bfloat16",
 ) -> PlanResult:
-    """Cost every candidate plan of ``cfg`` on ``num_devices`` (default ``hw.max_devices_per_node``)
-    of ``hw`` at ``point``; rank the feasible ones. When plans fail on memory alone at the traffic's
-    batch, the batch is halved until one fits, with a ``batch_note`` (a server admits only the
-    sequences its KV cache holds, as vLLM's scheduler); other reasons are never rescued this way.
+    """Cost every candidate plan on ``num_devices`` (default the node's) at ``point`` and rank
+    the feasible ones; when plans fail on memory alone, the batch is halved until one fits, with
+    a ``batch_note``.
     """
     result = _plan_at(cfg, hw, point, num_devices, weight_dtype, act_dtype)
     batch = point.batch_size
@@ -199,7 +194,6 @@ def plan_workload(
 
 
 def _memory_only(result: PlanResult) -> bool:
-    """True when some pruned plan failed on memory alone (a smaller batch may rescue it)."""
     return any(reason.startswith("memory:") and ";" not in reason for _, reason in result.pruned)
 
 

@@ -1,28 +1,19 @@
 """Roofline estimates of one parallelism plan: memory per device, TPOT, TTFT and throughput.
 
-Pure functions of a :class:`~kiln.workloads.config.ModelConfig`, a
-:class:`~kiln.cost_model.hardware.Hardware` and a :class:`~kiln.cost_model.sharding.Parallelism`;
-every number is kept as a :class:`Term` (name, value, unit, formula/source) for ``Explain``. The
-model (Williams et al., "Roofline", CACM 2009; Pope et al., MLSys 2023):
+Pure functions of a model config, hardware and plan; every number is a :class:`Term` for
+``Explain``. The model (Williams et al., CACM 2009; Pope et al., MLSys 2023):
 
-- **Decode step** (one token for each of B sequences of a DP replica): ``max(bytes / (peak bandwidth
-  × achievable fraction), FLOPs / dense rate) + comm``, not overlapped. Bytes: weights a step
-  touches (the embedding only B rows; MoE only the experts routed to, ``sharding.ExpertLoad``) plus
-  the KV of B × context tokens (:func:`decode_kv_bytes`). FLOPs: 2 per weight per token plus
-  attention.
-- **Communication**: ring all-reduce ``bytes × 2(n−1)/n / link + latency`` (Patarasuk & Yuan, JPDC
-  2009); TP two all-reduces of B × hidden per layer (Megatron-LM); EP all-to-all of B × top_k ×
-  hidden per MoE layer, (ep−1)/ep off-device; DCP one all-reduce of B × hidden per layer; PP B ×
-  hidden between stages.
-- **Pipeline**: one micro-batch, so latency is the whole model on one TP group plus (pp−1) sends; PP
-  buys capacity, not speed; bubbles not modelled.
-- **TTFT**: one ISL prompt alone: (2 × weights × ISL + ``L × ISL² × heads × (d_qk + d_v)``) / dense
-  rate against reading the weights once and writing ISL tokens of KV, plus communication with ISL
-  tokens for B.
-- **Throughput** = ``dp × B / TPOT`` output tokens/s.
+- Decode step (B sequences of a DP replica): ``max(bytes / achievable bandwidth, FLOPs / dense
+  rate) + comm``. Bytes: the weights a step touches (embedding: B rows; MoE: experts routed to)
+  plus the KV of B x context tokens. FLOPs: 2 per weight per token plus attention.
+- Communication: ring all-reduce ``bytes x 2(n-1)/n / link + latency``; TP two all-reduces of
+  B x hidden per layer; EP all-to-all of B x top_k x hidden per MoE layer; DCP one all-reduce
+  per layer; PP B x hidden between stages.
+- Pipeline: one micro-batch, so latency is the whole model plus (pp-1) sends; no bubbles.
+- TTFT: one ISL prompt alone, compute against reading the weights once plus communication.
+- Throughput = ``dp x B / TPOT`` output tokens/s.
 
-MLA: decode in DeepSeek's absorbed form (latent ``kv_lora_rank + qk_rope_head_dim``), prefill
-expanded. FP8 block scales (< 0.03 % of weights) are not counted.
+MLA: decode in the absorbed form, prefill expanded. FP8 block scales are not counted.
 """
 
 from __future__ import annotations
@@ -53,13 +44,8 @@ vLLM's and SGLang's chunked-prefill budgets).
 
 @dataclass(frozen=True)
 class DecodeStepBytes:
-    """Bytes one decode step reads from device memory (:func:`decode_step_bytes`).
-
-    Attributes:
-        weights: weight bytes, read once per step whatever the batch.
-        kv: KV-cache bytes read (:func:`decode_kv_bytes`); 0 when the context is unknown.
-        batch: sequences decoded together. context: tokens in each KV cache (0 = unknown).
-        kv_bytes_per_token: KV bytes of one token over the layers held, in the cache's dtype.
+    """Bytes one decode step reads: ``weights`` (once per step), ``kv`` (0 when ``context`` is 0,
+    unknown) at ``batch`` and ``kv_bytes_per_token`` over the layers held.
     """
 
     weights: float
@@ -74,25 +60,19 @@ class DecodeStepBytes:
         return self.weights + self.kv
 
     def limit_tokens_per_s(self, bandwidth_bytes_per_s: float) -> float:
-        """The bandwidth limit ``batch x bandwidth / (weights + kv)`` tokens/s (0 when no bytes are
-        read).
-        """
+        """``batch x bandwidth / (weights + kv)`` tokens/s (0 when no bytes are read)."""
         return self.batch * bandwidth_bytes_per_s / self.total if self.total > 0 else 0.0
 
 
 def decode_kv_bytes(batch: int, context: int, kv_bytes_per_token: float) -> float:
-    """KV-cache bytes one decode step reads: ``batch x context x kv_bytes_per_token`` (per token
-    from :meth:`ModelConfig.kv_bytes_per_token`, over the layers held, per device where sharded).
-    """
+    """``batch x context x kv_bytes_per_token``: KV-cache bytes one decode step reads."""
     return float(batch * context * kv_bytes_per_token)
 
 
 def decode_step_bytes(
     weights_bytes: float, batch: int, context: int, kv_bytes_per_token: float
 ) -> DecodeStepBytes:
-    """What one decode step reads, bytes: the weights once plus :func:`decode_kv_bytes`; ``context``
-    0 gives the weights alone (an upper-bound limit).
-    """
+    """The weights once plus :func:`decode_kv_bytes`; ``context`` 0 gives the weights alone."""
     kv = decode_kv_bytes(batch, context, kv_bytes_per_token)
     return DecodeStepBytes(float(weights_bytes), kv, batch, context, float(kv_bytes_per_token))
 
@@ -100,10 +80,8 @@ def decode_step_bytes(
 def expected_experts_read(
     num_experts: int, top_k: int, batch: int, shares: Sequence[float] | None = None
 ) -> float:
-    """Expected distinct experts one MoE layer reads in a decode step of ``batch`` tokens: ``sum_e 1
-    - (1 - min(1, top_k x share_e)) ** batch``, ``share_e`` uniform ``1/E`` when None, else the
-    traffic's skew (:func:`kiln.workloads.traffic.experts.zipf_shares`). A model (independent
-    tokens), not a measurement.
+    """Expected distinct experts one MoE layer reads for ``batch`` independent tokens:
+    ``sum_e 1 - (1 - min(1, top_k x share_e)) ** batch``, shares uniform when None.
     """
     probs = shares if shares is not None else [1.0 / num_experts] * num_experts
     return math.fsum(1.0 - (1.0 - min(1.0, top_k * p)) ** batch for p in probs)
@@ -117,9 +95,8 @@ def moe_unread_expert_bytes(
     layers: int = 0,
     shares: Sequence[float] | None = None,
 ) -> float:
-    """Bytes of routed experts a step at ``batch`` is expected not to read over the first ``layers``
-    layers (0: all): untouched experts (:func:`expected_experts_read`) times one expert's gate, up
-    and down weights; 0 for a dense model.
+    """Bytes of routed experts a step at ``batch`` is expected not to read over the first
+    ``layers`` layers (0: all); 0 for a dense model.
     """
     m = cfg.moe
     if m is None:
@@ -140,9 +117,8 @@ def weights_read_bytes(
     layers: int = 0,
     shares: Sequence[float] | None = None,
 ) -> float:
-    """Weight bytes a step at ``batch`` reads of ``held_bytes`` (first ``layers`` layers, 0: all):
-    all but an untied embedding table (a tied one is read whole as the LM head) and the experts
-    expected untouched (:func:`moe_unread_expert_bytes`).
+    """Weight bytes a step at ``batch`` reads of ``held_bytes``: all but an untied embedding
+    table and the experts expected untouched (first ``layers`` layers, 0: all).
     """
     unread = moe_unread_expert_bytes(cfg, dtype_bytes, batch, layers=layers, shares=shares)
     if not cfg.tie_word_embeddings:
@@ -151,9 +127,7 @@ def weights_read_bytes(
 
 
 def held_kv_bytes_per_token(cfg: ModelConfig, dtype: str, layers: int = 0) -> int:
-    """KV bytes of one token in ``dtype`` over the first ``layers`` layers held (0 or more than the
-    model's: all).
-    """
+    """KV bytes of one token in ``dtype`` over the first ``layers`` layers (0 or too many: all)."""
     if 0 < layers < cfg.num_hidden_layers:
         cfg = cfg.with_layers(layers)
     return cfg.kv_bytes_per_token(dtype)
@@ -171,15 +145,9 @@ class Term:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A plan's roofline estimate at an operating point.
-
-    Attributes:
-        plan, point: the parallelism plan and operating point. hardware: catalogue name.
-            weight_bytes_per_device, kv_bytes_per_device (B × context tokens),
-        workspace_bytes_per_device: on the most loaded device, bytes.
-        tpot_ms: one decode step, ms. ttft_ms: prefill of one ISL prompt, ms.
-        throughput_tokens_per_s: output tokens/s of the whole plan (dp × B / TPOT).
-        terms: every intermediate number, for Explain.
+    """A plan's roofline estimate at an operating point: bytes per device (weights, KV of B x
+    context tokens, workspace; on the most loaded device), ``tpot_ms``, ``ttft_ms`` (one ISL
+    prompt), ``throughput_tokens_per_s`` (dp x B / TPOT) and every intermediate :class:`Term`.
     """
 
     plan: Parallelism
@@ -216,7 +184,7 @@ class Estimate:
 
 
 class _Terms:
-    """Collects terms in order; ``add`` returns the value so formulas read naturally."""
+    """Collects terms in order; ``add`` returns the value."""
 
     def __init__(self) -> None:
         self.items: list[Term] = []
@@ -227,9 +195,9 @@ class _Terms:
 
 
 def collective_s(hw: Hardware, nbytes: float, ranks: int, ring: bool = True) -> float:
-    """Seconds for one collective of ``nbytes`` per device over ``ranks``: ring all-reduce ``nbytes
-    × 2(n−1)/n / link + latency`` (``ring=False``: ``nbytes / link + latency``); 0 for one rank;
-    infinite without an interconnect.
+    """Seconds for one collective of ``nbytes`` per device over ``ranks`` (ring all-reduce, or
+    ``nbytes / link + latency`` with ``ring=False``); 0 for one rank, inf without an
+    interconnect.
     """
     if ranks <= 1:
         return 0.0
@@ -265,9 +233,8 @@ def _pass(
     wdtype: str,
     adtype: str,
 ) -> float:
-    """One forward pass over ``tokens`` (``logit_tokens`` reach the LM head) through the pipeline on
-    one TP group, ``ep_tokens`` per MoE layer's EP group; records terms under ``phase``, returns
-    seconds.
+    """Seconds of one forward over ``tokens`` on one TP group through the pipeline; records terms
+    under ``phase``.
     """
     dense_layer, moe_layer = layer_kinds(cfg, plan)
     n_dense, n_moe = layer_counts(cfg)
@@ -345,10 +312,8 @@ def _pass(
 def workspace_bytes(
     cfg: ModelConfig, plan: Parallelism, point: OperatingPoint, adtype: str
 ) -> float:
-    """Activation and logits workspace on one device, bytes (an estimate): ``chunk × width × act
-    bytes + B × V/tp × 4``, ``chunk = min(ISL, 8192)``, ``width`` the widest per-token activation
-    set of a layer (3h + (H + 2·KV)·d / tp + 2·I/tp; MoE: top_k copies of h plus 2·I_e/expert_tp
-    each).
+    """Activation and logits workspace on one device, bytes (an estimate):
+    ``min(ISL, 8192) x widest per-token activations of a layer x act bytes + B x V/tp x 4``.
     """
     h, ab = cfg.hidden_size, DTYPE_BYTES[adtype]
     chunk = min(point.isl, PREFILL_CHUNK_TOKENS)
@@ -369,9 +334,9 @@ def estimate(
     weight_dtype: str = "bfloat16",
     act_dtype: str = "bfloat16",
 ) -> Estimate:
-    """The roofline estimate of ``plan`` for ``cfg`` on ``hw`` at ``point``: ``weight_dtype`` sets
-    weight bytes and the matmul rate (``Hardware.flops_for``), ``act_dtype`` activation,
-    communication and KV bytes. Times in ms, memory in bytes, throughput in output tokens/s.
+    """The roofline estimate of ``plan`` for ``cfg`` on ``hw`` at ``point``; ``weight_dtype``
+    sets weight bytes and matmul rate, ``act_dtype`` activation, communication and KV bytes. ms,
+    bytes, output tokens/s.
     """
     t = _Terms()
     B, ctx, isl = point.batch_size, point.context_len, point.isl

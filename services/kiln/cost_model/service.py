@@ -34,11 +34,8 @@ log = structlog.get_logger("kiln.cost_model")
 
 
 def parse_model(spec: common_pb2.ModelSpec) -> ModelConfig:
-    """The ModelConfig of ``spec.config_json``.
-
-    Raises:
-        InvalidArgument: empty, not JSON, or an unsupported architecture (parse_config's
-            message).
+    """The ModelConfig of ``spec.config_json``; InvalidArgument when empty, not JSON or
+    unsupported.
     """
     name = spec.name or "model"
     if not spec.config_json.strip():
@@ -54,10 +51,8 @@ def parse_model(spec: common_pb2.ModelSpec) -> ModelConfig:
 
 
 def dtypes(spec: common_pb2.ModelSpec, cfg: ModelConfig) -> tuple[str, str]:
-    """(weight dtype, activation/KV dtype) for the estimate (see the module docstring).
-
-    Raises:
-        InvalidArgument: ``spec.dtype`` is not one of ``DTYPE_BYTES``.
+    """(weight dtype, activation/KV dtype) (see the module docstring); InvalidArgument for an
+    unknown ``spec.dtype``.
     """
     if spec.dtype:
         if spec.dtype not in DTYPE_BYTES:
@@ -73,10 +68,8 @@ def dtypes(spec: common_pb2.ModelSpec, cfg: ModelConfig) -> tuple[str, str]:
 
 
 def operating_point(workload: common_pb2.Workload) -> tuple[OperatingPoint, list[str]]:
-    """The operating point of ``workload.traffic`` and the defaults applied, in words.
-
-    Raises:
-        InvalidArgument: a traffic field out of range (OperatingPointError's message).
+    """The operating point of ``workload.traffic`` and the defaults applied; InvalidArgument for
+    a field out of range.
     """
     traffic = None
     if workload.HasField("traffic"):

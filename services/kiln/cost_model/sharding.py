@@ -1,20 +1,16 @@
-"""How a parallelism plan splits a model's weights, KV cache and expert traffic over devices, after
-vLLM/SGLang (Megatron-style TP):
+"""How a parallelism plan splits a model's weights, KV cache and expert traffic over devices
+(after vLLM/SGLang, Megatron-style TP):
 
-- **TP** splits attention by heads (q, o by ``tp``; k, v by ``min(tp, num_key_value_heads)``, so KV
-  weights and cache are replicated ``tp / num_key_value_heads`` times beyond that), the dense FFN by
-  intermediate dim, embedding and LM head by vocabulary; norms and router replicated. MLA keeps
-  ``q_a_proj``, ``kv_a_proj_with_mqa`` replicated, splits up projections by heads, and every rank
-  holds the whole latent cache.
-- **EP** splits routed experts (``num_experts / ep`` a device); ``ep < tp`` splits each expert by
-  ``tp / ep``, ``ep > tp`` spans ``ep / tp`` DP replicas: routed experts over ``max(tp, ep)``
-  devices. Shared experts split by ``tp``.
-- **PP**: ``num_hidden_layers / pp`` consecutive layers a stage; the first holds the embedding, the
-  last the final norm and LM head (a tied head needs its own copy when ``pp > 1``).
-- **DP** replicates the tp × pp model. **DCP** splits replicated KV along the sequence (divides ``tp
-  / min(tp, kv_heads)``; no extra devices).
+- TP splits attention by heads (k, v by ``min(tp, kv_heads)``, replicated beyond), the dense FFN
+  by intermediate dim, embedding and LM head by vocabulary; norms and router are replicated. MLA
+  replicates the down projections and the latent cache, splits the up projections by heads.
+- EP splits routed experts over ``max(tp, ep)`` devices (``ep < tp`` splits each expert by
+  ``tp / ep``); shared experts split by ``tp``.
+- PP: ``L / pp`` consecutive layers a stage; the embedding on the first, final norm and LM head
+  on the last (a tied head copied when ``pp > 1``).
+- DP replicates the tp x pp model; DCP splits replicated KV along the sequence.
 
-A plan uses ``tp × pp × dp`` devices. Element counts are floats: an indivisible plan is still
+A plan uses ``tp x pp x dp`` devices. Element counts are floats: an indivisible plan is still
 costed, then pruned.
 """
 
@@ -62,10 +58,8 @@ class Parallelism:
 
 @dataclass(frozen=True)
 class LayerShard:
-    """Weights of one decoder layer held by one device, elements.
-
-    ``routed_expert`` is one routed expert's slice on a device (``3·h·I_e / expert_tp``) and
-    ``routed_experts_held`` all routed experts a device stores (``experts / ep`` of them).
+    """Weights of one decoder layer held by one device, elements; ``routed_expert`` is one routed
+    expert's slice, ``routed_experts_held`` all the routed experts it stores.
     """
 
     attention: float
@@ -88,10 +82,8 @@ class LayerShard:
 
 
 def attention_shard(cfg: ModelConfig, tp: int) -> float:
-    """Attention weights of one layer on one TP rank, elements (see the module docstring).
-
-    Summed at ``tp=1`` this equals ``ModelConfig.attention_params()`` (transformers'
-    ``modeling_llama`` / ``modeling_qwen3`` / ``modeling_deepseek_v3`` projections).
+    """Attention weights of one layer on one TP rank, elements
+    (``ModelConfig.attention_params()`` at ``tp=1``).
     """
     h, heads, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     if cfg.mla is not None:
@@ -144,16 +136,14 @@ def vocab_shard(cfg: ModelConfig, tp: int) -> float:
 
 
 def stage_layers(cfg: ModelConfig, pp: int, stage: int) -> range:
-    """Layers of pipeline stage ``stage`` (0-based): ``L / pp`` consecutive ones (the last
-    stage takes the remainder when ``pp`` does not divide ``L``; such plans are pruned)."""
+    """Layers of pipeline stage ``stage`` (0-based); the last takes the remainder."""
     per = cfg.num_hidden_layers // pp
     end = cfg.num_hidden_layers if stage == pp - 1 else (stage + 1) * per
     return range(stage * per, end)
 
 
 def stored_weights_per_device(cfg: ModelConfig, plan: Parallelism) -> float:
-    """Weights the most loaded device stores, elements: the largest pipeline stage's layers
-    plus the embedding (first stage) and the final norm and LM head (last stage)."""
+    """Weights the most loaded device stores, elements (largest stage, plus embedding or head)."""
     dense, moe = layer_kinds(cfg, plan)
     best = 0.0
     for stage in range(plan.pp):
@@ -188,8 +178,7 @@ def layer_kinds(cfg: ModelConfig, plan: Parallelism) -> tuple[LayerShard, LayerS
 
 
 def kv_heads_for_sharding(cfg: ModelConfig) -> int:
-    """KV heads the cache can be split by: ``num_key_value_heads``, or 1 for MLA's shared
-    latent."""
+    """``num_key_value_heads``, or 1 for MLA's shared latent."""
     return 1 if cfg.mla is not None else cfg.num_key_value_heads
 
 
@@ -206,8 +195,7 @@ def kv_shards(cfg: ModelConfig, plan: Parallelism) -> int:
 def kv_bytes_per_device(
     cfg: ModelConfig, plan: Parallelism, tokens: int, kv_dtype: str = "bfloat16"
 ) -> float:
-    """KV-cache bytes one device holds for ``tokens`` cached tokens (batch × context), bytes:
-    ``tokens × kv_bytes_per_token × (layers of the largest stage / L) / kv_shards``."""
+    """KV-cache bytes one device holds for ``tokens`` cached tokens (batch x context)."""
     stage = max(len(stage_layers(cfg, plan.pp, s)) for s in range(plan.pp))
     fraction = stage / cfg.num_hidden_layers
     return tokens * cfg.kv_bytes_per_token(kv_dtype) * fraction / kv_shards(cfg, plan)
@@ -215,10 +203,9 @@ def kv_bytes_per_device(
 
 @dataclass(frozen=True)
 class ExpertLoad:
-    """Routed-expert load on the busiest EP rank of one MoE layer. Each token picks ``top_k``
-    distinct experts uniformly (``p = top_k / E``): expected distinct experts among ``n`` is ``n ×
-    (1 − (1 − p)^tokens)``. ``expert_load_skew`` s applies pessimistically to the busiest rank:
-    ``p_hot = min(1, min(s, ep) × p)``; with ``ep = 1`` it changes nothing.
+    """Routed-expert load on the busiest EP rank of one MoE layer, tokens picking ``top_k``
+    experts uniformly; the skew s applies pessimistically to the busiest rank (``p_hot = min(1,
+    min(s, ep) x top_k / E)``).
     """
 
     tokens: float
@@ -229,8 +216,7 @@ class ExpertLoad:
 
 
 def expert_load(moe: MoEConfig, plan: Parallelism, tokens: float, skew: float) -> ExpertLoad:
-    """The busiest EP rank's expected distinct experts and token-expert assignments for
-    ``tokens`` tokens entering one MoE layer of an EP group (see :class:`ExpertLoad`)."""
+    """The busiest EP rank's expected distinct experts and assignments for ``tokens`` tokens."""
     n = moe.num_experts / plan.ep
     s = min(max(skew, 1.0), float(plan.ep))
     p_hot = min(1.0, s * moe.top_k / moe.num_experts)

@@ -1,22 +1,17 @@
 """The compilation aggregate: one fold of a compilation's events, the status machine and the
 counters defined once.
 
-Input: :class:`Event` — (type, payload dict, stream id, stream version, global position,
-recorded_at, team) — from the ``compilation-<id>`` stream and the ``ExperimentRequested`` /
-``ExperimentCompleted`` events of its experiments (``experiment-<id>`` streams whose payload
-names the compilation). The runner's state, the ``kiln.v1.Compilation`` snapshot and the
-compilations projection all fold through :meth:`Compilation.apply`.
+Input: the events (:class:`Event`) of the ``compilation-<id>`` stream and its experiments'
+``ExperimentRequested`` / ``ExperimentCompleted``.
 
 Status: ``CompilationSubmitted`` -> pending; ``CompilationPlanned`` or ``BaselineMeasured`` ->
 running (from pending only); ``CompilationEnded`` -> succeeded | cancelled | failed (from pending
-or running only). Counters: each experiment's first ``ExperimentCompleted`` adds 1 to
-``experiments_done`` unless its status is ``cancelled`` and 1 to ``failures`` when its status is
-neither ``ok`` nor ``cancelled`` (:func:`kiln.events.types.is_counted`, ``is_failure``).
+or running only). Counters: an experiment's first ``ExperimentCompleted`` counts in
+``experiments_done`` unless cancelled, in ``failures`` unless ok or cancelled.
 
-Idempotent replay: a compilation-stream event whose version is not above :attr:`version` is
-ignored, and an experiment's completion counts once. Errors: :class:`IllegalTransition` (a
-``ValueError``) for a second submission or end; ``ValueError`` for another compilation's event
-or an unknown end status; ``KeyError`` for a payload missing a required field.
+Replay is idempotent: a compilation event at or below :attr:`version` is ignored, a completion
+counts once. Errors: :class:`IllegalTransition` for a second submission or end; ``ValueError``
+for another compilation's event or an unknown end status; ``KeyError`` for a missing field.
 """
 
 from __future__ import annotations
@@ -75,11 +70,8 @@ class IllegalTransition(ValueError):
 
 @dataclass(frozen=True)
 class Event:
-    """One recorded event as the fold reads it.
-
-    ``version``: the event's version in its stream (from 1). ``position``: its global position
-    (0 when unknown, e.g. just appended). ``recorded_at``: the ledger's time (UTC; None when
-    unknown). ``team``: the appending call's team.
+    """One recorded event as the fold reads it: ``version`` in its stream (from 1), global
+    ``position`` (0 when unknown), ``recorded_at`` (UTC or None), the appending call's ``team``.
     """
 
     type: str
@@ -103,8 +95,9 @@ class Baseline:
 
 @dataclass(frozen=True)
 class Best:
-    """The best confirmed candidate so far and its speedup over the reference measured next to
-    it (``reference_*``: that reference's experiment and tokens/s; ``tier``: fast | full)."""
+    """The best confirmed candidate, its speedup over the reference measured next to it
+    (``reference_*``) and its tier.
+    """
 
     experiment_id: str
     candidate_id: str
@@ -122,20 +115,13 @@ class Compilation:
     """One compilation as its events say.
 
     Attributes:
-        compilation_id, team: the compilation and the team that submitted it.
-        workload: the ``kiln.v1.Workload`` message as JSON; ``workload_key``, ``model_name``,
-            ``hardware``: its key and names.
-        wall_seconds, max_experiments: the budget (seconds; 0 experiments = no limit).
-        submitted_at: ledger time of the submission; ``submitted_position`` its position.
+        workload: the ``kiln.v1.Workload`` as JSON, with its key, model name and hardware.
+        wall_seconds, max_experiments: the budget (0 experiments = no limit).
         agents, baselines: agent names (empty = default set) and baselines asked for.
-        status: see the module docs. ``version``: the compilation stream's last version
-            folded (0 = unknown). ``position``: the highest global position folded.
-        updated_at: ledger time of the last event folded.
+        version: the compilation stream's last version folded; position: the highest global one.
         plan: the ``ParallelismPlan`` as JSON, once planned.
-        baseline, best, tier_agreement ((n, rho)), compared (baseline names recorded).
+        tier_agreement: (n, rho). compared: baseline names recorded.
         cancel_reason: the cancel request's reason (None: no request; may be "").
-        end_reason: the ``CompilationEnded`` reason.
-        experiments_done, failures: the counters (see the module docs).
     """
 
     compilation_id: str
@@ -168,11 +154,8 @@ class Compilation:
 
     @staticmethod
     def submitted(event: Event) -> Compilation:
-        """A compilation from its ``CompilationSubmitted``.
-
-        Raises:
-            ValueError: not a ``CompilationSubmitted`` of a compilation stream, or no time.
-            KeyError: a required payload field is missing.
+        """A compilation from its ``CompilationSubmitted``; ValueError if it is not one or has no
+        time, KeyError for a missing field.
         """
         cid = streams.compilation_id_in(event.stream_id)
         if event.type != SUBMITTED or cid is None:
@@ -225,11 +208,7 @@ class Compilation:
         )
 
     def apply(self, event: Event) -> bool:
-        """Fold one event; False when it was already folded (nothing changed).
-
-        Raises:
-            IllegalTransition, ValueError, KeyError: see the module docs.
-        """
+        """Fold one event; False when it was already folded. Raises as the module docstring says."""
         if event.stream_id == self.stream_id:
             if event.version <= self.version:
                 return False

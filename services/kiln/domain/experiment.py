@@ -1,10 +1,5 @@
-"""One experiment as plain data: what was requested and what came back.
-
-Read from the ``ExperimentRequested`` / ``ExperimentCompleted`` events of an
-``experiment-<id>`` stream (as :class:`kiln.domain.compilation.Event`), their payloads validated
-by :mod:`kiln.events.types`. :func:`fold_experiment` keeps a compilation's experiments by id:
-a request opens a record, the first completion of a requested experiment closes it, anything
-else is ignored.
+"""One experiment as plain data: what was requested and what came back, from the events of an
+``experiment-<id>`` stream.
 """
 
 from __future__ import annotations
@@ -26,16 +21,10 @@ class Requested:
     """An experiment asked for (its ``ExperimentRequested``).
 
     Attributes:
-        experiment_id: id of its ``experiment-<id>`` stream.
-        compilation_id: the compilation.
-        team: the team the work is done for.
-        candidate: what to measure.
         agent: who proposed it ("baseline" for the reference forward).
-        tier: "fast" or "full".
-        position: global ledger position of the ExperimentRequested event.
-        profile: the engine is asked for the per-op profile (``ExperimentCompleted.op_ms``).
-        baseline: a baseline of :mod:`kiln.baselines` measured instead of the candidate ("" for
-            a normal experiment); such experiments are never judged.
+        position: global ledger position of the event.
+        profile: the engine is asked for the per-op profile.
+        baseline: a baseline measured instead of the candidate ("" for none); never judged.
     """
 
     experiment_id: str
@@ -70,13 +59,8 @@ class Requested:
 
 @dataclass(frozen=True)
 class Completed:
-    """An experiment's ``ExperimentCompleted`` (from an engine, or the runner's time-out).
-
-    Attributes:
-        experiment_id: the experiment.
-        result: the validated payload (status, correctness, timings in ms, tokens/s).
-        position: global ledger position of the event.
-        recorded_at: when the ledger recorded it.
+    """An experiment's ``ExperimentCompleted``: the validated ``result``, its global ``position``
+    and ``recorded_at``.
     """
 
     experiment_id: str
@@ -91,8 +75,7 @@ class Completed:
 
     @staticmethod
     def from_event(event: Event) -> Completed:
-        """From a recorded ``ExperimentCompleted`` (with its ``recorded_at``). Raises ValueError
-        when malformed."""
+        """From a recorded ``ExperimentCompleted``; ValueError when malformed."""
         eid = streams.experiment_id_in(event.stream_id)
         if eid is None or event.type != ExperimentCompleted.event_type:
             raise ValueError(f"not an ExperimentCompleted event: {event.type} {event.stream_id}")
@@ -130,12 +113,9 @@ class ExperimentRecord:
 
 
 def fold_experiment(experiments: MutableMapping[str, ExperimentRecord], event: Event) -> None:
-    """Fold one ``ExperimentRequested`` / ``ExperimentCompleted`` of an ``experiment-<id>``
-    stream into ``experiments`` (experiment id -> record); a completion without its request,
-    or after the first, and any other event are ignored.
-
-    Raises:
-        ValueError: a malformed payload.
+    """Fold one event into ``experiments`` (id -> record): a request opens a record, the first
+    completion of a requested experiment closes it, anything else is ignored. ValueError on a
+    malformed payload.
     """
     eid = streams.experiment_id_in(event.stream_id)
     if eid is None:

@@ -1,20 +1,10 @@
 """The operating point: the (batch, context, ISL, OSL) a measurement or a prediction is made at.
 
-Derived once, here, from a traffic shape and lowered by an engine's limits:
-
-- ``batch_size`` (sequences decoded together) = the traffic's ``batch_size``; a trace's shape
-  sets it to its mean concurrency rounded half up, clamped to ``[1, max_batch]``
-  (:func:`operating_batch_size`: in continuous batching every request in flight is in the
-  decode batch on almost every step).
-- ``isl`` / ``osl`` (tokens) = the p50 of the traffic's ISL / OSL distribution (the mean when
-  the p50 is 0), rounded half up.
-- ``context_len`` (tokens in the KV cache at the timed decode step) = the traffic's
-  ``context_len``, else ``p50 ISL + p50 OSL / 2`` rounded half up, at least 1
-  (:func:`operating_context_len`: the mean context of a median request over its decode steps).
-
-Fields a traffic shape leaves unset (0, as proto3 sends them) take the defaults of a batch-1
-decode (:data:`DEFAULT_BATCH`, :data:`DEFAULT_ISL`, :data:`DEFAULT_OSL`); every default and
-every lowering is reported as a note. Stdlib only.
+Derived once, here, from a traffic shape and lowered by an engine's limits: ``batch_size`` = the
+traffic's, or a trace's mean concurrency (:func:`operating_batch_size`); ``isl`` / ``osl`` = the
+p50 (else mean) of their distributions, rounded half up; ``context_len`` = the traffic's, else
+:func:`operating_context_len`. Unset fields (0) take batch-1 decode defaults; every default and
+lowering is reported as a note. Stdlib only.
 """
 
 from __future__ import annotations
@@ -35,8 +25,7 @@ DEFAULT_MAX_BATCH = 256
 
 
 class OperatingPointError(ValueError):
-    """A value an operating point cannot be made of (negative, fractional where a count is
-    expected, not a finite number); the message names the field and the value."""
+    """A value an operating point cannot be made of; the message names the field and the value."""
 
 
 def round_half_up(x: float) -> int:
@@ -45,11 +34,8 @@ def round_half_up(x: float) -> int:
 
 
 def operating_batch_size(mean_concurrency: float, max_batch: int = DEFAULT_MAX_BATCH) -> int:
-    """Decode batch (sequences): ``mean_concurrency`` (requests in flight) rounded half up,
-    clamped to ``[1, max_batch]``.
-
-    Raises:
-        OperatingPointError: ``max_batch < 1``.
+    """``mean_concurrency`` rounded half up, clamped to ``[1, max_batch]``; OperatingPointError
+    if ``max_batch < 1``.
     """
     if max_batch < 1:
         raise OperatingPointError(f"max_batch must be >= 1, got {max_batch}")
@@ -57,8 +43,9 @@ def operating_batch_size(mean_concurrency: float, max_batch: int = DEFAULT_MAX_B
 
 
 def operating_context_len(isl: float, osl: float) -> int:
-    """Context length (tokens): ``isl + osl / 2`` rounded half up, at least 1 — the mean context
-    of a request over its decode steps (it grows from ISL to ISL + OSL)."""
+    """``isl + osl / 2`` rounded half up, at least 1: a request's mean context over its decode
+    steps.
+    """
     return max(1, round_half_up(isl + osl / 2))
 
 
@@ -68,16 +55,13 @@ class OperatingPoint:
 
     Attributes:
         batch_size: sequences decoded together (>= 1).
-        context_len: tokens in each sequence's KV cache at the decode step (>= 1); 0 at
-            construction means :func:`operating_context_len` of ``isl`` and ``osl``.
-        isl: prompt tokens of a request (>= 0; what a TTFT is estimated for).
-        osl: generated tokens per request (>= 0).
-        expert_load_skew: MoE hottest expert's share over the uniform share (>= 1; 1.0 =
-            balanced).
+        context_len: tokens in each KV cache at the decode step (>= 1; 0 at construction means
+            :func:`operating_context_len`).
+        isl, osl: prompt and generated tokens per request (>= 0).
+        expert_load_skew: MoE hottest expert's share over the uniform share (>= 1).
 
     Raises:
-        OperatingPointError: a count that is not a whole number in range, or a skew that is
-            not a finite number >= 1.
+        OperatingPointError: a count not whole or out of range, or a skew not finite and >= 1.
     """
 
     batch_size: int = DEFAULT_BATCH
@@ -111,20 +95,10 @@ class OperatingPoint:
         batch_limit: str = "",
         context_limit: str = "",
     ) -> DerivedPoint:
-        """The operating point of a traffic shape, lowered to an engine's limits.
-
-        Args:
-            traffic: ``kiln.v1.TrafficShape`` as JSON (``MessageToDict`` with proto field
-                names; uint fields may be strings), or None when the workload has none.
-            max_batch: largest batch the engine runs (None: no cap).
-            max_context: largest context the engine holds, tokens (None: no cap).
-            batch_limit, context_limit: what sets each cap, named in the note of a lowering.
-
-        Returns:
-            The point and, in words, every default and lowering applied.
-
-        Raises:
-            OperatingPointError: a field that is not a number in range, or a cap below 1.
+        """The operating point of ``traffic`` (``kiln.v1.TrafficShape`` as ``MessageToDict``
+        JSON, or None), lowered to ``max_batch`` and ``max_context`` (None: no cap), each
+        lowering noted with what sets the cap. OperatingPointError on a field out of range or a
+        cap below 1.
         """
         notes: list[str] = []
         absent = traffic is None
@@ -174,11 +148,8 @@ class OperatingPoint:
         context_limit: str = "",
         notes: list[str] | None = None,
     ) -> DerivedPoint:
-        """This point with its batch and context lowered to the caps (None: no cap), each
-        lowering noted (after ``notes``) with what sets the cap.
-
-        Raises:
-            OperatingPointError: a cap below 1.
+        """This point lowered to the caps (None: none), each lowering noted after ``notes``;
+        OperatingPointError on a cap below 1.
         """
         out = list(notes or ())
         batch, context = self.batch_size, self.context_len
@@ -197,8 +168,7 @@ class OperatingPoint:
         return DerivedPoint(point, tuple(out))
 
     def as_measured(self, batch_size: int = 0, context_len: int = 0) -> OperatingPoint:
-        """The point an engine reports it measured at: its non-zero ``batch_size`` and
-        ``context_len`` (an engine may fit the batch to free memory) over this one's."""
+        """This point with an engine's reported non-zero ``batch_size`` and ``context_len``."""
         return replace(
             self,
             batch_size=batch_size or self.batch_size,

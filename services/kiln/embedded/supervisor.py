@@ -1,18 +1,14 @@
 """What ``kiln up``, ``kiln down`` and ``kiln status`` do.
 
-``up`` starts the embedded PostgreSQL (unless ``KILN_DATABASE_URL`` is set) and NATS (unless
-``KILN_NATS_URL`` is set) under ``state_dir``, records the endpoints, migrates the ledger's
-database and starts the four services as detached processes, then waits until each is healthy.
-``down`` stops the services (one SIGTERM, SIGKILL only after the grace period) and then the
-embedded servers, cleanly, so their data survives. ``up`` and ``down`` hold the state
-directory's lock; ``status`` reports what ``endpoints.json`` and the pid files say was started.
-Layout of ``state_dir``::
+``up`` starts the embedded PostgreSQL and NATS (unless their URLs are set) under ``state_dir``,
+records the endpoints, migrates the ledger and starts the four services, waiting until each is
+healthy; ``down`` stops them cleanly. Layout of ``state_dir``::
 
-    kiln.lock               held by a running up / down (holds its pid)
+    kiln.lock               held by a running up / down
     endpoints.json          URLs, which servers are embedded, service addresses
-    postgres/               PGDATA of the embedded PostgreSQL (log: postgres/server.log)
+    postgres/               PGDATA of the embedded PostgreSQL
     nats/                   JetStream store, pid and log of the embedded NATS
-    logs/<service>.log      each service's stdout and stderr (JSON lines)
+    logs/<service>.log      each service's output
     run/<service>.pid       each service's pid
 """
 
@@ -81,13 +77,8 @@ class Supervisor:
 
     # ---------------------------------------------------------------------- up
     def up(self, start_services: bool = True) -> list[ComponentStatus]:
-        """Start what is not running; return the status of every component.
-
-        Holds ``state_dir/kiln.lock`` throughout (a concurrent ``up`` / ``down`` for the same
-        state directory fails with :class:`~kiln.embedded.lock.StateDirBusy`).
-
-        Raises RuntimeError (with the services' errors) when a server or service fails to
-        start.
+        """Start what is not running and return every component's status, holding ``kiln.lock``
+        (StateDirBusy if held). RuntimeError when a server or service fails to start.
         """
         with state_lock(self.state_dir):
             return self._up(start_services)
@@ -164,8 +155,7 @@ class Supervisor:
         return notes
 
     def _metrics_conflicts(self, to_start: list[ServiceProcess]) -> list[str]:
-        """Why the services' metrics endpoints cannot start, if they cannot: one
-        ``KILN_METRICS_PORT`` for all four, or a default port (9401..9404) already taken."""
+        """Why the services' metrics endpoints cannot start, if they cannot."""
         from kiln.common.metrics import metrics_host
 
         fixed = self.settings.metrics_port
@@ -187,10 +177,8 @@ class Supervisor:
 
     # -------------------------------------------------------------------- down
     def down(self) -> list[str]:
-        """Stop the services, then the embedded servers; return what was stopped.
-
-        Each service gets one SIGTERM, then ``grace_period_s + 5`` seconds to exit before
-        SIGKILL. Holds ``state_dir/kiln.lock`` like :meth:`up`.
+        """Stop the services (SIGTERM, SIGKILL after ``grace_period_s + 5`` s), then the embedded
+        servers, holding ``kiln.lock``; return what was stopped.
         """
         if not self.state_dir.is_dir():
             return []
@@ -214,12 +202,8 @@ class Supervisor:
 
     # ------------------------------------------------------------------ status
     def status(self) -> list[ComponentStatus]:
-        """What this state directory's ``kiln up`` started, and whether each answers.
-
-        Reads ``endpoints.json`` and the pid files, not the current environment: a server is
-        probed at the URL ``up`` recorded (a real PostgreSQL / NATS connection), a service at
-        the address ``up`` gave it, and only when its process (from its pid file) runs; a
-        component this state directory did not start is never reported healthy.
+        """What this state directory's ``up`` started and whether each answers at its recorded
+        address; a component it did not start is never reported healthy.
         """
         recorded = self.recorded()
 
@@ -273,8 +257,9 @@ class Supervisor:
 
     # ----------------------------------------------------------------- helpers
     def _service(self, name: str, recorded: Endpoints | None) -> ServiceProcess:
-        """The service's process; its address is the one ``up`` recorded unless
-        ``KILN_<NAME>_ADDR`` is set and the service does not run (then the new one)."""
+        """The service's process at the recorded address, unless ``KILN_<NAME>_ADDR`` is set and
+        it is not running.
+        """
         svc = ServiceProcess(
             name,
             self.settings.service_addr(cast(ServiceName, name)),
@@ -354,8 +339,7 @@ def redact_url(url: str) -> str:
 
 
 async def _postgres_problem(url: str) -> str | None:
-    """None when PostgreSQL at the SQLAlchemy ``url`` accepts a connection and answers a
-    query; else why not, in a few words."""
+    """None when PostgreSQL at ``url`` answers a query, else why not in a few words."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 

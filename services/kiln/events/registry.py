@@ -1,8 +1,6 @@
-"""The registry of event types: (type, schema version) -> pydantic model and stream category.
-
-An event is accepted only when its type is registered, its schema version is known, its
-stream's category is the one the type belongs to, and its payload validates. Schemas forbid
-unknown fields, so a typo is an error instead of silently stored data.
+"""The registry of event types: (type, schema version) -> pydantic model and stream category. An
+event is accepted only when its type and version are registered, its stream's category is the
+type's, and its payload validates (unknown fields forbidden).
 """
 
 from __future__ import annotations
@@ -26,10 +24,8 @@ class SchemaError(ValueError):
 
 @dataclass(frozen=True)
 class StreamId:
-    """A stream id ``<category>-<id>``, e.g. ``compilation-7f3a...``.
-
-    The category is lower-case ``[a-z][a-z0-9_]*`` (at most 32 characters); the id is
-    ``[A-Za-z0-9_-]`` (at most 128 characters), so a stream id is also a valid NATS subject token.
+    """A stream id ``<category>-<id>``: category ``[a-z][a-z0-9_]*`` (<= 32), id
+    ``[A-Za-z0-9_-]`` (<= 128), so it is a valid NATS subject token.
     """
 
     category: str
@@ -51,11 +47,8 @@ def parse_stream_id(stream_id: str) -> StreamId:
 
 
 class EventSchema(BaseModel):
-    """Base of every event payload schema.
-
-    Subclasses set ``event_type``, ``schema_version`` and ``category`` (the stream category the
-    event belongs to) and are registered by defining them in a module imported by
-    ``kiln.events.types``.
+    """Base of every payload schema; subclasses set ``event_type``, ``schema_version`` and
+    ``category`` and are registered by being imported by ``kiln.events.types``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -101,20 +94,8 @@ def latest_version(event_type: str) -> int:
 def validate_event(
     stream_id: str, event_type: str, schema_version: int, data: bytes | str | dict[str, Any]
 ) -> tuple[int, dict[str, Any]]:
-    """Check one event against its schema.
-
-    Args:
-        stream_id: the stream it is appended to.
-        event_type: registered type name.
-        schema_version: 0 for the latest.
-        data: the payload, JSON bytes/str or an already-parsed object.
-
-    Returns:
-        (schema version used, payload as a JSON-compatible dict, as validated).
-
-    Raises:
-        SchemaError: unknown type or version, wrong stream category, payload not a JSON object,
-            or payload failing the schema (the message names the field).
+    """Check one event against its schema (``schema_version`` 0: the latest); returns (version
+    used, payload as validated JSON). SchemaError naming the problem.
     """
     sid = parse_stream_id(stream_id)
     _ensure_loaded()
@@ -151,11 +132,8 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_json_object(event_type: str, data: bytes | str | dict[str, Any]) -> dict[str, Any]:
-    """Parse and check a payload is storable JSON: an object, strict JSON (no NaN/Infinity),
-    at most ``MAX_DEPTH`` levels deep, no NUL characters or lone surrogates in strings or keys
-    (PostgreSQL's jsonb cannot store them), finite numbers only.
-
-    Raises SchemaError naming the problem.
+    """Parse a payload as storable JSON: an object, strict (finite numbers), at most
+    ``MAX_DEPTH`` deep, no NUL or lone surrogates (jsonb). SchemaError naming the problem.
     """
     if isinstance(data, (bytes, str)):
         try:

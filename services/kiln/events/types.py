@@ -1,13 +1,6 @@
-"""The event types kiln records, version 1.
-
-Streams:
-    ``compilation-<id>``: one compilation's life (submitted, planned, baseline, best, tier
-    agreement, ended).
-    ``experiment-<id>``: one experiment (requested, completed).
-
-Payloads do not repeat what the envelope carries: the compilation or experiment id is the
-stream id's, the team is the appending call's (``metadata.team``), and the time is the ledger's
-``recorded_at``. Units: milliseconds for latencies, tokens/s for throughput, bytes for memory.
+"""The event types kiln records, version 1, on streams ``compilation-<id>`` and
+``experiment-<id>``. Payloads do not repeat the envelope (ids, team, time). Units: ms, tokens/s,
+bytes.
 """
 
 from __future__ import annotations
@@ -90,14 +83,11 @@ class BaselineMeasured(EventSchema):
 
 
 class BaselineCompared(EventSchema):
-    """A baseline of :mod:`kiln.baselines` (transformers eager, static cache, compiled; a
-    gpt-fast-style model) measured on the full-tier engine beside the search, for comparison
-    only: never a candidate and never a best. ``correct`` is the baseline's own check against
-    kiln's reference forward (``max_abs_error``); ``skipped_reason`` says why it did not run
-    (e.g. "transformers not installed"); ``error`` why it failed. ``batch`` is the decode batch
-    of its operating point (tokens_per_s = batch / median), ``weights_bytes`` the engine's
-    weights and ``context`` the tokens in each sequence's KV cache there (both for the bandwidth
-    limit, :func:`kiln.baselines.table.bandwidth_limit`)."""
+    """A baseline measured on the full-tier engine beside the search, for comparison only: never
+    a candidate or best. ``correct``: its own check against kiln's reference; ``skipped_reason``
+    or ``error`` say why it did not run or failed; ``batch`` (tokens_per_s = batch / median),
+    ``context`` and ``weights_bytes`` give its bandwidth limit.
+    """
 
     event_type = "BaselineCompared"
     category = "compilation"
@@ -133,9 +123,9 @@ class BaselineCompared(EventSchema):
 
 
 class BestCandidateImproved(EventSchema):
-    """A correct candidate beat the best so far. The agent runner records it only for a
-    candidate confirmed on the full tier (``tier`` "full"), with ``speedup`` over the reference
-    measured on the full tier next to it (:mod:`kiln.agent_runner.judge`)."""
+    """A candidate confirmed on the full tier beat the best, ``speedup`` over the reference
+    measured next to it.
+    """
 
     event_type = "BestCandidateImproved"
     category = "compilation"
@@ -174,11 +164,9 @@ class TierPoint(EventSchema):
 
 
 class TierAgreement(EventSchema):
-    """How well the fast tier's ranking predicted the full tier's, recorded once, just before
-    ``CompilationEnded``: Spearman's rank correlation between fast-tier and full-tier tokens/s
-    over the ``n`` candidates measured correct on both tiers (the reference included). ``rho``
-    is null when it is undefined (fewer than two candidates, or one tier ranks them all
-    equal)."""
+    """Spearman's rho between fast- and full-tier tokens/s over the ``n`` candidates correct on
+    both, recorded once before ``CompilationEnded``; null when undefined.
+    """
 
     event_type = "TierAgreement"
     category = "compilation"

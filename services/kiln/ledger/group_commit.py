@@ -1,14 +1,9 @@
 """Group commit: many concurrent appends share one transaction and one WAL flush.
 
-Appends are serialised by an advisory lock held to commit (so positions become visible in
-order), which caps a one-append-per-transaction design at one fsync per append. The committer
-instead drains every append waiting in its queue (up to ``max_group``), and in one transaction:
-takes the lock, reads the stored event ids and stream versions the group touches in two queries,
-decides each append in Python (idempotent retry, AlreadyExists, Aborted, or accepted; the
-decisions see earlier appends of the same group), draws positions for the accepted events,
-inserts events and outbox rows with one statement each, notifies, commits, and then resolves each
-caller. A rejected append writes nothing and does not disturb the others; a failed commit fails
-every append of the group and none of them is stored.
+The committer drains the appends waiting (up to ``max_group``) and in one transaction takes the
+advisory lock, decides each append (idempotent retry, AlreadyExists, Aborted or accepted, seeing
+earlier appends of the group), inserts events and outbox rows, notifies and commits. A rejected
+append writes nothing and does not disturb the others; a failed commit stores none of the group.
 """
 
 from __future__ import annotations
@@ -42,8 +37,7 @@ GROUP_SIZE = Histogram(
 
 @dataclass
 class PendingAppend:
-    """One validated append waiting for its group: rows are ready to insert but for
-    ``position``, ``stream_id`` and ``stream_version``."""
+    """One validated append waiting for its group (rows lack position, stream id and version)."""
 
     stream_id: str
     rows: list[dict[str, Any]]
@@ -53,8 +47,9 @@ class PendingAppend:
 
 @dataclass
 class _Stored:
-    """An event id already decided: stored in the database (``position``) or accepted earlier
-    in this group (``slot`` into the group's accepted rows)."""
+    """An event id already decided: stored (``position``) or accepted earlier in the group
+    (``slot``).
+    """
 
     stream_id: str
     type: str
@@ -64,12 +59,7 @@ class _Stored:
 
 
 class GroupCommitter:
-    """Single writer task that commits queued appends in groups.
-
-    Args:
-        engine: async engine on the ledger database.
-        max_group: most appends per transaction.
-    """
+    """Single writer task that commits queued appends in groups of at most ``max_group``."""
 
     def __init__(self, engine: AsyncEngine, max_group: int = 256) -> None:
         self.engine = engine
@@ -80,9 +70,8 @@ class GroupCommitter:
     async def submit(
         self, stream_id: str, rows: list[dict[str, Any]], expected: ExpectedVersion
     ) -> AppendResult:
-        """Queue one append and wait for its group to commit.
-
-        Raises the append's own KilnError (Aborted, AlreadyExists), or the commit's error.
+        """Queue one append and wait for its group; raises its own KilnError or the commit's
+        error.
         """
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="kiln-ledger-group-commit")
@@ -115,8 +104,7 @@ class GroupCommitter:
                 raise
 
     async def _commit_group(self, group: list[PendingAppend]) -> None:
-        """Commit ``group`` in one transaction; if that fails (nothing of it was stored), commit
-        each append alone so one bad append cannot fail the others."""
+        """Commit ``group`` in one transaction, else each append alone."""
         try:
             async with self.engine.begin() as conn:
                 outcomes = await self._commit(conn, group)
@@ -233,18 +221,18 @@ class GroupCommitter:
 
 
 def _as_kiln_error(exc: Exception, stream_id: str) -> Exception:
-    """A database error of one append as the caller's error: a constraint violation means a
-    writer outside this ledger's lock won the version or id (Aborted); anything else is
-    returned unchanged (the runtime reports it as INTERNAL)."""
+    """A constraint violation of one append as Aborted (a writer outside the lock won); anything
+    else unchanged.
+    """
     if isinstance(exc, IntegrityError):
         return Aborted(f"concurrent append to {stream_id!r} lost: {exc.orig}")
     return exc
 
 
 def _prior(pending: PendingAppend, stored: dict[str, _Stored]) -> list[_Stored] | None:
-    """The earlier copies of an exact retry, None for a wholly new append.
-
-    Raises AlreadyExists for a partial retry or an id reused with other content."""
+    """The earlier copies of an exact retry, None for a new append; AlreadyExists for a partial
+    retry or an id reused with other content.
+    """
     found = [stored.get(row["event_id"]) for row in pending.rows]
     if not any(found):
         return None

@@ -1,12 +1,8 @@
 """The event store: append with optimistic concurrency, idempotent re-append, ordered reads.
 
-Appends are validated here (stream id, schema, size) and committed by a
-:class:`~kiln.ledger.group_commit.GroupCommitter` in one transaction per group under an advisory
-lock (exact re-append: no-op returning the original positions; expected versions checked; events and
-outbox rows inserted; ``kiln_events``/``kiln_outbox`` notified). Invariant: positions become visible
-in increasing order, so a reader tailing ``position > last_seen`` never skips an event
-(docs/design/ledger.md, "Event store"). ``UNIQUE(stream_id, stream_version)`` and
-``UNIQUE(event_id)`` back the checks in the database.
+Appends are validated here and committed in groups under an advisory lock, so positions become
+visible in increasing order and a reader tailing ``position > last_seen`` never skips an event
+(docs/design/ledger.md).
 """
 
 from __future__ import annotations
@@ -53,11 +49,8 @@ def _payload_size(data: dict[str, Any] | bytes | str) -> int:
 
 
 class EventStore:
-    """Append-only event store on PostgreSQL (tables in ``kiln.ledger.tables``).
-
-    Args:
-        engine: async SQLAlchemy engine (``postgresql+psycopg://``) on a migrated database.
-        max_event_bytes: largest accepted payload (JSON, UTF-8), bytes.
+    """Append-only event store on a migrated PostgreSQL (``postgresql+psycopg://`` engine);
+    ``max_event_bytes`` bounds a payload's UTF-8 JSON.
     """
 
     def __init__(self, engine: AsyncEngine, *, max_event_bytes: int = 1 << 20) -> None:
@@ -130,24 +123,18 @@ class EventStore:
         team: str,
         correlation_id: str | None = None,
     ) -> AppendResult:
-        """Append ``new_events`` to ``stream_id`` atomically.
+        """Append ``new_events`` (1..1000) to ``stream_id`` atomically, recording ``team`` in
+        each.
 
-        Args:
-            stream_id: ``<category>-<id>``; each event type must belong to the category.
-            new_events: 1..1000 events.
-            expected: optimistic-concurrency check (see ``ExpectedVersion``).
-            team: caller's team, recorded in every event's metadata.
-            correlation_id: default correlation id for events that carry none.
-
-        Returns:
-            AppendResult; ``already_stored`` when all events were stored before (nothing written).
+        Returns an AppendResult, ``already_stored`` when all were stored before (nothing
+        written).
 
         Raises:
-            InvalidArgument: bad stream id, unknown type/version, payload failing its schema or
-                larger than ``max_event_bytes``, malformed or repeated event id.
-            AlreadyExists: an event id was stored before with other content, or only part of the
-                batch was stored before.
-            Aborted: the stream's version is not the expected one (message gives both).
+            InvalidArgument: bad stream id, unknown type or version, a payload failing its schema
+                or too large, a malformed or repeated event id.
+            AlreadyExists: an event id stored before with other content, or part of the batch
+                stored.
+            Aborted: the stream's version is not the expected one.
         """
         rows = self._validate(stream_id, new_events, team, correlation_id)
         return await self._committer.submit(stream_id, rows, expected)
@@ -174,10 +161,8 @@ class EventStore:
     async def read_stream(
         self, stream_id: str, from_version: int = 1, max_count: int = 1000
     ) -> tuple[list[StoredEvent], int]:
-        """Events of one stream with version >= ``from_version``, in version order.
-
-        Returns (events, the stream's last version). Raises InvalidArgument for a malformed
-        stream id and NotFound for a stream with no events.
+        """Events of one stream with version >= ``from_version`` and the stream's last version;
+        InvalidArgument for a malformed id, NotFound for an empty stream.
         """
         try:
             parse_stream_id(stream_id)
@@ -205,10 +190,8 @@ class EventStore:
         types: Sequence[str] = (),
         stream_prefix: str = "",
     ) -> list[StoredEvent]:
-        """Up to ``max_count`` events with position > ``after_position``, in global order.
-
-        Positions may have gaps (an aborted append consumes its positions); order never changes
-        once read, and no event can later appear below a position already returned.
+        """Up to ``max_count`` events with position > ``after_position``, in global order
+        (positions may have gaps; none appears later below one returned).
         """
         query = select(events).where(events.c.position > after_position)
         if types:
