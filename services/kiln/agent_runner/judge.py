@@ -305,7 +305,7 @@ def compared_event(state: CompilationState, req: Requested, completed: Completed
     batch and context (as the engine recorded them; older events: batch = ``tokens_per_s x
     median_s``), the engine's weights bytes and its prefill median (ms, 0 when not timed).
     Never a candidate, a reference or a best."""
-    from kiln.baselines.names import skipped_reason
+    from kiln.domain.baselines import skipped_reason
 
     r = completed.result
     skipped = skipped_reason(r.status, r.error)

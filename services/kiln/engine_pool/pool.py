@@ -16,6 +16,7 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -28,6 +29,9 @@ from kiln.engine_pool.settings import EngineSettings
 from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineSpec, SpecError
+
+if TYPE_CHECKING:
+    from kiln.runtime.engine import ExternalMeasure
 
 log = structlog.get_logger("kiln.engine_pool")
 
@@ -84,6 +88,9 @@ class EnginePool:
         settings: engine settings. host: host name for the registry (default: this host's).
         pool_id: default ``settings.pool_id``, else ``<host>-<pid>``.
         devices: default :func:`~kiln.engine_pool.devices.resolve_devices`.
+        external_measure: what the engines measure a baseline request with (e.g.
+            ``kiln.baselines.in_engine.measure_baseline``, injected by the composition root);
+            None: this pool measures no baselines.
 
     Attributes:
         on_change: called (no arguments) whenever an engine or device changes state.
@@ -100,6 +107,7 @@ class EnginePool:
         host: str | None = None,
         pool_id: str | None = None,
         devices: list[Device] | None = None,
+        external_measure: ExternalMeasure | None = None,
     ) -> None:
         self.devices = devices or resolve_devices(settings)
         self.settings = settings_for(settings, self.devices)
@@ -107,6 +115,7 @@ class EnginePool:
         chosen = pool_id or settings.pool_id
         self.pool_id = clean_pool_id(chosen) if chosen else default_pool_id(self.host)
         self.slots: dict[str, DeviceSlot] = {d.name: DeviceSlot(d) for d in self.devices}
+        self.external_measure = external_measure
         self.started_at = time.time()
         self.on_change: Callable[[], None] = lambda: None
         self._running: set[asyncio.Task[Measurement]] = set()
@@ -162,9 +171,14 @@ class EnginePool:
         Raises:
             InvalidArgument: the workload cannot be built or its engine failed for a reason of the
                 workload (e.g. missing weights), or ``device`` is not the pool's.
-            FailedPrecondition: the engine failed to build for a reason of the host, or the pool is
-                closed.
+            FailedPrecondition: the engine failed to build for a reason of the host, the pool is
+                closed, or ``work`` names a baseline and this pool measures none.
         """
+        if work.baseline and self.external_measure is None:
+            raise FailedPrecondition(
+                f"baseline {work.baseline!r}: this engine pool measures no baselines (it was "
+                "started without an external measure; `kiln serve engine-pool` has one)"
+            )
         slot = self.slot(device) if device else self.choose_slot(work)
         spec = self.spec_for(work, slot.device.name)
         try:
@@ -253,6 +267,7 @@ class EnginePool:
                 env={**device.env(), "KILN_ENGINE_THREADS": self.settings.threads},
                 worker_device=device.worker_device,
                 model_key=model_key,
+                external_measure=self.external_measure,
             )
             engine.start()
             slot.engines[spec.key] = engine
