@@ -38,11 +38,11 @@ from kiln.baselines.harness import (
     measure,
     reference_model,
 )
-from kiln.baselines.names import BASELINE_NAMES, parse_names
 from kiln.baselines.result import BaselineResult
 from kiln.baselines.runner import run_named
 from kiln.baselines.table import bandwidth_limit
 from kiln.cost_model.roofline import weights_read_bytes
+from kiln.domain.baselines import BASELINE_NAMES, parse_names
 from kiln.workloads.config import DTYPE_BYTES, load_config
 
 

@@ -1,5 +1,6 @@
-"""The engine pool service over real gRPC: RunExperiment on a real engine process, ListEngines,
-and INVALID_ARGUMENT for workloads no engine can be built for."""
+"""The engine pool service over real gRPC: RunExperiment on a real engine process (a candidate,
+and a baseline through the measure injected as ``kiln serve`` does), ListEngines, and
+INVALID_ARGUMENT for workloads no engine can be built for."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import pytest_asyncio
 from google.protobuf.json_format import ParseDict
 
+from kiln.baselines.in_engine import measure_baseline
 from kiln.common.client import team_channel
 from kiln.common.server import serve
 from kiln.common.settings import KilnSettings
@@ -36,7 +38,7 @@ async def stub(
     settings = KilnSettings(
         metrics_port=0, grace_period_s=1.0, state_dir=tmp_path_factory.mktemp("engine-pool")
     )
-    app = EnginePoolApp(settings, engine_settings(max_batch=4))
+    app = EnginePoolApp(settings, engine_settings(max_batch=4), external_measure=measure_baseline)
     addr, started = f"127.0.0.1:{free_port()}", asyncio.Event()
     task = asyncio.create_task(
         serve(app, settings, listen=addr, started=started, handle_signals=False)
@@ -156,3 +158,14 @@ async def test_unbuildable_models_are_invalid_argument(
         await stub.RunExperiment(_request(workload=workload), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "MLA" in (err.value.details() or "")
+
+
+async def test_a_baseline_is_measured_in_the_engine_process(
+    stub: engine_pool_pb2_grpc.EnginePoolStub,
+) -> None:
+    call = stub.RunExperiment(_request(baseline="hf_eager"), timeout=300)
+    m = await call
+    assert m.status == common_pb2.EXPERIMENT_STATUS_OK and m.correct, m.error
+    assert m.tokens_per_s > 0 and m.batch_size == 4
+    trailing = dict(await call.trailing_metadata())  # type: ignore[arg-type]
+    assert "baseline hf_eager" in json.loads(trailing[NOTES_METADATA_KEY])

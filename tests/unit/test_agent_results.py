@@ -15,10 +15,10 @@ from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.lab import CompilationLab
 from kiln.agent_runner.results import ResultFeed, SearchResult
 from kiln.agent_runner.state import Baseline, CompilationState, ExperimentRecord
-from kiln.baselines.names import compare_agent
 from kiln.board import Board
 from kiln.common import nats as kn
 from kiln.common.errors import InvalidArgument
+from kiln.domain.baselines import compare_agent
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.ledger.model import NewEvent
 

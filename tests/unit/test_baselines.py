@@ -14,19 +14,15 @@ import pytest
 import torch
 from rich.console import Console
 
+from kiln.agent_runner.comparisons import validate_baselines
 from kiln.baselines import gpt_fast, gpt_fast_model, hf_compile, hf_eager, hf_static
-from kiln.baselines.names import (
-    BASELINE_NAMES,
-    default_baselines,
-    parse_names,
-    skipped_reason,
-    validate_baselines,
-)
+from kiln.baselines.in_engine import measure_baseline
 from kiln.baselines.result import BaselineResult
 from kiln.baselines.runner import run_named
 from kiln.baselines.table import Comparison, bandwidth_limit
 from kiln.cli.compile_view import comparison_table
 from kiln.common.errors import InvalidArgument
+from kiln.domain.baselines import BASELINE_NAMES, default_baselines, parse_names, skipped_reason
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.engine_pool.delivery import completed_payload
 from kiln.engine_pool.worker import run_request
@@ -217,7 +213,9 @@ def test_engine_answers_a_baseline_then_verifies_its_next_experiment() -> None:
     request = RunRequest("b1", placeholder, warmup=1, repeats=3, prefill_repeats=2,
                          baseline="gpt_fast")  # fmt: skip
     assert engine.run(request).status == "rejected"  # the runtime runs candidates only
-    m = run_request(engine, request)  # what the engine process does
+    unwired = run_request(engine, request)  # an engine process given no external measure
+    assert unwired.status == "rejected" and "measures no baselines" in unwired.error
+    m = run_request(engine, request, measure_baseline)  # what the engine process does
     assert m.status == "ok" and m.correct, (m.error, m.notes)
     assert m.candidate_id == "baseline:gpt_fast"
     assert m.tokens_per_s > 0 and m.timing is not None and m.timing.median_ms > 0
@@ -236,12 +234,14 @@ def test_engine_answers_a_baseline_then_verifies_its_next_experiment() -> None:
     assert not m.restart_engine and engine.weights_intact()
     engine.after_reply()
     unasked = run_request(
-        engine, RunRequest("b0", placeholder, warmup=1, repeats=3, baseline="gpt_fast")
+        engine,
+        RunRequest("b0", placeholder, warmup=1, repeats=3, baseline="gpt_fast"),
+        measure_baseline,
     )
     assert unasked.status == "ok" and unasked.prefill is None  # prefill_repeats 0: not timed
     assert completed_payload(_work(), unasked)["prefill_median_ms"] == 0
     engine.after_reply()
-    bad = run_request(engine, RunRequest("b2", placeholder, baseline="vllm"))
+    bad = run_request(engine, RunRequest("b2", placeholder, baseline="vllm"), measure_baseline)
     assert bad.status == "rejected" and "unknown baseline" in bad.error
     nxt = engine.run(RunRequest("n1", Candidate().canonical(), warmup=1, repeats=3))
     assert nxt.status == "ok" and nxt.correct, nxt.error
@@ -262,7 +262,8 @@ def test_engine_reports_a_skipped_baseline(monkeypatch: pytest.MonkeyPatch) -> N
     limits = EngineLimits(max_batch=2, max_context=16, prompt_len=8, check_steps=1)
     engine = Engine(EngineSpec.from_workload(tiny_workload(batch=1, context=8), "fast", limits))
     monkeypatch.setitem(sys.modules, "transformers", None)
-    m = run_request(engine, RunRequest("b", Candidate().canonical(), baseline="hf_eager"))
+    request = RunRequest("b", Candidate().canonical(), baseline="hf_eager")
+    m = run_request(engine, request, measure_baseline)
     assert m.status == "rejected" and m.error == "skipped: transformers not installed"
 
 

@@ -1,5 +1,5 @@
 """``kiln serve`` and ``kiln health`` against a real service process (the engine pool, which
-needs neither PostgreSQL nor NATS)."""
+needs neither PostgreSQL nor NATS), and the engine pool ``kiln serve`` assembles."""
 
 from __future__ import annotations
 
@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from kiln.baselines.in_engine import measure_baseline
+from kiln.cli.serve import service_app
+from kiln.common.apps import app_factory
+from kiln.common.errors import FailedPrecondition
+from kiln.common.settings import KilnSettings
+from kiln.domain.candidate import Candidate
 from kiln.embedded.postgres import free_port
+from kiln.engine_pool.app import EnginePoolApp
+
+from .engine_testing import work
 
 
 def _env(state_dir: Path, **extra: str) -> dict[str, str]:
@@ -108,3 +117,16 @@ def test_port_in_use_with_listen_names_listen(tmp_path: Path, taken_addr: str) -
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: engine-pool: cannot listen on"), result.stderr
     assert "--listen" in last and "KILN_ENGINE_POOL_ADDR" not in last
+
+
+async def test_kiln_serve_gives_the_engine_pool_the_baselines_measure(tmp_path: Path) -> None:
+    settings = KilnSettings(metrics_port=0, state_dir=tmp_path)
+    app = service_app("engine-pool")(settings)
+    assert isinstance(app, EnginePoolApp) and app.pool.external_measure is measure_baseline
+    assert service_app("ledger").__name__ == app_factory("ledger").__name__
+    bare = app_factory("engine-pool")(settings)  # the service's own assembly: no baselines
+    assert isinstance(bare, EnginePoolApp) and bare.pool.external_measure is None
+    request = work(Candidate()).model_copy(update={"baseline": "gpt_fast"})
+    with pytest.raises(FailedPrecondition, match="'gpt_fast': this engine pool measures no base"):
+        await bare.pool.measure(request)  # refused before any engine is built
+    assert bare.pool.processes() == []

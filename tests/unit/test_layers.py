@@ -32,7 +32,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "workloads": ("kiln.runtime", "kiln.engine_pool", "kiln.agent_runner", "kiln.ledger"),
     "export": ("kiln.engine_pool", "kiln.cli", "kiln.agent_runner"),
     "cli": ("kiln.agent_runner",),
-    "engine_pool": ("kiln.agent_runner",),
+    "engine_pool": ("kiln.agent_runner", "kiln.baselines"),
 }
 """Package -> module prefixes none of its files may import."""
 ALLOWED: dict[str, tuple[str, ...]] = {

@@ -20,12 +20,30 @@ from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.judge import CONFIRM_TIER, compared_event
 from kiln.agent_runner.state import CompilationState, ExperimentRecord
 from kiln.agent_runner.tasks import cancel_and_wait
-from kiln.baselines.names import compare_agent
+from kiln.common.errors import InvalidArgument
 from kiln.common.logging import get_logger
+from kiln.domain.baselines import compare_agent, default_baselines, parse_names
 from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.ledger.model import NewEvent
 
 log = get_logger(__name__)
+
+
+def validate_baselines(names: list[str], hardware: str) -> list[str]:
+    """The baselines a Submit asks for: ``names`` parsed
+    (:func:`~kiln.domain.baselines.parse_names`), or the hardware's default
+    (:func:`~kiln.domain.baselines.default_baselines`) when ``names`` is empty; ``["none"]``
+    asks for none.
+
+    Raises:
+        InvalidArgument: an unknown baseline name.
+    """
+    if not names:
+        return default_baselines(hardware)
+    try:
+        return parse_names(names)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 class BaselineComparisons:

@@ -245,7 +245,7 @@ def compared_event(state: CompilationState, req: Requested, completed: Completed
     or failure reason, operating point (older events: batch = tokens/s x median s), weights bytes
     and prefill median (ms, 0 = not timed).
     """
-    from kiln.baselines.names import skipped_reason
+    from kiln.domain.baselines import skipped_reason
 
     r = completed.result
     skipped = skipped_reason(r.status, r.error)

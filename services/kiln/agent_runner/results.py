@@ -17,8 +17,8 @@ from typing import Any
 
 from kiln.agent_runner.judge import speedup as speedup_of
 from kiln.agent_runner.state import CompilationState
-from kiln.baselines.names import COMPARE_AGENT_PREFIX
 from kiln.domain import judging
+from kiln.domain.baselines import COMPARE_AGENT_PREFIX
 from kiln.domain.candidate import Candidate
 from kiln.domain.experiment import Completed, Requested
 from kiln.domain.judging import SEARCH_TIER

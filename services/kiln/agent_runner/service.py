@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 from kiln.agent_runner import records
 from kiln.agent_runner.agents import validate_agents
 from kiln.agent_runner.budget import validate_budget
+from kiln.agent_runner.comparisons import validate_baselines
 from kiln.agent_runner.ledger_access import retry_unavailable
 from kiln.agent_runner.lookup import compilation_events, compilation_snapshot
 from kiln.agent_runner.snapshot import NAME_BY_STATUS, Snapshot, from_row
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.watch import watch
 from kiln.agent_runner.workload import validate_workload
-from kiln.baselines.names import validate_baselines
 from kiln.common.errors import (
     Aborted,
     AlreadyExists,

@@ -8,12 +8,13 @@ cache, ``torch.compile(mode="reduce-overhead", fullgraph=True)``), :mod:`~kiln.b
 (gpt-fast-style Llama, compiled with CUDA graphs).
 
 Each runs on kiln's seeded random weights and checks its first decode step against kiln's reference
-forward (:mod:`kiln.baselines.harness`). This ``__init__``, :mod:`~kiln.baselines.names`,
-:mod:`~kiln.baselines.result` and :mod:`~kiln.baselines.table` import no torch; transformers is
-imported lazily (without it the HF baselines are skipped).
+forward (:mod:`kiln.baselines.harness`). Their names are domain vocabulary
+(:mod:`kiln.domain.baselines`). This ``__init__``, :mod:`~kiln.baselines.result`,
+:mod:`~kiln.baselines.table` and :mod:`~kiln.baselines.in_engine` import no torch (the last
+imports it when it measures); transformers is imported lazily (without it the HF baselines are
+skipped).
 """
 
-from kiln.baselines.names import BASELINE_NAMES, parse_names
 from kiln.baselines.result import BaselineResult
 
-__all__ = ["BASELINE_NAMES", "BaselineResult", "parse_names"]
+__all__ = ["BaselineResult"]

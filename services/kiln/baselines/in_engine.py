@@ -9,23 +9,28 @@ Outcome as a :class:`~kiln.runtime.measurement.Measurement`: measured → ``ok``
 ``max_abs_error`` from the baseline's check against kiln's reference, its decode timing and, on
 ``prefill_repeats``, its prefill timing; skipped → ``rejected`` with ``skipped: <reason>``; an
 exception → ``crashed``.
+
+:func:`measure_baseline` is the engine pool's external measure (``Engine.run_external``), injected
+by ``kiln serve engine-pool`` and pickled by name into each engine process; importing this module
+imports no torch.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from kiln.baselines.names import BASELINE_CANDIDATE_PREFIX, BASELINE_NAMES, SKIPPED_PREFIX
 from kiln.baselines.result import BaselineResult
-from kiln.baselines.runner import run_named
+from kiln.domain.baselines import BASELINE_CANDIDATE_PREFIX, BASELINE_NAMES, SKIPPED_PREFIX
 from kiln.runtime.measurement import Measurement, MemoryUsage, Timing
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineSpec
-from kiln.workloads.config import ModelConfig
-from kiln.workloads.weights import WeightStore
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.workloads.config import ModelConfig
+    from kiln.workloads.weights import WeightStore
 
 
 class EngineLike(Protocol):
@@ -105,6 +110,8 @@ def measure_baseline(engine: EngineLike, request: RunRequest, base: dict[str, An
             f"unknown baseline {request.baseline!r}; known: {', '.join(BASELINE_NAMES)}",
             **base,
         )
+    from kiln.baselines.runner import run_named
+
     spec = engine.spec
     config: ModelConfig = engine.model.config  # the layers this engine holds
     result = run_named(

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from kiln.baselines.harness import PREFILL_REPEATS
-from kiln.baselines.names import BASELINE_NAMES
 from kiln.baselines.result import BaselineResult
+from kiln.domain.baselines import BASELINE_NAMES
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.weights import WeightStore
 
@@ -35,7 +35,7 @@ def run_named(
     included) comes back as a result with ``error`` set.
 
     Raises:
-        ValueError: ``name`` is not one of :data:`kiln.baselines.names.BASELINE_NAMES`.
+        ValueError: ``name`` is not one of :data:`kiln.domain.baselines.BASELINE_NAMES`.
     """
     if name not in BASELINE_NAMES:
         raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINE_NAMES)}")

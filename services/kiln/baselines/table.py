@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.baselines.names import BASELINE_CANDIDATE_PREFIX, BASELINE_NAMES
 from kiln.cost_model.roofline import DecodeStepBytes, decode_step_bytes, held_kv_bytes_per_token
+from kiln.domain.baselines import BASELINE_CANDIDATE_PREFIX, BASELINE_NAMES
 from kiln.workloads.config import DTYPE_BYTES, ModelConfig
 
 

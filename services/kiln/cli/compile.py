@@ -255,7 +255,7 @@ def _baseline_names(text: str) -> list[str]:
     Raises:
         typer.BadParameter: an unknown name.
     """
-    from kiln.baselines.names import parse_names
+    from kiln.domain.baselines import parse_names
 
     if not text.strip():
         return []

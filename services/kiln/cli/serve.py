@@ -1,5 +1,6 @@
 """``kiln serve NAME``: run one service in the foreground (what ``kiln up`` and each container
-run).
+run). It is the engine pool's composition root: the pool's engines measure baselines with
+:func:`kiln.baselines.in_engine.measure_baseline` (:func:`service_app`).
 
 Its stderr is the service's log. With ``KILN_LOG_FORMAT=json`` (the default) and stderr not a
 terminal (a log file, a container), a failure is logged as one JSON line too, so every line of
@@ -12,13 +13,18 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
 from kiln.cli.context import settings_for
 from kiln.cli.errors import CliError, describe
+
+if TYPE_CHECKING:
+    from kiln.common.server import ServiceApp
+    from kiln.common.settings import KilnSettings
 
 
 class ServiceChoice(StrEnum):
@@ -56,6 +62,27 @@ def bind_error(message: str, service: str, listen_given: bool) -> str:
     return _GRPC_BIND_NOISE.sub("", message)
 
 
+def service_app(name: str) -> Callable[[KilnSettings], ServiceApp]:
+    """The ``create_app(settings)`` ``kiln serve NAME`` runs: the service's own
+    (:func:`kiln.common.apps.app_factory`), the engine pool's with the baselines' measure.
+
+    Raises:
+        ValueError: ``name`` is not a service.
+    """
+    from kiln.common.apps import app_factory
+
+    if name != ServiceChoice.engine_pool:
+        return app_factory(name)
+
+    def create_engine_pool(settings: KilnSettings) -> ServiceApp:
+        from kiln.baselines.in_engine import measure_baseline
+        from kiln.engine_pool.app import EnginePoolApp
+
+        return EnginePoolApp(settings, external_measure=measure_baseline)
+
+    return create_engine_pool
+
+
 def serve(
     ctx: typer.Context,
     name: Annotated[ServiceChoice, typer.Argument(help="Which service.")],
@@ -72,7 +99,6 @@ def serve(
     ] = None,
 ) -> None:
     """Run a service until SIGTERM / Ctrl-C (then shut down gracefully)."""
-    from kiln.common.apps import app_factory
     from kiln.common.logging import configure_logging, parse_level
     from kiln.common.server import ServiceStartError, run
 
@@ -90,7 +116,7 @@ def serve(
             # Alembic logs "setup plugin ..." at INFO when the ledger imports it.
             logging.getLogger("alembic").setLevel(logging.WARNING)
         try:
-            run(app_factory(name.value), settings)
+            run(service_app(name.value), settings)
         except ServiceStartError as exc:
             message = bind_error(str(exc), name.value, settings.listen_addr is not None)
             raise CliError(message) from None

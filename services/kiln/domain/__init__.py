@@ -10,4 +10,6 @@
 - :mod:`kiln.domain.judging`: the tiers, the runner's own agent names, a measurement's speedup
   over its reference (the fast tier's baseline, the adjacent full-tier reference).
 - :mod:`kiln.domain.curve`: the best-so-far curve and the time to a fraction of the final best.
+- :mod:`kiln.domain.baselines`: the side-by-side baselines' names, how a compilation asks for
+  them, and what marks their experiments.
 """

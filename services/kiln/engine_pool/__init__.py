@@ -7,6 +7,6 @@ term), ``pool`` (a slot per device, engines by spec, LRU), ``devices`` (which de
 kinds, the pin of an engine process), ``registry`` (pools and engines heartbeated into a NATS
 key-value bucket), ``process`` (one engine process: start, deadline, crash and restart),
 ``worker`` (the engine process's main: a :class:`kiln.runtime.engine.Engine` answering run
-requests, baselines through :mod:`kiln.baselines`), ``settings`` (``KILN_ENGINE_*``),
+requests, a baseline through the external measure it is given), ``settings`` (``KILN_ENGINE_*``),
 ``metrics``. The engine itself is :mod:`kiln.runtime`.
 """

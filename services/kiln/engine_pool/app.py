@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import importlib
 import os
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -29,6 +30,9 @@ from kiln.engine_pool.service import EnginePoolServicer
 from kiln.engine_pool.settings import EngineSettings
 from kiln.v1 import engine_pool_pb2_grpc
 
+if TYPE_CHECKING:
+    from kiln.runtime.engine import ExternalMeasure
+
 log = structlog.get_logger("kiln.engine_pool")
 
 
@@ -38,6 +42,9 @@ class EnginePoolApp:
     Args:
         settings: kiln settings (NATS, subject prefix, ledger address).
         engine_settings: engine settings; default: read from ``KILN_ENGINE_*``.
+        external_measure: what the engines measure baseline requests with (injected by the
+            composition root, ``kiln serve engine-pool``); None: a baseline request is
+            FAILED_PRECONDITION.
 
     Raises:
         kiln.engine_pool.devices.DeviceError: bad ``KILN_ENGINE_DEVICES``.
@@ -47,10 +54,16 @@ class EnginePoolApp:
     grpc_service_names = ("kiln.v1.EnginePool",)
 
     def __init__(
-        self, settings: KilnSettings, engine_settings: EngineSettings | None = None
+        self,
+        settings: KilnSettings,
+        engine_settings: EngineSettings | None = None,
+        *,
+        external_measure: ExternalMeasure | None = None,
     ) -> None:
         self.settings = settings
-        self.pool = EnginePool(engine_settings or EngineSettings())
+        self.pool = EnginePool(
+            engine_settings or EngineSettings(), external_measure=external_measure
+        )
         self.engine_settings = self.pool.settings
         self.consumer = WorkConsumer(settings, self.engine_settings, self.pool)
         self.registry = Registry(settings, self.engine_settings, self.record)
@@ -134,5 +147,6 @@ class EnginePoolApp:
 
 
 def create_app(settings: KilnSettings) -> EnginePoolApp:
-    """The engine pool for ``kiln serve engine-pool``."""
+    """The engine pool alone, measuring no baselines (``kiln serve engine-pool`` injects
+    them: :func:`kiln.cli.serve.service_app`)."""
     return EnginePoolApp(settings)

@@ -14,6 +14,7 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -26,6 +27,9 @@ from kiln.engine_pool.settings import EngineSettings
 from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineSpec, SpecError
+
+if TYPE_CHECKING:
+    from kiln.runtime.engine import ExternalMeasure
 
 log = structlog.get_logger("kiln.engine_pool")
 
@@ -74,7 +78,8 @@ class DeviceSlot:
 
 class EnginePool:
     """Engines by device and spec key; ``on_change()`` is called whenever an engine or device
-    changes state.
+    changes state. ``external_measure`` measures a baseline request (injected by the composition
+    root, e.g. ``kiln.baselines.in_engine.measure_baseline``); None: no baselines.
 
     Raises:
         kiln.engine_pool.devices.DeviceError: bad ``KILN_ENGINE_DEVICES``.
@@ -88,6 +93,7 @@ class EnginePool:
         host: str | None = None,
         pool_id: str | None = None,
         devices: list[Device] | None = None,
+        external_measure: ExternalMeasure | None = None,
     ) -> None:
         self.devices = devices or resolve_devices(settings)
         self.settings = settings_for(settings, self.devices)
@@ -95,6 +101,7 @@ class EnginePool:
         chosen = pool_id or settings.pool_id
         self.pool_id = clean_pool_id(chosen) if chosen else default_pool_id(self.host)
         self.slots: dict[str, DeviceSlot] = {d.name: DeviceSlot(d) for d in self.devices}
+        self.external_measure = external_measure
         self.started_at = time.time()
         self.on_change: Callable[[], None] = lambda: None
         self._running: set[asyncio.Task[Measurement]] = set()
@@ -144,9 +151,14 @@ class EnginePool:
         Raises:
             InvalidArgument: the workload cannot be built, its engine failed for a reason of the
                 workload, or ``device`` is not the pool's.
-            FailedPrecondition: the engine failed for a reason of the host, or the pool is
-                closed.
+            FailedPrecondition: the engine failed for a reason of the host, the pool is closed,
+                or ``work`` names a baseline and this pool measures none.
         """
+        if work.baseline and self.external_measure is None:
+            raise FailedPrecondition(
+                f"baseline {work.baseline!r}: this engine pool measures no baselines (it was "
+                "started without an external measure; `kiln serve engine-pool` has one)"
+            )
         slot = self.slot(device) if device else self.choose_slot(work)
         spec = self.spec_for(work, slot.device.name)
         try:
@@ -235,6 +247,7 @@ class EnginePool:
                 env={**device.env(), "KILN_ENGINE_THREADS": self.settings.threads},
                 worker_device=device.worker_device,
                 model_key=model_key,
+                external_measure=self.external_measure,
             )
             engine.start()
             slot.engines[spec.key] = engine

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
@@ -33,6 +33,9 @@ from kiln.engine_pool.worker import worker_main
 from kiln.runtime.measurement import Measurement, MemoryUsage
 from kiln.runtime.request import FAILED, READY, RUN, STOP, RunRequest
 from kiln.runtime.spec import EngineSpec
+
+if TYPE_CHECKING:
+    from kiln.runtime.engine import ExternalMeasure
 
 log = structlog.get_logger("kiln.engine_pool")
 
@@ -172,6 +175,8 @@ class EngineProcess:
         env: environment of the worker (its device pin).
         worker_device: the spec's device as the worker sees it; None = ``spec.device``.
         model_key: the model's work-subject key, for ListEngines.
+        external_measure: what the worker measures baseline requests with (a module-level
+            function, pickled by name into the spawned process); None: it rejects them.
 
     Attributes:
         lock: held by whoever runs an experiment (one at a time).
@@ -192,6 +197,7 @@ class EngineProcess:
         env: Mapping[str, str] | None = None,
         worker_device: str | None = None,
         model_key: str = "",
+        external_measure: ExternalMeasure | None = None,
     ):
         self.spec = spec
         self.engine_id = engine_id
@@ -199,6 +205,7 @@ class EngineProcess:
         self.env = dict(env or {})
         self.worker_device = worker_device or spec.device
         self.model_key = model_key
+        self.external_measure = external_measure
         self.lock = asyncio.Lock()
         self.state: EngineState = "starting"
         self.cold_start_s = 0.0
@@ -222,7 +229,7 @@ class EngineProcess:
         spec = {**self.spec.to_dict(), "device": self.worker_device}
         process = ctx.Process(
             target=worker_main,
-            args=(child, spec, self.engine_id),
+            args=(child, spec, self.engine_id, self.external_measure),
             name=f"kiln-engine-{self.spec.key[:8]}",
             daemon=True,
         )

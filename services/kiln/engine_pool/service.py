@@ -6,9 +6,10 @@ candidate is a measurement with a non-OK status; INVALID_ARGUMENT for: no
 ``experiment``/``workload`` or an empty ``config_json``; an architecture kiln cannot parse or build,
 an unknown dtype, missing weights; ``deadline_s`` outside ``0..3600`` (0 =
 ``KILN_ENGINE_DEFAULT_DEADLINE_S``); a ``baseline`` not in
-:data:`kiln.baselines.names.BASELINE_NAMES` (a known one is measured instead of the candidate). An
-unspecified tier means fast. Clamps and defaults applied to the traffic shape come back as trailing
-metadata ``kiln-engine-notes`` (a JSON list of strings).
+:data:`kiln.domain.baselines.BASELINE_NAMES` (a known one is measured instead of the candidate;
+FAILED_PRECONDITION when the pool was given no external measure). An unspecified tier means fast.
+Clamps and defaults applied to the traffic shape come back as trailing metadata
+``kiln-engine-notes`` (a JSON list of strings).
 
 ``ListEngines`` lists every pool of the registry on the shared NATS, this one first and always
 current; ``local_only`` (or NATS unreachable) gives this pool's alone.
@@ -26,10 +27,10 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import ValidationError
 
-from kiln.baselines.names import BASELINE_NAMES
 from kiln.common.errors import InvalidArgument
 from kiln.common.identity import current_call
 from kiln.common.work import ExperimentWork
+from kiln.domain.baselines import BASELINE_NAMES
 from kiln.domain.candidate import Candidate
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.process import EngineSnapshot

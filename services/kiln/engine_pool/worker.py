@@ -21,11 +21,14 @@ import os
 import signal
 import sys
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import FAILED, READY, RESULT, RUN, STOP, RunRequest
 from kiln.runtime.spec import EngineSpec
+
+if TYPE_CHECKING:
+    from kiln.runtime.engine import ExternalMeasure
 
 _PR_SET_PDEATHSIG = 1
 _INVALID_BUILD_ERRORS = ("UnbuildableModelError", "UnsupportedModelError", "WeightError")
@@ -62,13 +65,20 @@ def cpu_threads(setting: str, cores: int | None = None) -> int:
     return value
 
 
-def worker_main(conn: Connection, spec: dict[str, Any], engine_id: str) -> None:
+def worker_main(
+    conn: Connection,
+    spec: dict[str, Any],
+    engine_id: str,
+    external_measure: ExternalMeasure | None = None,
+) -> None:
     """Entry point of the engine process.
 
     Args:
         conn: this process's end of the pipe.
         spec: ``EngineSpec.to_dict()``.
         engine_id: reported with every measurement.
+        external_measure: what measures a request that names a baseline (a module-level
+            function: it is pickled by name); None: such requests are rejected.
     """
     # Inductor compiles in this process (no worker pool in a daemonic process).
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -92,22 +102,31 @@ def worker_main(conn: Connection, spec: dict[str, Any], engine_id: str) -> None:
         return
     loaded = sorted(m for m in SERVICE_MODULES if m in sys.modules)
     conn.send({"type": READY, **engine.info(), "service_modules": loaded})
-    serve(conn, engine)
+    serve(conn, engine, external_measure)
 
 
-def run_request(engine: Any, request: RunRequest) -> Measurement:
-    """One request on ``engine``: a baseline of :mod:`kiln.baselines` when it names one,
-    else its candidate (:meth:`kiln.runtime.engine.Engine.run`)."""
+def run_request(
+    engine: Any, request: RunRequest, external_measure: ExternalMeasure | None = None
+) -> Measurement:
+    """One request on ``engine``: when it names a baseline, ``external_measure`` through
+    :meth:`kiln.runtime.engine.Engine.run_external` (REJECTED when there is none), else its
+    candidate (:meth:`kiln.runtime.engine.Engine.run`)."""
     if request.baseline:
-        from kiln.baselines.in_engine import measure_baseline
-
-        result: Measurement = engine.run_external(request, measure_baseline)
+        if external_measure is None:
+            return Measurement.failed(
+                "rejected",
+                f"baseline {request.baseline!r}: this engine measures no baselines "
+                "(started without an external measure)",
+                engine_id=engine.engine_id,
+                tier=engine.spec.tier,
+            )
+        result: Measurement = engine.run_external(request, external_measure)
         return result
     measured: Measurement = engine.run(request)
     return measured
 
 
-def serve(conn: Connection, engine: Any) -> None:
+def serve(conn: Connection, engine: Any, external_measure: ExternalMeasure | None = None) -> None:
     """Answer run requests until stop, EOF, or a measurement that asks for a restart."""
     while True:
         try:
@@ -119,7 +138,7 @@ def serve(conn: Connection, engine: Any) -> None:
             return
         if kind != RUN:
             continue
-        measurement = run_request(engine, RunRequest.from_dict(msg["request"]))
+        measurement = run_request(engine, RunRequest.from_dict(msg["request"]), external_measure)
         try:
             conn.send({"type": RESULT, "result": measurement.to_dict()})
         except (BrokenPipeError, OSError):

@@ -1,5 +1,6 @@
-"""Baseline names, how a compilation requests them, and the agent name that marks their
-experiments (no torch)."""
+"""The side-by-side baselines' vocabulary (measured by :mod:`kiln.baselines`): their names, how a
+compilation asks for them, and the agent name, candidate id and error prefix that mark their
+experiments."""
 
 from __future__ import annotations
 
@@ -59,24 +60,6 @@ def default_baselines(hardware: str) -> list[str]:
     model size takes minutes and torch.compile longer."""
     name = hardware.strip().lower()
     return [] if name in ("", "cpu") else list(BASELINE_NAMES)
-
-
-def validate_baselines(names: list[str], hardware: str) -> list[str]:
-    """The baselines a Submit asks for: ``names`` parsed (:func:`parse_names`), or the
-    hardware's default (:func:`default_baselines`) when ``names`` is empty; ``["none"]`` asks
-    for none.
-
-    Raises:
-        kiln.common.errors.InvalidArgument: an unknown baseline name.
-    """
-    from kiln.common.errors import InvalidArgument
-
-    if not names:
-        return default_baselines(hardware)
-    try:
-        return parse_names(names)
-    except ValueError as exc:
-        raise InvalidArgument(str(exc)) from None
 
 
 SKIPPED_PREFIX = "skipped: "
