@@ -45,6 +45,24 @@ def test_names() -> None:
         kn.events_subject("kiln", "compilation-7f3a_b-c", "CompilationSubmitted")
         == "kiln.events.compilation.compilation-7f3a_b-c.CompilationSubmitted"
     )
+    assert kn.events_filter("kiln") == "kiln.events.>"
+    assert kn.events_filter("kiln", category="experiment") == "kiln.events.experiment.*.*"
+    assert (
+        kn.events_filter("kiln", stream_id="compilation-7", event_type="CompilationEnded")
+        == "kiln.events.compilation.compilation-7.CompilationEnded"
+    )
+    assert kn.events_filter("kiln", event_type="ExperimentCompleted") == (
+        "kiln.events.*.*.ExperimentCompleted"
+    )
+    for bad in (
+        {"category": "Experiment"},
+        {"category": "experiment.*"},
+        {"stream_id": "compilation-*"},
+        {"stream_id": "experiment-1", "category": "compilation"},
+        {"event_type": ">"},
+    ):
+        with pytest.raises(InvalidArgument):
+            kn.events_filter("kiln", **bad)
     assert kn.board_subject("kiln", "c1", "claim", "x-1") == "kiln.board.c1.claim.x-1"
     assert kn.board_filter("kiln", "c1") == "kiln.board.c1.>"
     assert kn.board_filter("kiln", "c1", "idea") == "kiln.board.c1.idea.*"

@@ -55,6 +55,37 @@ def test_unreachable_ledger_is_one_line(tmp_path: Path, args: tuple[str, ...]) -
     _assert_one_line_error(result, f"ledger at {addr} is not reachable", "kiln up")
 
 
+def test_unreachable_nats_is_one_line(tmp_path: Path) -> None:
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    result = _kiln("ledger", "subscribe", state_dir=tmp_path, KILN_NATS_URL=url)
+    _assert_one_line_error(result, f"NATS at {url} is not reachable", "kiln up")
+
+
+def test_subscribe_without_nats_is_one_line(tmp_path: Path) -> None:
+    _assert_one_line_error(_kiln("ledger", "subscribe", state_dir=tmp_path), "KILN_NATS_URL")
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (("--stream", "compilation"), ("invalid stream id 'compilation'",)),
+        (("--category", "Experiment"), ("invalid category 'Experiment'",)),
+        (("--category", "deployment"), ("unknown category 'deployment'", "experiment")),
+        (("--type", "ExperimentComplete"), ("unknown event type", "ExperimentCompleted")),
+        (("--stream", "experiment-1", "--category", "compilation"), ("not in category",)),
+        (("--category", "compilation", "--type", "ExperimentCompleted"), ("'experiment-*'",)),
+        (("--all", "--since", "3"), ("--all or --since",)),
+    ],
+)
+def test_bad_subscribe_options_are_one_line(
+    tmp_path: Path, args: tuple[str, ...], needles: tuple[str, ...]
+) -> None:
+    url = f"nats://127.0.0.1:{free_port()}"  # checked before connecting
+    result = _kiln("ledger", "subscribe", *args, state_dir=tmp_path, KILN_NATS_URL=url)
+    line = _assert_one_line_error(result, *needles)
+    assert "not reachable" not in line
+
+
 def test_global_ledger_addr_option_and_env(tmp_path: Path) -> None:
     addr = f"127.0.0.1:{free_port()}"
     result = _kiln("--ledger-addr", addr, "ledger", "events", "compilation-x", state_dir=tmp_path)
@@ -123,6 +154,8 @@ def _assert_usage_error(result: subprocess.CompletedProcess[str], option: str) -
         (("ledger", "query", "compilations", "--limit", "-1"), "--limit"),
         (("ledger", "events", "compilation-x", "--from-version", "-1"), "--from-version"),
         (("health", "127.0.0.1:1", "--timeout", "-1"), "--timeout"),
+        (("ledger", "subscribe", "--since", "0"), "--since"),
+        (("ledger", "subscribe", "--count", "0"), "--count"),
     ],
 )
 def test_out_of_range_numbers_name_the_flag(

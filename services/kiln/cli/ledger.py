@@ -1,4 +1,5 @@
-"""``kiln ledger ...``: read streams and the global log, query projections, replay."""
+"""``kiln ledger ...``: read streams and the global log, follow the published events (NATS),
+query projections, replay."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import grpc
 import typer
+from rich.text import Text
 
 from kiln.cli.context import ledger_addr, settings_for
-from kiln.cli.errors import CliError
+from kiln.cli.errors import CliError, err_console
 from kiln.cli.render import (
     console,
     event_dict,
@@ -22,7 +24,7 @@ from kiln.cli.render import (
     replay_table,
     rows_table,
 )
-from kiln.common.errors import KilnError, Unavailable
+from kiln.common.errors import KilnError, NotFound, Unavailable
 
 if TYPE_CHECKING:
     from kiln.ledger.client import LedgerClient
@@ -152,6 +154,102 @@ def tail(
         raise typer.Exit(0) from None
     if not follow and not as_json:
         print_events(collected, title=f"{len(collected)} events after position {after}")
+
+
+@app.command()
+def subscribe(
+    ctx: typer.Context,
+    category: Annotated[
+        str | None,
+        typer.Option(help="Only streams of this category, e.g. experiment.", show_default=False),
+    ] = None,
+    stream: Annotated[
+        str | None, typer.Option(help="Only this stream, e.g. compilation-42.", show_default=False)
+    ] = None,
+    event_type: Annotated[
+        str | None, typer.Option("--type", help="Only this event type.", show_default=False)
+    ] = None,
+    from_first: Annotated[
+        bool, typer.Option("--all", help="Start from the first event the stream retains.")
+    ] = False,
+    since: Annotated[
+        int | None,
+        typer.Option(min=1, help="Start at this stream sequence (inclusive).", show_default=False),
+    ] = None,
+    count: Annotated[
+        int | None, typer.Option(min=1, help="Stop after this many events.", show_default=False)
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Follow the events the ledger publishes to NATS JetStream, each once, in stream order.
+
+    Reads NATS (KILN_NATS_URL, KILN_SUBJECT_PREFIX), not the ledger service; shows new events
+    unless --all or --since says where to start. Human lines start with the stream sequence
+    (#N) that --since takes.
+    """
+    from kiln.common.logging import configure_logging
+    from kiln.common.nats import connect
+    from kiln.ledger.convert import recorded_to_proto
+    from kiln.ledger.events_feed import EventsFeed, Start, events_subject_filter
+
+    if from_first and since is not None:
+        raise CliError("give --all or --since, not both")
+    start: Start = "all" if from_first else ("new" if since is None else since)
+    settings = settings_for(ctx)
+    prefix = settings.subject_prefix
+    try:
+        subject = events_subject_filter(prefix, category, stream, event_type)
+    except KilnError as exc:
+        raise CliError(exc.message) from None
+    url = settings.require_nats_url()
+    configure_logging("error", "console", service="kiln-cli")  # not the client's retry warnings
+
+    async def go() -> None:
+        try:
+            nc = await connect(url, "kiln-cli", attempts=2)
+        except Unavailable:
+            raise CliError(f"NATS at {url} is not reachable; start it with `kiln up`") from None
+        try:
+            feed = EventsFeed(
+                nc.jetstream(),
+                prefix,
+                category=category,
+                stream_id=stream,
+                event_type=event_type,
+                start=start,
+            )
+            async with feed:
+                if not as_json:
+                    where = {"new": "new events", "all": "from the first retained event"}
+                    err_console.print(
+                        f"following {subject} ({where.get(str(start), f'from sequence {start}')});"
+                        " Ctrl-C stops",
+                        style="dim",
+                        markup=False,
+                    )
+                shown = 0
+                async for published in feed:
+                    event = recorded_to_proto(published.event)
+                    if as_json:
+                        print_json_lines([{"sequence": published.sequence, **event_dict(event)}])
+                    else:
+                        line = Text(f"#{published.sequence} ", style="dim") + event_line(event)
+                        console.print(line, no_wrap=True, overflow="ellipsis")
+                    shown += 1
+                    if count is not None and shown >= count:
+                        return
+        except NotFound:
+            raise CliError(
+                f"NATS at {url} has no events stream for prefix {prefix!r}; "
+                "start kiln with `kiln up`"
+            ) from None
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(go())
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
 
 
 def _parse_filters(pairs: list[str]) -> dict[str, str]:

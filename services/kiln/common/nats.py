@@ -52,6 +52,7 @@ BOARD_DUPLICATE_WINDOW_S: Final = 120.0
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _STREAM_ID_RE = re.compile(r"^(?P<category>[a-z][a-z0-9_]{0,31})-[A-Za-z0-9_-]{1,128}$")
+_CATEGORY_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _EVENT_TYPE_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,127}$")
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
@@ -219,9 +220,40 @@ def events_subject(prefix: str, stream_id: str, event_type: str) -> str:
     return f"{_check_prefix(prefix)}.events.{m['category']}.{stream_id}.{event_type}"
 
 
-def events_filter(prefix: str) -> str:
-    """The wildcard subject of every event, ``{prefix}.events.>``."""
-    return f"{_check_prefix(prefix)}.events.>"
+def events_filter(
+    prefix: str,
+    *,
+    category: str | None = None,
+    stream_id: str | None = None,
+    event_type: str | None = None,
+) -> str:
+    """Wildcard subject over events: ``{prefix}.events.>`` when nothing is given, else
+    ``{prefix}.events.{category}.{stream_id}.{event_type}`` with ``*`` for each part not given
+    (a ``stream_id`` implies its category).
+
+    Raises:
+        InvalidArgument: a bad category, stream id or event type, or a stream id outside
+            ``category``.
+    """
+    base = f"{_check_prefix(prefix)}.events"
+    if category is None and stream_id is None and event_type is None:
+        return f"{base}.>"
+    if category is not None and not _CATEGORY_RE.match(category):
+        raise InvalidArgument(f"invalid category {category!r}: expected [a-z][a-z0-9_]{{0,31}}")
+    if stream_id is not None:
+        m = _STREAM_ID_RE.match(stream_id)
+        if not m:
+            raise InvalidArgument(
+                f"invalid stream id {stream_id!r}: expected '<category>-<id>', id of [A-Za-z0-9_-]"
+            )
+        if category is not None and m["category"] != category:
+            raise InvalidArgument(f"stream {stream_id!r} is not in category {category!r}")
+        category = m["category"]
+    if event_type is not None and not _EVENT_TYPE_RE.match(event_type):
+        raise InvalidArgument(
+            f"invalid event type {event_type!r}: expected [A-Za-z][A-Za-z0-9_]{{0,127}}"
+        )
+    return f"{base}.{category or '*'}.{stream_id or '*'}.{event_type or '*'}"
 
 
 def _check_kind(kind: str) -> BoardKind:

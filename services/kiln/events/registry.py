@@ -82,6 +82,12 @@ def registered_types() -> dict[str, list[int]]:
     return {t: sorted(v) for t, v in sorted(_REGISTRY.items())}
 
 
+def event_categories() -> dict[str, str]:
+    """Every registered event type with the stream category it belongs to (its latest schema's)."""
+    _ensure_loaded()
+    return {t: v[max(v)].category for t, v in sorted(_REGISTRY.items())}
+
+
 def latest_version(event_type: str) -> int:
     """The newest schema version of ``event_type``. Raises SchemaError if unregistered."""
     _ensure_loaded()
