@@ -21,8 +21,8 @@ import structlog
 
 from kiln.common.errors import FailedPrecondition, InvalidArgument
 from kiln.common.work import ExperimentWork
-from kiln.domain.candidate import Candidate
 from kiln.engine_pool.devices import Device, resolve_devices, settings_for
+from kiln.engine_pool.job import Job
 from kiln.engine_pool.process import EngineProcess, EngineSnapshot, EngineStartError
 from kiln.engine_pool.settings import EngineSettings
 from kiln.runtime.measurement import Measurement
@@ -155,9 +155,10 @@ class EnginePool:
         )
 
     # ------------------------------------------------------------------ experiments
-    async def measure(self, work: ExperimentWork, device: str | None = None) -> Measurement:
-        """Run ``work`` on ``device`` (default: :meth:`choose_slot`) on an engine of its spec
-        (created on first use). A bad candidate is a REJECTED measurement, not an error.
+    async def measure(self, job: Job, device: str | None = None) -> Measurement:
+        """Run ``job`` on ``device`` (default: :meth:`choose_slot`) on an engine of its spec
+        (created on first use). A candidate that fails in the engine is a measurement (REJECTED,
+        CRASHED, ...), not an error.
 
         Raises:
             InvalidArgument: the workload cannot be built or its engine failed for a reason of the
@@ -165,20 +166,12 @@ class EnginePool:
             FailedPrecondition: the engine failed to build for a reason of the host, or the pool is
                 closed.
         """
+        work = job.work
         slot = self.slot(device) if device else self.choose_slot(work)
         spec = self.spec_for(work, slot.device.name)
-        try:
-            candidate = Candidate.from_canonical(work.candidate)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            return Measurement.failed(
-                "rejected",
-                f"malformed candidate: {exc!r}",
-                engine_id=self.engine_id(spec),
-                tier=spec.tier,
-            )
         request = RunRequest(
             experiment_id=work.experiment_id,
-            candidate=candidate.canonical(),
+            candidate=job.candidate,
             warmup=self.settings.warmup,
             repeats=self.settings.repeats,
             min_repeats=self.settings.min_repeats_for(spec.tier),
@@ -188,9 +181,7 @@ class EnginePool:
             profile=work.profile,
             baseline=work.baseline,
         )
-        task = asyncio.create_task(
-            self._run(slot, spec, work.model_key, request, work.deadline_s, candidate.id)
-        )
+        task = asyncio.create_task(self._run(slot, spec, work.model_key, request, work.deadline_s))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
         return await asyncio.shield(task)
@@ -202,7 +193,6 @@ class EnginePool:
         model_key: str,
         request: RunRequest,
         deadline_s: float,
-        candidate_id: str,
     ) -> Measurement:
         slot.waiting += 1
         try:
@@ -213,7 +203,7 @@ class EnginePool:
             self.on_change()
             engine = await self._engine(slot, spec, model_key)
             try:
-                measurement = await engine.run(request, deadline_s, candidate_id)
+                measurement = await engine.run(request, deadline_s)
             except EngineStartError as exc:
                 await self._discard(slot, engine)
                 if exc.invalid:
