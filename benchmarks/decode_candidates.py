@@ -127,9 +127,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         grid = json.loads(args.grid) if args.grid else None
         for label, cand in candidates(spec.device, grid, ops=args.ops):
             t0 = time.perf_counter()
-            m = await engine.run(
-                request_for(label, cand, settings), deadline_s=600, candidate_id=cand.id
-            )
+            m = await engine.run(request_for(label, cand, settings), deadline_s=600)
             took = time.perf_counter() - t0
             median = m.timing.median_ms if m.timing else 0.0
             limit = step_bytes(spec, weights, m.batch_size, m.context_len).limit_tokens_per_s(

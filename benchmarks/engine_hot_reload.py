@@ -147,7 +147,7 @@ def request_for(label: str, candidate: Candidate, settings: EngineSettings) -> R
     """A RunRequest timed as the service times experiments."""
     return RunRequest(
         label,
-        candidate.canonical(),
+        candidate,
         warmup=settings.warmup,
         repeats=settings.repeats,
         min_repeats=settings.min_repeats,
@@ -213,7 +213,7 @@ class TierResult:
 
 async def measure(engine: EngineProcess, label: str, cand: Candidate, settings: EngineSettings):
     t0 = time.perf_counter()
-    m = await engine.run(request_for(label, cand, settings), deadline_s=600, candidate_id=cand.id)
+    m = await engine.run(request_for(label, cand, settings), deadline_s=600)
     return time.perf_counter() - t0, m
 
 

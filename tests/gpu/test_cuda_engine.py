@@ -42,9 +42,7 @@ def engine() -> Engine:
 
 
 def _run(engine: Engine, candidate: Candidate) -> object:
-    return engine.run(
-        RunRequest("gpu", candidate.canonical(), warmup=2, repeats=30, min_repeats=10)
-    )
+    return engine.run(RunRequest("gpu", candidate, warmup=2, repeats=30, min_repeats=10))
 
 
 def test_reference_on_cuda_is_bf16_and_measured(engine: Engine) -> None:
@@ -111,10 +109,10 @@ def gpu_oob(tokens, *, weight):
         try:
             await proc.wait_ready()
             cand = Candidate.make({"embedding": "gpu_oob"}, code_modules=[bad])
-            req = RunRequest("oob", cand.canonical(), warmup=1, repeats=5)
+            req = RunRequest("oob", cand, warmup=1, repeats=5)
             m = await proc.run(req, deadline_s=120, candidate_id=cand.id)
             ok = await proc.run(
-                RunRequest("after", Candidate().canonical(), warmup=1, repeats=5),
+                RunRequest("after", Candidate(), warmup=1, repeats=5),
                 deadline_s=300,
                 candidate_id=Candidate().id,
             )

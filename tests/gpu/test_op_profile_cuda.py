@@ -35,9 +35,7 @@ def engine() -> Engine:
 
 def _run(engine: Engine, candidate: Candidate, profile: bool) -> Measurement:
     return engine.run(
-        RunRequest(
-            "gpu", candidate.canonical(), warmup=2, repeats=30, min_repeats=10, profile=profile
-        )
+        RunRequest("gpu", candidate, warmup=2, repeats=30, min_repeats=10, profile=profile)
     )
 
 

@@ -176,14 +176,14 @@ async def test_four_agents_share_one_board_without_duplicate_claims(
     }
     lab.results.add(
         SearchResult(
-            "baseline-exp",
             REFERENCE_CANDIDATE,
             base_tps,
             True,
             "baseline",
             base_ops,
             SHAPE,
-            result_body(REFERENCE_CANDIDATE, summary, 1.0),
+            experiment_id="baseline-exp",
+            body=result_body(REFERENCE_CANDIDATE, summary, 1.0),
         )
     )
 

@@ -52,13 +52,13 @@ async def stub(
 
 
 def _request(
-    candidate: Candidate = REFERENCE_CANDIDATE,
+    candidate: Candidate | common_pb2.Candidate = REFERENCE_CANDIDATE,
     workload: dict[str, object] | None = None,
     **kw: object,
 ) -> engine_pool_pb2.RunExperimentRequest:
     experiment = common_pb2.Experiment(
         experiment_id="exp-grpc",
-        candidate=candidate.to_proto(),
+        candidate=candidate.to_proto() if isinstance(candidate, Candidate) else candidate,
         tier=common_pb2.TIER_FAST,
         agent="test",
         workload=ParseDict(workload or tiny_workload(batch=12), common_pb2.Workload()),
@@ -124,6 +124,11 @@ def _config(raw: dict[str, object]) -> dict[str, object]:
     return workload
 
 
+_TWICE_COMPILED = common_pb2.Candidate(
+    transforms=[common_pb2.Transform(name="torch_compile")] * 2  # one transform, named twice
+)
+
+
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
@@ -132,6 +137,7 @@ def _config(raw: dict[str, object]) -> dict[str, object]:
         (_request(workload=_config({"model_type": "gpt2"})), "unsupported architecture 'gpt2'"),
         (_request(workload=_config({**TINY_LLAMA, "hidden_act": "gelu"})), "activation 'gelu'"),
         (_request(deadline_s=4000.0), "deadline_s 4000.0 is outside"),
+        (_request(_TWICE_COMPILED), 'malformed candidate: ValueError("a transform appears twice'),
     ],
 )
 async def test_bad_requests_are_invalid_argument(

@@ -182,15 +182,24 @@ async def test_failures_are_recorded_and_bad_messages_dropped(stack: Stack) -> N
     rejected = work(Candidate(), workload=bad_workload)
     await _requested(stack, rejected)
     await _publish(stack, rejected)
+    # A candidate that does not parse: recorded as rejected, with no candidate id.
+    requested = work(Candidate())
+    malformed = requested.model_copy(update={"candidate": {"transforms": [{"params": {}}]}})
+    await _requested(stack, requested)
+    await _publish(stack, malformed)
     # Work whose ExperimentRequested was never appended, and a body that is not work at all.
     orphan = work(Candidate())
     await _publish(stack, orphan)
     await stack.js.publish(orphan.subject(stack.prefix), b"{not json")
-    await _until(lambda: _settled(stack, handled + 3))
+    await _until(lambda: _settled(stack, handled + 4))
 
     _, done = await _events(stack, rejected)
     data = json.loads(done.data)
     assert data["status"] == "rejected" and "MLP biases" in data["error"]
+    _, done = await _events(stack, malformed)
+    data = json.loads(done.data)
+    assert data["status"] == "rejected" and data["candidate_id"] == ""
+    assert data["error"] == "malformed candidate: KeyError('name')"
     with pytest.raises(Exception, match="has no events"):
         await _events(stack, orphan)
 

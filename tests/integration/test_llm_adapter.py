@@ -205,7 +205,9 @@ async def test_round_trip_completion_becomes_a_candidate_whose_module_matches_th
     for c, tps in ((REFERENCE_CANDIDATE, 100.0), (fast, 140.0)):
         summary = {"status": "ok", "correct": True, "tokens_per_s": tps}
         body = result_body(c, summary, 1.0)
-        lab.results.add(SearchResult(f"exp-{c.id}", c, tps, True, "baseline", body=body))
+        lab.results.add(
+            SearchResult(c, tps, True, "baseline", experiment_id=f"exp-{c.id}", body=body)
+        )
     agent = LLMAgent("llm", 1, settings(llm, api_key="sk-test"))
     view = BoardView(board, lab.compilation_id, lab.results)
     await view.start()
@@ -392,7 +394,15 @@ async def test_agent_run_proposes_claims_and_measures_through_the_board(
     summary = {"status": "ok", "correct": True, "tokens_per_s": 100.0, "op_ms": profile}
     body = result_body(REFERENCE_CANDIDATE, summary, 1.0)
     lab.results.add(
-        SearchResult("exp-base", REFERENCE_CANDIDATE, 100.0, True, "baseline", profile, body=body)
+        SearchResult(
+            REFERENCE_CANDIDATE,
+            100.0,
+            True,
+            "baseline",
+            profile,
+            experiment_id="exp-base",
+            body=body,
+        )
     )
     agent = LLMAgent("llm", 1, settings(llm))
     measured = await asyncio.wait_for(agent.run(cast(Lab, lab)), 30)

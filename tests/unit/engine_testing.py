@@ -8,6 +8,7 @@ from typing import Any
 
 from kiln.common.work import ExperimentWork
 from kiln.domain.candidate import Candidate, CodeModule
+from kiln.engine_pool.job import Job
 from kiln.engine_pool.settings import EngineSettings
 
 # The Llama-3.2-1B config shrunk: same architecture (GQA, llama3 RoPE, tied embeddings).
@@ -76,6 +77,11 @@ def work(
         workload=workload or tiny_workload(),
         deadline_s=deadline_s,
     )
+
+
+def job(candidate: Candidate, **kwargs: Any) -> Job:
+    """:func:`work` (same arguments) as the pool runs it."""
+    return Job(work(candidate, **kwargs), candidate)
 
 
 def module(name: str, source: str) -> CodeModule:

@@ -26,6 +26,7 @@ from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.events.registry import validate_event
 from kiln.events.types import Tier
 
+from .agent_records import add as _add
 from .agent_records import done as _done
 from .agent_records import new_state as _state
 
@@ -35,25 +36,10 @@ B = Candidate.make({"mlp": "fused_gate_up"})
 C = Candidate.make({"qkv_proj": "fused"})
 
 
-def _add(
-    state: CompilationState,
-    cand: Candidate,
-    agent: str,
-    tps: float,
-    status: str = "ok",
-    tier: Tier = "fast",
-) -> tuple[Requested, Completed]:
-    req, completed = _done(cand, agent, tps, status, tier)
-    state.experiments[req.experiment_id] = ExperimentRecord(req, completed)
-    return req, completed
-
-
 def _full(
     state: CompilationState, cand: Candidate, tps: float, status: str = "ok", spread: float = 0.02
 ) -> tuple[Requested, Completed]:
-    req, completed = _done(cand, "confirm", tps, status, "full", spread)
-    state.experiments[req.experiment_id] = ExperimentRecord(req, completed)
-    return req, completed
+    return _add(state, cand, "confirm", tps, status, "full", spread)
 
 
 def _pending(state: CompilationState, cand: Candidate, tier: Tier = "full") -> Requested:

@@ -11,7 +11,6 @@ import pytest
 
 from kiln.agent_runner.agents.view import BoardView
 from kiln.agent_runner.budget import ExperimentBudget
-from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.lab import CompilationLab
 from kiln.agent_runner.results import ResultFeed, SearchResult
 from kiln.agent_runner.state import Baseline, CompilationState, ExperimentRecord
@@ -22,6 +21,7 @@ from kiln.domain.baselines import compare_agent
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.ledger.model import NewEvent
 
+from .agent_records import add as _add
 from .agent_records import done as _done
 from .agent_records import new_state as _state
 
@@ -29,12 +29,6 @@ REF = REFERENCE_CANDIDATE
 A = Candidate.make({"attention": "sdpa"})
 B = Candidate.make({"mlp": "fused_gate_up"})
 C = Candidate.make({"qkv_proj": "fused"})
-
-
-def _add(state: CompilationState, *args: Any, **kwargs: Any) -> tuple[Requested, Completed]:
-    req, completed = _done(*args, **kwargs)
-    state.experiments[req.experiment_id] = ExperimentRecord(req, completed)
-    return req, completed
 
 
 def test_the_feed_keeps_one_result_per_experiment_and_tells_its_listeners_at_once() -> None:
@@ -153,5 +147,6 @@ def test_the_board_carries_no_results() -> None:
 
 
 def test_search_results_are_plain_data() -> None:
-    r = SearchResult("e1", A, 1.0, True, "a", body={"x": 1})
-    assert r == SearchResult("e1", A, 1.0, True, "a")  # bodies and profiles do not compare
+    r = SearchResult(A, 1.0, True, "a", experiment_id="e1", body={"x": 1})
+    # bodies and profiles do not compare
+    assert r == SearchResult(A, 1.0, True, "a", experiment_id="e1")

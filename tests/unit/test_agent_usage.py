@@ -4,7 +4,6 @@ with BestCandidateImproved; the Snapshot's agent_usage and progress; old events 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -13,15 +12,16 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.judge import judgement
 from kiln.agent_runner.snapshot import Snapshot
-from kiln.agent_runner.state import Baseline, CompilationState, ExperimentRecord
 from kiln.agent_runner.usage import device_ms_of, usage_from
 from kiln.cli.compile_view import summary_table, time_to_95
 from kiln.cli.curve import curve_rows, to_csv
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.domain.curve import CurvePoint, curve_point, time_to_fraction
 from kiln.events.registry import parse_payload
-from kiln.events.types import BestCandidateImproved, ExperimentCompleted
-from kiln.v1 import common_pb2, compiler_pb2, ledger_pb2
+from kiln.events.types import BestCandidateImproved, ExperimentCompleted, Tier
+from kiln.v1 import compiler_pb2, ledger_pb2
+
+from .agent_records import add, new_state
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -109,54 +109,22 @@ def test_an_old_best_event_parses_and_gets_its_elapsed_time_from_the_ledger() ->
     assert done.device_ms == 0.0 and done.environment == {}
 
 
-def _state() -> CompilationState:
-    return CompilationState(
-        compilation_id="c1",
-        team="search",
-        workload=common_pb2.Workload(workload_key="wk-1"),
-        wall_seconds=600,
-        max_experiments=0,
-        agents=[],
-        submitted_at=T0,
-        submitted_position=1,
-        baseline=Baseline("e0", REFERENCE_CANDIDATE.id, 100.0, 10.0),
-    )
-
-
-def _record(
-    state: CompilationState, n: int, cand: Candidate, agent: str, tier: str, tps: float, ms: float
-) -> tuple[Requested, Completed]:
-    req = Requested(f"e{n}", "c1", "search", cand, agent, tier, 10 * n)  # type: ignore[arg-type]
-    median = 1000.0 / tps
-    result = ExperimentCompleted(
-        compilation_id="c1",
-        candidate_id=cand.id,
-        status="ok",
-        correct=True,
-        median_ms=median,
-        p10_ms=median * 0.98,
-        p90_ms=median * 1.02,
-        tokens_per_s=tps,
-        tier=tier,  # type: ignore[arg-type]
-        device_ms=ms,
-    )
-    done = Completed(f"e{n}", result, 10 * n + 1, T0 + timedelta(seconds=10 * n))
-    state.experiments[req.experiment_id] = ExperimentRecord(req, done)
-    return req, done
-
-
 def test_a_new_best_records_elapsed_time_experiments_and_device_time() -> None:
-    state = _state()
+    state = new_state(baseline=100.0, submitted_at=T0)
     cand = Candidate.make({"attention": "sdpa"})
-    _record(state, 1, REFERENCE_CANDIDATE, "baseline", "fast", 100.0, 1000.0)
-    _record(state, 2, cand, "random", "fast", 150.0, 2000.0)
-    _record(state, 3, REFERENCE_CANDIDATE, "confirm", "full", 50.0, 3000.0)
-    req, done = _record(state, 4, cand, "confirm", "full", 70.0, 4000.0)
-    _record(state, 5, Candidate.make({"mlp": "fused_gate_up"}), "random", "fast", 90, 9000.0)
-    # experiment 5 completed after the confirmation: not counted in its progress
-    state.experiments["e5"] = replace(
-        state.experiments["e5"], completed=replace(state.experiments["e5"].completed, position=99)
-    )
+
+    def record(
+        k: int, cand: Candidate, agent: str, tier: Tier, tps: float, ms: float
+    ) -> tuple[Requested, Completed]:
+        at = T0 + timedelta(seconds=10 * k)
+        return add(state, cand, agent, tps, tier=tier, device_ms=ms, at=at)
+
+    record(1, REFERENCE_CANDIDATE, "baseline", "fast", 100.0, 1000.0)
+    record(2, cand, "random", "fast", 150.0, 2000.0)
+    record(3, REFERENCE_CANDIDATE, "confirm", "full", 50.0, 3000.0)
+    req, done = record(4, cand, "confirm", "full", 70.0, 4000.0)
+    # completed after the confirmation (a later ledger position): not counted in its progress
+    record(5, Candidate.make({"mlp": "fused_gate_up"}), "random", "fast", 90, 9000.0)
     event = judgement(state, req, done)
     assert event is not None and isinstance(event.data, dict)
     assert event.data["elapsed_s"] == 40.0

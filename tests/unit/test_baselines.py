@@ -209,7 +209,7 @@ def test_engine_answers_a_baseline_then_verifies_its_next_experiment() -> None:
     limits = EngineLimits(max_batch=4, max_context=32, prompt_len=8, check_steps=2)
     spec = EngineSpec.from_workload(tiny_workload(batch=2, context=16), "full", limits)
     engine = Engine(spec, engine_id="baseline-engine")
-    placeholder = Candidate().canonical()
+    placeholder = Candidate()
     request = RunRequest("b1", placeholder, warmup=1, repeats=3, prefill_repeats=2,
                          baseline="gpt_fast")  # fmt: skip
     assert engine.run(request).status == "rejected"  # the runtime runs candidates only
@@ -243,7 +243,7 @@ def test_engine_answers_a_baseline_then_verifies_its_next_experiment() -> None:
     engine.after_reply()
     bad = run_request(engine, RunRequest("b2", placeholder, baseline="vllm"), measure_baseline)
     assert bad.status == "rejected" and "unknown baseline" in bad.error
-    nxt = engine.run(RunRequest("n1", Candidate().canonical(), warmup=1, repeats=3))
+    nxt = engine.run(RunRequest("n1", Candidate(), warmup=1, repeats=3))
     assert nxt.status == "ok" and nxt.correct, nxt.error
     assert nxt.candidate_id == Candidate().id
 
@@ -262,7 +262,7 @@ def test_engine_reports_a_skipped_baseline(monkeypatch: pytest.MonkeyPatch) -> N
     limits = EngineLimits(max_batch=2, max_context=16, prompt_len=8, check_steps=1)
     engine = Engine(EngineSpec.from_workload(tiny_workload(batch=1, context=8), "fast", limits))
     monkeypatch.setitem(sys.modules, "transformers", None)
-    request = RunRequest("b", Candidate().canonical(), baseline="hf_eager")
+    request = RunRequest("b", Candidate(), baseline="hf_eager")
     m = run_request(engine, request, measure_baseline)
     assert m.status == "rejected" and m.error == "skipped: transformers not installed"
 
@@ -362,14 +362,14 @@ def _run_request(baseline: str) -> Any:
 
 def test_run_experiment_request_carries_the_baseline() -> None:
     from kiln.common.work import ExperimentWork
-    from kiln.engine_pool.service import work_from_request
+    from kiln.engine_pool.service import job_from_request
 
-    work = work_from_request(_run_request(" HF_Static "), "team", 60.0)
+    work = job_from_request(_run_request(" HF_Static "), "team", 60.0).work
     assert work.baseline == "hf_static" and work.tier == "full"
     assert ExperimentWork.from_json(work.to_json()).baseline == "hf_static"
-    assert work_from_request(_run_request(""), "team", 60.0).baseline == ""
+    assert job_from_request(_run_request(""), "team", 60.0).work.baseline == ""
     with pytest.raises(InvalidArgument, match="baseline 'vllm' is unknown"):
-        work_from_request(_run_request("vllm"), "team", 60.0)
+        job_from_request(_run_request("vllm"), "team", 60.0)
 
 
 def test_compared_event_from_a_baseline_experiment() -> None:

@@ -22,6 +22,7 @@ from kiln.common.settings import KilnSettings
 from kiln.domain.candidate import Candidate
 from kiln.embedded.postgres import free_port
 from kiln.engine_pool.app import EnginePoolApp
+from kiln.engine_pool.job import Job
 
 from .engine_testing import work
 
@@ -128,5 +129,5 @@ async def test_kiln_serve_gives_the_engine_pool_the_baselines_measure(tmp_path: 
     assert isinstance(bare, EnginePoolApp) and bare.pool.external_measure is None
     request = work(Candidate()).model_copy(update={"baseline": "gpt_fast"})
     with pytest.raises(FailedPrecondition, match="'gpt_fast': this engine pool measures no base"):
-        await bare.pool.measure(request)  # refused before any engine is built
+        await bare.pool.measure(Job.of(request))  # refused before any engine is built
     assert bare.pool.processes() == []

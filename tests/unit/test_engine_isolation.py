@@ -23,6 +23,7 @@ from .engine_testing import (
     RAISING_MLP,
     SLEEPY_ATTENTION,
     engine_settings,
+    job,
     module,
     tiny_workload,
     work,
@@ -39,7 +40,7 @@ async def pool() -> AsyncIterator[EnginePool]:
 
 
 async def test_first_experiment_builds_the_engine_in_a_clean_process(pool: EnginePool) -> None:
-    m = await pool.measure(work(Candidate.make({"attention": "sdpa"})))
+    m = await pool.measure(job(Candidate.make({"attention": "sdpa"})))
     assert m.status == "ok", m.error
     (engine,) = pool.engines()
     assert engine.state == "ready" and engine.experiments_run == 1
@@ -52,11 +53,11 @@ async def test_first_experiment_builds_the_engine_in_a_clean_process(pool: Engin
 
 async def test_a_candidate_that_exits_crashes_and_the_engine_restarts(pool: EnginePool) -> None:
     before = pool.engines()[0].restarts
-    m = await pool.measure(work(Candidate.make(code_modules=[EXIT_AT_LOAD])))
+    m = await pool.measure(job(Candidate.make(code_modules=[EXIT_AT_LOAD])))
     assert m.status == "crashed"
     assert m.error.startswith("engine process died: exit code 3")
     assert m.candidate_id == Candidate.make(code_modules=[EXIT_AT_LOAD]).id
-    m = await pool.measure(work(Candidate()))
+    m = await pool.measure(job(Candidate()))
     assert m.status == "ok", m.error
     assert pool.engines()[0].restarts == before + 1
 
@@ -66,17 +67,17 @@ async def test_a_candidate_past_its_deadline_times_out_and_the_engine_restarts(
 ) -> None:
     before = pool.engines()[0].restarts
     slow = Candidate.make({"attention": "sleepy"}, code_modules=[SLEEPY_ATTENTION])
-    m = await pool.measure(work(slow, deadline_s=1.0))
+    m = await pool.measure(job(slow, deadline_s=1.0))
     assert m.status == "timed_out"
     assert "deadline of 1 s" in m.error
-    m = await pool.measure(work(Candidate.make({"mlp": "fused_gate_up"})))
+    m = await pool.measure(job(Candidate.make({"mlp": "fused_gate_up"})))
     assert m.status == "ok", m.error
     assert pool.engines()[0].restarts == before + 1
 
 
 async def test_another_spec_evicts_the_least_recently_used_engine(pool: EnginePool) -> None:
     (old,) = pool.engines()
-    m = await pool.measure(work(Candidate(), tier="full"))
+    m = await pool.measure(job(Candidate(), tier="full"))
     assert m.status == "ok" and m.tier == "full"
     (new,) = pool.engines()
     assert new.engine_id != old.engine_id and new.tier == "full"
@@ -87,7 +88,7 @@ async def test_unbuildable_workload_is_invalid_argument_without_evicting(pool: E
     bad = tiny_workload()
     bad["model"]["config_json"] = '{"model_type": "gpt2"}'
     with pytest.raises(InvalidArgument, match="unsupported architecture 'gpt2'"):
-        await pool.measure(work(Candidate(), workload=bad))
+        await pool.measure(job(Candidate(), workload=bad))
     assert [e.engine_id for e in pool.engines()] == [held.engine_id]
 
 
@@ -106,10 +107,10 @@ def cuda_fault(x, *, gate_weight, up_weight, down_weight):
 async def test_a_candidate_that_segfaults_crashes_with_the_signal(pool: EnginePool) -> None:
     await pool.warm(work(Candidate()))  # the fast engine again (the test before built full)
     before = pool.engines()[0].restarts
-    m = await pool.measure(work(Candidate.make(code_modules=[SEGFAULT_AT_LOAD])))
+    m = await pool.measure(job(Candidate.make(code_modules=[SEGFAULT_AT_LOAD])))
     assert m.status == "crashed"
     assert "killed by signal SIGSEGV" in m.error and "engine restarted" in m.error
-    m = await pool.measure(work(Candidate()))
+    m = await pool.measure(job(Candidate()))
     assert m.status == "ok", m.error
     assert pool.engines()[0].restarts == before + 1
 
@@ -118,7 +119,7 @@ async def test_an_engine_killed_mid_experiment_crashes_it_and_comes_back(pool: E
     (engine,) = pool.processes()
     before = engine.restarts
     slow = Candidate.make({"attention": "sleepy"}, code_modules=[SLEEPY_ATTENTION])
-    running = asyncio.create_task(pool.measure(work(slow, deadline_s=60.0)))
+    running = asyncio.create_task(pool.measure(job(slow, deadline_s=60.0)))
     for _ in range(200):  # until the experiment is on the engine
         if engine.state == "busy":
             break
@@ -129,37 +130,37 @@ async def test_an_engine_killed_mid_experiment_crashes_it_and_comes_back(pool: E
     os.kill(pid, signal.SIGKILL)
     m = await asyncio.wait_for(running, 30)
     assert m.status == "crashed" and "killed by signal SIGKILL" in m.error
-    m = await pool.measure(work(Candidate()))
+    m = await pool.measure(job(Candidate()))
     assert m.status == "ok", m.error
     assert engine.restarts == before + 1 and engine.pid not in (0, pid)
 
 
 async def test_a_raising_candidate_crashes_without_a_restart(pool: EnginePool) -> None:
     before = pool.engines()[0].restarts
-    m = await pool.measure(work(Candidate.make({"mlp": "boom"}, code_modules=[RAISING_MLP])))
+    m = await pool.measure(job(Candidate.make({"mlp": "boom"}, code_modules=[RAISING_MLP])))
     assert m.status == "crashed" and "kaboom from a candidate" in m.error
     assert pool.engines()[0].restarts == before
-    m = await pool.measure(work(Candidate()))
+    m = await pool.measure(job(Candidate()))
     assert m.status == "ok", m.error
 
 
 async def test_a_device_fault_restarts_the_engine(pool: EnginePool) -> None:
     before = pool.engines()[0].restarts
     cand = Candidate.make({"mlp": "cuda_fault"}, code_modules=[CUDA_FAULT_MLP])
-    m = await pool.measure(work(cand))
+    m = await pool.measure(job(cand))
     assert m.status == "crashed" and "CUDA error" in m.error
     assert "device fault: engine restarted" in m.notes
     assert pool.engines()[0].restarts == before + 1
-    m = await pool.measure(work(Candidate()))
+    m = await pool.measure(job(Candidate()))
     assert m.status == "ok", m.error
 
 
 async def test_a_crash_loses_no_other_experiment_queued_on_the_device(pool: EnginePool) -> None:
     before = pool.engines()[0].restarts
     crash, good, also_good = await asyncio.gather(
-        pool.measure(work(Candidate.make(code_modules=[EXIT_AT_LOAD]))),
-        pool.measure(work(Candidate.make({"attention": "sdpa"}))),
-        pool.measure(work(Candidate())),
+        pool.measure(job(Candidate.make(code_modules=[EXIT_AT_LOAD]))),
+        pool.measure(job(Candidate.make({"attention": "sdpa"}))),
+        pool.measure(job(Candidate())),
     )
     assert crash.status == "crashed"
     assert good.status == "ok" and also_good.status == "ok", (good.error, also_good.error)
@@ -177,8 +178,8 @@ async def test_devices_are_separate_engine_processes_that_fail_alone() -> None:
     p = EnginePool(engine_settings(), host="two-devices", devices=devices)
     try:
         crash, good = await asyncio.gather(
-            p.measure(work(Candidate.make(code_modules=[EXIT_AT_LOAD])), device="cpu:0"),
-            p.measure(work(Candidate()), device="cpu:1"),
+            p.measure(job(Candidate.make(code_modules=[EXIT_AT_LOAD])), device="cpu:0"),
+            p.measure(job(Candidate()), device="cpu:1"),
         )
         assert crash.status == "crashed" and good.status == "ok", good.error
         assert crash.engine_id.endswith(f"/cpu:0@{p.pool_id}")
@@ -194,6 +195,6 @@ async def test_devices_are_separate_engine_processes_that_fail_alone() -> None:
         assert p.choose_slot(work(Candidate())).device.name == "cpu:0"
         assert p.resident("cpu:1") == [("fast", work(Candidate()).model_key)]
         with pytest.raises(InvalidArgument, match="not one of this pool's"):
-            await p.measure(work(Candidate()), device="cuda:7")
+            await p.measure(job(Candidate()), device="cuda:7")
     finally:
         await p.close()

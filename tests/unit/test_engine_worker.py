@@ -41,7 +41,7 @@ def engine() -> Iterator[Engine]:
 
 
 def _run(engine: Engine, candidate: Candidate, **kw: int) -> Measurement:
-    return engine.run(RunRequest("exp", candidate.canonical(), warmup=1, repeats=4, **kw))
+    return engine.run(RunRequest("exp", candidate, warmup=1, repeats=4, **kw))
 
 
 def test_spec_clamps_and_notes_the_traffic_shape() -> None:
@@ -54,6 +54,17 @@ def test_spec_clamps_and_notes_the_traffic_shape() -> None:
     assert EngineSpec.from_dict(spec.to_dict()) == spec
     full = EngineSpec.from_workload(tiny_workload(), "full", LIMITS)
     assert full.layers == 3 and full.key != _spec().key
+
+
+def test_a_request_crosses_the_pipe_as_plain_data_with_its_candidate_in_canonical_form() -> None:
+    candidate = Candidate.make(
+        {"attention": "sdpa"}, [Transform.of("torch_compile", mode="default")], [HANDWRITTEN_MLP]
+    )
+    request = RunRequest("exp", candidate, repeats=3, profile=True)
+    sent = request.to_dict()
+    assert sent["candidate"] == candidate.canonical() and sent["repeats"] == 3
+    back = RunRequest.from_dict(sent)
+    assert back == request and back.candidate.id == candidate.id
 
 
 @pytest.mark.parametrize(
@@ -106,7 +117,7 @@ def test_hot_reload_rebinds_without_touching_the_weights(
 
 
 def test_measurement_reports_timing_memory_and_phases(engine: Engine) -> None:
-    m = engine.run(RunRequest("exp", Candidate().canonical(), warmup=2, repeats=7))
+    m = engine.run(RunRequest("exp", Candidate(), warmup=2, repeats=7))
     assert m.status == "ok" and m.timing is not None
     t = m.timing
     assert len(t.samples_ms) == 7 and t.warmup_runs == 2
@@ -121,9 +132,7 @@ def test_measurement_reports_timing_memory_and_phases(engine: Engine) -> None:
 
 
 def test_prefill_is_timed_at_the_traffic_shape_when_asked(engine: Engine) -> None:
-    m = engine.run(
-        RunRequest("exp", Candidate().canonical(), warmup=1, repeats=3, prefill_repeats=3)
-    )
+    m = engine.run(RunRequest("exp", Candidate(), warmup=1, repeats=3, prefill_repeats=3))
     assert m.status == "ok" and m.prefill is not None, m.error
     assert len(m.prefill.samples_ms) == 3 and m.prefill.median_ms > 0
     spec = engine.spec
@@ -131,9 +140,7 @@ def test_prefill_is_timed_at_the_traffic_shape_when_asked(engine: Engine) -> Non
     assert m.prefill_tokens_per_s == pytest.approx(expected)
     assert "prefill" in m.phases_ms
     # the engine is back at the operating point: the next experiment checks and times as usual
-    assert (
-        engine.run(RunRequest("next", Candidate().canonical(), warmup=1, repeats=3)).status == "ok"
-    )
+    assert engine.run(RunRequest("next", Candidate(), warmup=1, repeats=3)).status == "ok"
 
 
 def test_a_wrong_implementation_from_a_code_module_is_incorrect(engine: Engine) -> None:
@@ -236,9 +243,7 @@ def vandal(x, *, gate_weight, up_weight, down_weight):
     return ((gate * torch.sigmoid(gate)) * (x @ up_weight.T)) @ down_weight.T
 """,
     )
-    m = engine.run(
-        RunRequest("exp", Candidate.make({"mlp": "vandal"}, code_modules=[vandal]).canonical())
-    )
+    m = engine.run(RunRequest("exp", Candidate.make({"mlp": "vandal"}, code_modules=[vandal])))
     assert m.restart_engine
     assert any("modified the engine's weights" in n for n in m.notes)
 
@@ -246,7 +251,7 @@ def vandal(x, *, gate_weight, up_weight, down_weight):
 def test_bfloat16_engine_allows_sdpa_drift() -> None:
     spec = EngineSpec.from_workload(tiny_workload(dtype="bfloat16"), "full", LIMITS)
     engine = Engine(spec)
-    m = engine.run(RunRequest("exp", Candidate.make({"attention": "sdpa"}).canonical(), repeats=2))
+    m = engine.run(RunRequest("exp", Candidate.make({"attention": "sdpa"}), repeats=2))
     assert m.status == "ok", m.error
     assert engine.weights[next(iter(engine.weights))].dtype == torch.bfloat16
 

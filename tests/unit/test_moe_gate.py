@@ -101,7 +101,7 @@ def _drop_engines() -> Iterator[None]:
 
 
 def run(e: Engine, candidate: Candidate, seed: int = 0) -> Measurement:
-    return e.run(RunRequest("moe-gate", candidate.canonical(), warmup=1, repeats=3, seed=seed))
+    return e.run(RunRequest("moe-gate", candidate, warmup=1, repeats=3, seed=seed))
 
 
 def honest(family: str) -> list[red_team_moe.MoECase]:

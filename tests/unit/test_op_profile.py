@@ -28,7 +28,7 @@ def engine() -> Iterator[Engine]:
 
 
 def _run(engine: Engine, candidate: Candidate, profile: bool) -> Measurement:
-    request = RunRequest("exp", candidate.canonical(), warmup=1, repeats=4, profile=profile)
+    request = RunRequest("exp", candidate, warmup=1, repeats=4, profile=profile)
     return engine.run(request)
 
 

@@ -60,7 +60,7 @@ def engine() -> Iterator[Engine]:
 
 
 def _run(engine: Engine, candidate: Candidate, **kw: int) -> Measurement:
-    return engine.run(RunRequest("red-team", candidate.canonical(), warmup=1, repeats=4, **kw))
+    return engine.run(RunRequest("red-team", candidate, warmup=1, repeats=4, **kw))
 
 
 @pytest.mark.parametrize("cheat", red_team.cheats("cpu"), ids=lambda c: c.name)
@@ -153,9 +153,7 @@ def cuda_engine() -> Iterator[Engine]:
 
 
 def _run_cuda(engine: Engine, candidate: Candidate, **kw: int) -> Measurement:
-    request = RunRequest(
-        "red-team", candidate.canonical(), warmup=2, repeats=30, min_repeats=10, **kw
-    )
+    request = RunRequest("red-team", candidate, warmup=2, repeats=30, min_repeats=10, **kw)
     return engine.run(request)
 
 

@@ -54,8 +54,8 @@ async def engine() -> AsyncIterator[EngineProcess]:
 
 
 async def _run(engine: EngineProcess, candidate: Candidate) -> Measurement:
-    request = RunRequest("iso", candidate.canonical(), warmup=1, repeats=4, min_repeats=4)
-    return await engine.run(request, deadline_s=60, candidate_id=candidate.id)
+    request = RunRequest("iso", candidate, warmup=1, repeats=4, min_repeats=4)
+    return await engine.run(request, deadline_s=60)
 
 
 async def test_a_candidate_that_sigkills_itself_mid_measurement(engine: EngineProcess) -> None:

@@ -291,10 +291,10 @@ def test_the_engine_refuses_with_the_statements_reason() -> None:
         Candidate.make(transforms=[Transform.of("torch_compile", mode="reduce-overhead")]),
     ]
     for candidate in refused:
-        m = engine.run(RunRequest("exp", candidate.canonical(), warmup=1, repeats=2))
+        m = engine.run(RunRequest("exp", candidate, warmup=1, repeats=2))
         reason = support.refusal(candidate)
         assert reason and m.status == "rejected" and m.error == f"bind: {reason}", m.error
-    ok = engine.run(RunRequest("exp", Candidate.make({"moe": "dense"}).canonical(), repeats=2))
+    ok = engine.run(RunRequest("exp", Candidate.make({"moe": "dense"}), repeats=2))
     assert ok.status == "ok", ok.error
 
 

@@ -23,7 +23,7 @@ from kiln.domain.candidate import Candidate
 from kiln.domain.experiment import Completed, Requested
 from kiln.domain.judging import SEARCH_TIER
 
-__all__ = ["ResultFeed", "SearchResult", "result_body"]
+__all__ = ["ResultFeed", "SearchResult", "Seen", "result_body"]
 
 
 def result_body(candidate: Candidate, summary: dict[str, Any], speedup: float | None) -> dict:
@@ -34,26 +34,27 @@ def result_body(candidate: Candidate, summary: dict[str, Any], speedup: float | 
 
 
 @dataclass(frozen=True)
-class SearchResult:
-    """One search-tier experiment's result.
+class Seen:
+    """A result as an agent sees it: the candidate, tokens/s (0 when it did not run), whether it
+    was measured correct (status ok and correct), the agent that requested it (``baseline`` for
+    the reference), and its per-op profile when it has one (``op_ms``: op name -> ms per decode
+    step summed over layers; ``op_profile_shape``: layers, batch_size, context_len, dtype_bytes;
+    both empty when not profiled)."""
 
-    Attributes:
-        experiment_id: the experiment.
-        candidate: what was measured.
-        tokens_per_s: its tokens/s (0 when it did not run).
-        ok: measured and correct (status ok and correct).
-        agent: who requested it (``baseline`` for the reference).
-        op_ms, op_profile_shape: the per-op profile when it was asked for (else empty).
-        body: :func:`result_body` of the experiment.
-    """
-
-    experiment_id: str
     candidate: Candidate
     tokens_per_s: float
     ok: bool
     agent: str
     op_ms: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
     op_profile_shape: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult(Seen):
+    """One search-tier experiment's result: what agents see (:class:`Seen`), its
+    ``experiment_id`` and its ``body`` (:func:`result_body`; not compared)."""
+
+    experiment_id: str
     body: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @staticmethod
@@ -61,13 +62,13 @@ class SearchResult:
         """The result of a completed experiment, with its speedup over the baseline."""
         r = completed.result
         return SearchResult(
-            experiment_id=req.experiment_id,
             candidate=req.candidate,
             tokens_per_s=r.tokens_per_s,
             ok=completed.ok,
             agent=req.agent,
             op_ms=dict(r.op_ms),
             op_profile_shape=dict(r.op_profile_shape),
+            experiment_id=req.experiment_id,
             body=result_body(req.candidate, completed.summary(), speedup),
         )
 

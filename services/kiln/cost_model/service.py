@@ -1,6 +1,6 @@
 """The CostModel gRPC servicer: ``Plan`` and ``Explain`` over the roofline tier.
 
-- ``workload.model.config_json`` is parsed with ``kiln.workloads.config.parse_config``; empty,
+- ``workload.model.config_json`` is parsed with ``kiln.workloads.config.parse_config_json``; empty,
   non-JSON or unsupported: INVALID_ARGUMENT.
 - ``workload.hardware.name`` must name a catalogue entry (NOT_FOUND, listing them); ``num_devices``
   0 means the entry's ``max_devices_per_node``.
@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any
 
@@ -28,7 +27,12 @@ from kiln.cost_model.roofline import Estimate
 from kiln.cost_model.sharding import Parallelism
 from kiln.domain.operating_point import OperatingPoint, OperatingPointError
 from kiln.v1 import common_pb2, cost_model_pb2, cost_model_pb2_grpc
-from kiln.workloads.config import DTYPE_BYTES, ModelConfig, UnsupportedModelError, parse_config
+from kiln.workloads.config import (
+    DTYPE_BYTES,
+    ModelConfig,
+    UnsupportedModelError,
+    parse_config_json,
+)
 
 log = structlog.get_logger("kiln.cost_model")
 
@@ -37,15 +41,8 @@ def parse_model(spec: common_pb2.ModelSpec) -> ModelConfig:
     """The ModelConfig of ``spec.config_json``; InvalidArgument when empty, not JSON or
     unsupported.
     """
-    name = spec.name or "model"
-    if not spec.config_json.strip():
-        raise InvalidArgument("workload.model.config_json is empty: send the config.json text")
     try:
-        raw = json.loads(spec.config_json)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"{name}: config_json is not valid JSON ({exc})") from None
-    try:
-        return parse_config(raw, name)
+        return parse_config_json(spec.config_json, spec.name or "model")
     except UnsupportedModelError as exc:
         raise InvalidArgument(str(exc)) from None
 

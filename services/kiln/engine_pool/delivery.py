@@ -2,7 +2,8 @@
 
 1. parse :class:`~kiln.common.work.ExperimentWork`; malformed → ``term()``;
 2. read ``experiment-<id>``: already completed → ack; no ``ExperimentRequested`` → ``term()``;
-3. run it on this device, sending ``in_progress()`` every third of ``ack_wait``; an unbuildable
+3. parse its candidate (once: :class:`~kiln.engine_pool.job.Job`) and run it on this device,
+   sending ``in_progress()`` every third of ``ack_wait``; a malformed candidate or an unbuildable
    workload is REJECTED;
 4. append ``ExperimentCompleted`` (expected version 1, the work's team, caused by and correlated
    with ``ExperimentRequested``); ``Aborted`` → completed elsewhere;
@@ -30,7 +31,7 @@ from kiln.common.errors import Aborted, AlreadyExists, InvalidArgument, KilnErro
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
 from kiln.domain import streams
-from kiln.domain.candidate import Candidate
+from kiln.engine_pool.job import Job
 from kiln.engine_pool.metrics import ANSWERED_ELSEWHERE, record_experiment
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.settings import EngineSettings
@@ -51,15 +52,12 @@ def _finite(x: float) -> float:
 
 def completed_payload(work: ExperimentWork, m: Measurement) -> dict[str, Any]:
     """The ``ExperimentCompleted`` payload of a measurement (validated; a non-finite
-    ``max_abs_error`` is stored as the largest float, since the ledger stores JSON)."""
-    candidate_id = m.candidate_id
-    if not candidate_id:
-        with contextlib.suppress(Exception):
-            candidate_id = Candidate.from_canonical(work.candidate).id
+    ``max_abs_error`` is stored as the largest float, since the ledger stores JSON; the
+    candidate id is the measurement's, "" for a malformed candidate)."""
     timing = m.timing
     event = ExperimentCompleted(
         compilation_id=work.compilation_id,
-        candidate_id=candidate_id,
+        candidate_id=m.candidate_id,
         status=m.status,
         correct=m.correct,
         max_abs_error=_finite(m.max_abs_error),
@@ -193,15 +191,25 @@ class Deliveries:
         await msg.ack()
 
     async def _measure(self, msg: Msg, work: ExperimentWork, device: str | None) -> Measurement:
+        """The work's measurement: its candidate parsed here (:meth:`Job.of`), then run by the
+        pool; a malformed candidate or an unbuildable workload is REJECTED, a failure to run is
+        raised (so the message is retried) but on its last delivery, where it is CRASHED."""
+        candidate_id = ""
         try:
-            return await self.pool.measure(work, device)
+            job = Job.of(work)
+            candidate_id = job.candidate.id
+            return await self.pool.measure(job, device)
         except InvalidArgument as exc:
-            return Measurement.failed("rejected", exc.message, tier=work.tier)
+            return Measurement.failed(
+                "rejected", exc.message, tier=work.tier, candidate_id=candidate_id
+            )
         except KilnError as exc:
             delivered = msg.metadata.num_delivered if msg.metadata else 1
             if delivered < self.engine_settings.max_deliver:
                 raise
-            return Measurement.failed("crashed", exc.message, tier=work.tier)
+            return Measurement.failed(
+                "crashed", exc.message, tier=work.tier, candidate_id=candidate_id
+            )
 
     async def _ledger_state(
         self, ledger: LedgerClient, stream: str

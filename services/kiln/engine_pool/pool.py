@@ -20,8 +20,8 @@ import structlog
 
 from kiln.common.errors import FailedPrecondition, InvalidArgument
 from kiln.common.work import ExperimentWork
-from kiln.domain.candidate import Candidate
 from kiln.engine_pool.devices import Device, resolve_devices, settings_for
+from kiln.engine_pool.job import Job
 from kiln.engine_pool.process import EngineProcess, EngineSnapshot, EngineStartError
 from kiln.engine_pool.settings import EngineSettings
 from kiln.runtime.measurement import Measurement
@@ -144,16 +144,18 @@ class EnginePool:
         )
 
     # ------------------------------------------------------------------ experiments
-    async def measure(self, work: ExperimentWork, device: str | None = None) -> Measurement:
-        """Run ``work`` on ``device`` (default :meth:`choose_slot`) on an engine of its spec. A
-        bad candidate is a REJECTED measurement, not an error.
+    async def measure(self, job: Job, device: str | None = None) -> Measurement:
+        """Run ``job`` on ``device`` (default: :meth:`choose_slot`) on an engine of its spec
+        (created on first use). A candidate that fails in the engine is a measurement (REJECTED,
+        CRASHED, ...), not an error.
 
         Raises:
             InvalidArgument: the workload cannot be built, its engine failed for a reason of the
                 workload, or ``device`` is not the pool's.
             FailedPrecondition: the engine failed for a reason of the host, the pool is closed,
-                or ``work`` names a baseline and this pool measures none.
+                or ``job`` names a baseline and this pool measures none.
         """
+        work = job.work
         if work.baseline and self.external_measure is None:
             raise FailedPrecondition(
                 f"baseline {work.baseline!r}: this engine pool measures no baselines (it was "
@@ -161,18 +163,9 @@ class EnginePool:
             )
         slot = self.slot(device) if device else self.choose_slot(work)
         spec = self.spec_for(work, slot.device.name)
-        try:
-            candidate = Candidate.from_canonical(work.candidate)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            return Measurement.failed(
-                "rejected",
-                f"malformed candidate: {exc!r}",
-                engine_id=self.engine_id(spec),
-                tier=spec.tier,
-            )
         request = RunRequest(
             experiment_id=work.experiment_id,
-            candidate=candidate.canonical(),
+            candidate=job.candidate,
             warmup=self.settings.warmup,
             repeats=self.settings.repeats,
             min_repeats=self.settings.min_repeats_for(spec.tier),
@@ -182,9 +175,7 @@ class EnginePool:
             profile=work.profile,
             baseline=work.baseline,
         )
-        task = asyncio.create_task(
-            self._run(slot, spec, work.model_key, request, work.deadline_s, candidate.id)
-        )
+        task = asyncio.create_task(self._run(slot, spec, work.model_key, request, work.deadline_s))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
         return await asyncio.shield(task)
@@ -196,7 +187,6 @@ class EnginePool:
         model_key: str,
         request: RunRequest,
         deadline_s: float,
-        candidate_id: str,
     ) -> Measurement:
         slot.waiting += 1
         try:
@@ -207,7 +197,7 @@ class EnginePool:
             self.on_change()
             engine = await self._engine(slot, spec, model_key)
             try:
-                measurement = await engine.run(request, deadline_s, candidate_id)
+                measurement = await engine.run(request, deadline_s)
             except EngineStartError as exc:
                 await self._discard(slot, engine)
                 if exc.invalid:

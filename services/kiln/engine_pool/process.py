@@ -360,15 +360,13 @@ class EngineProcess:
             except (EOFError, OSError):
                 return _EOF
 
-    async def run(
-        self, request: RunRequest, deadline_s: float, candidate_id: str = ""
-    ) -> Measurement:
+    async def run(self, request: RunRequest, deadline_s: float) -> Measurement:
         """Run one experiment; the caller holds :attr:`lock`.
 
         Args:
-            request: the experiment.
+            request: the experiment (its candidate's id is reported on failures the worker cannot
+                report itself).
             deadline_s: seconds the worker may take from receiving it to answering.
-            candidate_id: reported on failures the worker cannot report itself.
 
         Returns:
             The worker's measurement, or TIMED_OUT / CRASHED when the process did not answer.
@@ -377,7 +375,11 @@ class EngineProcess:
             EngineStartError: the engine could not be built.
         """
         await self.wait_ready()
-        base = {"engine_id": self.engine_id, "tier": self.spec.tier, "candidate_id": candidate_id}
+        base = {
+            "engine_id": self.engine_id,
+            "tier": self.spec.tier,
+            "candidate_id": request.candidate.id,
+        }
         self.state = "busy"
         assert self._conn is not None
         try:

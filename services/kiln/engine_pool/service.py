@@ -7,7 +7,8 @@ candidate is a measurement with a non-OK status; INVALID_ARGUMENT for: no
 an unknown dtype, missing weights; ``deadline_s`` outside ``0..3600`` (0 =
 ``KILN_ENGINE_DEFAULT_DEADLINE_S``); a ``baseline`` not in
 :data:`kiln.domain.baselines.BASELINE_NAMES` (a known one is measured instead of the candidate;
-FAILED_PRECONDITION when the pool was given no external measure). An unspecified tier means fast.
+FAILED_PRECONDITION when the pool was given no external measure); a malformed candidate
+(``malformed candidate: ...``). An unspecified tier means fast.
 Clamps and defaults applied to the traffic shape come back as trailing metadata
 ``kiln-engine-notes`` (a JSON list of strings).
 
@@ -32,6 +33,7 @@ from kiln.common.identity import current_call
 from kiln.common.work import ExperimentWork
 from kiln.domain.baselines import BASELINE_NAMES
 from kiln.domain.candidate import Candidate
+from kiln.engine_pool.job import MALFORMED, Job, malformed
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.process import EngineSnapshot
 from kiln.engine_pool.registry import PoolRecord, Registry
@@ -166,13 +168,15 @@ def pool_to_proto(pool: PoolRecord) -> engine_pool_pb2.PoolInfo:
     )
 
 
-def work_from_request(
+def job_from_request(
     request: engine_pool_pb2.RunExperimentRequest, team: str, default_deadline_s: float
-) -> ExperimentWork:
-    """The :class:`ExperimentWork` a RunExperiment request stands for.
+) -> Job:
+    """The :class:`~kiln.engine_pool.job.Job` a RunExperiment request stands for (its candidate
+    parsed from the proto here, once).
 
     Raises:
-        InvalidArgument: no experiment / workload / config, or a bad deadline.
+        InvalidArgument: no experiment / workload / config, a bad deadline or baseline, or a
+            malformed candidate.
     """
     if not request.HasField("experiment"):
         raise InvalidArgument("experiment is missing: send the candidate and its workload")
@@ -189,10 +193,13 @@ def work_from_request(
         raise InvalidArgument(
             f"baseline {request.baseline!r} is unknown; known: {', '.join(BASELINE_NAMES)}"
         )
-    candidate = Candidate.from_proto(exp.candidate)
+    try:
+        candidate = Candidate.from_proto(exp.candidate)
+    except MALFORMED as exc:
+        raise malformed(exc) from None
     workload: dict[str, Any] = MessageToDict(exp.workload, preserving_proto_field_name=True)
     try:
-        return ExperimentWork(
+        work = ExperimentWork(
             experiment_id=exp.experiment_id or f"adhoc-{uuid.uuid4().hex[:16]}",
             compilation_id=exp.compilation_id or "adhoc",
             team=team,
@@ -205,6 +212,7 @@ def work_from_request(
         )
     except ValidationError as exc:
         raise InvalidArgument(f"invalid experiment: {exc.errors()[0]['msg']}") from None
+    return Job(work, candidate)
 
 
 class EnginePoolServicer(engine_pool_pb2_grpc.EnginePoolServicer):
@@ -219,8 +227,8 @@ class EnginePoolServicer(engine_pool_pb2_grpc.EnginePoolServicer):
         self, request: engine_pool_pb2.RunExperimentRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.Measurement:
         """Measure one candidate (see the module docstring)."""
-        work = work_from_request(request, current_call().team, self.settings.default_deadline_s)
-        measurement = await self.pool.measure(work)
+        job = job_from_request(request, current_call().team, self.settings.default_deadline_s)
+        measurement = await self.pool.measure(job)
         context.set_trailing_metadata(((NOTES_METADATA_KEY, json.dumps(measurement.notes)),))
         return measurement_to_proto(measurement)
 

@@ -255,9 +255,11 @@ class Engine(Gate):
         }
 
     # ------------------------------------------------------------------ one experiment
-    def _measurement_fields(self) -> dict[str, Any]:
-        """The fields every measurement of this engine carries."""
+    def _measurement_fields(self, request: RunRequest) -> dict[str, Any]:
+        """The fields every measurement of this engine carries, ``request``'s candidate id
+        included (a baseline's measurement names the baseline instead)."""
         return {
+            "candidate_id": request.candidate.id,
             "engine_id": self.engine_id,
             "tier": self.spec.tier,
             "environment": {
@@ -274,7 +276,7 @@ class Engine(Gate):
         fields; its models are collected after the reply.
         """
         started = time.perf_counter()
-        base = self._measurement_fields()
+        base = self._measurement_fields(request)
         reset_peak(self.device)
         self._collect = True
         result = measure(self, request, base)
@@ -288,16 +290,12 @@ class Engine(Gate):
         only what the worker should die of (KeyboardInterrupt).
         """
         started = time.perf_counter()
-        base = self._measurement_fields()
+        base = self._measurement_fields(request)
         if request.baseline:
             message = f"baseline {request.baseline!r}: measured through run_external, not run"
             return Measurement.failed("rejected", message, **base)
         reset_peak(self.device)
-        try:
-            candidate = Candidate.from_canonical(request.candidate)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            return Measurement.failed("rejected", f"malformed candidate: {exc!r}", **base)
-        base["candidate_id"] = candidate.id
+        candidate = request.candidate
         phases: dict[str, float] = {}
         spec = self.spec
         notes = [

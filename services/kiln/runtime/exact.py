@@ -141,13 +141,10 @@ def exact_step(model: DecoderModel, tokens: Tensor) -> Tensor:
 def exact_model(model: DecoderModel, *, max_batch: int, max_len: int) -> DecoderModel:
     """A view of ``model`` computing in float32 with its own float32 cache of ``max_batch``
     sequences of ``max_len`` slots (use its ``prefill`` then ``decode_step``)."""
-    c = model.config
-    cache = StaticKVCache(
-        layers=c.num_hidden_layers,
+    cache = StaticKVCache.for_config(
+        model.config,
         max_batch=max_batch,
-        kv_heads=c.num_key_value_heads,
         max_len=max_len,
-        head_dim=c.head_dim,
         dtype=torch.float32,
         device=model.cache.lengths.device,
     )

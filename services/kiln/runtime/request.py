@@ -1,5 +1,6 @@
 """What the service asks of an engine process, and the pipe messages (plain pickled dicts). Parent →
-worker: ``{"type": "run", "request": RunRequest.to_dict()}`` or ``{"type": "stop"}``. Worker →
+worker: ``{"type": "run", "request": RunRequest.to_dict()}`` (the candidate in its canonical form,
+decoded once in the worker by :meth:`RunRequest.from_dict`) or ``{"type": "stop"}``. Worker →
 parent: :data:`READY` once built, :data:`FAILED` (``error``, ``invalid``: the workload is at fault),
 :data:`RESULT` (``Measurement.to_dict()``) per run.
 """
@@ -7,8 +8,10 @@ parent: :data:`READY` once built, :data:`FAILED` (``error``, ``invalid``: the wo
 from __future__ import annotations
 
 import secrets
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
+
+from kiln.domain.candidate import Candidate
 
 RUN: Final = "run"
 STOP: Final = "stop"
@@ -22,7 +25,7 @@ class RunRequest:
     """One experiment for a built engine.
 
     Attributes:
-        experiment_id: for logs and notes. candidate: ``Candidate.canonical()``.
+        experiment_id: for logs and notes. candidate: what to measure (its id is reported).
         warmup: untimed traffic-shape decode steps before timing (>= 1 runs; the first is checked).
         repeats, min_repeats: timed decode steps at most, at least.
         measure_budget_s: stop once ``min_repeats`` ran and their time reached this (0: always
@@ -39,7 +42,7 @@ class RunRequest:
     """
 
     experiment_id: str
-    candidate: dict[str, Any]
+    candidate: Candidate
     warmup: int = 1
     repeats: int = 20
     min_repeats: int = 5
@@ -51,10 +54,15 @@ class RunRequest:
     baseline: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict for the pipe."""
-        return asdict(self)
+        """Plain dict for the pipe; the candidate as ``Candidate.canonical()``."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**values, "candidate": self.candidate.canonical()}
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> RunRequest:
-        """Inverse of :meth:`to_dict`."""
-        return RunRequest(**data)
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            KeyError, TypeError, ValueError, AttributeError: not a request's dict.
+        """
+        return RunRequest(**{**data, "candidate": Candidate.from_canonical(data["candidate"])})

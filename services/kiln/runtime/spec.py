@@ -15,7 +15,12 @@ from typing import Any, Literal
 
 from kiln.domain.operating_point import DerivedPoint, OperatingPoint, OperatingPointError
 from kiln.runtime.native_dtype import is_native
-from kiln.workloads.config import ModelConfig, UnsupportedModelError, parse_config
+from kiln.workloads.config import (
+    ModelConfig,
+    UnsupportedModelError,
+    parse_config,
+    parse_config_json,
+)
 from kiln.workloads.traffic.experts import exponent_for_hot_ratio, hot_ratio
 
 Tier = Literal["fast", "full"]
@@ -200,15 +205,8 @@ def _default_dtype(torch_dtype: str, device: str, notes: list[str]) -> str:
 
 
 def _parse(model: Mapping[str, Any], name: str) -> ModelConfig:
-    text = str(model.get("config_json") or "")
-    if not text.strip():
-        raise SpecError("workload.model.config_json is empty: send the config.json text")
     try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"{name}: config_json is not valid JSON ({exc})") from None
-    try:
-        return parse_config(raw, name)
+        return parse_config_json(str(model.get("config_json") or ""), name)
     except UnsupportedModelError as exc:
         raise SpecError(str(exc)) from exc
 

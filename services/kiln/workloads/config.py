@@ -271,6 +271,23 @@ def parse_config(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
     )
 
 
+def parse_config_json(text: str, name: str = "model") -> ModelConfig:
+    """A ModelConfig from a workload's ``model.config_json`` text.
+
+    Raises:
+        UnsupportedModelError: empty, not JSON, or :func:`parse_config`'s reasons.
+    """
+    if not text.strip():
+        raise UnsupportedModelError(
+            "workload.model.config_json is empty: send the config.json text"
+        )
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UnsupportedModelError(f"{name}: config_json is not valid JSON ({exc})") from None
+    return parse_config(cfg, name)
+
+
 def load_config(path: str | Path) -> ModelConfig:
     """Read and parse a ``config.json`` (named after its stem, or its directory for
     ``config.json``). FileNotFoundError, or UnsupportedModelError for bad JSON or an unsupported

@@ -13,7 +13,8 @@ from kiln.agent_runner.agents.registry import (
     build_agents,
     validate_agents,
 )
-from kiln.agent_runner.agents.view import BoardView, Seen
+from kiln.agent_runner.agents.view import BoardView
+from kiln.agent_runner.results import Seen
 
 __all__ = [
     "AGENT_KINDS",

@@ -14,9 +14,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from kiln.agent_runner.agents.view import BoardView, Seen
+from kiln.agent_runner.agents.view import BoardView
 from kiln.agent_runner.experiment import Completed
-from kiln.agent_runner.results import ResultFeed
+from kiln.agent_runner.results import ResultFeed, Seen
 from kiln.agent_runner.space import CandidateSpace
 from kiln.board import Board
 from kiln.common.logging import get_logger

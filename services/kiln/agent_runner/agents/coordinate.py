@@ -11,7 +11,8 @@ the next-best point when a point's neighbourhood is used up.
 from __future__ import annotations
 
 from kiln.agent_runner.agents.base import Agent, Proposal
-from kiln.agent_runner.agents.view import BoardView, Seen
+from kiln.agent_runner.agents.view import BoardView
+from kiln.agent_runner.results import Seen
 from kiln.agent_runner.space import CandidateSpace
 from kiln.domain.candidate import REFERENCE_CANDIDATE
 

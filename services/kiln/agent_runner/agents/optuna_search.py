@@ -22,8 +22,9 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
 from kiln.agent_runner.agents.base import Agent, Lab, Proposal
-from kiln.agent_runner.agents.view import BoardView, Seen
+from kiln.agent_runner.agents.view import BoardView
 from kiln.agent_runner.config import OptunaSettings
+from kiln.agent_runner.results import Seen
 from kiln.agent_runner.space import CandidateSpace
 from kiln.common.logging import get_logger
 from kiln.domain.candidate import Candidate

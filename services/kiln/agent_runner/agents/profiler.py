@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.agent_runner.agents.base import Agent, Lab, Proposal
-from kiln.agent_runner.agents.view import BoardView, Seen
+from kiln.agent_runner.agents.view import BoardView
 from kiln.agent_runner.op_roofline import bandwidth_bytes_per_s, op_bytes, roofline_ms
+from kiln.agent_runner.results import Seen
 from kiln.agent_runner.space import OP_PREFIX, CandidateSpace
 from kiln.common.errors import NotFound
 from kiln.common.logging import get_logger

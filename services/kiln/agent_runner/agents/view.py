@@ -6,42 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
 
 import nats.errors
 
-from kiln.agent_runner.results import ResultFeed, SearchResult
+from kiln.agent_runner.results import ResultFeed, SearchResult, Seen
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.board import Board, BoardPost
 from kiln.common.logging import get_logger
-from kiln.domain.candidate import Candidate
 
 log = get_logger("kiln.agent_runner.view")
-
-
-@dataclass(frozen=True)
-class Seen:
-    """A result as an agent sees it: candidate, tokens/s, correct (ok and correct), requesting
-    agent, and its ``op_ms`` / ``op_profile_shape`` (empty when not profiled).
-    """
-
-    candidate: Candidate
-    tokens_per_s: float
-    ok: bool
-    agent: str
-    op_ms: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
-    op_profile_shape: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
-
-
-def seen_of(result: SearchResult) -> Seen:
-    return Seen(
-        result.candidate,
-        result.tokens_per_s,
-        result.ok,
-        result.agent,
-        dict(result.op_ms),
-        dict(result.op_profile_shape),
-    )
 
 
 class BoardView:
@@ -73,7 +46,7 @@ class BoardView:
 
     def take_result(self, result: SearchResult) -> None:
         """Fold one result of the feed."""
-        self.results[result.candidate.id] = seen_of(result)
+        self.results[result.candidate.id] = result
         self.claimed.add(result.candidate.id)
         self._changed.set()
 

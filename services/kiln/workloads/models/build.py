@@ -104,14 +104,8 @@ def build_model(
             if skew:
                 routing.add_router_biases(weights, cfg)
                 calibrate = True
-    cache = StaticKVCache(
-        layers=cfg.num_hidden_layers,
-        max_batch=max_batch,
-        kv_heads=cfg.num_key_value_heads,
-        max_len=max_seq_len,
-        head_dim=cfg.head_dim,
-        dtype=dtype,
-        device=device,
+    cache = StaticKVCache.for_config(
+        cfg, max_batch=max_batch, max_len=max_seq_len, dtype=dtype, device=device
     )
     model = DecoderModel(cfg, weights, cache, binding)
     if calibrate:

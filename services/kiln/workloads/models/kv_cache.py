@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.workloads.config import ModelConfig
+
 Tensor = torch.Tensor
 
 
@@ -39,6 +41,30 @@ class StaticKVCache:
         self.max_len = max_len
         self.batch = 0
         self._longest = 0
+
+    @staticmethod
+    def for_config(
+        config: ModelConfig,
+        *,
+        max_batch: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> StaticKVCache:
+        """A cache for every layer of ``config`` (its KV heads and head dim).
+
+        Raises:
+            ValueError: ``max_batch`` or ``max_len`` below 1.
+        """
+        return StaticKVCache(
+            layers=config.num_hidden_layers,
+            max_batch=max_batch,
+            kv_heads=config.num_key_value_heads,
+            max_len=max_len,
+            head_dim=config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
 
     def nbytes(self) -> int:
         """Bytes of the K and V buffers."""

@@ -165,12 +165,10 @@ def _run_tapped(model: DecoderModel, tokens: Tensor, tap: Tap) -> None:
     probe = DecoderModel(
         cfg,
         w,
-        StaticKVCache(
-            layers=cfg.num_hidden_layers,
+        StaticKVCache.for_config(
+            cfg,
             max_batch=tokens.shape[0],
-            kv_heads=cfg.num_key_value_heads,
             max_len=tokens.shape[1],
-            head_dim=cfg.head_dim,
             dtype=w["model.embed_tokens.weight"].dtype,
             device=tokens.device,
         ),
