@@ -18,7 +18,8 @@ class RunnerConfig:
         experiment_deadline_s: ``ExperimentWork.deadline_s`` (at most 3600).
         experiment_margin_s: waited beyond the deadline before the runner records ``timed_out``.
         search_share: the largest share of the wall-clock budget one search-tier candidate may
-            take (:meth:`search_deadline_s`), at least ``search_min_deadline_s``.
+            take (:meth:`search_deadline_s`), at least ``search_min_deadline_s`` but never more
+            than half the budget.
         plan_timeout_s, plan_attempts: one cost-model ``Plan`` call's deadline; tries while it is
             UNAVAILABLE.
         cancel_wait_s: how long ``Cancel`` waits for a local runner to record the end.
@@ -36,10 +37,11 @@ class RunnerConfig:
 
     def search_deadline_s(self, wall_seconds: float) -> float:
         """:attr:`search_share` of ``wall_seconds`` within [:attr:`search_min_deadline_s`,
-        :attr:`experiment_deadline_s`].
+        :attr:`experiment_deadline_s`], and at most half of ``wall_seconds`` (so that one slow
+        candidate, e.g. a long torch.compile, leaves a short budget time to confirm a leader).
         """
         share = max(self.search_min_deadline_s, self.search_share * wall_seconds)
-        return min(self.experiment_deadline_s, share)
+        return min(self.experiment_deadline_s, share, 0.5 * wall_seconds)
 
     @property
     def experiment_timeout_s(self) -> float:
