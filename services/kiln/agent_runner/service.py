@@ -13,13 +13,15 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kiln.agent_runner import records
 from kiln.agent_runner.agents import validate_agents
 from kiln.agent_runner.budget import validate_budget
 from kiln.agent_runner.comparisons import validate_baselines
-from kiln.agent_runner.ledger_access import retry_unavailable
+from kiln.agent_runner.compilation import CompilationRunner
+from kiln.agent_runner.config import RunnerConfig
+from kiln.agent_runner.ledger_access import LedgerPool, retry_unavailable
 from kiln.agent_runner.lookup import compilation_events, compilation_snapshot
 from kiln.agent_runner.snapshot import NAME_BY_STATUS, Snapshot, from_row
 from kiln.agent_runner.state import CompilationState
@@ -35,9 +37,6 @@ from kiln.common.errors import (
 from kiln.common.identity import TEAM_RULE, current_call, validate_team
 from kiln.v1 import compiler_pb2, compiler_pb2_grpc
 
-if TYPE_CHECKING:
-    from kiln.agent_runner.app import AgentRunnerApp
-
 ALL_TEAMS = "*"
 """ListRequest.team that lists every team's compilations."""
 DEFAULT_LIST_LIMIT = 100
@@ -45,11 +44,37 @@ MAX_CANCEL_CONFLICTS = 10
 MAX_LIST_LIMIT = 1000
 
 
-class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
-    """kiln.v1.Compiler over an :class:`~kiln.agent_runner.app.AgentRunnerApp`; errors are
-    ``KilnError`` (the runtime maps them to status codes)."""
+class CompilationHost(Protocol):
+    """What the servicer needs of the process it serves in (the agent runner's app): the
+    ledger, the tunables, the shutdown signal and the compilations running here."""
 
-    def __init__(self, app: AgentRunnerApp) -> None:
+    ledger: LedgerPool
+    config: RunnerConfig
+    closing: asyncio.Event
+    """Set when shutdown begins: Watch streams end."""
+
+    def reserve_id(self, compilation_id: str) -> bool:
+        """Hold a compilation id while it is being submitted; False when it is held or runs."""
+        ...
+
+    def release_id(self, compilation_id: str) -> None:
+        """Let go of a held id (its runner, if started, keeps it taken)."""
+        ...
+
+    def runner(self, compilation_id: str) -> CompilationRunner | None:
+        """The runner of a compilation running in this process, else None."""
+        ...
+
+    def start_runner(self, state: CompilationState) -> CompilationRunner:
+        """Run a compilation in the background."""
+        ...
+
+
+class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
+    """kiln.v1.Compiler over a :class:`CompilationHost`; errors are ``KilnError`` (the runtime
+    maps them to status codes)."""
+
+    def __init__(self, app: CompilationHost) -> None:
         self._app = app
 
     async def Submit(

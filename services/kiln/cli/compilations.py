@@ -5,32 +5,19 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
-import grpc
 import typer
 
 from kiln.cli.compile_view import STATUS_NAMES, summary_table
-from kiln.cli.context import service_addr, settings_for
+from kiln.cli.compiler_call import call
+from kiln.cli.context import settings_for
 from kiln.cli.curve import curve
 from kiln.cli.render import console
-from kiln.common.errors import from_rpc_error
-from kiln.v1 import compiler_pb2, compiler_pb2_grpc
+from kiln.v1 import compiler_pb2
 
 app = typer.Typer(help="List and show compilations.", no_args_is_help=True)
 app.command()(curve)
 
 _STATUS_BY_NAME = {name: value for value, name in STATUS_NAMES.items()}
-
-
-async def _call(ctx: typer.Context, method: str, request: object) -> object:
-    from kiln.common.client import team_channel
-
-    settings = settings_for(ctx)
-    async with team_channel(service_addr(settings, "agent-runner"), settings.team) as channel:
-        stub = compiler_pb2_grpc.CompilerStub(channel)
-        try:
-            return await getattr(stub, method)(request, timeout=30)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
 
 
 @app.command("list")
@@ -46,7 +33,7 @@ def list_(
     request = compiler_pb2.ListRequest(team=team, limit=limit)
     if status:
         request.status = _STATUS_BY_NAME[status]
-    response = asyncio.run(_call(ctx, "List", request))
+    response = asyncio.run(call(ctx, "List", request))
     assert isinstance(response, compiler_pb2.ListResponse)
     # One line each, the id first and whole (it is typed back into `show`), the workload last
     # so that only it wraps on a narrow terminal.
@@ -73,9 +60,7 @@ def show(
     compilation_id: Annotated[str, typer.Argument(help="The compilation's id.")],
 ) -> None:
     """One compilation: status, baseline, best, speedup, experiments, plan."""
-    response = asyncio.run(
-        _call(ctx, "Get", compiler_pb2.GetRequest(compilation_id=compilation_id))
-    )
+    response = asyncio.run(call(ctx, "Get", compiler_pb2.GetRequest(compilation_id=compilation_id)))
     assert isinstance(response, compiler_pb2.Compilation)
     console.print(summary_table(response))
 
@@ -89,7 +74,7 @@ def cancel(
     """Stop a running compilation of your team (its experiments are settled, the best so far
     is kept). Exits 1 with one line when it belongs to another team or has ended."""
     request = compiler_pb2.CancelRequest(compilation_id=compilation_id, reason=reason)
-    response = asyncio.run(_call(ctx, "Cancel", request))
+    response = asyncio.run(call(ctx, "Cancel", request))
     assert isinstance(response, compiler_pb2.Compilation)
     status = STATUS_NAMES.get(response.status, "?")
     console.print(

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from kiln.cli.compiler_call import call
 from kiln.cli.errors import CliError
 from kiln.cli.render import console
 from kiln.v1 import compiler_pb2
@@ -49,13 +50,9 @@ def curve(
 ) -> None:
     """The best-so-far over time: seconds since submission, experiments and device seconds
     spent, tokens/s and speedup at each new best (full-tier confirmed)."""
-    from kiln.cli.compilations import _call
-
     if as_json and as_csv:
         raise CliError("choose one of --json and --csv")
-    response = asyncio.run(
-        _call(ctx, "Get", compiler_pb2.GetRequest(compilation_id=compilation_id))
-    )
+    response = asyncio.run(call(ctx, "Get", compiler_pb2.GetRequest(compilation_id=compilation_id)))
     assert isinstance(response, compiler_pb2.Compilation)
     rows = curve_rows(response)
     if as_json:

@@ -1,7 +1,6 @@
 """Event types of the ledger and their schemas (one registry shared by every service)."""
 
 from kiln.events.registry import (
-    EventSchema,
     SchemaError,
     StreamId,
     latest_version,
@@ -9,6 +8,7 @@ from kiln.events.registry import (
     registered_types,
     validate_event,
 )
+from kiln.events.schema import EventSchema
 
 __all__ = [
     "EventSchema",

@@ -9,9 +9,11 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
+
+from kiln.events.schema import SCHEMAS, EventSchema
 
 _STREAM_RE = re.compile(
     r"^(?P<category>[a-z][a-z0-9_]{0,31})-(?P<id>[A-Za-z0-9_][A-Za-z0-9_-]{0,127})$"
@@ -46,29 +48,6 @@ def parse_stream_id(stream_id: str) -> StreamId:
     return StreamId(m["category"], m["id"])
 
 
-class EventSchema(BaseModel):
-    """Base of every payload schema; subclasses set ``event_type``, ``schema_version`` and
-    ``category`` and are registered by being imported by ``kiln.events.types``.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    event_type: ClassVar[str]
-    schema_version: ClassVar[int] = 1
-    category: ClassVar[str]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "event_type" in cls.__dict__:
-            _REGISTRY.setdefault(cls.event_type, {})[cls.schema_version] = cls
-
-    def to_json(self) -> bytes:
-        """The payload as compact UTF-8 JSON."""
-        return self.model_dump_json().encode()
-
-
-_REGISTRY: dict[str, dict[int, type[EventSchema]]] = {}
-
 S = TypeVar("S", bound=EventSchema)
 
 
@@ -79,19 +58,19 @@ def _ensure_loaded() -> None:
 def registered_types() -> dict[str, list[int]]:
     """Every registered event type with its schema versions."""
     _ensure_loaded()
-    return {t: sorted(v) for t, v in sorted(_REGISTRY.items())}
+    return {t: sorted(v) for t, v in sorted(SCHEMAS.items())}
 
 
 def event_categories() -> dict[str, str]:
     """Every registered event type with the stream category it belongs to (its latest schema's)."""
     _ensure_loaded()
-    return {t: v[max(v)].category for t, v in sorted(_REGISTRY.items())}
+    return {t: v[max(v)].category for t, v in sorted(SCHEMAS.items())}
 
 
 def latest_version(event_type: str) -> int:
     """The newest schema version of ``event_type``. Raises SchemaError if unregistered."""
     _ensure_loaded()
-    versions = _REGISTRY.get(event_type)
+    versions = SCHEMAS.get(event_type)
     if not versions:
         raise SchemaError(f"event type {event_type!r} has no registered schema")
     return max(versions)
@@ -105,7 +84,7 @@ def validate_event(
     """
     sid = parse_stream_id(stream_id)
     _ensure_loaded()
-    versions = _REGISTRY.get(event_type)
+    versions = SCHEMAS.get(event_type)
     if not versions:
         raise SchemaError(f"event type {event_type!r} has no registered schema")
     version = schema_version or max(versions)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kiln.events.registry import EventSchema
+from kiln.events.schema import EventSchema
 
 Tier = Literal["fast", "full"]
 ExperimentStatus = Literal["ok", "incorrect", "crashed", "timed_out", "rejected", "cancelled"]

@@ -7,8 +7,9 @@ op implementations and can be swapped with ``DecoderModel.rebind`` (hot reload).
 from kiln.workloads.models.binding import OpBinding
 from kiln.workloads.models.build import UnbuildableModelError, build_model
 from kiln.workloads.models.decoder import DecoderModel
+from kiln.workloads.models.expert_load import ExpertLoadReport
 from kiln.workloads.models.kv_cache import StaticKVCache
-from kiln.workloads.models.routing import ExpertLoadReport, measure_expert_load
+from kiln.workloads.models.routing import measure_expert_load
 
 __all__ = [
     "DecoderModel",

@@ -8,18 +8,14 @@ Per layer: ``input_norm`` (adds the residual), ``qkv_proj``, ``q_norm``/``k_norm
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.models.binding import BoundOp, OpBinding
+from kiln.workloads.models.expert_load import ExpertLoadReport
 from kiln.workloads.models.kv_cache import StaticKVCache
 from kiln.workloads.models.slots import LayerSlots, ModelSlots, Site, dense_decoder_slots
 from kiln.workloads.weights import WeightStore
-
-if TYPE_CHECKING:
-    from kiln.workloads.models.routing import ExpertLoadReport
 
 Tensor = torch.Tensor
 
