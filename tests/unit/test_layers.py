@@ -89,3 +89,55 @@ def test_runtime_and_domain_import_without_grpc_nats_or_sqlalchemy() -> None:
     loaded = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     assert "kiln.runtime.engine" in loaded and "kiln.domain.compilation" in loaded
     assert not [m for m in loaded if m.startswith(("kiln.engine_pool", "kiln.common"))]
+
+
+def _module_name(path: Path) -> str:
+    parts = ("kiln", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _file_imports(path: Path, files: set[str]) -> set[str]:
+    """The kiln modules (files) ``path`` imports: ``from P import m`` names the submodule P.m
+    when it is a file, else P; a name that is no file stands for its nearest enclosing one."""
+    found: set[str] = set()
+
+    def nearest(name: str) -> str:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(nearest(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in files else nearest(node.module))
+    return {name for name in found if name.startswith("kiln")}
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """Every import statement (lazy and TYPE_CHECKING ones too) draws an arrow between files;
+    none may close a circle. The package ``kiln`` itself (its lazy public API) is left out."""
+    paths = {
+        _module_name(p): p
+        for p in ROOT.rglob("*.py")
+        if "_pb2" not in p.name and p != ROOT / "__init__.py"
+    }
+    graph = {name: _file_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == [], cycles
