@@ -1,5 +1,6 @@
-"""The cheats' code modules: source text as agents send it, each registering the op
-implementations one cheat of :mod:`tests.red_team.cheats` names.
+"""The code modules of kinds a to e: source text as agents send it, each registering the op
+implementations one cheat of :mod:`tests.red_team.cheats` names (later kinds keep theirs with
+their cheats, one file per kind).
 
 Every module starts with :data:`PRELUDE`: ``_checked()`` (one of the engine's check helpers is on
 the stack: what a cheat that has read the engine's source uses to be honest only when watched),

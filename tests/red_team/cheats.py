@@ -1,28 +1,43 @@
 """The red team: candidates that cheat the way optimising agents are known to, and what the
 engine's gate must say about each.
 
-Every :class:`Cheat` is a real candidate — code modules as source text, as agents send them —
-whose trick would fool a naive harness: one that checks only calls the candidate can tell from
-timed ones (the check helpers are on the stack; the check batch is smaller; the first call at
-the traffic shape is the checked one), that checks outputs after a device-wide synchronize or
+Every :class:`~.cheat.Cheat` is a real candidate — code modules as source text, as agents send
+them — whose trick would fool a naive harness: one that checks only calls the candidate can tell
+from timed ones (the check helpers are on the stack; the check batch is smaller; the first call
+at the traffic shape is the checked one), that checks outputs after a device-wide synchronize or
 thread join, that times one CUDA stream, or that trusts the reference forward to be out of the
-candidate's reach. Each must end INCORRECT, its error containing every string of
-:attr:`Cheat.caught`. :func:`honest` gives candidates built the same way (code modules, the same
-stack-inspecting helper, weight caches, threads, side streams) that compute honestly and must
-pass, so the gate is shown to reject cheats, not code modules.
+candidate's reach. Each rejected one must end INCORRECT, its error containing every string of
+:attr:`~.cheat.Cheat.caught`; each one that escapes today says which defense it needs
+(:attr:`~.cheat.Cheat.escapes`) and must come back ``ok``, so a defense that lands shows as a
+cheat newly rejected. :mod:`.honest` gives candidates built the same way that compute honestly
+and must pass, so the gate is shown to reject cheats, not code modules.
 
-The kinds: (a) cached outputs, (b) skipped work, (c) a fraction of the batch,
-(d) the reference's result or the reference itself, (e) work outside the timed region or a
-fooled clock. ``tests/unit/test_red_team.py`` runs every one on a CPU engine; on a CUDA engine
-:func:`cheats` adds the side-stream cheat (``tests/gpu``).
+The kinds (:data:`~.cheat.KINDS`): (a) cached outputs, (b) skipped work, (c) a fraction of the
+batch, (d) the reference's result or the reference itself, (e) work outside the timed region or a
+fooled clock (below); (f) outputs that are not plain tensors (:mod:`.objects`), (g) information
+the candidate should not have (:mod:`.information`), (h) the timing statistic
+(:mod:`.timing_statistic`), (i) the watches themselves (:mod:`.watch_choice`,
+:mod:`.watch_blind`), (j) state shared with the reference (:mod:`.shared_state`), (k) a fraction
+of the timed steps (:mod:`.partial_steps`), (l) undeclared lossy arithmetic (:mod:`.lossy`).
+``tests/unit/test_red_team.py`` runs every one on CPU engines; on a CUDA engine :func:`cheats`
+adds the side-stream cheat (``tests/gpu``). Kinds f to l have been run on CPU only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
-from kiln.domain.candidate import Candidate, CodeModule
-
+from . import (
+    information,
+    lossy,
+    objects,
+    partial_steps,
+    shared_state,
+    timing_statistic,
+    watch_blind,
+    watch_choice,
+)
+from .cheat import AT_SHAPE, OUTSIDE, TAMPERED, VERIFIED, Cheat, make
 from .cheat_code import (
     BORROWED_LOGITS,
     CACHED_LOGITS,
@@ -41,53 +56,13 @@ from .cheat_code import (
     SKIP_ODD_LAYERS,
     STALE_BUFFER,
     STEERED_TOKENS,
-    code_module,
 )
+from .honest import honest
 
-VERIFIED = "(verified after timing)"
-"""In the error when a kept timed step's output differed from the reference's."""
-OUTSIDE = "work outside the timed call"
-"""In the error when a thread kept running candidate code after a timed call returned."""
-TAMPERED = "changed the engine outside its ops"
-"""In the error when the engine's code, models or numerics flags were changed."""
+__all__ = ["AT_SHAPE", "CHEATS", "OUTSIDE", "TAMPERED", "VERIFIED", "Cheat", "cheats", "honest"]
 
-
-@dataclass(frozen=True)
-class Cheat:
-    """One cheating candidate and the verdict it must get.
-
-    Attributes:
-        name: short id (test ids, reports).
-        kind: ``a`` cached outputs, ``b`` skipped work, ``c`` fraction of the batch, ``d`` the
-            reference, ``e`` outside the timed region / the clock.
-        how: the trick and why a naive harness passes it, in words.
-        candidate: the candidate (ops and code modules).
-        caught: substrings the measurement's error must all contain (status INCORRECT).
-        devices: device types the cheat applies to (``"cpu"``, ``"cuda"``).
-    """
-
-    name: str
-    kind: str
-    how: str
-    candidate: Candidate
-    caught: tuple[str, ...]
-    devices: tuple[str, ...] = ("cpu", "cuda")
-
-
-def _cheat(
-    name: str,
-    kind: str,
-    how: str,
-    ops: dict[str, str],
-    module: CodeModule,
-    caught: tuple[str, ...],
-    devices: tuple[str, ...] = ("cpu", "cuda"),
-) -> Cheat:
-    return Cheat(name, kind, how, Candidate.make(ops, code_modules=[module]), caught, devices)
-
-
-CHEATS: tuple[Cheat, ...] = (
-    _cheat(
+ORIGINAL: tuple[Cheat, ...] = (
+    make(
         "cached_logits",
         "a",
         "computes when checked, then returns a copy of the last checked logits of that shape",
@@ -95,7 +70,7 @@ CHEATS: tuple[Cheat, ...] = (
         CACHED_LOGITS,
         (VERIFIED,),
     ),
-    _cheat(
+    make(
         "stale_buffer",
         "a",
         "returns the same logits tensor, never recomputed, after the first checked call",
@@ -103,7 +78,7 @@ CHEATS: tuple[Cheat, ...] = (
         STALE_BUFFER,
         (VERIFIED, "non-finite"),
     ),
-    _cheat(
+    make(
         "steered_tokens",
         "a",
         "returns cached logits and overwrites the step's token tensor with the token they "
@@ -112,7 +87,7 @@ CHEATS: tuple[Cheat, ...] = (
         STEERED_TOKENS,
         (VERIFIED,),
     ),
-    _cheat(
+    make(
         "skip_odd_layers",
         "b",
         "skips every other layer's MLP whenever no check helper is on the stack",
@@ -120,7 +95,7 @@ CHEATS: tuple[Cheat, ...] = (
         SKIP_ODD_LAYERS,
         (VERIFIED,),
     ),
-    _cheat(
+    make(
         "skip_after_first",
         "b",
         "counts forwards: honest on the first at the largest batch and on smaller batches, "
@@ -129,7 +104,7 @@ CHEATS: tuple[Cheat, ...] = (
         SKIP_AFTER_FIRST,
         (VERIFIED,),
     ),
-    _cheat(
+    make(
         "half_batch",
         "c",
         "attention on the first half of the batch only when unwatched, zeros for the rest",
@@ -137,7 +112,7 @@ CHEATS: tuple[Cheat, ...] = (
         HALF_BATCH,
         (VERIFIED,),
     ),
-    _cheat(
+    make(
         "row_zero",
         "c",
         "LM head on row 0 only when unwatched, broadcast to every row",
@@ -145,7 +120,7 @@ CHEATS: tuple[Cheat, ...] = (
         ROW_ZERO,
         (VERIFIED,),
     ),
-    _cheat(
+    make(
         "borrowed_logits",
         "d",
         "returns float32 logits of the right shape found through the garbage collector (the "
@@ -154,7 +129,7 @@ CHEATS: tuple[Cheat, ...] = (
         BORROWED_LOGITS,
         (VERIFIED,),
     ),
-    _cheat(
+    make(
         "route_to_reference",
         "d",
         "finds the engine on the stack and sends the measured model's checked calls to the "
@@ -163,7 +138,7 @@ CHEATS: tuple[Cheat, ...] = (
         ROUTE_TO_REFERENCE,
         (TAMPERED, "engine.model.decode_step added", VERIFIED),
     ),
-    _cheat(
+    make(
         "shared_class_patch",
         "d",
         "patches DecoderModel._layer to skip every other layer: the reference model is a "
@@ -172,7 +147,7 @@ CHEATS: tuple[Cheat, ...] = (
         SHARED_CLASS_PATCH,
         (TAMPERED, "DecoderModel._layer replaced"),
     ),
-    _cheat(
+    make(
         "kernel_override",
         "d",
         "registers torch.library kernels for aten::mm and aten::addmm that return zeros: every "
@@ -181,7 +156,7 @@ CHEATS: tuple[Cheat, ...] = (
         KERNEL_OVERRIDE,
         (TAMPERED, "dispatcher kernel for aten::addmm at"),
     ),
-    _cheat(
+    make(
         "hidden_kernel_override",
         "d",
         "registers a zero aten::mm kernel through torch.library, then deletes it from "
@@ -190,7 +165,7 @@ CHEATS: tuple[Cheat, ...] = (
         HIDDEN_KERNEL_OVERRIDE,
         (TAMPERED, "dispatcher kernel for aten::mm at"),
     ),
-    _cheat(
+    make(
         "gate_patch",
         "d",
         "replaces the engine's compare() with one that always passes, and returns zeros for "
@@ -199,7 +174,7 @@ CHEATS: tuple[Cheat, ...] = (
         GATE_PATCH,
         (TAMPERED, "kiln.runtime.gate_check.compare replaced"),
     ),
-    _cheat(
+    make(
         "deferred_thread",
         "e",
         "returns an empty logits tensor when unwatched and fills it from a thread after the "
@@ -208,7 +183,7 @@ CHEATS: tuple[Cheat, ...] = (
         DEFERRED_THREAD,
         (OUTSIDE,),
     ),
-    _cheat(
+    make(
         "side_stream",
         "e",
         "computes the LM head on a side stream the current stream never waits for: events "
@@ -218,7 +193,7 @@ CHEATS: tuple[Cheat, ...] = (
         (VERIFIED,),
         devices=("cuda",),
     ),
-    _cheat(
+    make(
         "fake_clock",
         "e",
         "replaces time.perf_counter and torch.cuda.Event.elapsed_time with clocks running at "
@@ -227,7 +202,7 @@ CHEATS: tuple[Cheat, ...] = (
         FAKE_CLOCK,
         (TAMPERED, "time.perf_counter replaced", "Event.elapsed_time replaced"),
     ),
-    _cheat(
+    make(
         "reduced_precision",
         "e",
         "switches float32 matmuls to bfloat16 (CPU) / TF32 (CUDA) for the whole process, the "
@@ -237,117 +212,28 @@ CHEATS: tuple[Cheat, ...] = (
         (TAMPERED, "fp32_precision changed"),
     ),
 )
+"""Kinds a to e: the first red team (every one rejected)."""
+
+REVIEWED: tuple[Cheat, ...] = tuple(
+    dataclasses.replace(cheat, devices=("cpu",))  # not yet run on a CUDA engine
+    for kind in (
+        objects,
+        information,
+        timing_statistic,
+        watch_choice,
+        watch_blind,
+        shared_state,
+        partial_steps,
+        lossy,
+    )
+    for cheat in kind.CHEATS
+)
+"""Kinds f to l: an independent review's cheats and their variants."""
+
+CHEATS: tuple[Cheat, ...] = ORIGINAL + REVIEWED
 """Every cheat (:func:`cheats` picks those of a device type)."""
 
 
 def cheats(device_type: str) -> list[Cheat]:
     """The cheats that apply on ``device_type`` (``"cpu"`` or ``"cuda"``)."""
     return [c for c in CHEATS if device_type in c.devices]
-
-
-HONEST_MODULE = code_module(
-    "honest_same_tricks",
-    """
-_transposed = {}
-
-
-@register("lm_head", "cached_weight", replace=True)
-def cached_weight(x, *, weight):
-    # Caching a derived layout of a weight is fine; caching outputs is not.
-    key = weight.data_ptr()
-    if key not in _transposed:
-        _transposed[key] = weight.t().contiguous()
-    return (x @ _transposed[key]).float()
-
-
-@register("mlp", "by_layer", replace=True)
-def by_layer(x, *, gate_weight, up_weight, down_weight):
-    _layer(down_weight)  # the same bookkeeping as the skipping cheats, without the skipping
-    _checked()
-    return _mlp(x, gate_weight, up_weight, down_weight)
-
-
-@register("attention", "by_halves", replace=True)
-def by_halves(q, k_cache, v_cache, positions, seq_lens, *, scale):
-    # Both halves of the batch, each computed (the half-batch cheat's structure).
-    half = (q.shape[0] + 1) // 2
-    out = torch.empty_like(q)
-    for rows in (slice(0, half), slice(half, None)):
-        out[rows] = _attention.reference(
-            q[rows], k_cache[rows], v_cache[rows], positions[rows], seq_lens[rows], scale=scale
-        )
-    return out
-""",
-)
-
-HONEST_THREADS = code_module(
-    "honest_threads",
-    """
-@register("lm_head", "two_threads", replace=True)
-def two_threads(x, *, weight):
-    # Halves of the vocabulary on two threads, both joined before returning.
-    out = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=torch.float32, device=x.device)
-    half = weight.shape[0] // 2
-
-    def part(lo, hi):
-        out[..., lo:hi] = F.linear(x, weight[lo:hi]).float()
-
-    threads = [
-        threading.Thread(target=part, args=(0, half)),
-        threading.Thread(target=part, args=(half, weight.shape[0])),
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-""",
-)
-
-HONEST_SIDE_STREAM = code_module(
-    "honest_side_stream",
-    """
-_streams = []
-
-
-@register("lm_head", "joined_stream", replace=True)
-def joined_stream(x, *, weight):
-    if not x.is_cuda:
-        return F.linear(x, weight).float()
-    if not _streams:
-        _streams.append(torch.cuda.Stream(x.device))
-    side, current = _streams[0], torch.cuda.current_stream(x.device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        out = F.linear(x, weight).float()
-    current.wait_stream(side)  # the caller's stream waits: the work is part of the call
-    out.record_stream(current)
-    return out
-""",
-)
-
-
-def honest(device_type: str) -> list[tuple[str, Candidate]]:
-    """Honest candidates built like the cheats (same helpers, caches, threads, streams);
-    ``(name, candidate)``, each must measure ``ok``."""
-    out = [
-        (
-            "same_tricks",
-            Candidate.make(
-                {"lm_head": "cached_weight", "mlp": "by_layer", "attention": "by_halves"},
-                code_modules=[HONEST_MODULE],
-            ),
-        ),
-        (
-            "threads_joined",
-            Candidate.make({"lm_head": "two_threads"}, code_modules=[HONEST_THREADS]),
-        ),
-    ]
-    if device_type == "cuda":
-        out.append(
-            (
-                "side_stream_joined",
-                Candidate.make({"lm_head": "joined_stream"}, code_modules=[HONEST_SIDE_STREAM]),
-            )
-        )
-    return out

@@ -1,7 +1,8 @@
-"""The red team on a CPU engine: every cheating candidate of :mod:`tests.red_team.cheats`
-is INCORRECT with its reason, honest candidates built the same way pass, the output cheats do
-get past the checks a naive engine makes (so they are real cheats), and the engine is clean
-after each (the next reference run is ok).
+"""The red team on CPU engines: every cheating candidate of :mod:`tests.red_team.cheats` that
+the engine rejects today is INCORRECT with its reason, and every one that escapes today comes
+back ``ok`` having played its trick (an xfail naming the defense it needs); honest candidates
+built the same way pass; the output cheats do get past the checks a naive engine makes (so they
+are real cheats), and the engine is clean after each (the next reference run is ok).
 
 Plus the gate's parts on their own: the timed-output reservoir, the timers, the thread watch and
 the harness fingerprint.
@@ -36,6 +37,7 @@ from kiln.workloads.models.decoder import DecoderModel
 from tests.red_team import cheats as red_team
 
 from .engine_testing import TINY_LLAMA, tiny_workload
+from .red_team_testing import Escaped, cheat_param, played, putting_back, spy_on_loads
 
 LIMITS = EngineLimits(max_batch=4, max_context=32, fast_layers=2, prompt_len=8, check_steps=2)
 # A larger vocabulary than the other engine tests': the LM head then takes long enough that
@@ -63,24 +65,43 @@ def _run(engine: Engine, candidate: Candidate, **kw: int) -> Measurement:
     return engine.run(RunRequest("red-team", candidate, warmup=1, repeats=4, **kw))
 
 
-@pytest.mark.parametrize("cheat", red_team.cheats("cpu"), ids=lambda c: c.name)
-def test_every_cheat_is_rejected(engine: Engine, cheat: red_team.Cheat) -> None:
-    m = _run(engine, cheat.candidate)
-    assert m.status == "incorrect" and not m.correct, (m.status, m.error)
-    assert m.timing is None and m.tokens_per_s == 0.0
-    for text in cheat.caught:
-        assert text in m.error, (text, m.error)
-    if red_team.TAMPERED in cheat.caught or red_team.OUTSIDE in cheat.caught:
-        assert m.restart_engine
-    # Whatever it did is undone: the engine measures the reference correctly next.
-    after = _run(engine, Candidate())
-    assert after.status == "ok", after.error
-    assert DecoderModel._layer.__name__ == "_layer" and time.perf_counter is PERF_COUNTER
-    assert "decode_step" not in engine.model.__dict__
+ENGINE_OF = {"float32": "engine", "bfloat16": "bf16_engine"}
+"""The engine fixture of a cheat's dtype."""
+
+
+@pytest.mark.parametrize("cheat", [cheat_param(c) for c in red_team.cheats("cpu")])
+def test_every_cheat_is_rejected(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, cheat: red_team.Cheat
+) -> None:
+    engine: Engine = request.getfixturevalue(ENGINE_OF[cheat.dtype])
+    loaded = spy_on_loads(monkeypatch)
+    with putting_back(engine):
+        for run in range(cheat.runs):
+            loaded.clear()
+            m = _run(engine, cheat.candidate)
+            if m.status == "ok" and played(loaded) is not False:
+                raise Escaped(f"{cheat.name}: ok on run {run + 1} of {cheat.runs}: {m.notes}")
+            if m.status == "ok":  # a cheat by chance that happened not to cheat: again
+                assert cheat.runs > 1, f"{cheat.name} came back ok without playing its trick"
+                continue
+            assert m.status == "incorrect" and not m.correct, (m.status, m.error)
+            assert m.timing is None and m.tokens_per_s == 0.0
+            for text in cheat.caught:
+                assert text in m.error, (text, m.error)
+            if red_team.TAMPERED in cheat.caught or red_team.OUTSIDE in cheat.caught:
+                assert m.restart_engine
+        # Whatever it did is undone (by the engine): it measures the reference correctly next.
+        after = _run(engine, Candidate())
+        assert after.status == "ok", after.error
+        assert DecoderModel._layer.__name__ == "_layer" and time.perf_counter is PERF_COUNTER
+        assert "decode_step" not in engine.model.__dict__
+        assert engine.weights_intact()
 
 
 OUTPUT_CHEATS = [
-    c for c in red_team.cheats("cpu") if set(c.caught) <= {red_team.VERIFIED, "non-finite"}
+    c
+    for c in red_team.cheats("cpu")
+    if c.caught and set(c.caught) <= {red_team.VERIFIED, "non-finite"} and c.dtype == "float32"
 ]
 
 
@@ -103,6 +124,9 @@ def test_output_cheats_pass_every_check_but_the_timed_one(
         "hidden_kernel_override",
         "gate_patch",
         "fake_clock",
+        "system_random_rebind",
+        "urandom_rebind",
+        "id_patch",
     ],
 )
 def test_tampering_cheats_fool_the_comparison_alone(engine: Engine, name: str) -> None:
@@ -119,10 +143,11 @@ def test_tampering_cheats_fool_the_comparison_alone(engine: Engine, name: str) -
 @pytest.mark.parametrize(
     ("name", "candidate"), red_team.honest("cpu"), ids=[n for n, _ in red_team.honest("cpu")]
 )
+@pytest.mark.parametrize("dtype", list(ENGINE_OF))
 def test_honest_candidates_built_like_the_cheats_pass(
-    engine: Engine, name: str, candidate: Candidate
+    request: pytest.FixtureRequest, dtype: str, name: str, candidate: Candidate
 ) -> None:
-    m = _run(engine, candidate, verify_timed_steps=4)
+    m = _run(request.getfixturevalue(ENGINE_OF[dtype]), candidate, verify_timed_steps=4)
     assert m.status == "ok", (name, m.error)
     assert m.correct and not m.restart_engine
     assert any("verified timed step(s) 1, 2, 3, 4 of 4" in n for n in m.notes), m.notes
@@ -337,7 +362,9 @@ def bf16_engine() -> Iterator[Engine]:
 NUMERIC_CHEATS = [
     c
     for c in red_team.cheats("cpu")
-    if not {red_team.TAMPERED, red_team.OUTSIDE} & set(c.caught)
+    if c.caught
+    and not {red_team.TAMPERED, red_team.OUTSIDE} & set(c.caught)
+    and c.kind != "l"  # lossy arithmetic is judged against each dtype's own precision
     and c.name != "reduced_precision"  # deterministic only where the reduced kernels are
 ]
 

@@ -1,0 +1,256 @@
+"""Kind ``i``, part one: the verifier's own choices. Which timed step is verified is drawn from
+``random.SystemRandom`` after each call; the tolerance comes from ``kiln.runtime.check.RTOL``.
+A candidate that controls the draw is honest on the verified step only and skips every other
+layer's MLP elsewhere (:data:`SKIP_UNVERIFIED`); one that loosens the table passes wrong
+outputs.
+"""
+
+from __future__ import annotations
+
+from kiln.domain.candidate import CodeModule
+
+from .cheat import AT_SHAPE, TAMPERED, Cheat, make
+from .cheat_code import code_module
+
+SKIP_UNVERIFIED = '''
+import random
+
+_forwards = []  # unwatched forwards seen, counted at the first layer's MLP
+_played = []
+
+
+def _verified_now():
+    """Whether the current unwatched forward is the one that will be verified (each module
+    says; here: the first)."""
+    return len(_forwards) == 1
+
+
+def _take_over():
+    """Called at the first layer of each unwatched forward before deciding (each module may
+    use it to take over the verifier's choice)."""
+
+
+def _frame_of(name):
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != name:
+        frame = frame.f_back
+    return frame
+
+
+@register("mlp", "skip_unverified", replace=True)
+def skip_unverified(x, *, gate_weight, up_weight, down_weight):
+    layer = _layer(down_weight)
+    watched = _checked()
+    if layer == 0 and not watched:
+        _forwards.append(1)
+        _take_over()
+    if layer % 2 == 1 and not watched and not _verified_now():
+        _played.append(1)
+        return torch.zeros_like(x)  # every other layer's MLP skipped, unless verified
+    return _mlp(x, gate_weight, up_weight, down_weight)
+'''
+
+OPS = {"mlp": "skip_unverified"}
+
+
+def _module(name: str, source: str) -> CodeModule:
+    return code_module(name, SKIP_UNVERIFIED + source)
+
+
+SYSTEM_RANDOM_REBIND = _module(
+    "system_random_rebind",
+    '''
+
+class _FirstOnly(random.Random):
+    """Draws that never pick a new step once one is kept: the first timed step stays."""
+
+    def randrange(self, start, stop=None, step=1):
+        return (start if stop is None else stop) - 1
+
+
+random.SystemRandom = _FirstOnly  # what the engine's TimedOutputs will instantiate
+''',
+)
+
+RANDRANGE_PATCH = _module(
+    "randrange_patch",
+    """
+_randrange = random.Random.randrange
+
+
+def _first_only(self, start, stop=None, step=1):
+    if isinstance(self, random.SystemRandom):
+        return (start if stop is None else stop) - 1  # only the first timed step is kept
+    return _randrange(self, start, stop, step)
+
+
+random.Random.randrange = _first_only  # in place: random.SystemRandom is the same class
+""",
+)
+
+URANDOM_REBIND = _module(
+    "urandom_rebind",
+    """
+def _zeros(n):
+    return bytes(n)
+
+
+# SystemRandom reads the OS through random._urandom: all zeros make every draw 0, so each timed
+# step replaces the kept one and the last step is the one verified.
+random._urandom = _zeros
+
+
+def _verified_now():
+    timing = _frame_of("_time")
+    return timing is not None and timing.f_locals["i"] == timing.f_locals["request"].repeats - 1
+""",
+)
+
+RESERVOIR_RNG = _module(
+    "reservoir_rng",
+    '''
+
+class _FirstOnly(random.Random):
+    def randrange(self, start, stop=None, step=1):
+        return (start if stop is None else stop) - 1
+
+
+def _take_over():
+    """At the first timed call: the timing loop's reservoir gets a generator that keeps the
+    first step only (an attribute of an object of the gate's, not of a module or class)."""
+    timing = _frame_of("_time")
+    if timing is not None and len(_forwards) == 1:
+        timing.f_locals["kept"]._rng = _FirstOnly()
+''',
+)
+
+RESERVOIR_OFF = _module(
+    "reservoir_off",
+    '''
+def _take_over():
+    """At the first timed call: the timing loop's reservoir keeps no step at all."""
+    timing = _frame_of("_time")
+    if timing is not None:
+        timing.f_locals["kept"].k = 0
+
+
+def _verified_now():
+    return False
+''',
+)
+
+_ZERO_ATTENTION = """
+_played = []
+
+
+@register("attention", "nothing", replace=True)
+def nothing(q, k_cache, v_cache, positions, seq_lens, *, scale):
+    _played.append(1)
+    return torch.zeros_like(q)
+"""
+
+LOOSENED_TABLE = code_module(
+    "loosened_table",
+    """
+from kiln.runtime import check as _check
+
+# The tolerance table, mutated in place (the dict is the same object): read at the start of
+# every later experiment, so this candidate's next submission passes anything.
+for _dtype in list(_check.RTOL):
+    _check.RTOL[_dtype] = 1e9
+"""
+    + _ZERO_ATTENTION,
+)
+
+RTOL_REBIND = code_module(
+    "rtol_rebind",
+    """
+import kiln.runtime.check as _check
+import kiln.runtime.gate as _gate
+
+_gate.RTOL = {dtype: 1e9 for dtype in _gate.RTOL}  # a module attribute rebound
+_check.NOISE_FACTOR = 1e9
+"""
+    + _ZERO_ATTENTION,
+)
+
+FINGERPRINTED = (TAMPERED,)
+
+CHEATS: tuple[Cheat, ...] = (
+    make(
+        "system_random_rebind",
+        "i",
+        "rebinds random.SystemRandom to a generator that keeps only the first timed step; "
+        "honest there, skips every other layer's MLP on the rest",
+        OPS,
+        SYSTEM_RANDOM_REBIND,
+        (*FINGERPRINTED, "random.SystemRandom replaced"),
+    ),
+    make(
+        "randrange_patch",
+        "i",
+        "patches random.Random.randrange in place (SystemRandom inherits it): only the first "
+        "timed step is kept; honest there, skips MLPs on the rest",
+        OPS,
+        RANDRANGE_PATCH,
+        escapes="process split: the verifier's draw runs on classes the candidate can patch "
+        "(only modules' globals and kiln's classes are fingerprinted)",
+    ),
+    make(
+        "urandom_rebind",
+        "i",
+        "rebinds random._urandom to zeros, so every draw is 0 and the last timed step is the "
+        "one verified; honest on the last (read from the timing loop's frame), skips MLPs on "
+        "the rest",
+        OPS,
+        URANDOM_REBIND,
+        (*FINGERPRINTED, "random._urandom replaced"),
+    ),
+    make(
+        "reservoir_rng",
+        "i",
+        "at the first timed call, replaces the generator of the timing loop's TimedOutputs "
+        "(found in its frame) with one that keeps only that step; skips MLPs after",
+        OPS,
+        RESERVOIR_RNG,
+        escapes="process split: the reservoir is an object of the gate's in the candidate's "
+        "reach (its attributes are not fingerprinted)",
+    ),
+    make(
+        "reservoir_off",
+        "i",
+        "at the first timed call, sets the timing loop's TimedOutputs.k to 0: no timed step is "
+        "kept, none verified; skips MLPs on every timed step",
+        OPS,
+        RESERVOIR_OFF,
+        escapes="process split: the reservoir is an object of the gate's in the candidate's "
+        "reach ('verified timed step(s) none' is still ok)",
+    ),
+    make(
+        "loosened_table",
+        "i",
+        "sets every entry of kiln.runtime.check.RTOL to 1e9 in place and returns zeros for "
+        "attention: rejected the first time (the gate read the table before loading it), "
+        "passes the second",
+        {"attention": "nothing"},
+        LOOSENED_TABLE,
+        escapes="state hash: the table is the same dict, changed in place, and stays changed "
+        "for every later experiment",
+        runs=2,
+    ),
+    make(
+        "rtol_rebind",
+        "i",
+        "rebinds kiln.runtime.gate.RTOL and kiln.runtime.check.NOISE_FACTOR to huge values and "
+        "returns zeros for attention",
+        {"attention": "nothing"},
+        RTOL_REBIND,
+        (
+            *FINGERPRINTED,
+            "kiln.runtime.gate.RTOL replaced",
+            "kiln.runtime.check.NOISE_FACTOR replaced",
+            AT_SHAPE,
+        ),
+    ),
+)
+"""This part's cheats."""
