@@ -19,6 +19,7 @@ from kiln.common.client import team_channel
 from kiln.common.server import serve
 from kiln.common.settings import KilnSettings
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
+from kiln.domain.step_time import decision_step_ms
 from kiln.engine_pool.app import EnginePoolApp
 from kiln.engine_pool.service import NOTES_METADATA_KEY
 from kiln.v1 import common_pb2, engine_pool_pb2, engine_pool_pb2_grpc
@@ -74,7 +75,11 @@ async def test_run_experiment_measures_on_an_engine(
     assert m.status == common_pb2.EXPERIMENT_STATUS_OK, m.error
     assert m.correct and m.tier == common_pb2.TIER_FAST and m.engine_id
     assert len(m.timing.samples_ms) == 3 and m.timing.median_ms > 0
-    assert m.tokens_per_s == pytest.approx(4 / (m.timing.median_ms / 1e3))  # batch clamped to 4
+    t = m.timing  # tokens/s per decision step: the median unless the mean is 1.25x above it
+    assert t.mean_ms > 0 and t.max_ms == max(t.samples_ms)
+    step = decision_step_ms(t.median_ms, t.mean_ms)
+    assert m.tokens_per_s == pytest.approx(4 / (step / 1e3))  # batch clamped to 4
+    assert m.verified_steps == 3 and m.escape_probability == pytest.approx(0.8**3)
     assert m.batch_size == 4 and m.context_len > 0  # the operating point measured at
     assert m.memory.weights_bytes > 0 and m.memory.kv_cache_bytes > 0
     trailing = dict(await call.trailing_metadata())  # type: ignore[arg-type]

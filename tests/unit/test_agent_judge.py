@@ -10,6 +10,7 @@ from kiln.agent_runner.judge import (
     agreement_text,
     average_ranks,
     confirmation_due,
+    distinguishable,
     fast_leader,
     full_reference,
     judgement,
@@ -24,7 +25,7 @@ from kiln.agent_runner.state import Best, CompilationState, ExperimentRecord
 from kiln.board import BoardPost
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.events.registry import validate_event
-from kiln.events.types import Tier
+from kiln.events.types import ExperimentCompleted, Tier
 
 from .agent_records import add as _add
 from .agent_records import done as _done
@@ -334,3 +335,28 @@ def test_a_confirmation_within_the_noise_is_not_a_best() -> None:
     req, completed = _full(state, A, 80.0, spread=0.10)
     event = judgement(state, req, completed)
     assert event is not None and event.data["speedup"] == pytest.approx(1.6)  # type: ignore[index]
+
+
+def test_front_loaded_work_cannot_hide_below_the_band() -> None:
+    """A candidate whose p90 step clears the reference's p10 but whose mean says the work was
+    done in a few steps: its band's top is its decision step, max(median, mean / 1.25)."""
+
+    def result(median: float, p10: float, p90: float, mean: float = 0.0) -> ExperimentCompleted:
+        return ExperimentCompleted(
+            compilation_id="c1",
+            candidate_id="x",
+            status="ok",
+            correct=True,
+            median_ms=median,
+            p10_ms=p10,
+            p90_ms=p90,
+            mean_ms=mean,
+            tier="full",
+        )
+
+    reference = result(20.0, 19.0, 21.0, 20.0)
+    assert distinguishable(result(10.0, 9.8, 10.2, 10.5), reference)
+    assert not distinguishable(result(10.0, 9.8, 10.2, 40.0), reference)  # 40 / 1.25 = 32 > 19
+    assert distinguishable(result(10.0, 9.8, 10.2), reference)  # an old event: no mean
+    # without percentiles the decision steps are compared
+    assert not distinguishable(result(10.0, 0.0, 0.0, 40.0), result(20.0, 0.0, 0.0, 20.0))

@@ -122,7 +122,10 @@ def test_measurement_reports_timing_memory_and_phases(engine: Engine) -> None:
     t = m.timing
     assert len(t.samples_ms) == 7 and t.warmup_runs == 2
     assert t.p10_ms <= t.median_ms <= t.p90_ms and t.stdev_ms >= 0
-    assert m.tokens_per_s == pytest.approx(3 / (t.median_ms / 1e3))
+    assert t.mean_ms == pytest.approx(sum(t.samples_ms) / 7) and t.max_ms == max(t.samples_ms)
+    assert t.decision_ms == max(t.median_ms, t.mean_ms / 1.25)
+    assert m.tokens_per_s == pytest.approx(3 / (t.decision_ms / 1e3))
+    assert m.verified_steps == 7 and m.escape_probability == pytest.approx(0.8**7)
     assert set(m.phases_ms) == {"load", "bind", "compile", "check", "measure", "verify"}
     assert m.memory.weights_bytes == engine.weights.nbytes()
     assert m.memory.kv_cache_bytes > 0 and m.memory.workspace_bytes > 0
@@ -136,7 +139,7 @@ def test_prefill_is_timed_at_the_traffic_shape_when_asked(engine: Engine) -> Non
     assert m.status == "ok" and m.prefill is not None, m.error
     assert len(m.prefill.samples_ms) == 3 and m.prefill.median_ms > 0
     spec = engine.spec
-    expected = spec.batch_size * spec.context_len / (m.prefill.median_ms / 1e3)
+    expected = spec.batch_size * spec.context_len / (m.prefill.decision_ms / 1e3)
     assert m.prefill_tokens_per_s == pytest.approx(expected)
     assert "prefill" in m.phases_ms
     # the engine is back at the operating point: the next experiment checks and times as usual

@@ -75,3 +75,31 @@ def test_nested_schema_errors_name_the_field() -> None:
 def test_unknown_type_is_rejected() -> None:
     with pytest.raises(SchemaError, match="no registered schema"):
         latest_version("Nope")
+
+
+def test_an_experiment_completed_before_the_timing_defenses_still_loads() -> None:
+    """Events written before mean_ms, max_ms, verified_steps and escape_probability existed
+    validate, with the defaults that mean "not recorded"."""
+    old = {
+        "compilation_id": "c1",
+        "candidate_id": "x",
+        "status": "ok",
+        "correct": True,
+        "median_ms": 10.0,
+        "p10_ms": 9.0,
+        "p90_ms": 11.0,
+        "tokens_per_s": 300.0,
+        "tier": "fast",
+    }
+    version, data = validate_event("experiment-e1", "ExperimentCompleted", 1, old)
+    assert version == 1
+    assert data["mean_ms"] == 0.0 and data["max_ms"] == 0.0
+    assert data["verified_steps"] == 0 and data["escape_probability"] == 1.0
+    assert {k: data[k] for k in old} == old
+    new = {**old, "mean_ms": 10.5, "max_ms": 12.0, "verified_steps": 21}
+    _, data = validate_event(
+        "experiment-e1", "ExperimentCompleted", 1, {**new, "escape_probability": 0.8**21}
+    )
+    assert data["verified_steps"] == 21 and data["escape_probability"] == 0.8**21
+    with pytest.raises(SchemaError, match="escape_probability"):
+        validate_event("experiment-e1", "ExperimentCompleted", 1, {**old, "escape_probability": 2})

@@ -20,6 +20,7 @@ from kiln.domain.judging import AGREEMENT_PREFIX as AGREEMENT_PREFIX
 from kiln.domain.judging import BASELINE_AGENT, CONFIRM_TIER, SEARCH_TIER, Result
 from kiln.domain.judging import CONFIRM_AGENT as CONFIRM_AGENT
 from kiln.domain.judging import agreement_text as agreement_text
+from kiln.domain.step_time import band_top_ms, decision_step_ms
 from kiln.events.types import (
     BaselineCompared,
     BestCandidateImproved,
@@ -84,12 +85,14 @@ def full_reference(state: CompilationState, before: int) -> Completed | None:
 
 
 def distinguishable(candidate: ExperimentCompleted, reference: ExperimentCompleted) -> bool:
-    """Whether the candidate's p90 step is faster than the reference's p10 step (medians when
-    either lacks percentiles).
+    """Whether the candidate's p90 step, raised to its decision step
+    (:func:`~kiln.domain.step_time.band_top_ms`: front-loaded work cannot hide below the band),
+    is faster than the reference's p10 step (decision steps when either lacks percentiles).
     """
     if candidate.p90_ms <= 0 or reference.p10_ms <= 0:
-        return candidate.median_ms < reference.median_ms
-    return candidate.p90_ms < reference.p10_ms
+        mine = decision_step_ms(candidate.median_ms, candidate.mean_ms)
+        return mine < decision_step_ms(reference.median_ms, reference.mean_ms)
+    return band_top_ms(candidate.p90_ms, candidate.median_ms, candidate.mean_ms) < reference.p10_ms
 
 
 def speedup(state: CompilationState, completed: Completed) -> float | None:

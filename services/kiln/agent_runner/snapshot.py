@@ -54,6 +54,8 @@ def measurement_from(d: dict[str, Any]) -> common_pb2.Measurement:
             median_ms=float(d.get("median_ms", 0.0)),
             p10_ms=float(d.get("p10_ms", 0.0)),
             p90_ms=float(d.get("p90_ms", 0.0)),
+            mean_ms=float(d.get("mean_ms", 0.0)),
+            max_ms=float(d.get("max_ms", 0.0)),
         ),
         tokens_per_s=float(d.get("tokens_per_s", 0.0)),
         error=str(d.get("error", "")),
@@ -61,6 +63,8 @@ def measurement_from(d: dict[str, Any]) -> common_pb2.Measurement:
         tier=TIER_BY_NAME.get(str(d.get("tier")), common_pb2.TIER_UNSPECIFIED),
         batch_size=int(d.get("batch_size", 0)),
         context_len=int(d.get("context_len", 0)),
+        verified_steps=int(d.get("verified_steps", 0)),
+        escape_probability=float(d.get("escape_probability", 1.0)),
     )
 
 

@@ -277,10 +277,12 @@ def measure(name: str, point: BaselineSetup, build: Build) -> BaselineResult:
         )
     return BaselineResult(
         name=name,
-        tokens_per_s=point.batch / (timing.median_ms / 1e3) if timing.median_ms > 0 else 0.0,
+        tokens_per_s=timing.per_second(point.batch),
         median_ms=timing.median_ms,
         p10_ms=timing.p10_ms,
         p90_ms=timing.p90_ms,
+        mean_ms=timing.mean_ms,
+        max_ms=timing.max_ms,
         steps=len(samples),
         notes=notes,
         correct=correct,

@@ -82,6 +82,8 @@ def to_measurement(result: BaselineResult, base: dict[str, Any]) -> Measurement:
             p10_ms=result.p10_ms,
             p90_ms=result.p90_ms,
             warmup_runs=0,
+            mean_ms=result.mean_ms,
+            max_ms=result.max_ms,
         ),
         tokens_per_s=result.tokens_per_s,
         prefill=prefill,

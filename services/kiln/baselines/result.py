@@ -13,9 +13,11 @@ class BaselineResult:
 
     Attributes:
         name: the baseline (``hf_eager``, ``hf_static``, ``hf_compile``, ``gpt_fast``).
-        tokens_per_s: ``batch / median_s``: decode tokens/s (0 when not measured).
+        tokens_per_s: decode tokens/s, ``batch`` per decision step (the median, or the mean /
+            1.25 when above it: :mod:`kiln.domain.step_time`, as a candidate's; 0 when not
+            measured).
         median_ms, p10_ms, p90_ms: percentiles of the timed decode steps, ms
-            (:func:`kiln.runtime.timing.summarize`).
+            (:func:`kiln.runtime.timing.summarize`); mean_ms, max_ms: their mean and slowest.
         steps: timed decode steps.
         notes: what was run, in words.
         skipped_reason: why it did not run; "" when it ran.
@@ -47,6 +49,8 @@ class BaselineResult:
     prefill_median_ms: float = 0.0
     prefill_p10_ms: float = 0.0
     prefill_p90_ms: float = 0.0
+    mean_ms: float = 0.0
+    max_ms: float = 0.0
 
     @property
     def measured(self) -> bool:

@@ -9,6 +9,8 @@
   the fold of a compilation's experiments.
 - :mod:`kiln.domain.judging`: the tiers, the runner's own agent names, a measurement's speedup
   over its reference (the fast tier's baseline, the adjacent full-tier reference).
+- :mod:`kiln.domain.step_time`: the step time tokens/s and the band test are decided by (the
+  median, or the mean over a slack when work is front-loaded).
 - :mod:`kiln.domain.curve`: the best-so-far curve and the time to a fraction of the final best.
 - :mod:`kiln.domain.baselines`: the side-by-side baselines' names, how a compilation asks for
   them, and what marks their experiments.

@@ -64,6 +64,8 @@ def completed_payload(work: ExperimentWork, m: Measurement) -> dict[str, Any]:
         median_ms=timing.median_ms if timing else 0.0,
         p10_ms=timing.p10_ms if timing else 0.0,
         p90_ms=timing.p90_ms if timing else 0.0,
+        mean_ms=timing.mean_ms if timing else 0.0,
+        max_ms=timing.max_ms if timing else 0.0,
         tokens_per_s=m.tokens_per_s,
         memory_bytes=m.memory.total_bytes,
         engine_id=m.engine_id,
@@ -81,6 +83,8 @@ def completed_payload(work: ExperimentWork, m: Measurement) -> dict[str, Any]:
         context_len=m.context_len,
         op_ms={k: round(v, 4) for k, v in m.op_ms.items()},
         op_profile_shape=dict(m.op_profile_shape),
+        verified_steps=m.verified_steps,
+        escape_probability=m.escape_probability,
     )
     return event.model_dump(mode="json")
 

@@ -82,6 +82,8 @@ def measurement_to_proto(m: Measurement) -> common_pb2.Measurement:
         tier=_TIER.get(m.tier, common_pb2.TIER_UNSPECIFIED),
         batch_size=m.batch_size,
         context_len=m.context_len,
+        verified_steps=m.verified_steps,
+        escape_probability=m.escape_probability,
     )
     if m.timing is not None:
         msg.timing.CopyFrom(timing_to_proto(m.timing))
@@ -103,6 +105,8 @@ def timing_to_proto(t: Timing) -> common_pb2.Timing:
         stdev_ms=t.stdev_ms,
         samples_ms=t.samples_ms,
         warmup_runs=t.warmup_runs,
+        mean_ms=t.mean_ms,
+        max_ms=t.max_ms,
     )
 
 

@@ -232,6 +232,16 @@ class ExperimentCompleted(EventSchema):
     median_ms: float = Field(0.0, ge=0)
     p10_ms: float = Field(0.0, ge=0)
     p90_ms: float = Field(0.0, ge=0)
+    mean_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="Mean of the timed decode steps, ms; 0 in events written before it was "
+        "recorded. tokens_per_s is batch per decision step, max(median, mean / 1.25) "
+        "(kiln.domain.step_time).",
+    )
+    max_ms: float = Field(
+        default=0.0, ge=0, description="Slowest timed decode step, ms; 0 when not recorded."
+    )
     tokens_per_s: float = Field(0.0, ge=0)
     memory_bytes: int = Field(0, ge=0, le=2**62)
     engine_id: str = ""
@@ -272,4 +282,18 @@ class ExperimentCompleted(EventSchema):
     op_profile_shape: dict[str, int] = Field(
         default_factory=dict,
         description="The operating point of op_ms: layers, batch_size, context_len, dtype_bytes.",
+    )
+    verified_steps: int = Field(
+        default=0,
+        ge=0,
+        description="Timed steps verified against the reference after timing; 0 when none "
+        "(or in events written before it was recorded).",
+    )
+    escape_probability: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="(1 - 0.2)^verified_steps: the chance that a candidate wrong on a fifth of "
+        "its timed steps escaped verification (kiln.runtime.timed_verification); 1 when none "
+        "was verified or not recorded.",
     )

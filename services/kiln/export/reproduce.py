@@ -141,7 +141,7 @@ def reproduce(
             if i >= warmup:
                 samples.append(ms)
         timing = summarize(samples, warmup)
-        measured = opt.batch_size / (timing.median_ms / 1e3) if timing.median_ms else 0.0
+        measured = timing.per_second(opt.batch_size)
         recorded = m.measured.tokens_per_s
         return Reproduction(
             recorded_tokens_per_s=recorded,

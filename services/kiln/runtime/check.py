@@ -1,6 +1,10 @@
 """Correctness of a candidate: its logits against the reference forward's on fresh inputs
 (rationale: docs/design/engine.md, "Check").
 
+Every output the gate reads must be exactly a ``torch.Tensor`` (:func:`not_plain`; else
+:class:`NotPlainTensor`, the experiment INCORRECT); the trusted side copies and compares with
+``__torch_function__`` disabled.
+
 Tolerance: ``max |candidate - reference| <= rtol x max |reference|`` over all checked logits,
 with the same argmax wherever the reference's top-2 margin exceeds twice that; rtol float32 1e-3,
 bfloat16 5e-2, float16 1e-2. In reduced precision a candidate may also be :data:`NOISE_FACTOR`
@@ -28,6 +32,52 @@ reference is (the criterion of FlashAttention's tests).
 
 class EngineFault(RuntimeError):
     """The engine itself is broken (the reference produced non-finite logits): restart it."""
+
+
+PLAIN = "not a plain torch.Tensor"
+"""In the reason whenever an output is a tensor of another kind."""
+_FOREIGN_KEYS = (
+    torch._C.DispatchKey.Python,
+    torch._C.DispatchKey.PythonTLSSnapshot,
+    torch._C.DispatchKey.Functionalize,
+    torch._C.DispatchKey.FuncTorchBatched,
+    torch._C.DispatchKey.FuncTorchGradWrapper,
+)
+"""Dispatch keys through which reading a tensor would run code other than ATen's kernels (a
+subclass's ``__torch_dispatch__`` survives assigning ``__class__ = torch.Tensor``)."""
+
+
+class NotPlainTensor(TypeError):
+    """An output the gate reads is not exactly a ``torch.Tensor`` (the experiment is
+    INCORRECT)."""
+
+
+def not_plain(out: object) -> str:
+    """Why ``out`` is not an output the gate may read, or "": it must be exactly a
+    ``torch.Tensor`` (``type(out) is torch.Tensor``: no subclass, no Parameter), strided, not
+    nested or meta, and without Python or functorch dispatch."""
+    if not isinstance(out, Tensor):
+        return f"output is {type(out).__name__}, not a tensor"
+    kind = type(out)
+    if kind is not Tensor:
+        return f"output is {kind.__module__}.{kind.__qualname__}, {PLAIN}"
+    if out.layout != torch.strided or out.is_nested or out.is_meta:
+        what = "nested" if out.is_nested else "meta" if out.is_meta else str(out.layout)
+        return f"output is a {what} tensor, {PLAIN}"
+    keys = torch._C._dispatch_keys(out)
+    foreign = [str(k).rpartition(".")[2] for k in _FOREIGN_KEYS if keys.has(k)]
+    if foreign:
+        return f"output is a tensor with {', '.join(foreign)} dispatch, {PLAIN}"
+    return ""
+
+
+def plain_tensor(out: object, where: str = "") -> Tensor:
+    """``out`` when :func:`not_plain` finds nothing; else :class:`NotPlainTensor` (its message
+    prefixed by ``where``)."""
+    why = not_plain(out)
+    if why or not isinstance(out, Tensor):
+        raise NotPlainTensor(f"{where}: {why}" if where else why)
+    return out
 
 
 @dataclass(frozen=True)
@@ -77,14 +127,14 @@ class OutputGuard:
         self._held: list[Tensor] = []
 
     def hold(self, out: object) -> None:
-        """Remember ``out`` (a floating tensor not aliasing engine state) for poisoning."""
-        if isinstance(out, Tensor) and out.is_floating_point():
+        """Remember ``out`` (a plain floating tensor not aliasing engine state) for poisoning."""
+        if isinstance(out, Tensor) and not not_plain(out) and out.is_floating_point():
             if out.untyped_storage().data_ptr() not in self._protected:
                 self._held.append(out)
 
     def poison(self) -> None:
         """Fill every held output with NaN."""
-        with torch.no_grad():
+        with torch.no_grad(), torch._C.DisableTorchFunction():
             for t in self._held:
                 t.fill_(float("nan"))
 
@@ -94,14 +144,15 @@ class OutputGuard:
 
 
 def _copy(out: object) -> Tensor:
-    if not isinstance(out, Tensor):
-        raise TypeError(f"the forward returned {type(out).__name__}, not a tensor of logits")
-    return out.detach().float().clone()
+    """A float32 copy of a plain tensor, made with ``__torch_function__`` disabled."""
+    plain = plain_tensor(out)
+    with torch._C.DisableTorchFunction():
+        return plain.detach().float().clone()
 
 
 def run_steps(calls: Sequence[Callable[[], object]], guard: OutputGuard) -> list[Tensor]:
-    """Run each call with poisoning; float32 copies of the outputs. TypeError if one is not a
-    tensor.
+    """Run each call with poisoning; float32 copies of the outputs. :class:`NotPlainTensor` if
+    one is not exactly a tensor.
     """
     outs: list[Tensor] = []
     for call in calls:
@@ -131,6 +182,17 @@ def compare(
     Raises:
         EngineFault: the reference's (or the exact) logits are not finite.
     """
+    with torch._C.DisableTorchFunction():
+        return _compare(candidate, reference, rtol, rows, exact)
+
+
+def _compare(
+    candidate: Sequence[Tensor],
+    reference: Sequence[Tensor],
+    rtol: float,
+    rows: Sequence[Tensor] | None,
+    exact: Sequence[Tensor] | None,
+) -> CheckResult:
     for r in [*reference, *(exact or [])]:
         if not bool(torch.isfinite(r).all()):
             raise EngineFault("the reference forward produced non-finite logits")
@@ -194,10 +256,9 @@ class TimedOutputs:
 
     def offer(self, step: int, out: object) -> Callable[[], None] | None:
         """The copy to make of timed step ``step``'s output (outside the timed interval), or
-        None. TypeError if ``out`` is not a tensor.
+        None. :class:`NotPlainTensor` if ``out`` (whether kept or not) is not exactly a tensor.
         """
-        if not isinstance(out, Tensor):
-            raise TypeError(f"the forward returned {type(out).__name__}, not a tensor of logits")
+        out = plain_tensor(out, f"timed step {step + 1}")
         self.seen += 1
         if len(self._slots) < self.k:
             slot = len(self._slots)

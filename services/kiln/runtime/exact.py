@@ -1,12 +1,16 @@
-"""The reference forward in float32 arithmetic over the model's own (e.g. bfloat16) weights, for the
-gate's noise estimate ``max |reference - exact|`` (docs/design/engine.md, "Check").
+"""Views of the reference that read its cache without writing it: the forward in float32
+arithmetic over the model's own (e.g. bfloat16) weights, for the gate's noise estimate ``max
+|reference - exact|``, and the reference stepping several copies of its batch at once, for
+verifying several timed steps in one forward (docs/design/engine.md, "Check").
 
-Same graph and weight values, every op's ``reference`` fed float32 (weights upcast one layer at a
-time: extra memory is one layer's weights, plus one layer's cache rows for a step on the engine's
-cache); nothing of the model, its cache or its weight store is written.
+The float32 forward: same graph and weight values, every op's ``reference`` fed float32 (weights
+upcast one layer at a time: extra memory is one layer's weights, plus one layer's cache rows for a
+step on the engine's cache); nothing of the model, its cache or its weight store is written.
 
 - :func:`exact_step`: one decode step from the cache's current state, its lengths and buffers
-  untouched.
+  untouched; ``copies`` times the active batch at once when the tokens hold that many rows.
+- :func:`stacked`: the model's own ops on ``copies`` copies of its active batch, one decode step
+  from the cache's current state (each layer's rows copied when written).
 - :func:`exact_model`: a model view with its own float32 cache (``max_batch x max_len``) for a
   prefill and decode steps of fresh prompts.
 """
@@ -90,34 +94,64 @@ class _Ops:
 
 class _StepCache:
     """One decode step on a copy: positions from ``cache``'s state, each layer's active rows
-    copied to float32 when written; ``cache`` is never changed."""
+    copied ``copies`` times (sequence ``j`` of copy ``c`` at row ``c x batch + j``) to ``dtype``
+    when written; ``cache`` is never changed."""
 
-    def __init__(self, cache: StaticKVCache) -> None:
+    def __init__(self, cache: StaticKVCache, dtype: torch.dtype, copies: int = 1) -> None:
         self._cache = cache
-        self.batch = cache.batch
+        self._dtype = dtype
+        self._copies = copies
+        self.batch = cache.batch * copies
         self.max_len = cache.max_len
 
     def next_positions(self) -> tuple[Tensor, Tensor]:
-        return self._cache.next_positions()
+        positions, seq_lens = self._cache.next_positions()
+        return positions.repeat(self._copies, 1), seq_lens.repeat(self._copies)
 
     def advance(self, steps: int = 1) -> None:
         """Nothing to record: the step's copies are dropped."""
 
+    def _rows(self, buffer: Tensor) -> Tensor:
+        active = buffer[: self._cache.batch]
+        out = torch.empty((self._copies, *active.shape), dtype=self._dtype, device=active.device)
+        out.copy_(active)  # broadcast over the copies, cast once
+        return out.flatten(0, 1)
+
     def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         b = k.shape[0]
         rows = torch.arange(b, device=positions.device)[:, None]
-        k_cache = self._cache.k[layer][:b].float()
-        v_cache = self._cache.v[layer][:b].float()
-        k_cache[rows, :, positions] = k.transpose(1, 2).float()
-        v_cache[rows, :, positions] = v.transpose(1, 2).float()
+        k_cache, v_cache = self._rows(self._cache.k[layer]), self._rows(self._cache.v[layer])
+        k_cache[rows, :, positions] = k.transpose(1, 2).to(self._dtype)
+        v_cache[rows, :, positions] = v.transpose(1, 2).to(self._dtype)
         return k_cache, v_cache
 
 
-def _view(model: DecoderModel, cache: Any) -> DecoderModel:
+def copies_of(cache: StaticKVCache, tokens: Tensor) -> int:
+    """How many copies of ``cache``'s active batch ``tokens [copies x B, 1]`` step.
+
+    Raises:
+        ValueError: the rows are not a positive multiple of the active batch.
+    """
+    rows, batch = int(tokens.shape[0]), cache.batch
+    if batch < 1 or rows < batch or rows % batch:
+        raise ValueError(f"{rows} token rows are not copies of the active batch of {batch}")
+    return rows // batch
+
+
+def step_bytes(model: DecoderModel, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one more copy of ``model``'s active batch adds to a step of :func:`stacked` or
+    :func:`exact_step` in ``dtype``: one layer's K and V rows and the logits."""
+    cache, config = model.cache, model.config
+    per_row = 2 * config.num_key_value_heads * cache.max_len * config.head_dim
+    per_row += config.vocab_size
+    return cache.batch * per_row * torch.empty((), dtype=dtype).element_size()
+
+
+def _view(model: DecoderModel, cache: Any, ops: Any) -> DecoderModel:
     view = object.__new__(DecoderModel)  # no __init__: it would bind every layer at once
     view.config, view.weights, view.cache = model.config, model.weights, cache
     view.slots, view.binding, view.expert_load = model.slots, model.binding, None
-    view.ops = _Ops(model.slots)  # type: ignore[assignment]
+    view.ops = ops
     return view
 
 
@@ -127,15 +161,27 @@ def exact_step(model: DecoderModel, tokens: Tensor) -> Tensor:
 
     Args:
         model: the reference model (its cache holds the state to step from).
-        tokens: ``[B, 1]`` int64, B the cache's active batch.
+        tokens: ``[copies x B, 1]`` int64, B the cache's active batch: row ``c x B + j``
+            continues sequence ``j``.
 
     Returns:
-        ``[B, V]`` float32 logits.
+        ``[copies x B, V]`` float32 logits.
 
     Raises:
         kiln.workloads.models.kv_cache.CacheCapacityError: as ``decode_step``.
+        ValueError: the rows are not copies of the active batch.
     """
-    return _view(model, _StepCache(model.cache)).decode_step(tokens)
+    cache = _StepCache(model.cache, torch.float32, copies_of(model.cache, tokens))
+    return _view(model, cache, _Ops(model.slots)).decode_step(tokens)
+
+
+def stacked(model: DecoderModel, copies: int) -> DecoderModel:
+    """A view of ``model`` (its ops and weights) whose ``decode_step`` takes ``[copies x B, 1]``
+    tokens, row ``c x B + j`` continuing sequence ``j`` of its cache from the cache's current
+    state, and returns ``[copies x B, V]`` logits; the cache is not written (each layer's rows
+    copied in the cache's dtype when written)."""
+    cache = _StepCache(model.cache, model.cache.k[0].dtype, copies)
+    return _view(model, cache, model.ops)
 
 
 def exact_model(model: DecoderModel, *, max_batch: int, max_len: int) -> DecoderModel:
@@ -148,4 +194,4 @@ def exact_model(model: DecoderModel, *, max_batch: int, max_len: int) -> Decoder
         dtype=torch.float32,
         device=model.cache.lengths.device,
     )
-    return _view(model, cache)
+    return _view(model, cache, _Ops(model.slots))

@@ -11,16 +11,21 @@
    prefill + ``check_steps`` decode steps (:mod:`~kiln.runtime.check`; MoE:
    :mod:`~kiln.runtime.moe_check`);
 5. ``measure``: ``min_repeats`` to ``repeats`` timed decode steps within ``measure_budget_s`` at
-   (batch_size, context_len): median, p10, p90, stdev; tokens/s = batch_size / median_s; outputs
-   poisoned, a random few kept (:class:`~kiln.runtime.check.TimedOutputs`), no candidate thread may
-   outlive a call (else INCORRECT);
-6. ``verify``: the reference on each kept step's token at the same cache state
-   (``verify_timed_steps``, default 1);
+   (batch_size, context_len): median, p10, p90, stdev, mean, max; tokens/s = batch_size / the
+   decision step (the median, or the mean / 1.25 when work was front-loaded:
+   :mod:`kiln.domain.step_time`); outputs poisoned, a random ``verify_timed_steps`` kept
+   (:class:`~kiln.runtime.check.TimedOutputs`), no candidate thread may outlive a call (else
+   INCORRECT);
+6. ``verify``: the reference on each kept step's token at the same cache state, the kept steps
+   stacked into as few forwards as fit in memory; ``verified_steps`` and ``escape_probability``
+   recorded;
 7. ``prefill`` (when asked): ``batch_size`` prompts of ``context_len`` tokens, timed; then the
    per-op profile (when asked).
 
-An exception in any phase makes it CRASHED (exception and traceback tail); an unknown or refused op,
-implementation or transform REJECTED.
+Every output read (the checked steps', each timed step's, each timed prefill's) must be exactly a
+``torch.Tensor`` (:func:`~kiln.runtime.check.not_plain`), else INCORRECT. An exception in any
+phase makes it CRASHED (exception and traceback tail); an unknown or refused op, implementation or
+transform REJECTED.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kiln.domain.candidate import Candidate
+from kiln.domain.step_time import FRONT_LOAD_SLACK
 from kiln.ops.registry import OpLookupError
 from kiln.runtime.attributes import AttributeSnapshot
 from kiln.runtime.check import (
@@ -42,8 +48,10 @@ from kiln.runtime.check import (
     RTOL,
     CheckResult,
     EngineFault,
+    NotPlainTensor,
     OutputGuard,
     TimedOutputs,
+    plain_tensor,
     run_steps,
 )
 from kiln.runtime.gate_check import GateChecks
@@ -53,6 +61,7 @@ from kiln.runtime.reload import load_code_modules
 from kiln.runtime.request import RunRequest
 from kiln.runtime.support import support_for
 from kiln.runtime.thread_watch import OutsideWork, ThreadWatch
+from kiln.runtime.timed_verification import escape_probability
 from kiln.runtime.timing import CpuTimer, CudaTimer, summarize, time_after_untimed
 from kiln.runtime.transforms import AppliedTransforms, RejectedCandidate, apply_transforms
 from kiln.workloads.models import OpBinding
@@ -70,6 +79,12 @@ def _timed(phases: dict[str, float], name: str, sync: Callable[[], None]) -> Ite
     finally:
         sync()
         phases[name] = (time.perf_counter() - start) * 1e3
+
+
+def _plain_prefill(out: object) -> None:
+    """A timed prefill's output is never read, but must be a plain tensor too (a lazy one would
+    defer its work past the timer)."""
+    plain_tensor(out, "timed prefill")
 
 
 def _crash_text(phase: str, exc: BaseException) -> str:
@@ -171,10 +186,16 @@ class Gate(GateChecks):
                 f"verified timed step(s) {chosen or 'none'} of {len(samples)} against the "
                 "reference (chosen after each call returned)"
             )
+            timing = summarize(samples, request.warmup)
             if not verified.correct:
-                median = summarize(samples, request.warmup).median_ms
-                notes.append(f"timed median {median:.4g} ms (not reported: incorrect)")
+                notes.append(f"timed median {timing.median_ms:.4g} ms (not reported: incorrect)")
                 return self._incorrect(verified, phases, notes, base)
+            if timing.mean_decides:
+                notes.append(
+                    f"tokens/s from the mean: mean step {timing.mean_ms:.4g} ms / "
+                    f"{FRONT_LOAD_SLACK:g} is above the median {timing.median_ms:.4g} ms "
+                    f"(slowest {timing.max_ms:.4g} ms): work front-loaded into few steps"
+                )
             prefill: Timing | None = None
             if request.prefill_repeats > 0:
                 phase = "prefill"
@@ -195,6 +216,14 @@ class Gate(GateChecks):
             )
         except RejectedCandidate as exc:
             return Measurement.failed("rejected", f"{phase}: {exc}", phases_ms=phases, **base)
+        except NotPlainTensor as exc:
+            return Measurement.failed(
+                "incorrect",
+                f"incorrect: {phase}: {exc} (outputs must be exactly torch.Tensor)",
+                phases_ms=phases,
+                notes=notes,
+                **base,
+            )
         except OutsideWork as exc:
             return Measurement.failed(
                 "incorrect",
@@ -212,22 +241,21 @@ class Gate(GateChecks):
             return Measurement.failed(
                 "crashed", _crash_text(phase, exc), phases_ms=phases, notes=notes, **base
             )
-        timing = summarize(samples, request.warmup)
         return Measurement(
             status="ok",
             correct=True,
             max_abs_error=max(verdict.max_abs_error, verified.max_abs_error),
             timing=timing,
-            tokens_per_s=spec.batch_size / (timing.median_ms / 1e3) if timing.median_ms else 0.0,
+            tokens_per_s=timing.per_second(spec.batch_size),
             prefill=prefill,
             prefill_tokens_per_s=(
-                spec.batch_size * spec.context_len / (prefill.median_ms / 1e3)
-                if prefill and prefill.median_ms
-                else 0.0
+                prefill.per_second(spec.batch_size * spec.context_len) if prefill else 0.0
             ),
             memory=self.memory(),
             phases_ms=phases,
             notes=notes,
+            verified_steps=len(kept.kept()),
+            escape_probability=escape_probability(len(kept.kept())),
             **profiled,
             **base,
         )
@@ -238,6 +266,7 @@ class Gate(GateChecks):
         put back at the operating point afterwards (its first slots now hold real K/V).
 
         Raises:
+            NotPlainTensor: a timed prefill returned something other than a plain tensor.
             whatever the candidate's prefill raises (the experiment is then CRASHED).
         """
         spec = self.spec
@@ -246,7 +275,7 @@ class Gate(GateChecks):
         prompts = prompts.to(self.device)
         call = functools.partial(self.model.prefill, prompts)
         try:
-            return time_after_untimed(self.timer, call, repeats)
+            return time_after_untimed(self.timer, call, repeats, _plain_prefill)
         finally:
             self._at_context()
 
@@ -283,14 +312,16 @@ class Gate(GateChecks):
         Raises:
             OutsideWork: a thread still ran candidate code, or one started during the call was
                 alive, after a call returned.
+            NotPlainTensor: a step returned something other than a plain tensor.
         """
         samples: list[float] = []
         budget_ms = request.measure_budget_s * 1e3
         threads = ThreadWatch()
 
         def keep(step: int, out: object) -> Callable[[], None] | None:
+            copy = kept.offer(step, out)  # first: it refuses anything but a plain tensor
             guard.hold(out)
-            return kept.offer(step, out)
+            return copy
 
         for i in range(request.repeats):
             self._at_context()

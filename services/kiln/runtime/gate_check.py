@@ -1,6 +1,7 @@
 """The gate's comparisons against the engine's reference models: the first step at the traffic
 shape plus a fresh prefill/decode check (:meth:`GateChecks._check`), and the kept timed steps
-(:meth:`GateChecks._verify`). The reference always gets its own copy of every input.
+(:meth:`GateChecks._verify`, stacked into as few reference forwards as
+:data:`VERIFY_CHUNK_BYTES` allows). The reference always gets its own copy of every input.
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ from kiln.runtime.check import (
     compare,
     run_steps,
 )
-from kiln.runtime.exact import exact_model, exact_step
+from kiln.runtime.exact import exact_model, exact_step, stacked, step_bytes
 from kiln.runtime.moe_check import RoutedCheck
 from kiln.runtime.spec import EngineSpec
 from kiln.workloads.models import DecoderModel
 
 Tensor = torch.Tensor
+
+VERIFY_CHUNK_BYTES = 256 << 20
+"""Transient memory one stacked verify forward may add (copies of a layer's K/V rows and the
+logits, :func:`~kiln.runtime.exact.step_bytes`); a step that needs more is verified alone, as
+one step always was."""
 
 
 def _compare(
@@ -37,6 +43,12 @@ def _compare(
 ) -> CheckResult:
     extra = {k: v for k, v in (("rows", rows), ("exact", exact)) if v is not None}
     return compare(got, want, rtol, **extra)
+
+
+def _part(stacked_out: list[Tensor], i: int, copies: int) -> Tensor:
+    """Copy ``i`` of a stacked forward's one output ``[copies x B, ...]``: ``[B, ...]``."""
+    (out,) = stacked_out
+    return out.unflatten(0, (copies, -1))[i]
 
 
 class GateChecks:
@@ -59,31 +71,49 @@ class GateChecks:
         self, kept: TimedOutputs, tokens: Tensor, rtol: float, timed: int, notes: list[str]
     ) -> CheckResult:
         """The reference's decode step on each kept timed step's token at the same cache state,
-        against the kept logits; ``tokens [repeats, batch_size, 1]`` int64 is the engine's own
-        copy.
+        against the kept logits, each step compared on its own; ``tokens [repeats, batch_size,
+        1]`` int64 is the engine's own copy. Kept steps are stacked, ``c`` of them into one
+        forward over ``c x batch_size`` rows (:func:`~kiln.runtime.exact.stacked`; in reduced
+        precision one float32 forward too), with ``c`` as large as :data:`VERIFY_CHUNK_BYTES`
+        allows.
         """
         ref_guard = OutputGuard(self._protected)
         worst, tolerance = 0.0, 0.0
         moe = RoutedCheck(self.shape_reference, rtol, lossy=rtol == LOSSY_RTOL)
-        for step, got in kept.kept():
+        steps = kept.kept()
+        per_forward = max(1, VERIFY_CHUNK_BYTES // max(1, step_bytes(self.shape_reference)))
+        forwards = 0
+        for first in range(0, len(steps), per_forward):
+            chunk = steps[first : first + per_forward]
             self._at_context()
-            token = tokens[step].to(self.device)
+            token = torch.cat([tokens[step] for step, _ in chunk]).to(self.device)
             exact = self._exact([functools.partial(exact_step, self.shape_reference, token)])
-            ref = moe.record(self.shape_reference, "timed step")
+            ref = moe.record(stacked(self.shape_reference, len(chunk)), "timed step")
             want = run_steps([functools.partial(ref.decode_step, token)], ref_guard)
-            verdict = _compare([got], want, rtol, moe.rows(ref), exact)
-            if not verdict.correct:
-                reason = verdict.reason.removeprefix("step 0: ")
-                return CheckResult(
-                    False,
-                    verdict.max_abs_error,
-                    verdict.tolerance,
-                    f"timed step {step + 1} of {timed} (verified after timing): {reason}",
+            rows = moe.rows(ref)
+            forwards, n = forwards + 1, len(chunk)
+            for i, (step, got) in enumerate(chunk):
+                verdict = _compare(
+                    [got],
+                    [_part(want, i, n)],
+                    rtol,
+                    None if rows is None else [_part(rows, i, n)],
+                    None if exact is None else [_part(exact, i, n)],
                 )
-            worst, tolerance = max(worst, verdict.max_abs_error), verdict.tolerance
+                if not verdict.correct:
+                    reason = verdict.reason.removeprefix("step 0: ")
+                    return CheckResult(
+                        False,
+                        verdict.max_abs_error,
+                        verdict.tolerance,
+                        f"timed step {step + 1} of {timed} (verified after timing): {reason}",
+                    )
+                worst, tolerance = max(worst, verdict.max_abs_error), verdict.tolerance
         ref_guard.poison()
         self._at_context()
-        if moe.applies and kept.kept():
+        if forwards:
+            notes.append(f"{len(steps)} kept timed step(s) verified in {forwards} forward(s)")
+        if moe.applies and steps:
             notes.append(f"moe, verified timed steps: {moe.rows_note()}")
         return CheckResult(True, worst, tolerance)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from kiln.domain.step_time import decision_step_ms
+
 Status = Literal["ok", "incorrect", "crashed", "timed_out", "rejected"]
 STATUSES: tuple[Status, ...] = ("ok", "incorrect", "crashed", "timed_out", "rejected")
 
@@ -17,8 +19,12 @@ MAX_ERROR_CHARS = 4000
 @dataclass
 class Timing:
     """Times of the timed decode steps after warm-up, ms: percentiles (linear interpolation),
-    sample standard deviation (0 with fewer than two), every sample in order, and the untimed
-    runs before.
+    sample standard deviation (0 with fewer than two), every sample in order, the untimed runs
+    before, and the mean and slowest step (0 when not recorded).
+
+    :attr:`decision_ms` is the step time every rate is derived from
+    (:mod:`kiln.domain.step_time`): the median, or the mean over the slack when work was
+    front-loaded into a few steps.
     """
 
     median_ms: float = 0.0
@@ -27,6 +33,23 @@ class Timing:
     stdev_ms: float = 0.0
     samples_ms: list[float] = field(default_factory=list)
     warmup_runs: int = 0
+    mean_ms: float = 0.0
+    max_ms: float = 0.0
+
+    @property
+    def decision_ms(self) -> float:
+        """``max(median, mean / FRONT_LOAD_SLACK)``, ms."""
+        return decision_step_ms(self.median_ms, self.mean_ms)
+
+    @property
+    def mean_decides(self) -> bool:
+        """Whether the mean, not the median, gave :attr:`decision_ms`."""
+        return self.decision_ms > self.median_ms
+
+    def per_second(self, units: float) -> float:
+        """``units`` (tokens) per second at one :attr:`decision_ms` per step; 0.0 untimed."""
+        step = self.decision_ms
+        return units / (step / 1e3) if step > 0 else 0.0
 
 
 @dataclass
@@ -53,8 +76,13 @@ class Measurement:
         status: ok / incorrect / crashed / timed_out / rejected; error: why, for any but ok.
         max_abs_error: largest ``|candidate - reference|`` over the checked logits (``inf`` for
             non-finite).
-        timing: decode-step timings (None unless timed); tokens_per_s: ``batch_size / median_s``.
+        timing: decode-step timings (None unless timed); tokens_per_s: ``batch_size`` per
+            :attr:`Timing.decision_ms` (the median unless work was front-loaded).
         prefill: timings of a ``batch_size x context_len`` prefill (None unless asked).
+        verified_steps: timed steps verified against the reference; escape_probability:
+            ``(1 - CHEAT_FRACTION) ** verified_steps``, the chance a candidate wrong on a fifth
+            of its timed steps escaped (:mod:`kiln.runtime.timed_verification`; 1.0: none
+            verified).
         phases_ms: wall time per phase; device_ms: :meth:`Engine.run` until the engine is put
             back.
         batch_size, context_len: the operating point measured at (0 when unknown).
@@ -84,6 +112,8 @@ class Measurement:
     op_profile_shape: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     restart_engine: bool = False
+    verified_steps: int = 0
+    escape_probability: float = 1.0
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

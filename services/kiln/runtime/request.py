@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
 from kiln.domain.candidate import Candidate
+from kiln.runtime.timed_verification import VERIFY_TIMED_STEPS
 
 RUN: Final = "run"
 STOP: Final = "stop"
@@ -31,8 +32,10 @@ class RunRequest:
         measure_budget_s: stop once ``min_repeats`` ran and their time reached this (0: always
             ``repeats``).
         seed: of this experiment's fresh check inputs.
-        verify_timed_steps: timed steps verified after timing
-            (:class:`kiln.runtime.check.TimedOutputs`; 0: none); each costs one reference step.
+        verify_timed_steps: timed steps verified after timing, at most (default
+            :data:`~kiln.runtime.timed_verification.VERIFY_TIMED_STEPS`; 0: none;
+            :class:`kiln.runtime.check.TimedOutputs`); verified together in as few reference
+            forwards as fit in memory.
         prefill_repeats: timed prefills of ``batch_size`` x ``context_len`` after decode timing (0:
             none).
         profile: time each op of one extra eager step (:mod:`kiln.runtime.op_profile`).
@@ -48,7 +51,7 @@ class RunRequest:
     min_repeats: int = 5
     measure_budget_s: float = 0.0
     seed: int = field(default_factory=lambda: secrets.randbits(62))
-    verify_timed_steps: int = 1
+    verify_timed_steps: int = VERIFY_TIMED_STEPS
     prefill_repeats: int = 0
     profile: bool = False
     baseline: str = ""

@@ -90,14 +90,14 @@ def timer_for(device: torch.device | str) -> CpuTimer | CudaTimer:
 
 
 def time_after_untimed(
-    timer: CpuTimer | CudaTimer, fn: Callable[[], Any], repeats: int
+    timer: CpuTimer | CudaTimer, fn: Callable[[], Any], repeats: int, keep: Keep | None = None
 ) -> list[float]:
     """``fn`` once untimed (lazy initialisation, compilation land there), then ``repeats``
-    timed calls with ``timer``: ms each. How the engines time prefill, a candidate's
-    (:meth:`kiln.runtime.engine.Engine._time_prefill`) and a baseline's
-    (:func:`kiln.baselines.harness.time_prefill`)."""
+    timed calls with ``timer``: ms each; ``keep`` sees each timed call's result, untimed. How
+    the engines time prefill, a candidate's (:meth:`kiln.runtime.engine.Engine._time_prefill`)
+    and a baseline's (:func:`kiln.baselines.harness.time_prefill`)."""
     fn()
-    return [timer.time_ms(fn) for _ in range(repeats)]
+    return [timer.time_ms(fn, keep) for _ in range(repeats)]
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -111,7 +111,7 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def summarize(samples_ms: Sequence[float], warmup_runs: int) -> Timing:
-    """Median, p10, p90 and sample stdev of ``samples_ms`` (ms)."""
+    """Median, p10, p90, sample stdev, mean and max of ``samples_ms`` (ms; all 0 when empty)."""
     ordered = sorted(samples_ms)
     return Timing(
         median_ms=percentile(ordered, 0.5),
@@ -120,4 +120,6 @@ def summarize(samples_ms: Sequence[float], warmup_runs: int) -> Timing:
         stdev_ms=statistics.stdev(samples_ms) if len(samples_ms) > 1 else 0.0,
         samples_ms=list(samples_ms),
         warmup_runs=warmup_runs,
+        mean_ms=statistics.fmean(samples_ms) if samples_ms else 0.0,
+        max_ms=ordered[-1] if ordered else 0.0,
     )

@@ -430,11 +430,18 @@ class Timing(_message.Message):
     STDEV_MS_FIELD_NUMBER: _builtins.int
     SAMPLES_MS_FIELD_NUMBER: _builtins.int
     WARMUP_RUNS_FIELD_NUMBER: _builtins.int
+    MEAN_MS_FIELD_NUMBER: _builtins.int
+    MAX_MS_FIELD_NUMBER: _builtins.int
     median_ms: _builtins.float
     p10_ms: _builtins.float
     p90_ms: _builtins.float
     stdev_ms: _builtins.float
     warmup_runs: _builtins.int
+    mean_ms: _builtins.float
+    """Mean and slowest of the samples (0 when not recorded). tokens/s is derived from the
+    decision step max(median, mean / 1.25), so work front-loaded into few steps cannot hide.
+    """
+    max_ms: _builtins.float
     @_builtins.property
     def samples_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
@@ -446,10 +453,12 @@ class Timing(_message.Message):
         stdev_ms: _builtins.float = ...,
         samples_ms: _abc.Iterable[_builtins.float] | None = ...,
         warmup_runs: _builtins.int = ...,
+        mean_ms: _builtins.float = ...,
+        max_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["median_ms", b"median_ms", "p10_ms", b"p10_ms", "p90_ms", b"p90_ms", "samples_ms", b"samples_ms", "stdev_ms", b"stdev_ms", "warmup_runs", b"warmup_runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_ms", b"max_ms", "mean_ms", b"mean_ms", "median_ms", b"median_ms", "p10_ms", b"p10_ms", "p90_ms", b"p90_ms", "samples_ms", b"samples_ms", "stdev_ms", b"stdev_ms", "warmup_runs", b"warmup_runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -564,12 +573,14 @@ class Measurement(_message.Message):
     OP_PROFILE_SHAPE_FIELD_NUMBER: _builtins.int
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     CONTEXT_LEN_FIELD_NUMBER: _builtins.int
+    VERIFIED_STEPS_FIELD_NUMBER: _builtins.int
+    ESCAPE_PROBABILITY_FIELD_NUMBER: _builtins.int
     status: Global___ExperimentStatus.ValueType
     correct: _builtins.bool
     max_abs_error: _builtins.float
     """Largest |candidate - reference| over the checked outputs."""
     tokens_per_s: _builtins.float
-    """Derived throughput at the traffic shape, tokens/s."""
+    """Derived throughput at the traffic shape, tokens/s: batch per decision step (timing)."""
     error: _builtins.str
     """Cause, for any status other than OK."""
     engine_id: _builtins.str
@@ -583,6 +594,12 @@ class Measurement(_message.Message):
     0 when not recorded.
     """
     context_len: _builtins.int
+    verified_steps: _builtins.int
+    """Timed steps verified against the reference after timing (chosen at random after each
+    returned), and (1 - 0.2)^verified_steps: the chance that a candidate wrong on a fifth of
+    its timed steps escaped (1 when none was verified).
+    """
+    escape_probability: _builtins.float
     @_builtins.property
     def timing(self) -> Global___Timing: ...
     @_builtins.property
@@ -631,10 +648,12 @@ class Measurement(_message.Message):
         op_profile_shape: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         batch_size: _builtins.int = ...,
         context_len: _builtins.int = ...,
+        verified_steps: _builtins.int = ...,
+        escape_probability: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory", "prefill", b"prefill", "timing", b"timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "context_len", b"context_len", "correct", b"correct", "engine_id", b"engine_id", "error", b"error", "max_abs_error", b"max_abs_error", "memory", b"memory", "op_ms", b"op_ms", "op_profile_shape", b"op_profile_shape", "phases_ms", b"phases_ms", "prefill", b"prefill", "prefill_tokens_per_s", b"prefill_tokens_per_s", "status", b"status", "tier", b"tier", "timing", b"timing", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "context_len", b"context_len", "correct", b"correct", "engine_id", b"engine_id", "error", b"error", "escape_probability", b"escape_probability", "max_abs_error", b"max_abs_error", "memory", b"memory", "op_ms", b"op_ms", "op_profile_shape", b"op_profile_shape", "phases_ms", b"phases_ms", "prefill", b"prefill", "prefill_tokens_per_s", b"prefill_tokens_per_s", "status", b"status", "tier", b"tier", "timing", b"timing", "tokens_per_s", b"tokens_per_s", "verified_steps", b"verified_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
