@@ -58,6 +58,8 @@ class Cheat:
         runs: experiments in a row that must all be INCORRECT (a cheat that escapes by chance,
             or one that prepares the next experiment).
         dtype: the engine's dtype it is run on (``float32`` or ``bfloat16``).
+        timed_steps: timed decode steps per experiment (more than the verified steps where the
+            trick steers which step is verified).
     """
 
     name: str
@@ -69,6 +71,7 @@ class Cheat:
     escapes: str = ""
     runs: int = 1
     dtype: str = "float32"
+    timed_steps: int = 4
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -178,8 +178,8 @@ def dunder(x, *, weight):
 ''',
 )
 
-EXACT_TYPES = "exact types: the engine copies and compares a torch.Tensor subclass through "
-"""Start of the escape reason of this kind."""
+PLAIN = "not a plain torch.Tensor"
+"""In the error when an output the gate reads is not exactly a torch.Tensor (exact types)."""
 
 CHEATS: tuple[Cheat, ...] = (
     make(
@@ -189,7 +189,7 @@ CHEATS: tuple[Cheat, ...] = (
         "the first time anything reads it: the engine's copy, after the timer stopped",
         {"lm_head": "lazy"},
         LAZY_LOGITS,
-        escapes=EXACT_TYPES + "its own code, which computes then, untimed",
+        (PLAIN,),
     ),
     make(
         "lazy_dispatch",
@@ -198,7 +198,7 @@ CHEATS: tuple[Cheat, ...] = (
         "when the first aten op (the engine's detach) touches it",
         {"lm_head": "deferred_dispatch"},
         LAZY_DISPATCH,
-        escapes=EXACT_TYPES + "its own code, which computes then, untimed",
+        (PLAIN,),
     ),
     make(
         "answering_tensor",
@@ -207,7 +207,7 @@ CHEATS: tuple[Cheat, ...] = (
         "'equal', so the engine's own comparison finds no difference",
         {"lm_head": "agreeable"},
         ANSWERING_TENSOR,
-        escapes=EXACT_TYPES + "its own code: its sub and ne answer the comparison",
+        (PLAIN,),
     ),
     make(
         "dunder_answers",
@@ -216,7 +216,7 @@ CHEATS: tuple[Cheat, ...] = (
         "keeps the subclass through detach, float, clone and argmax)",
         {"lm_head": "dunder"},
         DUNDER_ANSWERS,
-        escapes=EXACT_TYPES + "its own code: its __sub__ and __ne__ answer the comparison",
+        (PLAIN,),
     ),
 )
 """This kind's cheats."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kiln.domain.candidate import CodeModule
 
-from .cheat import Cheat, make
+from .cheat import VERIFIED, Cheat, make
 from .cheat_code import code_module
 
 
@@ -49,8 +49,6 @@ FRACTION_60 = _fraction("fraction_60", "def _cheat_now(n):\n    return _rng.rand
 FRACTION_20 = _fraction("fraction_20", "def _cheat_now(n):\n    return _rng.random() < 0.2\n")
 EVERY_OTHER = _fraction("every_other", "def _cheat_now(n):\n    return n % 2 == 0\n")
 
-MORE_VERIFIED = "more verified steps: one of four verified, this escapes with probability "
-"""Start of the escape reason of this kind."""
 
 OPS = {"mlp": "some_steps"}
 
@@ -61,8 +59,9 @@ CHEATS: tuple[Cheat, ...] = (
         "skips every other layer's MLP on 60 % of the timed steps, drawn at random",
         OPS,
         FRACTION_60,
-        escapes=MORE_VERIFIED + "0.4",
+        (VERIFIED,),
         runs=20,
+        timed_steps=40,
     ),
     make(
         "fraction_20",
@@ -70,7 +69,7 @@ CHEATS: tuple[Cheat, ...] = (
         "skips every other layer's MLP on 20 % of the timed steps, drawn at random",
         OPS,
         FRACTION_20,
-        escapes=MORE_VERIFIED + "0.8",
+        (VERIFIED,),
         runs=8,
     ),
     make(
@@ -80,8 +79,9 @@ CHEATS: tuple[Cheat, ...] = (
         "randomness)",
         OPS,
         EVERY_OTHER,
-        escapes=MORE_VERIFIED + "0.5",
+        (VERIFIED,),
         runs=16,
+        timed_steps=40,
     ),
 )
 """This kind's cheats."""

@@ -72,7 +72,10 @@ def front_loaded(tokens, *, weight):
 """,
 )
 
-TIMING_STATISTIC = "timing statistic: the median hides one slow step in four"
+TIMING_STATISTIC = (
+    "timing statistic: not rejected (an ok counts as an escape), but the mean decides its "
+    "tokens/s, so it gains at most 1.25x"
+)
 """Start of the escape reason of this kind."""
 
 CHEATS: tuple[Cheat, ...] = (

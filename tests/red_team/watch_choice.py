@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kiln.domain.candidate import CodeModule
 
-from .cheat import AT_SHAPE, TAMPERED, Cheat, make
+from .cheat import AT_SHAPE, TAMPERED, VERIFIED, Cheat, make
 from .cheat_code import code_module
 
 SKIP_UNVERIFIED = '''
@@ -193,8 +193,8 @@ CHEATS: tuple[Cheat, ...] = (
         "timed step is kept; honest there, skips MLPs on the rest",
         OPS,
         RANDRANGE_PATCH,
-        escapes="process split: the verifier's draw runs on classes the candidate can patch "
-        "(only modules' globals and kiln's classes are fingerprinted)",
+        (VERIFIED,),
+        timed_steps=40,
     ),
     make(
         "urandom_rebind",
@@ -213,8 +213,8 @@ CHEATS: tuple[Cheat, ...] = (
         "(found in its frame) with one that keeps only that step; skips MLPs after",
         OPS,
         RESERVOIR_RNG,
-        escapes="process split: the reservoir is an object of the gate's in the candidate's "
-        "reach (its attributes are not fingerprinted)",
+        (VERIFIED,),
+        timed_steps=40,
     ),
     make(
         "reservoir_off",
