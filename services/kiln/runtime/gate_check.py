@@ -23,6 +23,7 @@ from kiln.runtime.check import (
 from kiln.runtime.exact import exact_model, exact_step
 from kiln.runtime.moe_check import RoutedCheck
 from kiln.runtime.spec import EngineSpec
+from kiln.runtime.state_guard import StateGuard
 from kiln.workloads.models import DecoderModel
 
 Tensor = torch.Tensor
@@ -50,10 +51,13 @@ class GateChecks:
     reference: DecoderModel
     shape_reference: DecoderModel
     _protected: set[int]
+    _state: StateGuard
 
     if TYPE_CHECKING:
 
         def _at_context(self) -> None: ...
+
+        def _fill_cache(self) -> None: ...
 
     def _verify(
         self, kept: TimedOutputs, tokens: Tensor, rtol: float, timed: int, notes: list[str]
@@ -65,6 +69,7 @@ class GateChecks:
         ref_guard = OutputGuard(self._protected)
         worst, tolerance = 0.0, 0.0
         moe = RoutedCheck(self.shape_reference, rtol, lossy=rtol == LOSSY_RTOL)
+        self._fill_cache()  # the timed steps' cache content, whatever the candidate wrote there
         for step, got in kept.kept():
             self._at_context()
             token = tokens[step].to(self.device)
@@ -83,6 +88,7 @@ class GateChecks:
             worst, tolerance = max(worst, verdict.max_abs_error), verdict.tolerance
         ref_guard.poison()
         self._at_context()
+        self._state.check("by the end of verification")  # StateChanged: the reference read it
         if moe.applies and kept.kept():
             notes.append(f"moe, verified timed steps: {moe.rows_note()}")
         return CheckResult(True, worst, tolerance)
@@ -117,7 +123,7 @@ class GateChecks:
         """
         spec = self.spec
         ref_guard = OutputGuard(self._protected)
-        self._at_context()
+        self._fill_cache()  # what the candidate's first step read, whatever it wrote since
         token = self._shape_token(seed)
         moe = RoutedCheck(self.reference, rtol, lossy=rtol == LOSSY_RTOL)
         exact = self._exact([functools.partial(exact_step, self.shape_reference, token)])
@@ -156,9 +162,10 @@ class GateChecks:
             exact = self._exact(calls(fresh))
         ref = moe.record(self.reference, "check prefill/decode")
         want = run_steps(calls(ref), ref_guard)
+        self._state.check("by the end of the check")  # before any candidate code runs again
         guard.poison()
         ref_guard.poison()
-        self._at_context()
+        self._fill_cache()  # the candidate's prefill wrote the first slots: timed steps start clean
         verdict = _compare(got, want, rtol, moe.rows(ref), exact)
         if not verdict.correct:
             return verdict
