@@ -14,6 +14,8 @@ TAMPERED = "changed the engine outside its ops"
 """In the error when the engine's code, models or numerics flags were changed."""
 AT_SHAPE = "at batch "
 """In the error when the checked step at the traffic shape differed from the reference's."""
+STATE = "state changed"
+"""In the error when a tensor the reference read (a weight) differs from its content at build."""
 
 KINDS = {
     "a": "cached outputs",
@@ -37,7 +39,6 @@ DEFENSES = (
     "timing statistic",
     "more verified steps",
     "float64-derived tolerance",
-    "state hash",
 )
 """The defenses an escaping cheat may name (:attr:`Cheat.escapes` starts with one)."""
 

@@ -37,7 +37,7 @@ from . import (
     watch_blind,
     watch_choice,
 )
-from .cheat import AT_SHAPE, OUTSIDE, TAMPERED, VERIFIED, Cheat, make
+from .cheat import AT_SHAPE, OUTSIDE, STATE, TAMPERED, VERIFIED, Cheat, make
 from .cheat_code import (
     BORROWED_LOGITS,
     CACHED_LOGITS,
@@ -59,7 +59,17 @@ from .cheat_code import (
 )
 from .honest import honest
 
-__all__ = ["AT_SHAPE", "CHEATS", "OUTSIDE", "TAMPERED", "VERIFIED", "Cheat", "cheats", "honest"]
+__all__ = [
+    "AT_SHAPE",
+    "CHEATS",
+    "OUTSIDE",
+    "STATE",
+    "TAMPERED",
+    "VERIFIED",
+    "Cheat",
+    "cheats",
+    "honest",
+]
 
 ORIGINAL: tuple[Cheat, ...] = (
     make(

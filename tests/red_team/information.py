@@ -1,11 +1,12 @@
 """Kind ``g``: information the candidate should not have. In the engine's process the check's
 seed and the tokens of every timed step are in the caller's frames and on the heap; with them a
-candidate replays the check and computes the reference's answer to every timed step before the
-timer starts (at load, or in the untimed first step), then skips the work when timed. Its
-answers are the reference's own, bit for bit, so verifying timed steps cannot tell.
+candidate computes the reference's answer to every timed step before the timer starts (at load,
+or in the untimed first step), then skips the work when timed. Its answers are the reference's
+own, bit for bit, so verifying timed steps cannot tell.
 
-:data:`FORESIGHT` is the shared half: the replay, and ops that skip attention, MLP and LM head
-for a step whose answer is known. Each module adds how it learns the seed and finds a model.
+:data:`FORESIGHT` is the shared half: the answers (from the cache as the engine fills it before
+the timed steps), and ops that skip attention, MLP and LM head for a step whose answer is
+known. Each module adds how it learns the seed and finds a model.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from .cheat import Cheat, make
 from .cheat_code import code_module
 
 FORESIGHT = '''
-from kiln.runtime.check import CheckInputs
-
 _answers = {}  # a timed step's tokens -> the reference's logits for it
 _hit = []  # the answer of the step being run, while its forward runs
 _busy = []  # non-empty while replaying: every op honest
@@ -29,24 +28,14 @@ def _key(tokens):
 
 
 @torch.no_grad()
-def _foresee(model, spec, seed, timed):
-    """Replay the check the gate will run (its prefill and decode steps leave K/V in the
-    measured cache), then record ``model``'s logits for each of ``timed [n, B, 1]`` from the
-    cache state it is in now (the timed steps' state). The cache's bookkeeping is put back."""
-    inputs = CheckInputs.draw(
-        seed,
-        batch=spec.check_batch,
-        prompt_len=spec.prompt_len,
-        steps=spec.check_steps,
-        vocab=model.config.vocab_size,
-        device=timed.device,
-    )
+def _foresee(engine, model, timed):
+    """Fill the measured cache as the engine does before the timed steps (its seeded K/V:
+    ``Engine._fill_cache``), then record ``model``'s logits for each of ``timed [n, B, 1]`` from
+    that state (the timed steps'). The cache's bookkeeping is put back."""
+    engine._fill_cache()
     state = model.cache.state()
     _busy.append(1)
     try:
-        model.prefill(inputs.tokens, inputs.seq_lens)
-        for step in inputs.decode:
-            model.decode_step(step)
         for step in timed:
             model.cache.restore_state(state)
             _answers[_key(step)] = model.decode_step(step).clone()
@@ -127,7 +116,7 @@ _frame = _gate_frame()
 if _frame is not None:
     _engine, _request = _frame.f_locals["self"], _frame.f_locals["request"]
     _timed = _frame.f_locals["tokens"][_request.warmup :].to(_engine.device)
-    _foresee(_engine.shape_reference, _engine.spec, _request.seed, _timed)
+    _foresee(_engine, _engine.shape_reference, _timed)
 del _frame
 """,
 )
@@ -155,7 +144,7 @@ if _engine is not None and _request is not None:
     _timed = _timed_tokens(
         _request.seed, _request.warmup, _request.repeats, _engine.spec.batch_size, _engine.vocab
     ).to(_engine.device)
-    _foresee(_engine.shape_reference, _engine.spec, _request.seed, _timed)
+    _foresee(_engine, _engine.shape_reference, _timed)
 """,
 )
 
@@ -186,7 +175,7 @@ def _prepare():
     timed = _timed_tokens(
         request.seed, request.warmup, request.repeats, engine.spec.batch_size, engine.vocab
     ).to(engine.device)
-    _foresee(model, engine.spec, request.seed, timed)
+    _foresee(engine, model, timed)
 """,
 )
 
@@ -197,9 +186,9 @@ CHEATS: tuple[Cheat, ...] = (
     make(
         "frame_tokens",
         "g",
-        "at load, walks sys._getframe() to the gate's frame, takes the timed tokens and the "
-        "seed, replays the check and computes every timed step's answer with the engine's "
-        "reference; timed, it skips attention, MLP and LM head",
+        "at load, walks sys._getframe() to the gate's frame, takes the timed tokens and "
+        "computes every timed step's answer with the engine's reference over the cache as the "
+        "engine fills it; timed, it skips attention, MLP and LM head",
         OPS,
         FRAME_TOKENS,
         escapes=PROCESS_SPLIT + "the candidate's reach",

@@ -1,12 +1,14 @@
 """Kind ``j``: state shared with the reference. The reference models compute over the same
 weight store, and the traffic-shape reference over the measured model's KV cache: a candidate
-that changes them in place (addresses and identities unchanged) makes the reference compute
-the same wrong thing it does, cheaply.
+that changes them in place (addresses and identities unchanged) would make the reference
+compute the same wrong thing it does, cheaply. The engine checks the weights by content before
+each verdict and refills the cache before each reference step on it
+(:mod:`kiln.runtime.state_guard`).
 """
 
 from __future__ import annotations
 
-from .cheat import Cheat, make
+from .cheat import STATE, VERIFIED, Cheat, make
 from .cheat_code import code_module
 
 ZERO_LAYER_WEIGHTS = code_module(
@@ -95,12 +97,6 @@ def zeroed_cache(q, k_cache, v_cache, positions, seq_lens, *, scale):
 ''',
 )
 
-WEIGHTS_AFTER = (
-    "state hash: weights changed in place are found only after the verdict (by a sample): "
-    "the engine restarts, the ok stands"
-)
-"""The escape reason of the weight cheats."""
-
 CHEATS: tuple[Cheat, ...] = (
     make(
         "zero_layer_weights",
@@ -109,7 +105,7 @@ CHEATS: tuple[Cheat, ...] = (
         "then skips that MLP: the reference skips it too",
         {"mlp": "zeroed"},
         ZERO_LAYER_WEIGHTS,
-        escapes=WEIGHTS_AFTER,
+        (STATE, "the check: model.layers.1.mlp.down_proj.weight differs from its content at build"),
     ),
     make(
         "half_vocab_weights",
@@ -118,17 +114,17 @@ CHEATS: tuple[Cheat, ...] = (
         "computes only the lower half of the logits",
         {"embedding": "half_vocab", "lm_head": "half_vocab"},
         HALF_VOCAB_WEIGHTS,
-        escapes=WEIGHTS_AFTER,
+        (STATE, "the check: model.embed_tokens.weight = lm_head.weight differs from its content"),
     ),
     make(
         "kv_cache_zero",
         "j",
         "at the first timed call zeroes every KV-cache slot but the current one in place (the "
-        "verifying reference reads the same cache), then attends to one slot in closed form",
+        "verifying reference reads the same cache), then attends to one slot in closed form: "
+        "the cache is refilled before the verifying reference's steps",
         {"attention": "zeroed_cache"},
         KV_CACHE_ZERO,
-        escapes="state hash: the KV cache changed in place is never checked (it is refilled "
-        "after the experiment)",
+        (VERIFIED,),
     ),
 )
 """This kind's cheats."""

@@ -1,5 +1,6 @@
 """Kind ``i``, part one: the verifier's own choices. Which timed step is verified is drawn from
-``random.SystemRandom`` after each call; the tolerance comes from ``kiln.runtime.check.RTOL``.
+``random.SystemRandom`` after each call; the tolerance comes from
+``kiln.runtime.state_guard.TOLERANCES`` (a tuple copied from ``kiln.runtime.check.RTOL``).
 A candidate that controls the draw is honest on the verified step only and skips every other
 layer's MLP elsewhere (:data:`SKIP_UNVERIFIED`); one that loosens the table passes wrong
 outputs.
@@ -154,8 +155,9 @@ LOOSENED_TABLE = code_module(
     """
 from kiln.runtime import check as _check
 
-# The tolerance table, mutated in place (the dict is the same object): read at the start of
-# every later experiment, so this candidate's next submission passes anything.
+# The public tolerance table, mutated in place (the dict is the same object): were it what the
+# gate reads, at the start of every later experiment, this candidate's next submission would
+# pass anything.
 for _dtype in list(_check.RTOL):
     _check.RTOL[_dtype] = 1e9
 """
@@ -166,10 +168,10 @@ RTOL_REBIND = code_module(
     "rtol_rebind",
     """
 import kiln.runtime.check as _check
-import kiln.runtime.gate as _gate
+import kiln.runtime.state_guard as _guard
 
-_gate.RTOL = {dtype: 1e9 for dtype in _gate.RTOL}  # a module attribute rebound
-_check.NOISE_FACTOR = 1e9
+_guard.TOLERANCES = tuple((dtype, 1e9) for dtype, _ in _guard.TOLERANCES)  # module attributes
+_check.NOISE_FACTOR = 1e9  # rebound
 """
     + _ZERO_ATTENTION,
 )
@@ -230,24 +232,23 @@ CHEATS: tuple[Cheat, ...] = (
         "loosened_table",
         "i",
         "sets every entry of kiln.runtime.check.RTOL to 1e9 in place and returns zeros for "
-        "attention: rejected the first time (the gate read the table before loading it), "
-        "passes the second",
+        "attention, hoping the next experiment reads the loosened table (the gate reads a "
+        "frozen copy; the public dict is watched by content and put back)",
         {"attention": "nothing"},
         LOOSENED_TABLE,
-        escapes="state hash: the table is the same dict, changed in place, and stays changed "
-        "for every later experiment",
+        (*FINGERPRINTED, "kiln.runtime.check.RTOL changed in place", AT_SHAPE),
         runs=2,
     ),
     make(
         "rtol_rebind",
         "i",
-        "rebinds kiln.runtime.gate.RTOL and kiln.runtime.check.NOISE_FACTOR to huge values and "
-        "returns zeros for attention",
+        "rebinds kiln.runtime.state_guard.TOLERANCES and kiln.runtime.check.NOISE_FACTOR to "
+        "huge values and returns zeros for attention",
         {"attention": "nothing"},
         RTOL_REBIND,
         (
             *FINGERPRINTED,
-            "kiln.runtime.gate.RTOL replaced",
+            "kiln.runtime.state_guard.TOLERANCES replaced",
             "kiln.runtime.check.NOISE_FACTOR replaced",
             AT_SHAPE,
         ),

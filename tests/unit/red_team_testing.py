@@ -8,7 +8,7 @@ import contextlib
 import operator
 import random
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -48,26 +48,31 @@ BLINDERS = (
 
 
 @contextlib.contextmanager
-def putting_back(engine: Engine | None = None) -> Iterator[None]:
+def putting_back(engine: Engine | None = None) -> Iterator[Callable[[], None]]:
     """On exit, puts back what an escaping cheat left and the engine did not see: the functions
     the watches rely on, the tolerance table, whatever the fingerprint covers, ``engine``'s
-    weights."""
+    weights. Yields what stands in for the restart a measurement asks for: the weights put back
+    (what a rebuilt engine would load)."""
     blinders = [(owner, name, vars(owner)[name]) for owner, name in BLINDERS]
     rtol = dict(check.RTOL)
     fingerprint = HarnessFingerprint.take()
     weights = [(t, t.clone()) for _, t in engine.weights.items()] if engine else []
+
+    def restart() -> None:
+        with torch.no_grad():
+            for tensor, saved in weights:
+                if not torch.equal(tensor, saved):
+                    tensor.copy_(saved)
+
     try:
-        yield
+        yield restart
     finally:
         for owner, name, value in blinders:
             if vars(owner)[name] is not value:
                 setattr(owner, name, value)
         check.RTOL.update(rtol)
         assert fingerprint.restore() == []
-        with torch.no_grad():
-            for tensor, saved in weights:
-                if not torch.equal(tensor, saved):
-                    tensor.copy_(saved)
+        restart()
 
 
 def spy_on_loads(monkeypatch: pytest.MonkeyPatch) -> list[types.ModuleType]:

@@ -76,7 +76,7 @@ def test_every_cheat_is_rejected(
 ) -> None:
     engine: Engine = request.getfixturevalue(ENGINE_OF[cheat.dtype])
     loaded = spy_on_loads(monkeypatch)
-    with putting_back(engine):
+    with putting_back(engine) as restart:
         for run in range(cheat.runs):
             loaded.clear()
             steps = cheat.timed_steps
@@ -90,9 +90,12 @@ def test_every_cheat_is_rejected(
             assert m.timing is None and m.tokens_per_s == 0.0
             for text in cheat.caught:
                 assert text in m.error, (text, m.error)
-            if red_team.TAMPERED in cheat.caught or red_team.OUTSIDE in cheat.caught:
+            if {red_team.TAMPERED, red_team.OUTSIDE, red_team.STATE} & set(cheat.caught):
                 assert m.restart_engine
-        # Whatever it did is undone (by the engine): it measures the reference correctly next.
+            if m.restart_engine:
+                restart()  # weights changed in place are what only a restart puts back
+        # Whatever else it did is undone (by the engine): it measures the reference correctly
+        # next.
         after = _run(engine, Candidate())
         assert after.status == "ok", after.error
         assert DecoderModel._layer.__name__ == "_layer" and time.perf_counter is PERF_COUNTER
@@ -380,8 +383,11 @@ def test_cheats_judged_by_the_numbers_are_rejected_against_the_exact_forward_in_
 ) -> None:
     """In bfloat16 the tolerance grows to twice the reference's own error against its float32
     exact forward: still far below what skipping layers, rows or work costs."""
-    m = _run(bf16_engine, cheat.candidate)
-    assert m.status == "incorrect", (m.status, m.error)
+    with putting_back(bf16_engine) as restart:
+        m = _run(bf16_engine, cheat.candidate)
+        assert m.status == "incorrect", (m.status, m.error)
+        if m.restart_engine:
+            restart()
     after = _run(bf16_engine, Candidate.make({"attention": "sdpa"}))
     assert after.status == "ok", after.error
     assert any("check against the float32 exact forward" in n for n in after.notes), after.notes

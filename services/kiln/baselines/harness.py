@@ -21,9 +21,9 @@ import torch
 
 from kiln.baselines.result import BaselineResult
 from kiln.runtime import check
-from kiln.runtime.check import RTOL
 from kiln.runtime.exact import exact_model
 from kiln.runtime.measurement import Timing
+from kiln.runtime.state_guard import rtol_for
 from kiln.runtime.timing import CpuTimer, CudaTimer, summarize, time_after_untimed, timer_for
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.models import DecoderModel, build_model
@@ -155,7 +155,7 @@ def compare(
     if got.shape != want.shape:
         raise ValueError(f"logits of shape {tuple(got.shape)}, expected {tuple(want.shape)}")
     verdict = check.compare(
-        [got.float()], [want], RTOL[dtype], exact=None if exact is None else [exact]
+        [got.float()], [want], rtol_for(dtype), exact=None if exact is None else [exact]
     )
     return verdict.correct, verdict.max_abs_error, verdict.tolerance
 

@@ -84,12 +84,12 @@ def reproduce(
     from kiln.export.load import load_optimized
     from kiln.runtime.check import (
         LOSSY_RTOL,
-        RTOL,
         CheckInputs,
         OutputGuard,
         compare,
         run_steps,
     )
+    from kiln.runtime.state_guard import rtol_for
     from kiln.runtime.timing import summarize, timer_for
 
     if repeats < 1:
@@ -97,7 +97,7 @@ def reproduce(
     opt = load_optimized(artifact, device=device, weights=weights)
     try:
         m = opt.artifact.manifest
-        rtol = LOSSY_RTOL if m.lossy else RTOL[opt.dtype]
+        rtol = LOSSY_RTOL if m.lossy else rtol_for(opt.dtype)
         vocab = opt.model.config.vocab_size
         g = torch.Generator().manual_seed(seed)
         token = torch.randint(vocab, (opt.batch_size, 1), generator=g).to(opt.device)

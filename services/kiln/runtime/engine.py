@@ -8,8 +8,9 @@ reference over the measured cache for the traffic-shape check. Per candidate (:m
 the gate's phases (:mod:`kiln.runtime.gate`, :mod:`kiln.runtime.gate_check`) under the watches of
 :mod:`kiln.runtime.integrity` (a change makes the experiment INCORRECT and restarts the engine).
 Afterwards the engine is always put back (transforms undone, registry restored, reference ops
-re-bound, derived layouts dropped; after code modules the weights verified and the cache refilled),
-or the measurement asks for a restart (``restart_engine``).
+re-bound, derived layouts dropped; after code modules the weights verified by content,
+:mod:`kiln.runtime.state_guard`, and the cache refilled), or the measurement asks for a restart
+(``restart_engine``).
 """
 
 from __future__ import annotations
@@ -39,15 +40,19 @@ from kiln.runtime.measurement import Measurement, MemoryUsage
 from kiln.runtime.reload import RegistrySnapshot, forget_sources
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineSpec
+from kiln.runtime.state_guard import (
+    StateGuard,
+    reference_tensors,
+    restore_tolerances,
+    tolerance_changes,
+)
 from kiln.runtime.thread_watch import ThreadWatch
 from kiln.runtime.timing import timer_for
 from kiln.runtime.transforms import AppliedTransforms
 from kiln.workloads.models import DecoderModel, OpBinding, build_model
 
-Tensor = torch.Tensor
 ExternalMeasure = Callable[[Any, RunRequest, dict[str, Any]], Measurement]
 """``(engine, request, base) -> Measurement``: what :meth:`Engine.run_external` runs."""
-SAMPLES_PER_TENSOR = 1 << 16
 MODEL_BINDING = ("binding", "ops")
 """Attributes of the measured model hot reload swaps (only transforms may set others, and they undo
 it).
@@ -62,7 +67,7 @@ ENGINE_ATTRIBUTES = (
     "_context",
     "_protected",
     "_base",
-    "_sample",
+    "_state",
     "_registry",
 )
 """The engine's attributes no experiment reassigns (fingerprinted by :meth:`Engine._attempt`)."""
@@ -126,7 +131,11 @@ class Engine(Gate):
         self._fill_cache()
         self.build_phases_s["cache"] = time.perf_counter() - t
         self._base = {name: (tensor, tensor.data_ptr()) for name, tensor in self.weights.items()}
-        self._sample = self._weights_sample()
+        models = (("reference", self.reference), ("shape_reference", self.shape_reference))
+        self._state = StateGuard(
+            [*reference_tensors(models, self.weights), ("engine._context", self._context)],
+            keyed=self.device.type == "cuda",
+        )
         self._protected = {t.untyped_storage().data_ptr() for _, t in self.weights.items()}
         for cache in (self.model.cache, self.reference.cache):
             self._protected |= {t.untyped_storage().data_ptr() for t in cache.k + cache.v}
@@ -141,7 +150,10 @@ class Engine(Gate):
 
     # ------------------------------------------------------------------ state
     def _fill_cache(self) -> None:
-        """Random K/V (seeded, unit normal) in every slot, sequences at ``context_len``."""
+        """Random K/V (seeded, unit normal) in every slot, sequences at ``context_len``: the same
+        content each time, so whatever a candidate wrote there is gone (the gate refills before
+        each reference step on this cache and before the timed steps).
+        """
         g = torch.Generator(device=self.device).manual_seed(self.spec.seed + 1)
         cache = self.model.cache
         with torch.no_grad():
@@ -153,27 +165,15 @@ class Engine(Gate):
         """Every sequence of the measured model at ``context_len`` tokens (buffers untouched)."""
         self.model.cache.start(self._context, self.spec.context_len)
 
-    def _weights_sample(self) -> dict[str, Tensor]:
-        """A copy of every base weight's elements at a fixed stride (about
-        :data:`SAMPLES_PER_TENSOR` each; exact, any dtype). Whole-tensor writes always show; a
-        few-element write may fall between samples.
-        """
-        out: dict[str, Tensor] = {}
-        with torch.no_grad():
-            for name, t in self.weights.items():
-                flat = t.detach().reshape(-1)
-                out[name] = flat[:: max(1, flat.numel() // SAMPLES_PER_TENSOR)].clone()
-        return out
-
     def weights_intact(self) -> bool:
-        """True when every base weight is the same tensor at the same address with the same sampled
-        contents as at build time.
+        """True when every base weight is the same tensor at the same address as at build time,
+        and every tensor the reference reads has its recorded content
+        (:class:`~kiln.runtime.state_guard.StateGuard`).
         """
         for name, (tensor, ptr) in self._base.items():
             if self.weights.get(name) is not tensor or tensor.data_ptr() != ptr:
                 return False
-        now = self._weights_sample()
-        return all(torch.equal(now[name], sample) for name, sample in self._sample.items())
+        return not self._state.changes()
 
     def _warm(self) -> None:
         """A decode step at the traffic shape and a check prefill with the reference ops, then with
@@ -328,28 +328,38 @@ class Engine(Gate):
         """The gate (:meth:`_gate`) under :mod:`kiln.runtime.integrity`'s watches (code and numerics
         fingerprint, the measured model's attributes, candidate threads): any change makes the
         experiment INCORRECT, is put back, and asks for a restart. The fingerprint is refreshed
-        before each candidate loads (changes in between are noted).
+        before each candidate loads (changes in between are noted); so is the state guard's key
+        (CUDA), whose attributes are watched too. The public tolerance table is watched by content
+        (:func:`~kiln.runtime.state_guard.tolerance_changes`).
         """
+        self._state.begin()
+        between = tolerance_changes()
+        restore_tolerances()
         fingerprint = self._fingerprint
         if fingerprint is None:
             fingerprint = self._fingerprint = HarnessFingerprint.take(self._watched())
         else:
-            between = fingerprint.refresh(self._watched())
-            if between:
-                notes.append(f"changed since the last experiment: {'; '.join(between[:4])}")
+            between += fingerprint.refresh(self._watched())
+        if between:
+            notes.append(f"changed since the last experiment: {'; '.join(between[:4])}")
         model = AttributeSnapshot("engine.model", self.model, True, ignore=MODEL_BINDING).take()
+        state = AttributeSnapshot("engine._state", self._state, True).take()
         tampered: list[str] = []
         result = self._gate(candidate, request, phases, notes, applied, base, model, tampered)
         tampered += fingerprint.changes()
         tampered += model.changes()
+        tampered += state.changes()
+        tampered += tolerance_changes()
         strays = ThreadWatch().strays(new_threads=False)
         if not tampered and not strays:
             return result
         problems = fingerprint.restore()
-        try:
-            model.restore()
-        except (TypeError, AttributeError) as exc:
-            problems.append(f"engine.model: {exc}")
+        restore_tolerances()
+        for snapshot in (model, state):
+            try:
+                snapshot.restore()
+            except (TypeError, AttributeError) as exc:
+                problems.append(f"{snapshot.label}: {exc}")
         why = []
         if tampered:
             why.append(f"changed the engine outside its ops: {'; '.join(tampered[:8])}")
@@ -373,8 +383,8 @@ class Engine(Gate):
         )
 
     def _watched(self) -> Iterator[tuple[str, object, tuple[str, ...] | None]]:
-        """The engine's objects a candidate must leave alone: its references to models, weights and
-        timer; both reference models, their bound ops and caches.
+        """The engine's objects a candidate must leave alone: its references to models, weights,
+        timer and state guard; both reference models, their bound ops and caches.
         """
         yield "engine", self, ENGINE_ATTRIBUTES
         for label, ref in (

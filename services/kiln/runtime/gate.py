@@ -45,7 +45,6 @@ from kiln.ops.registry import OpLookupError
 from kiln.runtime.attributes import AttributeSnapshot
 from kiln.runtime.check import (
     LOSSY_RTOL,
-    RTOL,
     CheckResult,
     EngineFault,
     NotPlainTensor,
@@ -59,6 +58,7 @@ from kiln.runtime.measurement import Measurement, MemoryUsage, Timing
 from kiln.runtime.op_profile import profile_decode_step, profile_fields
 from kiln.runtime.reload import load_code_modules
 from kiln.runtime.request import RunRequest
+from kiln.runtime.state_guard import StateChanged, rtol_for
 from kiln.runtime.support import support_for
 from kiln.runtime.thread_watch import OutsideWork, ThreadWatch
 from kiln.runtime.timed_verification import escape_probability
@@ -119,7 +119,7 @@ class Gate(GateChecks):
         re-taken once the transforms are applied (they may install a forward)."""
         sync = self.timer.sync
         spec = self.spec
-        rtol = LOSSY_RTOL if candidate.lossy else RTOL[self.dtype]
+        rtol = LOSSY_RTOL if candidate.lossy else rtol_for(self.dtype)
         g = torch.Generator().manual_seed(request.seed + 1)
         tokens = torch.randint(
             self.vocab, (request.warmup + request.repeats, spec.batch_size, 1), generator=g
@@ -164,7 +164,7 @@ class Gate(GateChecks):
                 # The first step at the traffic shape is checked (in the check phase); the
                 # candidate cannot tell it from the timed steps that follow.
                 token = self._shape_token(request.seed)
-                self._at_context()
+                self._fill_cache()
                 first = run_steps([functools.partial(self.model.decode_step, token)], guard)
                 for i in range(1, request.warmup):
                     self._at_context()
@@ -228,6 +228,15 @@ class Gate(GateChecks):
             return Measurement.failed(
                 "incorrect",
                 f"incorrect: work outside the timed call: {exc}",
+                phases_ms=phases,
+                notes=notes,
+                restart_engine=True,
+                **base,
+            )
+        except StateChanged as exc:
+            return Measurement.failed(
+                "incorrect",
+                f"incorrect: {exc}",
                 phases_ms=phases,
                 notes=notes,
                 restart_engine=True,

@@ -24,6 +24,7 @@ from kiln.runtime.check import (
 from kiln.runtime.exact import exact_model, exact_step, stacked, step_bytes
 from kiln.runtime.moe_check import RoutedCheck
 from kiln.runtime.spec import EngineSpec
+from kiln.runtime.state_guard import StateGuard
 from kiln.workloads.models import DecoderModel
 
 Tensor = torch.Tensor
@@ -62,10 +63,13 @@ class GateChecks:
     reference: DecoderModel
     shape_reference: DecoderModel
     _protected: set[int]
+    _state: StateGuard
 
     if TYPE_CHECKING:
 
         def _at_context(self) -> None: ...
+
+        def _fill_cache(self) -> None: ...
 
     def _verify(
         self, kept: TimedOutputs, tokens: Tensor, rtol: float, timed: int, notes: list[str]
@@ -83,6 +87,7 @@ class GateChecks:
         steps = kept.kept()
         per_forward = max(1, VERIFY_CHUNK_BYTES // max(1, step_bytes(self.shape_reference)))
         forwards = 0
+        self._fill_cache()  # the timed steps' cache content, whatever the candidate wrote there
         for first in range(0, len(steps), per_forward):
             chunk = steps[first : first + per_forward]
             self._at_context()
@@ -111,6 +116,7 @@ class GateChecks:
                 worst, tolerance = max(worst, verdict.max_abs_error), verdict.tolerance
         ref_guard.poison()
         self._at_context()
+        self._state.check("by the end of verification")  # StateChanged: the reference read it
         if forwards:
             notes.append(f"{len(steps)} kept timed step(s) verified in {forwards} forward(s)")
         if moe.applies and steps:
@@ -147,7 +153,7 @@ class GateChecks:
         """
         spec = self.spec
         ref_guard = OutputGuard(self._protected)
-        self._at_context()
+        self._fill_cache()  # what the candidate's first step read, whatever it wrote since
         token = self._shape_token(seed)
         moe = RoutedCheck(self.reference, rtol, lossy=rtol == LOSSY_RTOL)
         exact = self._exact([functools.partial(exact_step, self.shape_reference, token)])
@@ -186,9 +192,10 @@ class GateChecks:
             exact = self._exact(calls(fresh))
         ref = moe.record(self.reference, "check prefill/decode")
         want = run_steps(calls(ref), ref_guard)
+        self._state.check("by the end of the check")  # before any candidate code runs again
         guard.poison()
         ref_guard.poison()
-        self._at_context()
+        self._fill_cache()  # the candidate's prefill wrote the first slots: timed steps start clean
         verdict = _compare(got, want, rtol, moe.rows(ref), exact)
         if not verdict.correct:
             return verdict

@@ -30,6 +30,7 @@ WATCHED_PACKAGES = (
     "kiln.runtime.gate",
     "kiln.runtime.gate_check",
     "kiln.runtime.integrity",
+    "kiln.runtime.state_guard",
     "kiln.runtime.attributes",
     "kiln.runtime.thread_watch",
     "kiln.runtime.timing",
