@@ -25,9 +25,10 @@ is replaced). A row's keys:
 - ``limit_tok_s``: the bandwidth limit at that point, weights plus KV cache
   (:func:`kiln.cli.compile_view.comparison_limit`); ``limit``: its description (it says
   "weights only" where the context was unknown).
-- ``experiments``: experiments done; ``time_to_95_s``: seconds from submission until the best
-  first reached 95 % of the final best (null without a best); ``best_candidate``: the winner in
-  words.
+- ``experiments``: experiments done; ``failures``: experiments neither ``ok`` nor ``cancelled``,
+  by cause (``"<status>: <the error's first clause>"`` -> count); ``time_to_95_s``: seconds
+  from submission until the best first reached 95 % of the final best (null without a best);
+  ``best_candidate``: the winner in words.
 - ``command``: the command line that ran the compilation (given); ``date``: when the
   compilation's last event was recorded, ISO 8601 UTC.
 
@@ -65,12 +66,26 @@ KEY = ("model", "batch", "context", "trace")
 """The fields that identify a row: a new row replaces an old one with the same values."""
 
 
+def failure_cause(data: dict[str, Any]) -> str | None:
+    """``"<status>: <first clause of the error>"`` of an ``ExperimentCompleted`` payload that is
+    not ``ok`` (ids and numbers left in; at most 100 characters), None for ``ok``."""
+    status = str(data.get("status", "")).lower()
+    if status in ("ok", "cancelled", ""):
+        return None
+    error = str(data.get("error", "")).strip().splitlines()
+    first = error[0] if error else ""
+    for sep in (" (", "; ", ". "):
+        first = first.split(sep, 1)[0]
+    return f"{status}: {first}"[:100]
+
+
 async def read_compilation(
-    client: LedgerClient, compilation_id: str
+    client: LedgerClient, compilation_id: str, failures: dict[str, int] | None = None
 ) -> tuple[compiler_pb2.Compilation, Comparison]:
     """The compilation folded from its events and its experiments' (ledger order, from its
     submission up to its ``CompilationEnded`` or the ledger's head), as ``Compiler.Watch``
-    folds them, and the baselines' table folded from the same events.
+    folds them, and the baselines' table folded from the same events. ``failures``, when
+    given, counts the compilation's experiments that were not ``ok`` by :func:`failure_cause`.
 
     Raises:
         LookupError: no such compilation.
@@ -89,7 +104,13 @@ async def read_compilation(
             if not snap.belongs(event):
                 continue
             snap.apply(event)
-            comparison.update(event.type, recorded_data(event))
+            data = recorded_data(event)
+            comparison.update(event.type, data)
+            if failures is not None and event.type == "ExperimentCompleted":
+                if data.get("compilation_id") == compilation_id:
+                    cause = failure_cause(data)
+                    if cause is not None:
+                        failures[cause] = failures.get(cause, 0) + 1
             if snap.ended and event.stream_id == snap.stream_id:
                 break
     finally:
@@ -151,7 +172,12 @@ def operating_point(snap: compiler_pb2.Compilation, comparison: Comparison) -> t
 
 
 def dense_row(
-    snap: compiler_pb2.Compilation, comparison: Comparison, *, trace: str, command: str
+    snap: compiler_pb2.Compilation,
+    comparison: Comparison,
+    *,
+    trace: str,
+    command: str,
+    failures: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The results row of a folded compilation (keys in the module docstring)."""
     batch, context = operating_point(snap, comparison)
@@ -183,6 +209,7 @@ def dense_row(
         "limit_tok_s": limit.tokens_per_s if limit else None,
         "limit": limit.describe() if limit else "unknown (no weights bytes or hardware entry)",
         "experiments": snap.experiments_done,
+        "failures": dict(sorted((failures or {}).items(), key=lambda kv: -kv[1])),
         "time_to_95_s": to95,
         "best_candidate": best_candidate,
         "command": command,
@@ -221,9 +248,10 @@ async def _row(args: argparse.Namespace) -> dict[str, Any]:
     given = {"team": args.team, "ledger_addr": args.ledger_addr}
     settings = load_settings(**{k: v for k, v in given.items() if v is not None})
     async with LedgerClient(ledger_addr(settings), settings.team) as client:
-        snap, comparison = await read_compilation(client, args.compilation_id)
+        failures: dict[str, int] = {}
+        snap, comparison = await read_compilation(client, args.compilation_id, failures)
     trace = args.trace or Path(snap.workload.traffic.source).name
-    return dense_row(snap, comparison, trace=trace, command=args.command)
+    return dense_row(snap, comparison, trace=trace, command=args.command, failures=failures)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,6 +130,18 @@ async def _compilation(client: LedgerClient) -> str:
             **({"prefill_median_ms": prefill} if prefill else {}),  # hf_compile: an old event
         }
         await client.append(stream, [NewEvent("BaselineCompared", compared)])
+    for status, error in (
+        ("crashed", "prefill: OutOfMemoryError: CUDA out of memory. Tried to allocate 9 GiB"),
+        ("crashed", "prefill: OutOfMemoryError: CUDA out of memory. Tried to allocate 3 GiB"),
+        ("cancelled", "the search ended (the wall-clock budget of 180 s is spent)"),
+    ):
+        await _experiment(
+            client,
+            cid,
+            Candidate.make({"moe": "dense"}),
+            {"status": status, "correct": False, "error": error},
+            agent="profiler",
+        )
     best = await _experiment(
         client,
         cid,
@@ -163,10 +175,13 @@ async def _compilation(client: LedgerClient) -> str:
 async def test_dense_row_from_the_ledger(ledger_addr: str, tmp_path: Path) -> None:
     async with LedgerClient(ledger_addr, "search") as client:
         cid = await _compilation(client)
-        snap, comparison = await dense_row.read_compilation(client, cid)
+        failures: dict[str, int] = {}
+        snap, comparison = await dense_row.read_compilation(client, cid, failures)
         with pytest.raises(LookupError):
             await dense_row.read_compilation(client, new_id())
-    row = dense_row.dense_row(snap, comparison, trace="azure_llm_2023_conv.csv", command="kc")
+    row = dense_row.dense_row(
+        snap, comparison, trace="azure_llm_2023_conv.csv", command="kc", failures=failures
+    )
     assert set(row) >= {
         "model", "batch", "context", "trace", "reference", "hf_compile", "gpt_fast",
         "kiln_best", "limit_tok_s", "experiments", "time_to_95_s", "best_candidate",
@@ -186,7 +201,8 @@ async def test_dense_row_from_the_ledger(ledger_addr: str, tmp_path: Path) -> No
     honest = H200_BW / (WEIGHTS + 7084 * KV_PER_TOKEN)
     assert row["limit_tok_s"] == pytest.approx(honest, rel=1e-3)  # not 4.26e12 / weights
     assert "context 7,084" in row["limit"]
-    assert row["experiments"] == 4 and row["time_to_95_s"] == pytest.approx(42.0)
+    assert row["failures"] == {"crashed: prefill: OutOfMemoryError: CUDA out of memory": 2}
+    assert row["experiments"] == 6 and row["time_to_95_s"] == pytest.approx(42.0)
     assert row["command"] == "kc" and row["date"].startswith("20")
 
     out = tmp_path / "results" / "h200_dense.json"
