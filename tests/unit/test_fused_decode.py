@@ -249,18 +249,60 @@ def test_bad_parameters_are_rejected_with_the_reason(params: dict, message: str)
     assert "decode_step" not in fused.__dict__
 
 
+# Expert layers: the attention half fused, the ffn through the bound ``moe`` op. Qwen3-MoE with a
+# dense layer among expert layers (``mlp_only_layers``), and Mixtral (every layer routes).
+MOE_FAMILIES = {
+    "qwen3-moe-mixed": {
+        **QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+    },
+    "mixtral": {
+        **SMALL, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+        "rope_scaling": None,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+@pytest.mark.parametrize("projections", ["gemv", "tensor_core"])
+@pytest.mark.parametrize("moe", ["reference", "dense", "triton_gather"])
+def test_expert_layers_run_the_bound_moe_op(family: str, projections: str, moe: str) -> None:
+    from kiln.workloads.models.binding import OpBinding
+
+    raw = MOE_FAMILIES[family]
+    ref, fused, gen = _pair(torch.float32, 2, prompt=9, seed=5, raw=raw)
+    assert any(layer.ffn.op == "moe" for layer in fused.slots.layers)
+    fused.rebind(OpBinding.from_recipe({"moe": moe}))
+    called: list[int] = []
+    inner = fused.ops.layers[0].ffn
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        called.append(x.shape[0])
+        return inner(x)
+
+    if fused.slots.layers[0].ffn.op == "moe":
+        fused.ops = _with_first_ffn(fused.ops, counted)
+    undo = install(fused, {**WIDE, "projections": projections})
+    try:
+        _steps_match(ref, fused, gen, torch.float32)
+    finally:
+        undo()
+    if fused.slots.layers[0].ffn.op == "moe":
+        assert called == [2, 2]  # one call per step, the whole batch at once
+
+
+def _with_first_ffn(ops, ffn):
+    import dataclasses
+
+    first = dataclasses.replace(ops.layers[0], ffn=ffn)
+    return dataclasses.replace(ops, layers=(first, *ops.layers[1:]))
+
+
 def test_models_outside_the_fused_path_are_rejected() -> None:
     from kiln.runtime.fused_decode import unsupported_reason
 
-    moe = {
-        **QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32, "norm_topk_prob": True,
-    }  # fmt: skip
-    config = parse_config(moe, "tiny-qwen3-moe")
-    assert unsupported_reason(config) is not None and "experts" in unsupported_reason(config)
-    model = build_model(config, dtype=torch.float32, max_seq_len=16)
-    with pytest.raises(FusedDecodeUnsupported, match="has experts"):
-        install(model, {})
+    for raw in MOE_FAMILIES.values():
+        assert unsupported_reason(parse_config(raw, "tiny-moe")) is None
     biased = parse_config({**SMALL, "attention_bias": True}, "tiny-biased")
     assert "biases" in (unsupported_reason(biased) or "")
     for raw in (SMALL, *FAMILIES.values()):

@@ -248,6 +248,25 @@ def test_gathered_products_run_in_chunks_that_bound_the_scratch(
     torch.testing.assert_close(chunked, want)
 
 
+def test_dense_runs_the_reference_where_its_scratch_would_pass_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``dense`` computes every expert on every token only while that scratch fits
+    ``GATHER_BYTES`` (a prefill of a large MoE model ran the device out of memory): beyond it
+    the step is the reference's, bit for bit; within it the result is ``dense``'s own."""
+    from kiln.ops import moe
+
+    torch.manual_seed(3)
+    p = moe_params(6, 16, 12, 2, torch.float32)
+    x = randn(2, 5, 16, dtype=torch.float32)
+    own = get("moe", "dense")(x, **p)
+    reference = get("moe", "reference")(x, **p)
+    assert_close(own, reference)
+    monkeypatch.setattr(moe, "GATHER_BYTES", 6 * 10 * (3 * 12 + 16) * 4 - 1)  # one byte short
+    assert torch.equal(get("moe", "dense")(x, **p), reference)
+    assert not torch.equal(own, reference)  # so the line above tells the two paths apart
+
+
 def test_names_recipes_recorded_earlier_still_bind_but_are_not_offered() -> None:
     from kiln.agent_runner.space import op_dimensions
 

@@ -173,6 +173,7 @@ def test_under_torch_compile_the_kernels_are_an_opaque_op() -> None:
     torch._dynamo.reset()
     out = torch.compile(lambda t: fn(t, **p), backend=backend, fullgraph=True)(x)
     assert "kiln.moe_gather.default" in calls  # Dynamo never traced into the kernels
+    assert "kiln.moe_route.default" in calls
     assert torch.equal(out, fn(x, **p))
 
 

@@ -236,17 +236,24 @@ def dense(
     round_router_weights: bool,
     router_bias: Tensor | None = None,
 ) -> Tensor:
-    """Every expert on every token (E/top_k times the FLOPs, scratch ``E * N * (2I + H)``); the
-    contract of :func:`reference`.
+    """Every expert on every token (E/top_k times the FLOPs, scratch ``E * N * (3I + H)``); the
+    contract of :func:`reference`. Where that scratch would pass :data:`GATHER_BYTES` (a
+    prefill), the step runs :func:`reference` instead.
     """
     b, t, h = x.shape
+    n_experts, inter = gate_up_weight.shape[0], down_weight.shape[2]
+    if n_experts * b * t * (3 * inter + h) * x.element_size() > GATHER_BYTES:
+        return reference(
+            x, router_weight=router_weight, gate_up_weight=gate_up_weight,
+            down_weight=down_weight, top_k=top_k, norm_topk_prob=norm_topk_prob,
+            round_router_weights=round_router_weights, router_bias=router_bias,
+        )  # fmt: skip
     flat = x.reshape(-1, h)
     weights, experts = route(
         flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias
     )
     if round_router_weights:
         weights = weights.to(x.dtype)
-    n_experts = gate_up_weight.shape[0]
     combine = torch.zeros(flat.shape[0], n_experts, dtype=weights.dtype, device=x.device)
     combine.scatter_(1, experts, weights)
     xs = flat.unsqueeze(0).expand(n_experts, -1, -1)

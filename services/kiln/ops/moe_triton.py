@@ -1,7 +1,8 @@
 """``moe`` "triton_gather": small-batch decode over only the routed experts (CUDA only; design:
 docs/design/kernels.md, "MoE decode kernel").
 
-Routing is :func:`kiln.ops.moe.route` (same experts as every ``moe`` implementation; combine weights
+Routing runs fused in :func:`kiln.ops.kernels.moe_router.moe_router` (the routing of
+:func:`kiln.ops.moe.route`, one launch; under ``torch.compile``, ``route`` itself; combine weights
 rounded to the model dtype when ``round_router_weights``); experts run in
 :func:`kiln.ops.kernels.moe_decode.moe_decode`, deterministic (slots added in order, no atomics),
 the per-token sum float32 rounded once. Same contract as :func:`kiln.ops.moe.reference`.
@@ -9,8 +10,8 @@ the per-token sum float32 rounded once. Same contract as :func:`kiln.ops.moe.ref
 Above :data:`MAX_ASSIGNMENTS` (token, expert) assignments it runs the ``reference``; the choice
 depends on shapes only. Off CUDA the kernel runs only under ``TRITON_INTERPRET=1`` (CPU tensors);
 elsewhere the call runs the reference (registered for CUDA only). Under ``torch.compile`` the
-kernels are called through the custom op ``kiln::moe_gather``. The kernel module is imported on
-first call (importing :mod:`kiln.ops` must not import Triton).
+kernels are called through the custom ops ``kiln::moe_route`` and ``kiln::moe_gather``. The
+kernel modules are imported on first call (importing :mod:`kiln.ops` must not import Triton).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 
 import torch
 
-from kiln.ops.moe import reference, route
+from kiln.ops.moe import reference
 from kiln.ops.registry import register
 
 Tensor = torch.Tensor
@@ -49,7 +50,7 @@ def triton_gather(
     round_router_weights: bool,
     router_bias: Tensor | None = None,
 ) -> Tensor:
-    """:func:`route`, then the gather-GEMV kernels; ``reference`` above :data:`MAX_ASSIGNMENTS`
+    """The fused router, then the gather-GEMV kernels; ``reference`` above :data:`MAX_ASSIGNMENTS`
     assignments or where the kernels cannot run.
 
     Args:
@@ -74,16 +75,33 @@ def triton_gather(
             round_router_weights=round_router_weights,
             router_bias=router_bias,
         )
-    weights, experts = route(
-        flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias
-    )
-    if round_router_weights:
-        weights = weights.to(x.dtype).float()
     if torch.compiler.is_compiling():
+        weights, experts = moe_route_op(
+            flat, router_weight, top_k, norm_topk_prob, round_router_weights, router_bias
+        )
         out = moe_gather_op(flat, experts, weights, gate_up_weight, down_weight)
     else:
+        weights, experts = _route(
+            flat, router_weight, top_k, norm_topk_prob, round_router_weights, router_bias
+        )
         out = _experts(flat, experts, weights, gate_up_weight, down_weight)
     return out.view(x.shape)
+
+
+def _route(
+    x: Tensor,
+    router_weight: Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    round_weights: bool,
+    router_bias: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    from kiln.ops.kernels.moe_router import moe_router
+
+    return moe_router(
+        x, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob,
+        round_weights=round_weights, router_bias=router_bias,
+    )  # fmt: skip
 
 
 def _experts(
@@ -92,6 +110,36 @@ def _experts(
     from kiln.ops.kernels.moe_decode import moe_decode
 
     return moe_decode(x, experts, weights, gate_up_weight, down_weight)
+
+
+@torch.library.custom_op("kiln::moe_route", mutates_args=())
+def moe_route_op(
+    x: Tensor,
+    router_weight: Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    round_weights: bool,
+    router_bias: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`kiln.ops.kernels.moe_router.moe_router` as an op ``torch.compile`` does not trace
+    into: ``(weights [N, top_k] float32, experts [N, top_k] int64)``."""
+    return _route(x, router_weight, top_k, norm_topk_prob, round_weights, router_bias)
+
+
+@moe_route_op.register_fake
+def _moe_route_fake(
+    x: Tensor,
+    router_weight: Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    round_weights: bool,
+    router_bias: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    n = x.shape[0]
+    return (
+        x.new_empty((n, top_k), dtype=torch.float32),
+        x.new_empty((n, top_k), dtype=torch.int64),
+    )
 
 
 @torch.library.custom_op("kiln::moe_gather", mutates_args=())

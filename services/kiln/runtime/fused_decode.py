@@ -3,8 +3,9 @@ as a short chain of fused kernels (design: docs/design/kernels.md).
 
 A layer: RMSNorm, QKV, (Q/K norm), RoPE and KV write; split-KV attention and combine; ``o_proj``
 + residual; RMSNorm, gate/up and SiLU·mul; ``down`` + residual; then the final norm and LM head.
-Products run as matrix-vector kernels or cuBLAS GEMMs. Outputs match the reference within the
-engine's bf16 tolerance.
+An expert layer (Qwen3-MoE, Mixtral) runs its RMSNorm fused and then the ``moe`` op the candidate
+bound (so the expert kernel stays a search dimension). Products run as matrix-vector kernels or
+cuBLAS GEMMs. Outputs match the reference within the engine's bf16 tolerance.
 
 Parameters (strings; unset = each kernel's default for its shape): ``projections`` (``gemv`` up
 to :data:`kiln.ops.kernels.gemv.MAX_M` sequences, ``tensor_core`` always; unset: GEMV below
@@ -109,11 +110,9 @@ def _int_params(params: Mapping[str, str]) -> tuple[dict[str, int], str | None]:
 
 def unsupported_reason(config: ModelConfig) -> str | None:
     """Why ``fused_decode`` cannot run ``config`` on a CUDA engine, or None: any dense decoder
-    runs (Q/K norms, any GQA ratio, even head_dim up to 256, llama3 RoPE); not experts, MLA or
-    biases.
+    runs (Q/K norms, any GQA ratio, even head_dim up to 256, llama3 RoPE), expert layers through
+    the bound ``moe`` op; not MLA or biases.
     """
-    if config.is_moe:
-        return f"fused_decode: {config.name} has experts (dense models only)"
     if config.mla is not None:
         return f"fused_decode: {config.name} uses latent attention (MLA)"
     if config.attention_bias:
@@ -137,8 +136,9 @@ class _Layer:
     o_weight: Tensor
     post_norm: Tensor
     post_eps: float
-    gate_up_weight: Tensor
-    down_weight: Tensor
+    gate_up_weight: Tensor | None
+    """None on an expert layer (its ``ffn`` is the bound ``moe`` op)."""
+    down_weight: Tensor | None
 
 
 def _derived(model: DecoderModel, site: Site, derivation: Any) -> dict[str, Any]:
@@ -155,12 +155,16 @@ def _layers(model: DecoderModel) -> list[_Layer]:
         raise FusedDecodeUnsupported(reason)
     layers = []
     for slots in model.slots.layers:
-        if slots.ffn.op != "mlp":
-            raise FusedDecodeUnsupported("fused_decode: a layer without a dense MLP")
+        if slots.ffn.op not in ("mlp", "moe"):
+            raise FusedDecodeUnsupported(f"fused_decode: a layer whose ffn is {slots.ffn.op!r}")
         qkv = _derived(model, slots.qkv_proj, FUSED_QKV)
         if qkv["qkv_bias"] is not None or slots.o_proj.params.get("bias") is not None:
             raise FusedDecodeUnsupported(f"fused_decode: {config.name} has projection biases")
-        mlp = _derived(model, slots.ffn, FUSED_GATE_UP)
+        mlp = (
+            _derived(model, slots.ffn, FUSED_GATE_UP)
+            if slots.ffn.op == "mlp"
+            else {"gate_up_weight": None, "down_weight": None}
+        )
         q_norm = None if slots.q_norm is None else slots.q_norm.params
         k_norm = None if slots.k_norm is None else slots.k_norm.params
         qk_eps = (q_norm or k_norm or {"eps": 0.0})["eps"]
@@ -346,6 +350,11 @@ class FusedDecode:
             head_dim=self.head_dim, pdl=self.pdl,
         )  # fmt: skip
 
+    def _experts(self, i: int, x: Tensor) -> Tensor:
+        """Layer ``i``'s bound ``moe`` op on the normed ``x [B, H]`` -> ``[B, H]``."""
+        out: Tensor = self.model.ops.layers[i].ffn(x[:, None, :])
+        return out[:, 0]
+
     def _gemv_step(self, tokens: Tensor, cache: Any) -> Tensor:
         """The step with matrix-vector products."""
         rms_norm_qkv_rope, decode_attention = self._qkv_rope, self._attention
@@ -373,6 +382,10 @@ class FusedDecode:
                 config=self.attention_config,
             )  # fmt: skip
             s = gemv(attn.reshape(b, -1), layer.o_weight, residual=s, config=self.o_config)
+            if layer.gate_up_weight is None or layer.down_weight is None:
+                x, _ = self._add_rms_norm(s, None, layer.post_norm, layer.post_eps)
+                s = s + self._experts(i, x)
+                continue
             act = rms_norm_gemv(
                 s, layer.post_norm, layer.post_eps, layer.gate_up_weight,
                 activation="silu_mul", config=self.gate_up_config,
@@ -401,6 +414,9 @@ class FusedDecode:
             )  # fmt: skip
             o = F.linear(attn.reshape(b, -1), layer.o_weight)
             x, s = add_rms_norm(o, s, layer.post_norm, layer.post_eps)
+            if layer.gate_up_weight is None or layer.down_weight is None:
+                delta = self._experts(i, x)
+                continue
             gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
             delta = F.linear(F.silu(gate) * up, layer.down_weight)
         x, _ = add_rms_norm(*_pending(s, delta), self.final_norm, self.final_eps)
