@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -46,12 +46,41 @@ def hf_model(point: BaselineSetup) -> Any:
     raw.pop("dtype", None)
     raw["num_hidden_layers"] = config.num_hidden_layers  # a truncated config (fast tier)
     hf_config = transformers.AutoConfig.for_model(config.model_type, **raw)
+    shortfall = copy_shortfall((t for _, t in point.weights.items()), point.device)
+    if shortfall is not None:
+        raise SkipBaseline(shortfall)
     with torch.device(point.device):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=point.dtype)
     model.eval()
     with torch.no_grad():
         model.load_state_dict(dict(point.weights.items()), strict=True)
     return model
+
+
+def copy_shortfall(
+    tensors: Iterable[torch.Tensor], device: torch.device, free_bytes: int | None = None
+) -> str | None:
+    """Why a second copy of ``tensors`` (each storage once) does not fit in ``device``'s free
+    memory (``free_bytes``; None: ``torch.cuda.mem_get_info`` after emptying the cache), or None
+    when it fits or ``device`` is not CUDA."""
+    if device.type != "cuda" and free_bytes is None:
+        return None
+    seen: set[int] = set()
+    need = 0
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            need += t.untyped_storage().nbytes()
+    if free_bytes is None:
+        torch.cuda.empty_cache()
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+    if need <= 0.95 * free_bytes:
+        return None
+    return (
+        f"a copy of the weights needs {need / 1e9:.1f} GB and {device} has "
+        f"{free_bytes / 1e9:.1f} GB free beside kiln's engine"
+    )
 
 
 @dataclass
