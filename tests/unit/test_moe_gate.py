@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.domain.candidate import Candidate
+from kiln.domain.candidate import Candidate, Transform
+from kiln.ops.kernels import runtime
 from kiln.runtime import moe_check
 from kiln.runtime.engine import Engine
 from kiln.runtime.measurement import Measurement
@@ -79,6 +80,16 @@ LIBRARY = {
     "sdpa": {"attention": "sdpa"},
     "dense+sdpa": {"moe": "dense", "attention": "sdpa"},
 }
+FUSED = ("fused_decode+dense",)
+"""Library candidates with the fused decode chain (Triton's interpreter on CPU)."""
+
+
+def library(recipe: str) -> Candidate:
+    """One of :data:`FUSED` as a candidate."""
+    ops = {"moe": "dense"} if recipe.endswith("+dense") else {}
+    return Candidate.make(ops, [Transform.of("fused_decode")])
+
+
 _engines: dict[tuple[str, str], Engine] = {}
 
 
@@ -122,9 +133,19 @@ def wrong(family: str) -> list[red_team_moe.MoECase]:
 def test_library_implementations_pass(family: str, dtype: str, recipe: str) -> None:
     e = engine(family, dtype)
     for seed in SEEDS:
-        m = run(e, Candidate.make(LIBRARY[recipe]), seed)
+        m = run(e, library(recipe), seed)
         assert m.status == "ok", (seed, m.error)
         assert any(n.startswith("moe: per-layer check") for n in m.notes), m.notes
+
+
+@pytest.mark.skipif(not runtime.can_run("cpu"), reason="needs Triton with TRITON_INTERPRET=1")
+@pytest.mark.parametrize("recipe", FUSED)
+def test_fused_decode_on_expert_layers_passes(recipe: str) -> None:
+    """The fused chain with the bound moe op, on the family with the most bfloat16 near-ties
+    (one seed: the interpreter runs every Triton program in Python)."""
+    m = run(engine("qwen3_moe", "bfloat16"), library(recipe))
+    assert m.status == "ok", m.error
+    assert any(n.startswith("moe: per-layer check") for n in m.notes), m.notes
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
