@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +79,13 @@ async def _serve(app: Any, cfg: KilnSettings, addr: str) -> asyncio.Task[None]:
 
 @dataclass
 class Stubs:
-    """Clients of the module's servers."""
+    """Clients of the module's servers (asyncio stubs: typed Any, as the generated stubs'
+    annotations describe the synchronous API)."""
 
-    ledger: ledger_pb2_grpc.LedgerStub
-    cost: cost_model_pb2_grpc.CostModelStub
-    cost_health: health_pb2_grpc.HealthStub
-    compiler: compiler_pb2_grpc.CompilerStub
+    ledger: Any
+    cost: Any
+    cost_health: Any
+    compiler: Any
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -140,7 +142,7 @@ async def _refused(
     return details
 
 
-async def _read_all(stub: ledger_pb2_grpc.LedgerStub, **fields: Any) -> list[Any]:
+async def _read_all(stub: Any, **fields: Any) -> list[Any]:
     return [e async for e in stub.ReadAll(ledger_pb2.ReadAllRequest(**fields), timeout=30)]
 
 
@@ -182,12 +184,21 @@ async def test_ledger_positions_beyond_bigint_are_out_of_range(stubs: Stubs, pos
         {"stream_prefix": MEGABYTE},
         {"types": ["CompilationSubmitted\x00"]},
         {"types": [MEGABYTE]},
-        {"types": ["CompilationSubmitted"] * 100_000},
+        {"types": [f"Type{i}" for i in range(100_000)]},
     ],
     ids=["prefix-nul", "prefix-1mb", "type-nul", "type-1mb", "types-100k"],
 )
 async def test_ledger_read_all_filters(stubs: Stubs, fields: dict[str, Any]) -> None:
     await _refused(lambda: _read_all(stubs.ledger, **fields), INVALID)
+
+
+async def test_ledger_read_all_repeated_types_are_one_filter(stubs: Stubs) -> None:
+    """100,000 copies of a known type are one filter (PostgreSQL takes at most 65,535 query
+    parameters; the review's call failed INTERNAL)."""
+    started = time.monotonic()
+    events = await _read_all(stubs.ledger, types=["CompilationSubmitted"] * 100_000, max_count=5)
+    assert all(e.type == "CompilationSubmitted" for e in events)
+    assert time.monotonic() - started < ANSWER_S
 
 
 @pytest.mark.parametrize(
@@ -245,7 +256,7 @@ async def test_ledger_query_page_token_of_this_query_with_hostile_values(stubs: 
 
     for after in (["2024-01-01T00:00:00+00:00", "a\x00b"], ["not a time", "a"]):
         q = _compilation_cols_query({}, page_token=_token(after, _query_id("compilations", {})))
-        await _refused(lambda q=q: stubs.ledger.Query(q, timeout=30), INVALID)
+        await _refused(partial(stubs.ledger.Query, q, timeout=30), INVALID)
 
 
 def _event(**fields: Any) -> ledger_pb2.EventData:
@@ -462,15 +473,15 @@ async def test_compiler_lists_and_names(stubs: Stubs) -> None:
         compiler_pb2.ListRequest(team=MEGABYTE),
         compiler_pb2.ListRequest(team="a\x00"),
     ):
-        await _refused(lambda req=req: stubs.compiler.List(req, timeout=30), INVALID)
+        await _refused(partial(stubs.compiler.List, req, timeout=30), INVALID)
     for kw in (
         {"agents": [MEGABYTE]},
         {"agents": ["random"] * 100_000},
         {"baselines": [MEGABYTE]},
         {"baselines": ["a\x00"]},
     ):
-        req = _submit(_workload(LLAMA), **kw)
-        await _refused(lambda req=req: stubs.compiler.Submit(req, timeout=30), INVALID)
+        submit = _submit(_workload(LLAMA), **kw)
+        await _refused(partial(stubs.compiler.Submit, submit, timeout=30), INVALID)
 
 
 async def test_cancel_reason_is_bounded(stubs: Stubs) -> None:

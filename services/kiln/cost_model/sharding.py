@@ -146,7 +146,10 @@ def stored_weights_per_device(cfg: ModelConfig, plan: Parallelism) -> float:
     """Weights the most loaded device stores, elements (largest stage, plus embedding or head)."""
     dense, moe = layer_kinds(cfg, plan)
     best = 0.0
-    for stage in range(plan.pp):
+    # With more stages than layers, every stage but the last is empty: only the first (the
+    # embedding) and the last (every layer, the head) can be the most loaded; O(1), not O(pp).
+    some = cfg.num_hidden_layers // plan.pp
+    for stage in range(plan.pp) if some else sorted({0, plan.pp - 1}):
         layers = stage_layers(cfg, plan.pp, stage)
         n_moe = cfg.moe_layers_in(layers)
         total = n_moe * moe.stored + (len(layers) - n_moe) * dense.stored
