@@ -514,7 +514,7 @@ async def test_bad_input_gets_the_right_status_and_changes_nothing(stack: Stack)
         (
             _request(stack, 5, 2, workload=workload(traffic__arrival_rate_rps=float("nan"))),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "arrival_rate_rps must be finite",
+            "arrival_rate_rps must be a finite number",
         ),
         (_request(stack, 0, 2), grpc.StatusCode.INVALID_ARGUMENT, "wall_seconds must be"),
         (_request(stack, -3, 2), grpc.StatusCode.INVALID_ARGUMENT, "wall_seconds must be"),

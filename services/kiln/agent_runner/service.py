@@ -4,7 +4,9 @@ Appends are made as the caller's team. Bad input is refused before anything is a
 INVALID_ARGUMENT for a missing or malformed workload, budget, agent, baseline or compilation id;
 NOT_FOUND for unknown hardware, weights directory or compilation; ALREADY_EXISTS for a reused
 compilation id; PERMISSION_DENIED for cancelling another team's compilation; FAILED_PRECONDITION
-for cancelling one that has ended. Reads cross teams (List's ``team`` "*" lists every team's).
+for cancelling one that has ended; OUT_OF_RANGE for a number beyond its field's range
+(:mod:`kiln.workloads.config_bounds`, :mod:`kiln.domain.operating_point`). Reads cross teams
+(List's ``team`` "*" lists every team's).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kiln.common.errors import (
     PermissionDenied,
 )
 from kiln.common.identity import TEAM_RULE, current_call, validate_team
+from kiln.ledger.bounds import check_position, check_text
 from kiln.v1 import compiler_pb2, compiler_pb2_grpc
 
 ALL_TEAMS = "*"
@@ -42,6 +45,8 @@ ALL_TEAMS = "*"
 DEFAULT_LIST_LIMIT = 100
 MAX_CANCEL_CONFLICTS = 10
 MAX_LIST_LIMIT = 1000
+MAX_REASON_CHARS = 1000
+"""Longest cancel reason: a sentence or two for people reading ``compilations show``."""
 
 
 class CompilationHost(Protocol):
@@ -160,9 +165,10 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
         """Append ``CompilationCancelRequested``; when the compilation runs here, wait up to
         ``cancel_wait_s`` for it to end.
         """
-        team, cid = current_call().team, request.compilation_id
+        team, cid = current_call().team, records.check_compilation_id(request.compilation_id)
         app = self._app
-        reason = request.reason or f"cancelled by team {team}"
+        reason = check_text("reason", request.reason, MAX_REASON_CHARS)
+        reason = reason or f"cancelled by team {team}"
         event = records.cancel_requested(cid, reason)
         client, stream = app.ledger.client(team), records.compilation_stream(cid)
         for _ in range(MAX_CANCEL_CONFLICTS):
@@ -193,8 +199,10 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
     async def Watch(
         self, request: compiler_pb2.WatchRequest, context: Any
     ) -> AsyncIterator[compiler_pb2.CompilationEvent]:
-        """History, then live events, until the compilation ends."""
+        """History, then live events, until the compilation ends; OutOfRange for an
+        ``after_position`` beyond 2^63-1."""
+        after = check_position("after_position", request.after_position)
         async for event in watch(
-            self._app.ledger, request.compilation_id, request.after_position, self._app.closing
+            self._app.ledger, request.compilation_id, after, self._app.closing
         ):
             yield event

@@ -10,23 +10,36 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict, ParseDict
 
-from kiln.common.errors import InvalidArgument, NotFound
+from kiln.common.errors import InvalidArgument, NotFound, OutOfRange, quote
+from kiln.cost_model.bounds import check_devices
 from kiln.cost_model.hardware import get_hardware
+from kiln.domain.operating_point import (
+    OperatingPointError,
+    OperatingPointRangeError,
+    check_traffic,
+)
 from kiln.v1 import common_pb2
-from kiln.workloads.config import ModelConfig, UnsupportedModelError, parse_config
+from kiln.workloads.config import (
+    ConfigRangeError,
+    ModelConfig,
+    UnsupportedModelError,
+    parse_config,
+    read_config_json,
+)
+from kiln.workloads.config_bounds import MAX_NAME_CHARS
 
 DTYPES = ("bfloat16", "float16", "float32")
 """Accepted ``workload.model.dtype`` values ("" = the config's ``torch_dtype``)."""
 
 _DISTRIBUTIONS = ("isl_tokens", "osl_tokens")
-_RATES = ("arrival_rate_rps", "interarrival_cv", "mean_concurrency", "expert_load_skew")
+MAX_PATH_CHARS = 4096
+"""Longest ``weights_dir`` (Linux's PATH_MAX)."""
 
 
 @dataclass(frozen=True)
@@ -61,15 +74,12 @@ def workload_from_json(obj: dict[str, Any]) -> common_pb2.Workload:
 
 
 def _check_model(spec: common_pb2.ModelSpec) -> tuple[dict[str, Any], ModelConfig, str]:
-    if not spec.config_json.strip():
-        raise InvalidArgument("workload.model.config_json is empty: send the config.json text")
     try:
-        raw = json.loads(spec.config_json)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"workload.model.config_json is not valid JSON ({exc})") from None
-    name = spec.name or (raw.get("model_type") if isinstance(raw, dict) else None) or "model"
-    try:
-        config = parse_config(raw, str(name))
+        raw = read_config_json(spec.config_json, "workload.model.config_json")
+        name = spec.name or (raw.get("model_type") if isinstance(raw, dict) else None) or "model"
+        config = parse_config(raw, str(name)[: MAX_NAME_CHARS + 1])
+    except ConfigRangeError as exc:
+        raise OutOfRange(f"workload.model: {exc}") from None
     except UnsupportedModelError as exc:
         raise InvalidArgument(f"workload.model: {exc}") from None
     except (TypeError, ValueError, KeyError) as exc:
@@ -82,10 +92,16 @@ def _check_model(spec: common_pb2.ModelSpec) -> tuple[dict[str, Any], ModelConfi
         raise InvalidArgument(f"workload.model: {exc}") from None
     if spec.dtype and spec.dtype not in DTYPES:
         raise InvalidArgument(
-            f"workload.model.dtype {spec.dtype!r} is not one of {', '.join(DTYPES)}"
+            f"workload.model.dtype {quote(spec.dtype)} is not one of {', '.join(DTYPES)}"
         )
-    if spec.weights_dir and not Path(spec.weights_dir).is_dir():
-        raise NotFound(f"workload.model.weights_dir {spec.weights_dir!r} is not a directory here")
+    if spec.weights_dir and (
+        len(spec.weights_dir) > MAX_PATH_CHARS
+        or "\x00" in spec.weights_dir
+        or not Path(spec.weights_dir).is_dir()
+    ):
+        raise NotFound(
+            f"workload.model.weights_dir {quote(spec.weights_dir)} is not a directory here"
+        )
     dtype = spec.dtype or config.torch_dtype
     return raw, config, dtype
 
@@ -98,26 +114,19 @@ def _check_traffic(workload: common_pb2.Workload) -> common_pb2.TrafficShape:
         raise InvalidArgument("workload.traffic.batch_size must be >= 1 (the decode batch)")
     if tr.context_len < 1:
         raise InvalidArgument("workload.traffic.context_len must be >= 1 (tokens)")
+    try:  # every number finite, >= 0 and within its stated limit
+        check_traffic(MessageToDict(tr, preserving_proto_field_name=True))
+    except OperatingPointRangeError as exc:
+        raise OutOfRange(f"workload.{exc}") from None
+    except OperatingPointError as exc:
+        raise InvalidArgument(f"workload.{exc}") from None
     for name in _DISTRIBUTIONS:
         d = getattr(tr, name)
-        values = (d.p50, d.p90, d.p99, d.mean, d.max)
-        if not all(math.isfinite(v) and v >= 0 for v in values):
-            raise InvalidArgument(
-                f"workload.traffic.{name} must hold finite non-negative token counts"
-            )
         if d.max and not d.p50 <= d.p90 <= d.p99 <= d.max:
             raise InvalidArgument(
                 f"workload.traffic.{name} percentiles are out of order "
                 f"(p50 {d.p50:g}, p90 {d.p90:g}, p99 {d.p99:g}, max {d.max:g})"
             )
-    for name in _RATES:
-        value = getattr(tr, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise InvalidArgument(f"workload.traffic.{name} must be finite and >= 0, got {value}")
-    if not (math.isfinite(tr.prefix_hit_rate) and 0.0 <= tr.prefix_hit_rate <= 1.0):
-        raise InvalidArgument(
-            f"workload.traffic.prefix_hit_rate must be within 0..1, got {tr.prefix_hit_rate}"
-        )
     return tr
 
 
@@ -126,7 +135,10 @@ def validate_workload(workload: common_pb2.Workload | None) -> ValidWorkload:
 
     Raises:
         InvalidArgument: no workload or config; a config not JSON or unsupported; an unknown
-            dtype; no traffic shape or one out of range; no hardware name.
+            dtype; no traffic shape or a malformed one; no hardware name.
+        OutOfRange: a config number, traffic number or device count beyond its stated limit
+            (:mod:`kiln.workloads.config_bounds`, :mod:`kiln.domain.operating_point`,
+            :mod:`kiln.cost_model.bounds`).
         NotFound: an unknown hardware name or a ``weights_dir`` that does not exist.
     """
     if workload is None or workload.ByteSize() == 0:
@@ -138,7 +150,7 @@ def validate_workload(workload: common_pb2.Workload | None) -> ValidWorkload:
     if not workload.hardware.name.strip():
         raise InvalidArgument("workload.hardware.name is empty: name a catalogue entry, e.g. cpu")
     hw = get_hardware(workload.hardware.name)
-    devices = workload.hardware.num_devices or hw.max_devices_per_node
+    devices = check_devices(workload.hardware.num_devices) or hw.max_devices_per_node
     key = workload_key(raw, dtype, traffic, hw.name, devices)
     message = common_pb2.Workload()
     message.CopyFrom(workload)

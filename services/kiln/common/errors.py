@@ -3,19 +3,30 @@
 Domain code raises these; the service runtime turns them into a gRPC status with the message
 (``kiln.common.server``), and clients turn a status back into the same class
 (:func:`from_rpc_error`), so CLI and services speak one error vocabulary.
+
+Messages are bounded: a quoted input goes through :func:`quote` (at most ``MAX_QUOTE_CHARS``
+of its ``repr``), and every message is cut to ``MAX_MESSAGE_CHARS`` when the error is made, so a
+hostile 1 MB input never comes back whole (gRPC carries the message in a trailer of 8 KiB by
+default; a longer one turns the reply into RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations
 
 import grpc
 
+from kiln.common.quoting import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from kiln.common.quoting import MAX_QUOTE_CHARS as MAX_QUOTE_CHARS
+from kiln.common.quoting import bounded
+from kiln.common.quoting import quote as quote
+
 
 class KilnError(Exception):
-    """Base error; ``code`` is the gRPC status it maps to."""
+    """Base error; ``code`` is the gRPC status it maps to; ``message`` is :func:`bounded`."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
     def __init__(self, message: str) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.message = message
 
@@ -24,6 +35,20 @@ class InvalidArgument(KilnError):
     """Malformed input: bad id, unknown event type, payload failing its schema."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class OutOfRange(InvalidArgument):
+    """A number outside the range the field accepts (devices, layers, positions, sizes); the
+    message names the field, the value and the range. A kind of InvalidArgument (``except
+    InvalidArgument`` catches it) with its own status."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class DeadlineExceeded(KilnError):
+    """The work did not finish within the service's own time limit (e.g. planning)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class NotFound(KilnError):
@@ -85,6 +110,8 @@ _BY_CODE: dict[grpc.StatusCode, type[KilnError]] = {
     cls.code: cls
     for cls in (
         InvalidArgument,
+        OutOfRange,
+        DeadlineExceeded,
         NotFound,
         AlreadyExists,
         Aborted,

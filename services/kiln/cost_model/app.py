@@ -31,7 +31,8 @@ class CostModelApp:
         return True
 
     async def stop(self) -> None:
-        """Nothing to release."""
+        """Stop the planner threads."""
+        self.servicer.close()
 
 
 def create_app(settings: KilnSettings) -> CostModelApp:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.common.errors import NotFound
+from kiln.common.errors import NotFound, quote
 
 GB = 10**9
 TB = 10**12
@@ -194,6 +194,6 @@ def get_hardware(name: str) -> Hardware:
     hw = CATALOGUE.get(name.strip().lower())
     if hw is None:
         raise NotFound(
-            f"unknown hardware {name!r}: the catalogue has {', '.join(sorted(CATALOGUE))}"
+            f"unknown hardware {quote(name)}: the catalogue has {', '.join(sorted(CATALOGUE))}"
         )
     return hw

@@ -8,6 +8,9 @@ Pruning reasons (all that apply, joined by "; "): ``devices``, ``heads``, ``kv h
 within a node), ``interconnect``, ``memory`` (more than ``MEMORY_FRACTION`` of a device),
 ``estimate`` (non-finite times).
 
+Deadline: :func:`plan_workload` given a ``deadline`` (``time.monotonic()`` value) checks it between
+plans and raises :class:`PlanDeadlineExceeded` once it has passed.
+
 Objective: batch <= ``LATENCY_BOUND_BATCH`` ranks by TPOT, ties to fewer devices; larger
 batches by output tokens/s per occupied device, then total tokens/s, then TPOT.
 """
@@ -15,6 +18,7 @@ batches by output tokens/s per occupied device, then total tokens/s, then TPOT.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 
 from kiln.cost_model.hardware import Hardware
@@ -26,6 +30,10 @@ from kiln.workloads.config import ModelConfig
 MEMORY_FRACTION = 0.9
 LATENCY_BOUND_BATCH = 4
 ESTIMATE_TIER = "roofline"
+
+
+class PlanDeadlineExceeded(Exception):
+    """Planning passed its deadline; the message says how far it got."""
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -73,7 +81,7 @@ def static_reasons(
     kvh = cfg.num_key_value_heads
     if cfg.mla is None and (kvh % tp if tp <= kvh else tp % kvh):
         r.append(f"kv heads: {kvh} KV heads neither divisible by nor dividing tp={tp}")
-    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+    if cfg.moe_layers_in(range(cfg.num_hidden_layers)) < cfg.num_hidden_layers:
         if cfg.intermediate_size % tp:
             r.append(f"ffn: intermediate_size {cfg.intermediate_size} not divisible by tp={tp}")
     if cfg.moe is None:
@@ -172,17 +180,18 @@ def plan_workload(
     num_devices: int | None = None,
     weight_dtype: str = "bfloat16",
     act_dtype: str = "bfloat16",
+    deadline: float | None = None,
 ) -> PlanResult:
     """Cost every candidate plan on ``num_devices`` (default the node's) at ``point`` and rank
     the feasible ones; when plans fail on memory alone, the batch is halved until one fits, with
-    a ``batch_note``.
+    a ``batch_note``. PlanDeadlineExceeded once ``time.monotonic()`` passes ``deadline``.
     """
-    result = _plan_at(cfg, hw, point, num_devices, weight_dtype, act_dtype)
+    result = _plan_at(cfg, hw, point, num_devices, weight_dtype, act_dtype, deadline)
     batch = point.batch_size
     while not result.feasible and batch > 1 and _memory_only(result):
         batch //= 2
         smaller = replace(point, batch_size=batch)
-        lowered = _plan_at(cfg, hw, smaller, num_devices, weight_dtype, act_dtype)
+        lowered = _plan_at(cfg, hw, smaller, num_devices, weight_dtype, act_dtype, deadline)
         if lowered.feasible:
             note = (
                 f"batch lowered from {point.batch_size} to {batch}: the KV cache of "
@@ -204,11 +213,18 @@ def _plan_at(
     num_devices: int | None,
     weight_dtype: str,
     act_dtype: str,
+    deadline: float | None = None,
 ) -> PlanResult:
     n = num_devices or hw.max_devices_per_node
     feasible: list[Estimate] = []
     pruned: list[tuple[Estimate, str]] = []
-    for plan in candidate_plans(cfg, n):
+    plans = candidate_plans(cfg, n)
+    for i, plan in enumerate(plans):
+        if deadline is not None and i % 64 == 0 and time.monotonic() > deadline:
+            raise PlanDeadlineExceeded(
+                f"costed {i} of {len(plans)} candidate plans for {n} devices at batch "
+                f"{point.batch_size} before the deadline"
+            )
         est, reason = evaluate(cfg, hw, point, plan, n, weight_dtype, act_dtype)
         if reason:
             pruned.append((est, reason))

@@ -102,7 +102,7 @@ def moe_unread_expert_bytes(
     if m is None:
         return 0.0
     held = layers if 0 < layers < cfg.num_hidden_layers else cfg.num_hidden_layers
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(held))
+    moe_layers = cfg.moe_layers_in(range(held))
     expert = 3 * cfg.hidden_size * m.intermediate_size * dtype_bytes
     unread = m.num_experts - expected_experts_read(m.num_experts, m.top_k, batch, shares)
     return moe_layers * max(0.0, unread) * expert

@@ -1,40 +1,66 @@
 """The CostModel gRPC servicer: ``Plan`` and ``Explain`` over the roofline tier.
 
 - ``workload.model.config_json`` is parsed with ``kiln.workloads.config.parse_config_json``; empty,
-  non-JSON or unsupported: INVALID_ARGUMENT.
+  non-JSON or unsupported: INVALID_ARGUMENT; a number out of its range
+  (``kiln.workloads.config_bounds``): OUT_OF_RANGE.
 - ``workload.hardware.name`` must name a catalogue entry (NOT_FOUND, listing them); ``num_devices``
-  0 means the entry's ``max_devices_per_node``.
+  0 means the entry's ``max_devices_per_node``, above ``MAX_DEVICES`` is OUT_OF_RANGE.
 - Weight dtype: ``workload.model.dtype``; else FP8 when the config has an FP8
   ``quantization_config``; else its ``torch_dtype``. Activations and KV cache are BF16 (float32 with
   float32 weights).
 - The operating point is :meth:`kiln.domain.operating_point.OperatingPoint.from_traffic` of
-  ``workload.traffic``, no engine caps; a field out of range is INVALID_ARGUMENT. Plans'
-  ``batch_size`` shows the B used; Explain lists every default applied.
+  ``workload.traffic``, no engine caps; a malformed field is INVALID_ARGUMENT, one above its
+  limit OUT_OF_RANGE. Plans' ``batch_size`` shows the B used; Explain lists every default applied.
+- Plan runs the planner in a worker thread (``PLAN_WORKERS`` at once), so the event loop (health
+  checks included) keeps answering; planning that passes ``PLAN_DEADLINE_S`` from the request's
+  arrival ends with DEADLINE_EXCEEDED. Explain costs one plan, inline.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 import structlog
 from google.protobuf import json_format
 
-from kiln.common.errors import InvalidArgument
+from kiln.common.errors import DeadlineExceeded, InvalidArgument, OutOfRange, quote
+from kiln.cost_model.bounds import check_devices, check_plan_degrees
 from kiln.cost_model.hardware import Hardware, get_hardware
-from kiln.cost_model.planner import ESTIMATE_TIER, evaluate, objective, plan_workload
+from kiln.cost_model.planner import (
+    ESTIMATE_TIER,
+    PlanDeadlineExceeded,
+    PlanResult,
+    evaluate,
+    objective,
+    plan_workload,
+)
 from kiln.cost_model.roofline import Estimate
 from kiln.cost_model.sharding import Parallelism
-from kiln.domain.operating_point import OperatingPoint, OperatingPointError
+from kiln.domain.operating_point import (
+    OperatingPoint,
+    OperatingPointError,
+    OperatingPointRangeError,
+)
 from kiln.v1 import common_pb2, cost_model_pb2, cost_model_pb2_grpc
 from kiln.workloads.config import (
     DTYPE_BYTES,
+    ConfigRangeError,
     ModelConfig,
     UnsupportedModelError,
     parse_config_json,
 )
 
 log = structlog.get_logger("kiln.cost_model")
+
+PLAN_DEADLINE_S = 8.0
+"""Longest a Plan may compute, from its arrival (queueing included): below the agent runner's
+10 s ``plan_timeout_s``, so it hears the reason rather than its own timeout."""
+PLAN_WORKERS = 2
+"""Plans computed at once (threads); more wait their turn within their deadline."""
 
 
 def parse_model(spec: common_pb2.ModelSpec) -> ModelConfig:
@@ -43,6 +69,8 @@ def parse_model(spec: common_pb2.ModelSpec) -> ModelConfig:
     """
     try:
         return parse_config_json(spec.config_json, spec.name or "model")
+    except ConfigRangeError as exc:
+        raise OutOfRange(str(exc)) from None
     except UnsupportedModelError as exc:
         raise InvalidArgument(str(exc)) from None
 
@@ -54,7 +82,7 @@ def dtypes(spec: common_pb2.ModelSpec, cfg: ModelConfig) -> tuple[str, str]:
     if spec.dtype:
         if spec.dtype not in DTYPE_BYTES:
             raise InvalidArgument(
-                f"workload.model.dtype {spec.dtype!r} is not one of {', '.join(DTYPE_BYTES)}"
+                f"workload.model.dtype {quote(spec.dtype)} is not one of {', '.join(DTYPE_BYTES)}"
             )
         weights = spec.dtype
     elif (cfg.raw.get("quantization_config") or {}).get("quant_method") == "fp8":
@@ -73,6 +101,8 @@ def operating_point(workload: common_pb2.Workload) -> tuple[OperatingPoint, list
         traffic = json_format.MessageToDict(workload.traffic, preserving_proto_field_name=True)
     try:
         derived = OperatingPoint.from_traffic(traffic)
+    except OperatingPointRangeError as exc:
+        raise OutOfRange(str(exc)) from None
     except OperatingPointError as exc:
         raise InvalidArgument(str(exc)) from None
     return derived.point, list(derived.notes)
@@ -82,7 +112,7 @@ def _hardware(workload: common_pb2.Workload) -> tuple[Hardware, int]:
     if not workload.hardware.name:
         raise InvalidArgument("workload.hardware.name is empty: name a catalogue entry")
     hw = get_hardware(workload.hardware.name)
-    return hw, workload.hardware.num_devices or hw.max_devices_per_node
+    return hw, check_devices(workload.hardware.num_devices) or hw.max_devices_per_node
 
 
 def to_proto(est: Estimate, reason: str = "", note: str = "") -> common_pb2.ParallelismPlan:
@@ -127,7 +157,38 @@ def explain_text(est: Estimate, reason: str, notes: list[str], hw: Hardware) -> 
 
 
 class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
-    """kiln.v1.CostModel; errors are ``KilnError`` (mapped by the runtime to status codes)."""
+    """kiln.v1.CostModel; errors are ``KilnError`` (mapped by the runtime to status codes).
+    ``plan_deadline_s``: see ``PLAN_DEADLINE_S``."""
+
+    def __init__(self, plan_deadline_s: float = PLAN_DEADLINE_S) -> None:
+        self.plan_deadline_s = plan_deadline_s
+        self._planners = ThreadPoolExecutor(PLAN_WORKERS, thread_name_prefix="kiln-plan")
+
+    def close(self) -> None:
+        """Stop the planner threads (a plan under way ends at its deadline)."""
+        self._planners.shutdown(wait=False, cancel_futures=True)
+
+    async def _plan(
+        self, cfg: ModelConfig, hw: Hardware, point: OperatingPoint, n: int, dtypes: tuple[str, str]
+    ) -> PlanResult:
+        """``plan_workload`` in a planner thread, within ``plan_deadline_s`` from now."""
+        deadline = time.monotonic() + self.plan_deadline_s
+
+        def run() -> PlanResult:
+            if time.monotonic() > deadline:
+                raise PlanDeadlineExceeded("waited for a planner thread past the deadline")
+            return plan_workload(cfg, hw, point, n, *dtypes, deadline=deadline)
+
+        loop = asyncio.get_running_loop()
+        try:  # the thread stops itself at the deadline; the outer bound is a backstop
+            return await asyncio.wait_for(
+                loop.run_in_executor(self._planners, run), self.plan_deadline_s + 2.0
+            )
+        except (PlanDeadlineExceeded, TimeoutError) as exc:
+            raise DeadlineExceeded(
+                f"planning {cfg.name} on {n} × {hw.name} did not finish within "
+                f"{self.plan_deadline_s:g} s ({exc or 'no answer'}); ask for fewer devices"
+            ) from None
 
     async def Plan(
         self, request: cost_model_pb2.PlanRequest, context: Any
@@ -138,7 +199,7 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         hw, n = _hardware(wl)
         wdtype, adtype = dtypes(wl.model, cfg)
         point, notes = operating_point(wl)
-        result = plan_workload(cfg, hw, point, n, wdtype, adtype)
+        result = await self._plan(cfg, hw, point, n, (wdtype, adtype))
         feasible = result.feasible[: request.max_plans or None]
         log.info(
             "planned",
@@ -159,8 +220,12 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
     async def Explain(
         self, request: cost_model_pb2.ExplainRequest, context: Any
     ) -> cost_model_pb2.ExplainResponse:
-        """Every term of one plan's estimate (degrees of 0 read as 1) and a readable text."""
+        """Every term of one plan's estimate (degrees of 0 read as 1) and a readable text;
+        OutOfRange for a degree above ``MAX_DEVICES`` or a batch above ``MAX_BATCH``."""
         wl, rp = request.workload, request.plan
+        check_plan_degrees(
+            {"tp": rp.tp, "ep": rp.ep, "dp": rp.dp, "pp": rp.pp, "dcp": rp.dcp}, rp.batch_size
+        )
         cfg = parse_model(wl.model)
         hw, n = _hardware(wl)
         wdtype, adtype = dtypes(wl.model, cfg)

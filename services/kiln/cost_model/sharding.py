@@ -146,9 +146,13 @@ def stored_weights_per_device(cfg: ModelConfig, plan: Parallelism) -> float:
     """Weights the most loaded device stores, elements (largest stage, plus embedding or head)."""
     dense, moe = layer_kinds(cfg, plan)
     best = 0.0
-    for stage in range(plan.pp):
+    # With more stages than layers, every stage but the last is empty: only the first (the
+    # embedding) and the last (every layer, the head) can be the most loaded; O(1), not O(pp).
+    some = cfg.num_hidden_layers // plan.pp
+    for stage in range(plan.pp) if some else sorted({0, plan.pp - 1}):
         layers = stage_layers(cfg, plan.pp, stage)
-        total = sum((moe if cfg.is_moe_layer(i) else dense).stored for i in layers)
+        n_moe = cfg.moe_layers_in(layers)
+        total = n_moe * moe.stored + (len(layers) - n_moe) * dense.stored
         first, last = stage == 0, stage == plan.pp - 1
         if first:
             total += vocab_shard(cfg, plan.tp)
@@ -162,7 +166,7 @@ def stored_weights_per_device(cfg: ModelConfig, plan: Parallelism) -> float:
 
 def layer_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(dense layers, MoE layers) of the whole model."""
-    moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    moe = cfg.moe_layers_in(range(cfg.num_hidden_layers))
     return cfg.num_hidden_layers - moe, moe
 
 
@@ -196,7 +200,8 @@ def kv_bytes_per_device(
     cfg: ModelConfig, plan: Parallelism, tokens: int, kv_dtype: str = "bfloat16"
 ) -> float:
     """KV-cache bytes one device holds for ``tokens`` cached tokens (batch x context)."""
-    stage = max(len(stage_layers(cfg, plan.pp, s)) for s in range(plan.pp))
+    per = cfg.num_hidden_layers // plan.pp  # every stage but the last; the last the rest
+    stage = max(per, cfg.num_hidden_layers - (plan.pp - 1) * per)
     fraction = stage / cfg.num_hidden_layers
     return tokens * cfg.kv_bytes_per_token(kv_dtype) * fraction / kv_shards(cfg, plan)
 

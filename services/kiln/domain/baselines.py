@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kiln.common.quoting import quote
+
 BASELINE_NAMES: tuple[str, ...] = ("hf_eager", "hf_static", "hf_compile", "gpt_fast")
 """Every baseline, in the order they are measured and printed (slowest expected first)."""
 
@@ -36,7 +38,7 @@ def parse_names(names: str | Iterable[str]) -> list[str]:
         for n in chosen:
             if n not in BASELINE_NAMES:
                 raise ValueError(
-                    f"unknown baseline {raw.strip()!r}; known: "
+                    f"unknown baseline {quote(raw.strip())}; known: "
                     f"{', '.join(BASELINE_NAMES)}, all, none"
                 )
             if n not in out:

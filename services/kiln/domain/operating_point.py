@@ -4,7 +4,9 @@ Derived once, here, from a traffic shape and lowered by an engine's limits: ``ba
 traffic's, or a trace's mean concurrency (:func:`operating_batch_size`); ``isl`` / ``osl`` = the
 p50 (else mean) of their distributions, rounded half up; ``context_len`` = the traffic's, else
 :func:`operating_context_len`. Unset fields (0) take batch-1 decode defaults; every default and
-lowering is reported as a note. Stdlib only.
+lowering is reported as a note. Every number has a stated range (``MAX_BATCH``,
+``MAX_TOKENS``, :data:`TRAFFIC_LIMITS`); one beyond it is :class:`OperatingPointRangeError`.
+Stdlib only.
 """
 
 from __future__ import annotations
@@ -24,8 +26,60 @@ DEFAULT_MAX_BATCH = 256
 """Upper clamp of the batch a trace's shape derives from its concurrency (sequences)."""
 
 
+MAX_BATCH = 65_536
+"""Largest batch (sequences): serving engines run a few hundred to a few thousand at once
+(vLLM's ``max_num_seqs`` defaults to 256-1024); 2^16 leaves ample headroom."""
+MAX_TOKENS = 1 << 24
+"""Largest ISL, OSL or context (tokens): 16,777,216, above Llama 4 Scout's 10M context."""
+MAX_EXPERT_LOAD_SKEW = 4096.0
+"""Largest expert-load skew: the hottest expert's share over the uniform one is at most the
+expert count, itself at most 4,096 (kiln.workloads.config_bounds)."""
+TRAFFIC_LIMITS: dict[str, float] = {
+    "arrival_rate_rps": 1e7,  # requests/s: ~1,000x the busiest public traces
+    "interarrival_cv": 1e3,  # bursty traces measure ~1-10
+    "mean_concurrency": 1e7,  # in-flight requests (the batch derived from it is clamped)
+    "expert_load_skew": MAX_EXPERT_LOAD_SKEW,
+    "expert_zipf_exponent": 100.0,  # measured expert loads fit exponents of ~0-3
+    "prefix_hit_rate": 1.0,  # a fraction
+    "batch_size": MAX_BATCH,
+    "context_len": MAX_TOKENS,
+}
+"""Upper bound of each scalar ``kiln.v1.TrafficShape`` field (all are >= 0); the ISL and OSL
+distributions' values are token counts up to ``MAX_TOKENS``."""
+TOKEN_DISTRIBUTIONS = ("isl_tokens", "osl_tokens")
+DISTRIBUTION_FIELDS = ("p50", "p90", "p99", "mean", "max")
+
+
 class OperatingPointError(ValueError):
     """A value an operating point cannot be made of; the message names the field and the value."""
+
+
+class OperatingPointRangeError(OperatingPointError):
+    """A number beyond its stated range (services answer OUT_OF_RANGE)."""
+
+
+def check_traffic(traffic: Mapping[str, Any]) -> None:
+    """Check every number of a traffic shape (``MessageToDict`` JSON) against its range:
+    finite, >= 0, at most :data:`TRAFFIC_LIMITS` (token counts at most ``MAX_TOKENS``).
+
+    Raises:
+        OperatingPointError: a value not a finite number >= 0.
+        OperatingPointRangeError: a value above its limit.
+    """
+    for name, high in TRAFFIC_LIMITS.items():
+        _bounded(_number(traffic, name), f"traffic.{name}", high)
+    for dist_name in TOKEN_DISTRIBUTIONS:
+        dist = traffic.get(dist_name) or {}
+        if not isinstance(dist, Mapping):
+            raise OperatingPointError(f"traffic.{dist_name} must be a distribution")
+        for key in DISTRIBUTION_FIELDS:
+            value = _number(dist, key, f"{dist_name}.")
+            _bounded(value, f"traffic.{dist_name}.{key}", MAX_TOKENS)
+
+
+def _bounded(value: float, label: str, high: float) -> None:
+    if value > high:
+        raise OperatingPointRangeError(f"{label} = {value:g} is out of range 0..{high:g}")
 
 
 def round_half_up(x: float) -> int:
@@ -61,7 +115,10 @@ class OperatingPoint:
         expert_load_skew: MoE hottest expert's share over the uniform share (>= 1).
 
     Raises:
-        OperatingPointError: a count not whole or out of range, or a skew not finite and >= 1.
+        OperatingPointError: a count not whole or below its minimum, or a skew not finite and
+            >= 1.
+        OperatingPointRangeError: batch above ``MAX_BATCH``, a token count above
+            ``MAX_TOKENS``, a skew above ``MAX_EXPERT_LOAD_SKEW``.
     """
 
     batch_size: int = DEFAULT_BATCH
@@ -77,10 +134,20 @@ class OperatingPoint:
                 raise OperatingPointError(
                     f"operating point: {name} must be an integer >= {low}, got {value!r}"
                 )
+            high = MAX_BATCH if name == "batch_size" else MAX_TOKENS
+            if value > high:
+                raise OperatingPointRangeError(
+                    f"operating point: {name} = {value} is out of range {low}..{high}"
+                )
         skew = self.expert_load_skew
         if not (isinstance(skew, int | float) and math.isfinite(skew) and skew >= 1):
             raise OperatingPointError(
                 f"operating point: expert_load_skew must be a finite number >= 1, got {skew!r}"
+            )
+        if skew > MAX_EXPERT_LOAD_SKEW:
+            raise OperatingPointRangeError(
+                f"operating point: expert_load_skew = {skew:g} is out of range "
+                f"1..{MAX_EXPERT_LOAD_SKEW:g}"
             )
         if not self.context_len:
             object.__setattr__(self, "context_len", operating_context_len(self.isl, self.osl))
@@ -97,8 +164,8 @@ class OperatingPoint:
     ) -> DerivedPoint:
         """The operating point of ``traffic`` (``kiln.v1.TrafficShape`` as ``MessageToDict``
         JSON, or None), lowered to ``max_batch`` and ``max_context`` (None: no cap), each
-        lowering noted with what sets the cap. OperatingPointError on a field out of range or a
-        cap below 1.
+        lowering noted with what sets the cap. OperatingPointError on a field out of range
+        (:func:`check_traffic`; OperatingPointRangeError above its limit) or a cap below 1.
         """
         notes: list[str] = []
         absent = traffic is None
@@ -108,6 +175,7 @@ class OperatingPoint:
                 f"ISL {DEFAULT_ISL}, OSL {DEFAULT_OSL}"
             )
             traffic = {}
+        check_traffic(traffic)
         batch = _count(traffic, "batch_size")
         isl, osl = _tokens(traffic, "isl_tokens"), _tokens(traffic, "osl_tokens")
         defaults = (
@@ -195,9 +263,9 @@ def _number(traffic: Mapping[str, Any], name: str, where: str = "") -> float:
     try:
         value = float(raw or 0.0)
     except (TypeError, ValueError):
-        raise OperatingPointError(f"{label} {raw!r} is not a number") from None
+        raise OperatingPointError(f"{label} {repr(raw)[:200]} is not a number") from None
     if not (math.isfinite(value) and value >= 0):
-        raise OperatingPointError(f"{label} must be a finite number >= 0, got {raw!r}")
+        raise OperatingPointError(f"{label} must be a finite number >= 0, got {repr(raw)[:200]}")
     return value
 
 
@@ -213,5 +281,5 @@ def _tokens(traffic: Mapping[str, Any], name: str) -> float:
     """The p50 of the distribution ``traffic[name]``, else its mean, else 0.0 (tokens)."""
     dist = traffic.get(name) or {}
     if not isinstance(dist, Mapping):
-        raise OperatingPointError(f"traffic.{name} must be a distribution, got {dist!r}")
+        raise OperatingPointError(f"traffic.{name} must be a distribution, got {repr(dist)[:200]}")
     return _number(dist, "p50", f"{name}.") or _number(dist, "mean", f"{name}.")

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from kiln.common.quoting import quote
 from kiln.events.schema import SCHEMAS, EventSchema
 
 _STREAM_RE = re.compile(
@@ -42,7 +43,7 @@ def parse_stream_id(stream_id: str) -> StreamId:
     m = _STREAM_RE.match(stream_id)
     if not m:
         raise SchemaError(
-            f"invalid stream id {stream_id!r}: expected '<category>-<id>' with category "
+            f"invalid stream id {quote(stream_id)}: expected '<category>-<id>' with category "
             "[a-z][a-z0-9_]* (<=32 chars) and id [A-Za-z0-9_-] (<=128 chars)"
         )
     return StreamId(m["category"], m["id"])
@@ -72,7 +73,7 @@ def latest_version(event_type: str) -> int:
     _ensure_loaded()
     versions = SCHEMAS.get(event_type)
     if not versions:
-        raise SchemaError(f"event type {event_type!r} has no registered schema")
+        raise SchemaError(f"event type {quote(event_type)} has no registered schema")
     return max(versions)
 
 
@@ -86,16 +87,18 @@ def validate_event(
     _ensure_loaded()
     versions = SCHEMAS.get(event_type)
     if not versions:
-        raise SchemaError(f"event type {event_type!r} has no registered schema")
+        raise SchemaError(f"event type {quote(event_type)} has no registered schema")
     version = schema_version or max(versions)
     schema = versions.get(version)
     if schema is None:
         raise SchemaError(
-            f"event type {event_type!r} has no schema version {version} (known: {sorted(versions)})"
+            f"event type {quote(event_type)} has no schema version {version} "
+            f"(known: {sorted(versions)})"
         )
     if schema.category != sid.category:
         raise SchemaError(
-            f"event type {event_type!r} belongs in '{schema.category}-*' streams, not {stream_id!r}"
+            f"event type {event_type!r} belongs in '{schema.category}-*' streams, not "
+            f"{quote(stream_id)}"
         )
     obj = parse_json_object(event_type, data)
     try:

@@ -11,6 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from kiln.common.errors import InvalidArgument
 from kiln.domain.compilation import Event
+from kiln.ledger.bounds import check_optional_id
 from kiln.ledger.model import ExpectedVersion, NewEvent, StoredEvent
 from kiln.v1 import ledger_pb2
 
@@ -49,12 +50,15 @@ def event_from_proto(
     msg: ledger_pb2.EventData, default_causation: str | None, index: int = 0
 ) -> NewEvent:
     """An EventData as a NewEvent. Raises InvalidArgument for a missing event id (clients
-    choose ids so that a retried append is recognised)."""
+    choose ids so that a retried append is recognised) or a correlation or causation id that is
+    not printable text of at most 128 characters."""
     if not msg.event_id:
         raise InvalidArgument(
             f"event {index}: event_id is required (a UUID the client chooses, so retries are "
             "idempotent)"
         )
+    check_optional_id(f"event {index}: correlation_id", msg.correlation_id)
+    check_optional_id(f"event {index}: causation_id", msg.causation_id)
     return NewEvent(
         type=msg.type,
         data=bytes(msg.data),

@@ -13,7 +13,13 @@ from typing import Any
 from sqlalchemy import BigInteger, Boolean, DateTime, Float, Integer, Table, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from kiln.common.errors import InvalidArgument
+from kiln.common.errors import InvalidArgument, quote
+from kiln.ledger.bounds import (
+    MAX_PAGE_TOKEN_CHARS,
+    check_bigint,
+    check_finite,
+    check_text,
+)
 from kiln.ledger.projections import all_projections
 from kiln.ledger.projections.checkpoint import read_checkpoint
 
@@ -26,16 +32,19 @@ def projection_names() -> list[str]:
 
 
 def _cast(table: Table, column: str, value: str) -> Any:
+    """``value`` as ``column``'s type: InvalidArgument when malformed, longer than
+    ``MAX_FILTER_CHARS``, with a NUL or not finite; OutOfRange beyond ``bigint``."""
     col = table.c[column]
+    check_text(f"filter {column}", value)
     try:
         if isinstance(col.type, Boolean):
             if value.lower() not in ("true", "false"):
                 raise ValueError(value)
             return value.lower() == "true"
         if isinstance(col.type, (Integer, BigInteger)):
-            return int(value)
+            return check_bigint(f"filter {column}", int(value))
         if isinstance(col.type, Float):
-            return float(value)
+            return check_finite(f"filter {column}", float(value))
         if isinstance(col.type, DateTime):
             parsed = datetime.fromisoformat(value)
             if parsed.tzinfo is None:
@@ -47,7 +56,7 @@ def _cast(table: Table, column: str, value: str) -> Any:
             if isinstance(col.type, DateTime)
             else col.type.python_type.__name__
         )
-        raise InvalidArgument(f"filter {column}={value!r}: not a valid {kind}") from None
+        raise InvalidArgument(f"filter {column}={quote(value)}: not a valid {kind}") from None
     return value
 
 
@@ -63,6 +72,7 @@ def _encode_token(after: list[str], query_id: str) -> str:
 
 def _decode_token(token: str, query_id: str, width: int) -> list[str]:
     """The last row's listing key (``width`` strings) of the page that made ``token``."""
+    check_text("page_token", token, MAX_PAGE_TOKEN_CHARS)
     try:
         obj = json.loads(base64.urlsafe_b64decode(token.encode()))
         after, token_query = obj["after"], obj["q"]
@@ -70,7 +80,7 @@ def _decode_token(token: str, query_id: str, width: int) -> list[str]:
             raise TypeError(after)
         after = [str(a) for a in after]
     except (ValueError, KeyError, TypeError):
-        raise InvalidArgument(f"malformed page_token {token!r}") from None
+        raise InvalidArgument(f"malformed page_token {quote(token)}") from None
     if token_query != query_id:
         raise InvalidArgument("page_token belongs to another query (projection or filter differ)")
     return after
@@ -96,13 +106,15 @@ async def query(
         (rows, next page token or "", the projection checkpoint position the rows reflect).
 
     Raises:
-        InvalidArgument: unknown projection or column, a value of the wrong type, a bad token.
+        InvalidArgument: unknown projection or column, a value of the wrong type, too long, with
+            a NUL or not finite (:func:`_cast`), a bad token.
+        OutOfRange: an integer value beyond PostgreSQL ``bigint``.
     """
     by_name = {p.name: p for p in all_projections()}
     proj = by_name.get(projection)
     if proj is None:
         raise InvalidArgument(
-            f"unknown projection {projection!r}; known: {', '.join(sorted(by_name))}"
+            f"unknown projection {quote(projection)}; known: {', '.join(sorted(by_name))}"
         )
     table, key = proj.table, proj.key
     if not 1 <= limit <= MAX_LIMIT:
@@ -111,7 +123,7 @@ async def query(
     for column, value in filters.items():
         if column not in table.c:
             raise InvalidArgument(
-                f"{projection} has no column {column!r}; columns: {', '.join(table.c.keys())}"
+                f"{projection} has no column {quote(column)}; columns: {', '.join(table.c.keys())}"
             )
         stmt = stmt.where(table.c[column] == _cast(table, column, value))
     query_id = _query_id(projection, filters)

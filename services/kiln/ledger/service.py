@@ -10,11 +10,17 @@ import structlog
 from prometheus_client import Counter, Histogram
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from kiln.common.errors import InvalidArgument, Unavailable
+from kiln.common.errors import InvalidArgument, Unavailable, quote
 from kiln.common.identity import current_call
 from kiln.common.settings import KilnSettings
 from kiln.events import registered_types
 from kiln.ledger import convert
+from kiln.ledger.bounds import (
+    MAX_STREAM_ID_CHARS,
+    check_position,
+    check_text,
+    read_count,
+)
 from kiln.ledger.notifier import CommitNotifier
 from kiln.ledger.query import query
 from kiln.ledger.replay import replay
@@ -40,13 +46,17 @@ def _projection_name(value: int) -> str:
     return name
 
 
-def _check_types(types: Sequence[str]) -> None:
+def _check_types(types: Sequence[str]) -> list[str]:
+    """The distinct ``types`` (in first-seen order); InvalidArgument naming an unknown one."""
     known = registered_types()
-    unknown = sorted(set(types) - set(known))
+    distinct = list(dict.fromkeys(types))
+    unknown = [t for t in distinct if t not in known]
     if unknown:
+        more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
         raise InvalidArgument(
-            f"unknown event type(s) {', '.join(unknown)}; known: {', '.join(known)}"
+            f"unknown event type {quote(unknown[0])}{more}; known: {', '.join(known)}"
         )
+    return distinct
 
 
 class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
@@ -74,6 +84,8 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         new_events = [
             convert.event_from_proto(e, call.causation_id, i) for i, e in enumerate(request.events)
         ]
+        if request.expected_version.WhichOneof("kind") == "exact":
+            check_position("expected_version.exact", request.expected_version.exact)
         expected = convert.expected_from_proto(
             request.expected_version, request.HasField("expected_version")
         )
@@ -107,9 +119,10 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     async def ReadStream(
         self, request: ledger_pb2.ReadStreamRequest, context: grpc.aio.ServicerContext
     ) -> ledger_pb2.ReadStreamResponse:
-        page = request.max_count or self.settings.read_page_size
+        from_version = check_position("from_version", request.from_version)
+        page = read_count(request.max_count, self.settings.read_page_size)
         events, version = await self.store.read_stream(
-            request.stream_id, max(request.from_version, 1), page
+            request.stream_id, max(from_version, 1), page
         )
         return ledger_pb2.ReadStreamResponse(
             events=[convert.recorded_to_proto(e) for e in events],
@@ -120,15 +133,14 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     async def ReadAll(
         self, request: ledger_pb2.ReadAllRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ledger_pb2.RecordedEvent]:
-        _check_types(request.types)
-        after = request.after_position
+        types = _check_types(request.types)
+        prefix = check_text("stream_prefix", request.stream_prefix, MAX_STREAM_ID_CHARS)
+        after = check_position("after_position", request.after_position)
         remaining = request.max_count or None
         page = self.settings.read_page_size
         while True:
             size = min(page, remaining) if remaining else page
-            batch = await self.store.read_all(
-                after, size, types=list(request.types), stream_prefix=request.stream_prefix
-            )
+            batch = await self.store.read_all(after, size, types=types, stream_prefix=prefix)
             for event in batch:
                 yield convert.recorded_to_proto(event)
             if batch:

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from kiln.common.errors import InvalidArgument, NotFound
+from kiln.common.errors import InvalidArgument, NotFound, quote
 from kiln.events.registry import SchemaError, parse_stream_id, validate_event
 from kiln.ledger.group_commit import GroupCommitter
 from kiln.ledger.model import AppendResult, ExpectedVersion, NewEvent, StoredEvent
@@ -83,7 +83,7 @@ class EventStore:
                 event_id = str(uuid.UUID(ev.event_id))
             except (ValueError, AttributeError, TypeError):
                 raise InvalidArgument(
-                    f"event {i}: event_id {ev.event_id!r} is not a UUID"
+                    f"event {i}: event_id {quote(ev.event_id)} is not a UUID"
                 ) from None
             if event_id in seen:
                 raise InvalidArgument(f"event {i}: event_id {event_id} appears twice in one append")
@@ -91,7 +91,7 @@ class EventStore:
             size = _payload_size(ev.data)
             if size > self.max_event_bytes:
                 raise InvalidArgument(
-                    f"event {i} ({ev.type}): payload is {size} bytes; the limit is "
+                    f"event {i} ({quote(ev.type)}): payload is {size} bytes; the limit is "
                     f"{self.max_event_bytes} bytes"
                 )
             try:
@@ -171,7 +171,7 @@ class EventStore:
         async with self.engine.connect() as conn:
             current = await self._stream_version(conn, stream_id)
             if current == 0:
-                raise NotFound(f"stream {stream_id!r} has no events")
+                raise NotFound(f"stream {quote(stream_id)} has no events")
             result = await conn.execute(
                 select(events)
                 .where(

@@ -1,6 +1,7 @@
 """Model architecture from a Hugging Face ``config.json``: Llama, Qwen3, Qwen3-MoE, Mixtral and
 DeepSeek-V3 (MLA), with the derived sizes engines and the cost model need. Field names follow the
-Hugging Face configs.
+Hugging Face configs. Every number is checked against a stated range
+(:mod:`kiln.workloads.config_bounds`).
 """
 
 from __future__ import annotations
@@ -8,16 +9,27 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
+
+from kiln.common.quoting import quote
+from kiln.workloads.config_bounds import (
+    MAX_CONFIG_CHARS,
+    MAX_DTYPE_CHARS,
+    MAX_NAME_CHARS,
+    MAX_ROPE_THETA,
+    finite_tree,
+    layer_list,
+    real,
+    whole,
+)
+from kiln.workloads.config_bounds import ConfigRangeError as ConfigRangeError
+from kiln.workloads.config_bounds import UnsupportedModelError as UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
-
-
-class UnsupportedModelError(ValueError):
-    """The config names an architecture kiln cannot build, or is not a valid config."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +103,24 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) has an MoE FFN."""
-        return self.moe is not None and layer not in self.moe.dense_layers
+        return self.moe is not None and layer not in self._dense_layer_set
+
+    @cached_property
+    def _dense_layer_set(self) -> frozenset[int]:
+        return frozenset(self.moe.dense_layers if self.moe is not None else ())
+
+    @cached_property
+    def _moe_prefix(self) -> tuple[int, ...]:
+        """``[i]``: MoE layers among the first ``i`` (so range counts cost O(1))."""
+        out, n = [0], 0
+        for i in range(self.num_hidden_layers):
+            n += self.is_moe_layer(i)
+            out.append(n)
+        return tuple(out)
+
+    def moe_layers_in(self, layers: range) -> int:
+        """MoE layers within ``layers`` (a step-1 range inside ``0..num_hidden_layers``)."""
+        return self._moe_prefix[layers.stop] - self._moe_prefix[layers.start]
 
     def attention_params(self) -> int:
         """Weights of one attention block (projections and q/k norms), elements."""
@@ -186,106 +215,163 @@ class ModelConfig:
         return replace(self, moe=replace(self.moe, load_zipf_exponent=float(zipf_exponent)))
 
 
-def _require(cfg: dict[str, Any], key: str, name: str) -> Any:
-    if key not in cfg:
-        raise UnsupportedModelError(f"{name}: config has no {key!r}")
-    return cfg[key]
-
-
-def parse_config(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
-    """A ModelConfig from a parsed ``config.json``; UnsupportedModelError for an unknown
-    ``model_type`` or a missing field.
-    """
+def _model_type(cfg: Any, name: str) -> str:
     if not isinstance(cfg, dict):
         raise UnsupportedModelError(f"{name}: config.json must be a JSON object")
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"{name}: unsupported architecture {model_type!r} "
+            f"{name}: unsupported architecture {quote(model_type)} "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    heads = int(_require(cfg, "num_attention_heads", name))
-    hidden = int(_require(cfg, "hidden_size", name))
-    moe: MoEConfig | None = None
-    mla: MLAConfig | None = None
-    layers = int(_require(cfg, "num_hidden_layers", name))
-    if model_type == "qwen3_moe" and int(cfg.get("num_experts") or 0) > 0:
+    return model_type
+
+
+def _moe(cfg: dict[str, Any], model_type: str, name: str, layers: int) -> MoEConfig | None:
+    if model_type == "qwen3_moe" and cfg.get("num_experts"):
+        experts = whole(cfg, "num_experts", name)
         # transformers' Qwen3MoeDecoderLayer: a layer is sparse unless listed in
         # mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step.
-        sparse_step = int(cfg.get("decoder_sparse_step") or 1)
-        mlp_only = set(cfg.get("mlp_only_layers") or [])
+        sparse_step = whole(cfg, "decoder_sparse_step", name, 1, high=layers)
+        mlp_only = layer_list(cfg, "mlp_only_layers", name, layers)
         dense = tuple(i for i in range(layers) if i in mlp_only or (i + 1) % sparse_step != 0)
-        moe = MoEConfig(
-            num_experts=int(cfg["num_experts"]),
-            top_k=int(_require(cfg, "num_experts_per_tok", name)),
-            intermediate_size=int(_require(cfg, "moe_intermediate_size", name)),
+        return MoEConfig(
+            num_experts=experts,
+            top_k=whole(cfg, "num_experts_per_tok", name, high=experts),
+            intermediate_size=whole(cfg, "moe_intermediate_size", name),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             dense_layers=dense,
             round_router_weights=True,
         )
-    elif model_type == "mixtral":
-        moe = MoEConfig(
-            num_experts=int(_require(cfg, "num_local_experts", name)),
-            top_k=int(_require(cfg, "num_experts_per_tok", name)),
-            intermediate_size=int(_require(cfg, "intermediate_size", name)),
+    if model_type == "mixtral":
+        experts = whole({"num_experts": cfg.get("num_local_experts")}, "num_experts", name)
+        return MoEConfig(
+            num_experts=experts,
+            top_k=whole(cfg, "num_experts_per_tok", name, high=experts),
+            intermediate_size=whole(cfg, "intermediate_size", name),
             norm_topk_prob=True,
             round_router_weights=False,
         )
-    elif model_type == "deepseek_v3":
-        moe = MoEConfig(
-            num_experts=int(cfg["n_routed_experts"]),
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            num_shared_experts=int(cfg.get("n_shared_experts", 0)),
+    if model_type == "deepseek_v3":
+        experts = whole({"num_experts": cfg.get("n_routed_experts")}, "num_experts", name)
+        first_dense = whole(cfg, "first_k_dense_replace", name, 0, high=layers)
+        return MoEConfig(
+            num_experts=experts,
+            top_k=whole(cfg, "num_experts_per_tok", name, high=experts),
+            intermediate_size=whole(cfg, "moe_intermediate_size", name),
+            num_shared_experts=whole(cfg, "n_shared_experts", name, 0),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            dense_layers=tuple(range(int(cfg.get("first_k_dense_replace", 0)))),
+            dense_layers=tuple(range(first_dense)),
         )
-        mla = MLAConfig(
-            q_lora_rank=cfg.get("q_lora_rank"),
-            kv_lora_rank=int(cfg["kv_lora_rank"]),
-            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-            v_head_dim=int(cfg["v_head_dim"]),
+    return None
+
+
+def _mla(cfg: dict[str, Any], model_type: str, name: str) -> MLAConfig | None:
+    if model_type != "deepseek_v3":
+        return None
+    return MLAConfig(
+        q_lora_rank=whole(cfg, "q_lora_rank", name) if cfg.get("q_lora_rank") else None,
+        kv_lora_rank=whole(cfg, "kv_lora_rank", name),
+        qk_nope_head_dim=whole(cfg, "qk_nope_head_dim", name),
+        qk_rope_head_dim=whole(cfg, "qk_rope_head_dim", name),
+        v_head_dim=whole(cfg, "v_head_dim", name),
+    )
+
+
+def _optional_dict(cfg: dict[str, Any], key: str, name: str) -> dict[str, Any] | None:
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise UnsupportedModelError(f"{name}: {key} must be a JSON object or null")
+    finite_tree(value, name, key)
+    return value
+
+
+def parse_config(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
+    """A ModelConfig from a parsed ``config.json``, every number within
+    :data:`kiln.workloads.config_bounds.LIMITS`.
+
+    Raises:
+        UnsupportedModelError: an unknown ``model_type``, a missing field, a value of the wrong
+            kind (text or a fraction for a count, NaN, ``1e400``), or query heads not a multiple
+            of the KV heads.
+        ConfigRangeError: a number out of range (e.g. 0 heads, 3x10^8 layers).
+    """
+    if len(name) > MAX_NAME_CHARS:
+        raise UnsupportedModelError(
+            f"model name {quote(name)} is longer than {MAX_NAME_CHARS} characters"
         )
+    model_type = _model_type(cfg, name)
+    layers = whole(cfg, "num_hidden_layers", name)
+    heads = whole(cfg, "num_attention_heads", name)
+    hidden = whole(cfg, "hidden_size", name)
+    kv_heads = whole(cfg, "num_key_value_heads", name, heads, high=heads)
+    if heads % kv_heads:
+        raise UnsupportedModelError(
+            f"{name}: {heads} attention heads are not a multiple of {kv_heads} KV heads"
+        )
+    head_dim = whole(cfg, "head_dim", name) if cfg.get("head_dim") else None
+    if head_dim is None:
+        head_dim = whole({"head_dim": hidden // heads}, "head_dim", f"{name} (hidden / heads)")
+    torch_dtype = cfg.get("torch_dtype", "bfloat16")
+    if not isinstance(torch_dtype, str) or len(torch_dtype) > MAX_DTYPE_CHARS:
+        raise UnsupportedModelError(f"{name}: torch_dtype {quote(torch_dtype)} is not a dtype")
+    _optional_dict(cfg, "quantization_config", name)
+    _optional_dict(cfg, "rope_parameters", name)
     return ModelConfig(
         name=name,
         model_type=model_type,
-        vocab_size=int(_require(cfg, "vocab_size", name)),
+        vocab_size=whole(cfg, "vocab_size", name),
         hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size", name)),
+        intermediate_size=whole(cfg, "intermediate_size", name),
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=real(cfg, "rms_norm_eps", name, 1e-6, low=0.0, high=1.0),
+        rope_theta=real(cfg, "rope_theta", name, 10000.0, low=0.0, high=MAX_ROPE_THETA),
+        max_position_embeddings=whole(cfg, "max_position_embeddings", name, 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        rope_scaling=cfg.get("rope_scaling"),
-        torch_dtype=str(cfg.get("torch_dtype", "bfloat16")),
-        moe=moe,
-        mla=mla,
+        rope_scaling=_optional_dict(cfg, "rope_scaling", name),
+        torch_dtype=torch_dtype,
+        moe=_moe(cfg, model_type, name, layers),
+        mla=_mla(cfg, model_type, name),
         raw=cfg,
     )
+
+
+def read_config_json(text: str, name: str = "model") -> Any:
+    """``config_json`` text parsed (any JSON value; :func:`parse_config` checks it).
+
+    Raises:
+        UnsupportedModelError: empty, longer than ``MAX_CONFIG_CHARS``, not JSON, or nested too
+            deeply to parse.
+    """
+    if not text.strip():
+        raise UnsupportedModelError(
+            "workload.model.config_json is empty: send the config.json text"
+        )
+    if len(text) > MAX_CONFIG_CHARS:
+        raise UnsupportedModelError(
+            f"{name}: config_json is {len(text)} characters; the limit is {MAX_CONFIG_CHARS}"
+        )
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise UnsupportedModelError(f"{name}: config_json is nested too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UnsupportedModelError(f"{name}: config_json is not valid JSON ({exc})") from None
 
 
 def parse_config_json(text: str, name: str = "model") -> ModelConfig:
     """A ModelConfig from a workload's ``model.config_json`` text.
 
     Raises:
-        UnsupportedModelError: empty, not JSON, or :func:`parse_config`'s reasons.
+        UnsupportedModelError: :func:`read_config_json`'s and :func:`parse_config`'s reasons
+            (:class:`ConfigRangeError` for a number out of range).
     """
-    if not text.strip():
-        raise UnsupportedModelError(
-            "workload.model.config_json is empty: send the config.json text"
-        )
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UnsupportedModelError(f"{name}: config_json is not valid JSON ({exc})") from None
-    return parse_config(cfg, name)
+    return parse_config(read_config_json(text, name), name)
 
 
 def load_config(path: str | Path) -> ModelConfig:

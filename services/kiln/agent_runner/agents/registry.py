@@ -13,7 +13,7 @@ from kiln.agent_runner.agents.llm import LLMAgent, require_llm
 from kiln.agent_runner.agents.optuna_search import OptunaAgent
 from kiln.agent_runner.agents.profiler import ProfilerAgent
 from kiln.agent_runner.agents.random_search import RandomSearchAgent
-from kiln.common.errors import InvalidArgument
+from kiln.common.errors import InvalidArgument, quote
 
 AGENT_KINDS: dict[str, type[Agent]] = {
     CoordinateAgent.kind: CoordinateAgent,
@@ -51,7 +51,8 @@ def validate_agents(names: Sequence[str]) -> list[str]:
     unknown = sorted({k for k in kinds if k not in AGENT_KINDS})
     if unknown:
         raise InvalidArgument(
-            f"unknown agent(s) {', '.join(map(repr, unknown))}: known agents are "
+            f"unknown agent(s) {', '.join(quote(u, 60) for u in unknown[:5])}"
+            f"{f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''}: known agents are "
             f"{', '.join(sorted(AGENT_KINDS))}"
         )
     if LLMAgent.kind in kinds:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.common.quoting import quote
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.models import routing
 from kiln.workloads.models.binding import OpBinding
@@ -47,10 +48,10 @@ def check_buildable(config: ModelConfig) -> None:
     ):
         why = "sliding-window attention"
     elif raw.get("hidden_act", "silu") != "silu":
-        why = f"activation {raw.get('hidden_act')!r}"
+        why = f"activation {quote(raw.get('hidden_act'))}"
     elif rope_parameters(config)["rope_type"] not in SUPPORTED_ROPE_TYPES:
         kind = rope_parameters(config)["rope_type"]
-        why = f"RoPE type {kind!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        why = f"RoPE type {quote(kind)} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
     if why is not None:
         raise UnbuildableModelError(f"{config.name}: kiln cannot build {why}")
 
