@@ -73,6 +73,8 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 TRACEBACK_CHARS = 1500
+JUDGED = "(judged outside the candidate's sandbox)"
+"""Ends the error of a sandboxed candidate whose outputs differed from the reference's."""
 
 
 @contextmanager
@@ -122,6 +124,12 @@ class Gate(GateChecks):
         if isinstance(self._measured, SandboxModel):
             return CpuTimer(), self._measured.host.round_trip_ms
         return self.timer, 0.0
+
+    def _judged(self) -> str:
+        """What an INCORRECT comparison's error ends with: where the candidate ran."""
+        if isinstance(self._measured, SandboxModel):
+            return f" {JUDGED}"
+        return ""
 
     def _check_state(self, when: str) -> None:
         """The state guard's check (:class:`~kiln.runtime.state_guard.StateChanged` names what
@@ -363,7 +371,7 @@ class Gate(GateChecks):
         return Measurement(
             status="incorrect",
             max_abs_error=verdict.max_abs_error,
-            error=f"incorrect: {verdict.reason}",
+            error=f"incorrect: {verdict.reason}{self._judged()}",
             memory=self.memory(),
             phases_ms=phases,
             notes=notes,

@@ -70,9 +70,7 @@ _NET_TCP = (1 << 0) | (1 << 1)  # BIND_TCP, CONNECT_TCP (ABI 4)
 _SCOPES = (1 << 0) | (1 << 1)  # ABSTRACT_UNIX_SOCKET, SIGNAL (ABI 6)
 
 
-def sandbox_environment(
-    home: str, environ: Mapping[str, str] | None = None
-) -> dict[str, str]:
+def sandbox_environment(home: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The sandbox's environment: :data:`ENV_ALLOWED` from ``environ`` (default ``os.environ``),
     ``HOME``/``TMPDIR`` and the compiler caches under ``home``, and one-thread OpenMP spinning
     off (idle threads sleep)."""
@@ -109,7 +107,7 @@ def _rlimits(address_space: int) -> list[str]:
     if address_space > 0:
         limits.append((resource.RLIMIT_AS, address_space))
     for which, value in limits:
-        soft, hard = resource.getrlimit(which)
+        _soft, hard = resource.getrlimit(which)
         if hard != resource.RLIM_INFINITY:
             value = min(value, hard)
         try:
@@ -156,7 +154,9 @@ def _landlock(libc: ctypes.CDLL, writable: list[str]) -> str:
     return ""
 
 
-def confine(judge_pid: int, home: str, *, address_space: int = 0, network: bool = True) -> list[str]:
+def confine(
+    judge_pid: int, home: str, *, address_space: int = 0, network: bool = True
+) -> list[str]:
     """Confine this process (module docstring); returns what the host refused, one line each.
     ``network``: also leave the host's network namespace (off where CUDA IPC needs the host's).
     Exits at once if the judge (``judge_pid``) is already gone."""

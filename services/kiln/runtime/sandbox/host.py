@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -50,9 +50,9 @@ class SandboxFailure(Exception):
     """The sandbox did not answer: ``status`` ``crashed`` (it died; the message says how) or
     ``timed_out`` (the deadline passed; it was killed). It is replaced either way."""
 
-    def __init__(self, status: str, message: str) -> None:
+    def __init__(self, status: Literal["crashed", "timed_out"], message: str) -> None:
         super().__init__(message)
-        self.status = status
+        self.status: Literal["crashed", "timed_out"] = status
         self.message = message
 
 
@@ -248,7 +248,7 @@ class SandboxHost:
                 raise TimeoutError
             proc.sock.settimeout(remaining)
             return wire.receive(proc.sock)
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             self.discard()
             raise SandboxFailure(
                 "timed_out", f"the sandbox did not answer ({doing}) within the deadline; "
@@ -264,7 +264,9 @@ class SandboxHost:
                 "crashed", f"candidate sandbox died: {describe_exit(code)}; sandbox restarted"
             ) from None
 
-    def call(self, header: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytearray]:
+    def call(
+        self, header: dict[str, Any], payload: bytes = b""
+    ) -> tuple[dict[str, Any], bytearray]:
         """Send one command and wait for its reply (up to the experiment's deadline).
 
         Raises:
@@ -422,7 +424,11 @@ class SandboxModel:
     def ffn(self, layer: int, x: Tensor) -> Tensor:
         """The candidate's ``ffn`` op of ``layer`` on ``x``."""
         data = tensors.tensor_bytes(x)
-        header = {"op": "ffn", "layer": layer, "x": {**tensors.tensor_header(x), "nbytes": len(data)}}
+        header = {
+            "op": "ffn",
+            "layer": layer,
+            "x": {**tensors.tensor_header(x), "nbytes": len(data)},
+        }
         return self.host.output(*self.host.call(header, data))
 
     def profile(self, token: Tensor) -> OpProfile:

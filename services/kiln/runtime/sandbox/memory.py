@@ -45,15 +45,13 @@ def _unique(store: WeightStore) -> list[tuple[list[str], Tensor]]:
 
 def _cuda_handle(storage: torch.UntypedStorage) -> list[Any]:
     """A CUDA storage's IPC handle as JSON-able values (bytes base64-encoded)."""
-    parts = storage._share_cuda_()  # type: ignore[attr-defined]
-    return [
-        {"b64": base64.b64encode(p).decode()} if isinstance(p, bytes) else p for p in parts
-    ]
+    parts = storage._share_cuda_()
+    return [{"b64": base64.b64encode(p).decode()} if isinstance(p, bytes) else p for p in parts]
 
 
 def _open_cuda(handle: list[Any]) -> torch.UntypedStorage:
     args = [base64.b64decode(p["b64"]) if isinstance(p, dict) else p for p in handle]
-    return torch.UntypedStorage._new_shared_cuda(*args)  # type: ignore[attr-defined]
+    return torch.UntypedStorage._new_shared_cuda(*args)
 
 
 class SharedWeights:
@@ -173,7 +171,7 @@ class SharedBuffer:
         if ipc is not None:
             storage = _open_cuda(ipc)
             t = torch.empty(0, dtype=torch.uint8, device=storage.device)
-            t.set_(storage)  # type: ignore[call-overload]
+            t.set_(storage)
             return t
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         return torch.frombuffer(mapping, dtype=torch.uint8)

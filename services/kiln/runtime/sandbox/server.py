@@ -194,7 +194,9 @@ class _Server:
         from kiln.runtime.sandbox import tensors
 
         meta = header[key]
-        return tensors.from_bytes(meta, payload[start : start + int(meta["nbytes"])]).to(self.device)
+        return tensors.from_bytes(meta, payload[start : start + int(meta["nbytes"])]).to(
+            self.device
+        )
 
     def _output(self, out: object) -> None:
         """Reply with ``out``: refused unless a plain tensor; into the shared buffer (synced)
