@@ -120,6 +120,7 @@ class Engine(Gate):
         self._shared = SharedWeights(self.weights) if sandbox else None
         self._sandbox: SandboxHost | None = None
         self._deadline = 0.0
+        self._deadline_s = 0.0
         self.build_phases_s["weights"] = time.perf_counter() - t
         t = time.perf_counter()
         if self.device.type == "cuda":
@@ -218,6 +219,7 @@ class Engine(Gate):
         """
         host = self._sandbox
         assert host is not None
+        host.deadline_s = self._deadline_s
         t = time.perf_counter()
         host.ensure(self._deadline)
         phases["sandbox_start"] = (time.perf_counter() - t) * 1e3
@@ -410,6 +412,7 @@ class Engine(Gate):
         applied = AppliedTransforms()
         derived_before = {name for name, _ in self.weights.derived_keys()}
         self._deadline = time.monotonic() + request.deadline_s if request.deadline_s > 0 else 0.0
+        self._deadline_s = request.deadline_s
         sandboxed = self._sandbox_for(candidate, request) is not None
         try:
             result = self._attempt(candidate, request, phases, notes, applied, base)

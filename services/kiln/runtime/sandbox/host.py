@@ -175,6 +175,9 @@ class SandboxHost:
             },
         )
 
+    deadline_s = 0.0
+    """The current experiment's deadline, seconds (for messages)."""
+
     def ensure(self, deadline: float) -> _Process:
         """A ready sandbox (started, and calibrated, if needed) for an experiment ending at
         ``deadline`` (``time.monotonic()``; 0: none).
@@ -251,8 +254,8 @@ class SandboxHost:
         except TimeoutError:
             self.discard()
             raise SandboxFailure(
-                "timed_out", f"the sandbox did not answer ({doing}) within the deadline; "
-                "sandbox restarted"
+                "timed_out", f"no result within the deadline of {self.deadline_s:g} s (the "
+                f"sandbox was {doing}); sandbox restarted"
             ) from None  # fmt: skip
         except (wire.WireError, OSError):
             code = proc.popen.poll()
@@ -349,13 +352,15 @@ class SandboxHost:
             self._pending = False
             return ""
         self._pending = False
-        self._deadline = time.monotonic() + CALL_TIMEOUT_S
+        deadline, self._deadline = self._deadline, time.monotonic() + CALL_TIMEOUT_S
         try:
             reply, _ = self.call({"op": "unload"})
             self.last_report = reply
             why = "" if reply.get("clean") else "; ".join(map(str, reply.get("changes") or ["?"]))
         except (SandboxFailure, CandidateRaised) as exc:
             why = str(exc)
+        finally:
+            self._deadline = deadline
         if why:
             self.discard()
             self.replaced.append(why)
