@@ -240,7 +240,7 @@ class Gate(GateChecks):
             )
         except CandidateRaised as exc:
             return Measurement.failed(
-                "crashed", f"{phase}: {exc}", phases_ms=phases, notes=notes, **base
+                "crashed", f"{exc.phase or phase}: {exc}", phases_ms=phases, notes=notes, **base
             )
         except NotPlainTensor as exc:
             return Measurement.failed(

@@ -57,7 +57,12 @@ class SandboxFailure(Exception):
 
 
 class CandidateRaised(Exception):
-    """The candidate's code raised in the sandbox; the message is its exception and traceback."""
+    """The candidate's code raised in the sandbox; the message is its exception and traceback,
+    ``phase`` the gate's phase it raised in when the sandbox says (loading: ``load``, ``bind``)."""
+
+    def __init__(self, message: str, phase: str = "") -> None:
+        super().__init__(message)
+        self.phase = phase
 
 
 def describe_exit(code: int | None) -> str:
@@ -287,7 +292,7 @@ class SandboxHost:
             pass  # it died: the receive says how
         reply, data = self._receive(proc, deadline, str(header.get("op")))
         if "raised" in reply:
-            raise CandidateRaised(str(reply["raised"]))
+            raise CandidateRaised(str(reply["raised"]), str(reply.get("phase") or ""))
         return reply, data
 
     def _tokens_message(

@@ -312,7 +312,7 @@ class _Server:
             self._send({"rejected": f"{phase}: {exc}", "phases": phases})
             return
         except (Exception, SystemExit) as exc:
-            self._send({"raised": f"{phase}: {_crash(exc)}", "phases": phases})
+            self._send({"raised": _crash(exc), "phase": phase, "phases": phases})
             return
         self._send({"phases": phases, "notes": list(self.applied.notes)})
 
