@@ -16,6 +16,11 @@ AT_SHAPE = "at batch "
 """In the error when the checked step at the traffic shape differed from the reference's."""
 STATE = "state changed"
 """In the error when a tensor the reference read (a weight) differs from its content at build."""
+JUDGED = "(judged outside the candidate's sandbox)"
+"""In the error when a sandboxed candidate's outputs differed from the judge's reference (the
+process split: nothing the candidate runs reaches the reference, the comparison or its inputs)."""
+SANDBOX_STATE = "state changed in the sandbox"
+"""In the error when a sandboxed candidate wrote its (copy-on-write) copy of the weights."""
 
 KINDS = {
     "a": "cached outputs",
@@ -61,6 +66,11 @@ class Cheat:
         dtype: the engine's dtype it is run on (``float32`` or ``bfloat16``).
         timed_steps: timed decode steps per experiment (more than the verified steps where the
             trick steers which step is verified).
+        sandboxed: what a sandboxed engine's error must contain (default: :data:`JUDGED`);
+            ``caught`` is the in-process engine's (``Engine(sandbox=False)``).
+        disarmed: "" unless, in the sandbox, the trick finds nothing to use and the candidate
+            computes honestly: then why (naming the defense); it must come back ``ok`` without
+            having played (``_played`` empty).
     """
 
     name: str
@@ -73,13 +83,15 @@ class Cheat:
     runs: int = 1
     dtype: str = "float32"
     timed_steps: int = 4
+    sandboxed: tuple[str, ...] = (JUDGED,)
+    disarmed: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"{self.name}: unknown kind {self.kind!r}")
         if self.escapes and not self.escapes.startswith(DEFENSES):
             raise ValueError(f"{self.name}: escapes must name a defense of {DEFENSES}")
-        if not self.escapes and not self.caught:
+        if not (self.escapes or self.caught or self.sandboxed or self.disarmed):
             raise ValueError(f"{self.name}: a cheat rejected today says by what (caught)")
 
 

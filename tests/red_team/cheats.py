@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import (
+    cheat,
     information,
     lossy,
     objects,
@@ -37,7 +38,7 @@ from . import (
     watch_blind,
     watch_choice,
 )
-from .cheat import AT_SHAPE, OUTSIDE, STATE, TAMPERED, VERIFIED, Cheat, make
+from .cheat import AT_SHAPE, JUDGED, OUTSIDE, STATE, TAMPERED, VERIFIED, Cheat, make
 from .cheat_code import (
     BORROWED_LOGITS,
     CACHED_LOGITS,
@@ -62,6 +63,7 @@ from .honest import honest
 __all__ = [
     "AT_SHAPE",
     "CHEATS",
+    "JUDGED",
     "OUTSIDE",
     "STATE",
     "TAMPERED",
@@ -244,6 +246,40 @@ CHEATS: tuple[Cheat, ...] = ORIGINAL + REVIEWED
 """Every cheat (:func:`cheats` picks those of a device type)."""
 
 
-def cheats(device_type: str) -> list[Cheat]:
-    """The cheats that apply on ``device_type`` (``"cpu"`` or ``"cuda"``)."""
-    return [c for c in CHEATS if device_type in c.devices]
+NOT_PLAIN = ("not a plain torch.Tensor",)
+INFORMATION = (
+    "process split: the sandbox holds no frame, request or engine of the judge's, and each "
+    "step's tokens arrive alone, in a fresh tensor: the trick finds nothing and the forward is "
+    "honest"
+)
+SANDBOXED: dict[str, dict[str, object]] = {
+    **{c.name: {"sandboxed": NOT_PLAIN} for c in objects.CHEATS},
+    **{
+        name: {"disarmed": INFORMATION, "escapes": ""}
+        for name in ("frame_tokens", "stack_seed", "gc_seed")
+    },
+    **{
+        name: {"disarmed": INFORMATION + " (the mean would decide anyway)", "escapes": ""}
+        for name in ("front_loaded_storage", "front_loaded_frames")
+    },
+    "fake_clock": {
+        "disarmed": "process split: the judge's clock is in another process; the sandbox's own "
+        "clock times nothing"
+    },
+    "half_vocab_weights": {"sandboxed": (cheat.SANDBOX_STATE,)},
+    **{
+        name: {"escapes": ""}
+        for name in ("reservoir_off", "identity_blind", "all_blind", "dispatch_dump_blind")
+    },
+}
+"""How each cheat fares against the sandboxed engine, where it differs from the default (caught
+by the comparison, :data:`~.cheat.JUDGED`)."""
+
+
+def cheats(device_type: str, *, sandboxed: bool = True) -> list[Cheat]:
+    """The cheats that apply on ``device_type`` (``"cpu"`` or ``"cuda"``), as they fare against
+    a sandboxed engine (``sandboxed``, :data:`SANDBOXED`) or an in-process one."""
+    out = [c for c in CHEATS if device_type in c.devices]
+    if sandboxed:
+        out = [dataclasses.replace(c, **SANDBOXED.get(c.name, {})) for c in out]  # type: ignore[arg-type]
+    return out

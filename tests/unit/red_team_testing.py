@@ -91,10 +91,15 @@ def spy_on_loads(monkeypatch: pytest.MonkeyPatch) -> list[types.ModuleType]:
     return out
 
 
-def played(loaded: list[types.ModuleType]) -> bool | None:
+def played(loaded: list[types.ModuleType], engine: Engine | None = None) -> bool | None:
     """Whether the loaded cheat played its trick (its ``_played`` list is non-empty); None for a
-    cheat that keeps no such record."""
-    records = [vars(ns)["_played"] for ns in loaded if "_played" in vars(ns)]
+    cheat that keeps no such record. A sandboxed one is read from the sandbox's report on putting
+    itself back (``engine.after_reply()`` settles it)."""
+    records: list[object] = [vars(ns)["_played"] for ns in loaded if "_played" in vars(ns)]
+    if engine is not None and engine._sandbox is not None:
+        engine.after_reply()
+        if not engine._sandbox.replaced or engine._sandbox.last_report:
+            records += list(dict(engine._sandbox.last_report.get("played") or {}).values())
     return any(records) if records else None
 
 

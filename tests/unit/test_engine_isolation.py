@@ -55,11 +55,11 @@ async def test_a_candidate_that_exits_crashes_and_the_engine_restarts(pool: Engi
     before = pool.engines()[0].restarts
     m = await pool.measure(job(Candidate.make(code_modules=[EXIT_AT_LOAD])))
     assert m.status == "crashed"
-    assert m.error.startswith("engine process died: exit code 3")
+    assert "candidate sandbox died: exit code 3" in m.error  # the sandbox, not the engine
     assert m.candidate_id == Candidate.make(code_modules=[EXIT_AT_LOAD]).id
     m = await pool.measure(job(Candidate()))
     assert m.status == "ok", m.error
-    assert pool.engines()[0].restarts == before + 1
+    assert pool.engines()[0].restarts == before  # the sandbox restarted, not the engine
 
 
 async def test_a_candidate_past_its_deadline_times_out_and_the_engine_restarts(
@@ -72,7 +72,7 @@ async def test_a_candidate_past_its_deadline_times_out_and_the_engine_restarts(
     assert "deadline of 1 s" in m.error
     m = await pool.measure(job(Candidate.make({"mlp": "fused_gate_up"})))
     assert m.status == "ok", m.error
-    assert pool.engines()[0].restarts == before + 1
+    assert pool.engines()[0].restarts == before  # the sandbox restarted, not the engine
 
 
 async def test_another_spec_evicts_the_least_recently_used_engine(pool: EnginePool) -> None:
@@ -109,10 +109,10 @@ async def test_a_candidate_that_segfaults_crashes_with_the_signal(pool: EnginePo
     before = pool.engines()[0].restarts
     m = await pool.measure(job(Candidate.make(code_modules=[SEGFAULT_AT_LOAD])))
     assert m.status == "crashed"
-    assert "killed by signal SIGSEGV" in m.error and "engine restarted" in m.error
+    assert "killed by signal SIGSEGV" in m.error and "sandbox restarted" in m.error
     m = await pool.measure(job(Candidate()))
     assert m.status == "ok", m.error
-    assert pool.engines()[0].restarts == before + 1
+    assert pool.engines()[0].restarts == before  # the sandbox restarted, not the engine
 
 
 async def test_an_engine_killed_mid_experiment_crashes_it_and_comes_back(pool: EnginePool) -> None:
@@ -164,7 +164,7 @@ async def test_a_crash_loses_no_other_experiment_queued_on_the_device(pool: Engi
     )
     assert crash.status == "crashed"
     assert good.status == "ok" and also_good.status == "ok", (good.error, also_good.error)
-    assert pool.engines()[0].restarts == before + 1
+    assert pool.engines()[0].restarts == before  # the sandbox restarted, not the engine
 
 
 def test_device_faults_are_recognised() -> None:
@@ -186,7 +186,10 @@ async def test_devices_are_separate_engine_processes_that_fail_alone() -> None:
         assert good.engine_id.endswith(f"/cpu:1@{p.pool_id}")
         first, second = p.processes()
         assert first.pid and second.pid and first.pid != second.pid
-        assert (first.restarts, second.restarts) == (1, 0)
+        assert (first.restarts, second.restarts) == (
+            0,
+            0,
+        )  # each device's sandbox restarted, no engine
         # no GPU for CPU engines; threads as the settings say
         assert (
             first.env == second.env == {"CUDA_VISIBLE_DEVICES": "", "KILN_ENGINE_THREADS": "auto"}

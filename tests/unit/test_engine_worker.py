@@ -246,7 +246,17 @@ def vandal(x, *, gate_weight, up_weight, down_weight):
     return ((gate * torch.sigmoid(gate)) * (x @ up_weight.T)) @ down_weight.T
 """,
     )
-    m = engine.run(RunRequest("exp", Candidate.make({"mlp": "vandal"}, code_modules=[vandal])))
+    candidate = Candidate.make({"mlp": "vandal"}, code_modules=[vandal])
+    # sandboxed: it scales its own copy-on-write copy; the judge's weights stay, the sandbox goes
+    m = engine.run(RunRequest("exp", candidate))
+    assert m.status == "incorrect" and "state changed in the sandbox" in m.error, m.error
+    assert not m.restart_engine and engine.weights_intact()
+    assert any("sandbox replaced" in n for n in m.notes)
+    assert engine.run(RunRequest("exp", Candidate())).status == "ok"
+    engine.close()
+    # in process (recipes' engine path): the weights really change, and only a restart helps
+    here = Engine(_spec(batch=2, context=16), sandbox=False)
+    m = here.run(RunRequest("exp", candidate))
     assert m.restart_engine
     assert any("modified the engine's weights" in n for n in m.notes)
 

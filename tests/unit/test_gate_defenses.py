@@ -29,6 +29,7 @@ from kiln.runtime.check import (
 )
 from kiln.runtime.engine import Engine
 from kiln.runtime.exact import stacked, step_bytes
+from kiln.runtime.gate import JUDGED
 from kiln.runtime.measurement import Measurement, Timing
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineLimits, EngineSpec
@@ -184,7 +185,8 @@ def test_outputs_that_are_not_plain_tensors_are_incorrect(
 ) -> None:
     m = _run(engine, candidate)
     assert m.status == "incorrect" and not m.correct and m.timing is None, m.error
-    assert m.error.startswith(f"incorrect: {phase}: output is "), m.error
+    # in the sandbox no call can be told from a checked one: the first is refused already
+    assert m.error.startswith((f"incorrect: {phase}: output is ", "incorrect: compile: output is "))
     assert what in m.error and "outputs must be exactly torch.Tensor" in m.error, m.error
     assert _run(engine, Candidate()).status == "ok"  # the engine measures on as before
 
@@ -338,11 +340,13 @@ def test_the_default_verifies_enough_steps_for_one_percent() -> None:
 
 
 def test_a_cheat_on_most_timed_steps_is_caught_every_time(engine: Engine) -> None:
-    unverified = _run(engine, SOMETIMES_WRONG, repeats=30, min_repeats=30, verify_timed_steps=0)
-    assert unverified.status == "ok", unverified.error  # only verification can catch it
+    # In process only verification catches it (its check helpers are on the stack when checked);
+    # sandboxed, the check already does (test_red_team: test_output_cheats_pass_every_check_...).
     for _ in range(20):
         m = _run(engine, SOMETIMES_WRONG, repeats=30, min_repeats=30)
-        assert m.status == "incorrect" and "(verified after timing)" in m.error, m.error
+        # honest only under the check helpers, which are not on a sandboxed candidate's stack
+        assert m.status == "incorrect", m.error
+        assert "(verified after timing)" in m.error or JUDGED in m.error, m.error
 
 
 def test_the_escape_probability_is_recorded(engine: Engine) -> None:
@@ -366,7 +370,8 @@ def test_kept_steps_are_stacked_as_memory_allows(
     assert m.status == "ok", m.error
     assert "5 kept timed step(s) verified in 3 forward(s)" in m.notes
     caught = _run(engine, SOMETIMES_WRONG, repeats=30, min_repeats=30)
-    assert caught.status == "incorrect" and "(verified after timing)" in caught.error
+    assert caught.status == "incorrect"
+    assert "(verified after timing)" in caught.error or JUDGED in caught.error
 
 
 def test_a_stacked_step_is_the_reference_step_of_each_copy(engine: Engine) -> None:

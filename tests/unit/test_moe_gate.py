@@ -90,19 +90,20 @@ def library(recipe: str) -> Candidate:
     return Candidate.make(ops, [Transform.of("fused_decode")])
 
 
-_engines: dict[tuple[str, str], Engine] = {}
+_engines: dict[tuple[str, str, bool], Engine] = {}
 
 
-def build(config: dict[str, Any], dtype: str) -> Engine:
+def build(config: dict[str, Any], dtype: str, *, sandbox: bool = True) -> Engine:
     workload = tiny_workload(batch=8, context=24, dtype=dtype, name=config["model_type"])
     workload["model"]["config_json"] = json.dumps(config)
-    return Engine(EngineSpec.from_workload(workload, "full", LIMITS), engine_id="moe-gate")
+    spec = EngineSpec.from_workload(workload, "full", LIMITS)
+    return Engine(spec, engine_id="moe-gate", sandbox=sandbox)
 
 
-def engine(family: str, dtype: str) -> Engine:
-    if (family, dtype) not in _engines:
-        _engines[family, dtype] = build(FAMILIES[family], dtype)
-    return _engines[family, dtype]
+def engine(family: str, dtype: str, *, sandbox: bool = True) -> Engine:
+    if (family, dtype, sandbox) not in _engines:
+        _engines[family, dtype, sandbox] = build(FAMILIES[family], dtype, sandbox=sandbox)
+    return _engines[family, dtype, sandbox]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -268,7 +269,8 @@ def tamper(x, **params):
 def test_a_candidate_that_changes_the_recorded_inputs_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    e = engine("qwen3_moe", "bfloat16")
+    # in process (what the recorded-input checksum guards; a sandboxed candidate gets a copy)
+    e = engine("qwen3_moe", "bfloat16", sandbox=False)
     cheat = Candidate.make({"moe": "tamper"}, code_modules=[TAMPER])
     m = run(e, cheat)
     assert m.status == "incorrect", m.error

@@ -74,24 +74,31 @@ ENGINE_OF = {"float32": "engine", "bfloat16": "bf16_engine"}
 def test_every_cheat_is_rejected(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, cheat: red_team.Cheat
 ) -> None:
+    """Against the sandboxed engine: INCORRECT with :attr:`Cheat.sandboxed` in the error, or,
+    for a disarmed cheat, ok without having played its trick."""
     engine: Engine = request.getfixturevalue(ENGINE_OF[cheat.dtype])
     loaded = spy_on_loads(monkeypatch)
     with putting_back(engine) as restart:
         for run in range(cheat.runs):
             loaded.clear()
+            if engine._sandbox is not None:
+                engine._sandbox.last_report = {}
             steps = cheat.timed_steps
             m = _run(engine, cheat.candidate, repeats=steps, min_repeats=min(steps, 5))
-            if m.status == "ok" and played(loaded) is not False:
+            trick = played(loaded, engine)
+            if cheat.disarmed:
+                assert m.status == "ok", (m.status, m.error)
+                assert trick is not True, f"{cheat.name} played its trick and came back ok"
+                continue
+            if m.status == "ok" and trick is not False:
                 raise Escaped(f"{cheat.name}: ok on run {run + 1} of {cheat.runs}: {m.notes}")
             if m.status == "ok":  # a cheat by chance that happened not to cheat: again
                 assert cheat.runs > 1, f"{cheat.name} came back ok without playing its trick"
                 continue
             assert m.status == "incorrect" and not m.correct, (m.status, m.error)
             assert m.timing is None and m.tokens_per_s == 0.0
-            for text in cheat.caught:
+            for text in cheat.sandboxed:
                 assert text in m.error, (text, m.error)
-            if {red_team.TAMPERED, red_team.OUTSIDE, red_team.STATE} & set(cheat.caught):
-                assert m.restart_engine
             if m.restart_engine:
                 restart()  # weights changed in place are what only a restart puts back
         # Whatever else it did is undone (by the engine): it measures the reference correctly
@@ -103,9 +110,53 @@ def test_every_cheat_is_rejected(
         assert engine.weights_intact()
 
 
+@pytest.mark.parametrize("cheat", [cheat_param(c) for c in red_team.cheats("cpu", sandboxed=False)])
+def test_every_cheat_in_process(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, cheat: red_team.Cheat
+) -> None:
+    """The in-process watches (an engine built with ``sandbox=False``, what recipes run under):
+    each cheat INCORRECT with :attr:`Cheat.caught`, or escaping as its xfail says."""
+    engine: Engine = request.getfixturevalue("inprocess_" + ENGINE_OF[cheat.dtype])
+    loaded = spy_on_loads(monkeypatch)
+    with putting_back(engine) as restart:
+        for run in range(cheat.runs):
+            loaded.clear()
+            steps = cheat.timed_steps
+            m = _run(engine, cheat.candidate, repeats=steps, min_repeats=min(steps, 5))
+            if m.status == "ok" and played(loaded) is not False:
+                raise Escaped(f"{cheat.name}: ok on run {run + 1} of {cheat.runs}: {m.notes}")
+            if m.status == "ok":
+                assert cheat.runs > 1, f"{cheat.name} came back ok without playing its trick"
+                continue
+            assert m.status == "incorrect" and not m.correct, (m.status, m.error)
+            for text in cheat.caught:
+                assert text in m.error, (text, m.error)
+            if m.restart_engine:
+                restart()
+        after = _run(engine, Candidate())
+        assert after.status == "ok", after.error
+        assert engine.weights_intact()
+
+
+@pytest.fixture(scope="module")
+def inprocess_engine() -> Iterator[Engine]:
+    workload = tiny_workload(batch=3, context=24)
+    workload["model"]["config_json"] = json.dumps({**TINY_LLAMA, "vocab_size": VOCAB})
+    spec = EngineSpec.from_workload(workload, "fast", LIMITS)
+    yield Engine(spec, engine_id="red-team-in-process", sandbox=False)
+
+
+@pytest.fixture(scope="module")
+def inprocess_bf16_engine() -> Iterator[Engine]:
+    workload = tiny_workload(batch=3, context=24, dtype="bfloat16")
+    workload["model"]["config_json"] = json.dumps({**TINY_LLAMA, "vocab_size": VOCAB})
+    spec = EngineSpec.from_workload(workload, "fast", LIMITS)
+    yield Engine(spec, engine_id="red-team-in-process-bf16", sandbox=False)
+
+
 OUTPUT_CHEATS = [
     c
-    for c in red_team.cheats("cpu")
+    for c in red_team.cheats("cpu", sandboxed=False)
     if c.caught
     and set(c.caught) <= {red_team.VERIFIED, "non-finite"}
     and c.dtype == "float32"
@@ -115,11 +166,11 @@ OUTPUT_CHEATS = [
 
 @pytest.mark.parametrize("cheat", OUTPUT_CHEATS, ids=lambda c: c.name)
 def test_output_cheats_pass_every_check_but_the_timed_one(
-    engine: Engine, cheat: red_team.Cheat
+    inprocess_engine: Engine, cheat: red_team.Cheat
 ) -> None:
     """With no timed step verified, these cheats pass the check at the traffic shape and the
     prefill/decode check: they are real cheats, and verifying timed steps is what stops them."""
-    m = _run(engine, cheat.candidate, verify_timed_steps=0)
+    m = _run(inprocess_engine, cheat.candidate, verify_timed_steps=0)
     assert m.status == "ok", m.error
     assert any("verified timed step(s) none" in n for n in m.notes)
 
@@ -135,16 +186,16 @@ def test_output_cheats_pass_every_check_but_the_timed_one(
         "id_patch",
     ],
 )
-def test_tampering_cheats_fool_the_comparison_alone(engine: Engine, name: str) -> None:
+def test_tampering_cheats_fool_the_comparison_alone(inprocess_engine: Engine, name: str) -> None:
     """Changing what the reference (or the comparison, or the clock) does makes the outputs
     agree: only the fingerprint sees these. (``reduced_precision`` too, where the reduced
     kernels are deterministic; on this CPU the float32-to-bfloat16 matmuls are not always. The
     cheats that steer the verified step's draw are now caught by the verified steps as well.)"""
     (cheat,) = [c for c in red_team.CHEATS if c.name == name]
-    m = _run(engine, cheat.candidate)
+    m = _run(inprocess_engine, cheat.candidate)
     assert m.status == "incorrect" and red_team.TAMPERED in m.error
     assert "(gate said" not in m.error  # the gate itself said ok
-    assert _run(engine, Candidate()).status == "ok"
+    assert _run(inprocess_engine, Candidate()).status == "ok"
 
 
 @pytest.mark.parametrize(
@@ -368,7 +419,7 @@ def bf16_engine() -> Iterator[Engine]:
 
 NUMERIC_CHEATS = [
     c
-    for c in red_team.cheats("cpu")
+    for c in red_team.cheats("cpu", sandboxed=False)
     if c.caught
     and not {red_team.TAMPERED, red_team.OUTSIDE} & set(c.caught)
     and c.kind not in ("i", "k", "l")  # i, k: run as test_every_cheat_is_rejected does; l: lossy

@@ -64,10 +64,10 @@ async def test_a_candidate_that_sigkills_itself_mid_measurement(engine: EnginePr
         engine, Candidate.make({"lm_head": "sigkill"}, code_modules=[SIGKILL_IN_FORWARD])
     )
     assert m.status == "crashed"
-    assert "engine process died: killed by signal SIGKILL" in m.error
+    assert "candidate sandbox died: killed by signal SIGKILL" in m.error
     ok = await _run(engine, Candidate())
     assert ok.status == "ok", ok.error
-    assert engine.restarts == before + 1
+    assert engine.restarts == before  # the sandbox restarted, not the engine
 
 
 async def test_a_cheat_through_the_process_is_incorrect_and_restarts_it(
@@ -76,7 +76,7 @@ async def test_a_cheat_through_the_process_is_incorrect_and_restarts_it(
     before = engine.restarts
     (cheat,) = [c for c in red_team.CHEATS if c.name == "shared_class_patch"]
     m = await _run(engine, cheat.candidate)
-    assert m.status == "incorrect" and red_team.TAMPERED in m.error
+    assert m.status == "incorrect" and red_team.JUDGED in m.error
     ok = await _run(engine, Candidate())
     assert ok.status == "ok", ok.error
-    assert engine.restarts == before + 1
+    assert engine.restarts == before  # the sandbox replaced, not the engine

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -375,6 +376,7 @@ class EngineProcess:
             EngineStartError: the engine could not be built.
         """
         await self.wait_ready()
+        request = dataclasses.replace(request, deadline_s=deadline_s)
         base = {
             "engine_id": self.engine_id,
             "tier": self.spec.tier,

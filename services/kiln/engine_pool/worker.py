@@ -102,7 +102,11 @@ def worker_main(
         return
     loaded = sorted(m for m in SERVICE_MODULES if m in sys.modules)
     conn.send({"type": READY, **engine.info(), "service_modules": loaded})
-    serve(conn, engine, external_measure)
+    engine.prewarm()  # the sandbox for code modules starts while the first request travels
+    try:
+        serve(conn, engine, external_measure)
+    finally:
+        engine.close()
 
 
 def run_request(

@@ -39,6 +39,8 @@ from kiln.runtime.integrity import HarnessFingerprint
 from kiln.runtime.measurement import Measurement, MemoryUsage
 from kiln.runtime.reload import RegistrySnapshot, forget_sources
 from kiln.runtime.request import RunRequest
+from kiln.runtime.sandbox.host import SandboxHost, SandboxModel
+from kiln.runtime.sandbox.memory import SharedWeights
 from kiln.runtime.spec import EngineSpec
 from kiln.runtime.state_guard import (
     StateGuard,
@@ -78,6 +80,9 @@ class Engine(Gate):
 
     Args:
         spec: what to build. engine_id: reported with every measurement.
+        sandbox: run code-module candidates in a sandbox process
+            (:mod:`kiln.runtime.sandbox`); False runs them in this process, as recipes are
+            (for comparisons and tests of the in-process watches only).
 
     Attributes:
         build_s: seconds the build took, in this process; build_phases_s: split into ``weights``,
@@ -91,7 +96,7 @@ class Engine(Gate):
     _fingerprint: HarnessFingerprint | None = None
     """The pristine engine's fingerprint, taken before its first candidate loads."""
 
-    def __init__(self, spec: EngineSpec, engine_id: str = "") -> None:
+    def __init__(self, spec: EngineSpec, engine_id: str = "", *, sandbox: bool = True) -> None:
         start = time.perf_counter()
         self.spec = spec
         self.engine_id = engine_id
@@ -111,6 +116,11 @@ class Engine(Gate):
             **common,
         )
         self.weights = self.reference.weights
+        # before any address is recorded: on CPU this moves the weights into a sealed memfd
+        self._shared = SharedWeights(self.weights) if sandbox else None
+        self._sandbox: SandboxHost | None = None
+        self._deadline = 0.0
+        self._deadline_s = 0.0
         self.build_phases_s["weights"] = time.perf_counter() - t
         t = time.perf_counter()
         if self.device.type == "cuda":
@@ -123,6 +133,7 @@ class Engine(Gate):
             **common,
         )
         self.shape_reference = DecoderModel(self.model.config, self.weights, self.model.cache)
+        self._measured: DecoderModel | SandboxModel = self.model
         self.vocab = self.model.config.vocab_size
         self.build_phases_s["models"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -159,11 +170,102 @@ class Engine(Gate):
         with torch.no_grad():
             for t in cache.k + cache.v:
                 t.normal_(generator=g)
-        self._at_context()
+        self.model.cache.start(self._context, self.spec.context_len)
+        measured = getattr(self, "_measured", None)
+        if isinstance(measured, SandboxModel):
+            measured.fill()  # the sandbox's own cache, filled alike
 
     def _at_context(self) -> None:
-        """Every sequence of the measured model at ``context_len`` tokens (buffers untouched)."""
+        """Every sequence of the measured model (and the sandbox's, when the candidate runs
+        there) at ``context_len`` tokens (buffers untouched)."""
         self.model.cache.start(self._context, self.spec.context_len)
+        if isinstance(self._measured, SandboxModel):
+            self._measured.at_context()
+
+    # ------------------------------------------------------------------ sandbox
+    def _sandbox_for(self, candidate: Candidate, request: RunRequest) -> SandboxHost | None:
+        """The sandbox a candidate runs in: every candidate with code modules, whatever path it
+        came by (agents, an LLM, RunExperiment, the work queue); None for a recipe (trusted
+        registry code, run in this process) or an engine built without one."""
+        if not candidate.code_modules:
+            return None
+        return self._host()
+
+    def _host(self) -> SandboxHost | None:
+        """The engine's sandbox host, made on first use; None when built without one."""
+        if self._shared is None:
+            return None
+        if self._sandbox is None:
+            self._sandbox = SandboxHost(
+                self.spec, self._shared, self.vocab, self._threads, self._address_space()
+            )
+        return self._sandbox
+
+    def _address_space(self) -> int:
+        """The sandbox's ``RLIMIT_AS`` on CPU: its weights mapping, two caches and output, plus
+        16 GiB for torch, compilers and workspace; 0 (none) on CUDA (the driver reserves far
+        more address space than it uses)."""
+        if self.device.type != "cpu" or self._shared is None:
+            return 0
+        return self._shared.nbytes + 2 * self.model.cache.nbytes() + (16 << 30)
+
+    def _sandbox_load(
+        self, candidate: Candidate, phases: dict[str, float], notes: list[str]
+    ) -> SandboxModel:
+        """Start the sandbox if needed, then load, bind and transform ``candidate`` there.
+
+        Raises:
+            RejectedCandidate, CandidateRaised, SandboxFailure: see :meth:`SandboxHost.load`.
+        """
+        host = self._sandbox
+        assert host is not None
+        host.deadline_s = self._deadline_s
+        t = time.perf_counter()
+        host.ensure(self._deadline)
+        phases["sandbox_start"] = (time.perf_counter() - t) * 1e3
+        host.load(candidate.canonical(), phases, notes)
+        notes.append(
+            f"code modules run in the sandbox process {host.pid} (trusted here: reference, "
+            "inputs and seed, verified steps, comparison, tolerances, timer); timed steps are "
+            f"the wall clock around each round trip less its calibrated empty round trip "
+            f"({host.round_trip_ms:.3g} ms)"
+        )
+        if host.confinement:
+            notes.append(f"sandbox confinement the host refused: {'; '.join(host.confinement)}")
+        return SandboxModel(host, len(self.model.ops.layers))
+
+    def _end_sandbox(self, result: Measurement, base: dict[str, Any]) -> Measurement:
+        """After a sandboxed candidate: weights written there make it INCORRECT and the sandbox
+        is replaced; otherwise it is put back after the reply (and replaced if not clean)."""
+        measured = self._measured
+        if not isinstance(measured, SandboxModel):
+            return result
+        host = measured.host
+        written = host.weights_written()
+        if written:
+            result = Measurement.failed(
+                "incorrect",
+                f"incorrect: state changed in the sandbox: {written}",
+                phases_ms=result.phases_ms,
+                notes=result.notes,
+                **base,
+            )
+            host.discard()
+            result.notes.append("sandbox replaced after this experiment")
+        else:
+            host.unload_later()  # after the reply: after_reply, or the next experiment's start
+        return result
+
+    def prewarm(self) -> None:
+        """Start the sandbox ahead of the first code-module candidate (returns at once)."""
+        host = self._host()
+        if host is not None:
+            host.prewarm()
+
+    def close(self) -> None:
+        """Stop the sandbox (the engine process's exit does too)."""
+        if self._sandbox is not None:
+            self._sandbox.close()
 
     def weights_intact(self) -> bool:
         """True when every base weight is the same tensor at the same address as at build time,
@@ -222,6 +324,9 @@ class Engine(Gate):
         collection after a candidate that loaded code modules or compiled. The worker calls it once
         the result is sent.
         """
+        if self._sandbox is not None:
+            self._sandbox.settle()
+            self._sandbox.prewarm()  # a replaced sandbox starts now, not in the next experiment
         if self._collect:
             self._collect = False
             gc.collect()
@@ -306,10 +411,15 @@ class Engine(Gate):
         ]
         applied = AppliedTransforms()
         derived_before = {name for name, _ in self.weights.derived_keys()}
+        self._deadline = time.monotonic() + request.deadline_s if request.deadline_s > 0 else 0.0
+        self._deadline_s = request.deadline_s
+        sandboxed = self._sandbox_for(candidate, request) is not None
         try:
             result = self._attempt(candidate, request, phases, notes, applied, base)
+            result = self._end_sandbox(result, base)
         finally:
-            problem = self._restore(candidate, applied, derived_before)
+            self._measured = self.model
+            problem = self._restore(candidate, applied, derived_before, sandboxed)
         if problem:
             result.restart_engine = True
             result.notes.append(f"engine restarts after this experiment: {problem}")
@@ -325,7 +435,8 @@ class Engine(Gate):
         applied: AppliedTransforms,
         base: dict[str, Any],
     ) -> Measurement:
-        """The gate (:meth:`_gate`) under :mod:`kiln.runtime.integrity`'s watches (code and numerics
+        """The gate (:meth:`_gate`), for a candidate run in this process under
+        :mod:`kiln.runtime.integrity`'s watches (code and numerics
         fingerprint, the measured model's attributes, candidate threads): any change makes the
         experiment INCORRECT, is put back, and asks for a restart. The fingerprint is refreshed
         before each candidate loads (changes in between are noted); so is the state guard's key
@@ -333,6 +444,10 @@ class Engine(Gate):
         (:func:`~kiln.runtime.state_guard.tolerance_changes`).
         """
         self._state.begin()
+        if self._sandbox_for(candidate, request) is not None:
+            # no candidate code runs in this process: nothing here for the watches to see
+            model = AttributeSnapshot("engine.model", self.model, True, ignore=MODEL_BINDING)
+            return self._gate(candidate, request, phases, notes, applied, base, model, [])
         between = tolerance_changes()
         restore_tolerances()
         fingerprint = self._fingerprint
@@ -399,27 +514,34 @@ class Engine(Gate):
         yield "engine.timer", self.timer, None
 
     def _restore(
-        self, candidate: Candidate, applied: AppliedTransforms, derived_before: set[str]
+        self,
+        candidate: Candidate,
+        applied: AppliedTransforms,
+        derived_before: set[str],
+        sandboxed: bool = False,
     ) -> str:
-        """Put the engine back after a candidate; returns why it needs a restart, or ""."""
+        """Put the engine back after a candidate; returns why it needs a restart, or "".
+        ``sandboxed``: its code ran in the sandbox (the weights are checked here only where the
+        sandbox could write them: CUDA IPC)."""
         problem = ""
+        here = bool(candidate.code_modules) and not sandboxed
         try:
             applied.revert()
             torch.set_num_threads(self._threads)
-            if candidate.code_modules:
+            if here:
                 forget_sources(candidate.code_modules)
             if not self._registry.restore():
                 problem = "a code module registered a reference implementation"
-            if candidate.code_modules:
+            if here:
                 for name in {n for n, _ in self.weights.derived_keys()} - derived_before:
                     self.weights.drop_derived(name)
             self.model.rebind(OpBinding.from_recipe())
-            if candidate.code_modules:
+            if here or (sandboxed and self.device.type == "cuda"):
                 if not self.weights_intact():
                     problem = "the candidate modified the engine's weights"
                 self._fill_cache()
             self._at_context()
-            self._collect = self._collect or bool(candidate.code_modules or applied.compiled)
+            self._collect = self._collect or bool(here or applied.compiled)
         except Exception as exc:
             problem = f"restoring the engine failed: {type(exc).__name__}: {exc}"
         return problem

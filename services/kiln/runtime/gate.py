@@ -55,9 +55,10 @@ from kiln.runtime.check import (
 )
 from kiln.runtime.gate_check import GateChecks
 from kiln.runtime.measurement import Measurement, MemoryUsage, Timing
-from kiln.runtime.op_profile import profile_decode_step, profile_fields
+from kiln.runtime.op_profile import OpProfile, profile_decode_step, profile_fields
 from kiln.runtime.reload import load_code_modules
 from kiln.runtime.request import RunRequest
+from kiln.runtime.sandbox.host import CandidateRaised, SandboxFailure, SandboxModel
 from kiln.runtime.state_guard import StateChanged, rtol_for
 from kiln.runtime.support import support_for
 from kiln.runtime.thread_watch import OutsideWork, ThreadWatch
@@ -67,8 +68,13 @@ from kiln.runtime.transforms import AppliedTransforms, RejectedCandidate, apply_
 from kiln.workloads.models import OpBinding
 from kiln.workloads.models.binding import BindError, LossyImplementationError
 
+if TYPE_CHECKING:
+    from kiln.runtime.sandbox.host import SandboxHost
+
 Tensor = torch.Tensor
 TRACEBACK_CHARS = 1500
+JUDGED = "(judged outside the candidate's sandbox)"
+"""Ends the error of a sandboxed candidate whose outputs differed from the reference's."""
 
 
 @contextmanager
@@ -97,10 +103,47 @@ class Gate(GateChecks):
     (a base class of it; the attributes below are the engine's)."""
 
     timer: CpuTimer | CudaTimer
+    _measured: Any
+    """What the candidate's calls go to this experiment: the measured model, or a
+    :class:`~kiln.runtime.sandbox.host.SandboxModel`."""
 
     if TYPE_CHECKING:
 
         def memory(self) -> MemoryUsage: ...
+
+        def _sandbox_for(self, candidate: Candidate, request: RunRequest) -> SandboxHost | None: ...
+
+        def _sandbox_load(
+            self, candidate: Candidate, phases: dict[str, float], notes: list[str]
+        ) -> SandboxModel: ...
+
+    def _step_timer(self) -> tuple[CpuTimer | CudaTimer, float]:
+        """The timer of a candidate's step and the ms to subtract from each sample: the engine's
+        timer and 0 in this process; for the sandbox, the wall clock around the round trip and
+        the sandbox's calibrated empty round trip."""
+        if isinstance(self._measured, SandboxModel):
+            return CpuTimer(), self._measured.host.round_trip_ms
+        return self.timer, 0.0
+
+    def _judged(self) -> str:
+        """What an INCORRECT comparison's error ends with: where the candidate ran."""
+        if isinstance(self._measured, SandboxModel):
+            return f" {JUDGED}"
+        return ""
+
+    def _check_state(self, when: str) -> None:
+        """The state guard's check (:class:`~kiln.runtime.state_guard.StateChanged` names what
+        changed), except for a sandboxed candidate on CPU: the judge's weights are in a memfd
+        sealed against writes from any mapping but the judge's, and no candidate code runs
+        here."""
+        if isinstance(self._measured, SandboxModel) and self.device.type == "cpu":
+            return
+        self._state.check(when)
+
+    def _profile(self, token: Tensor) -> OpProfile:
+        if isinstance(self._measured, SandboxModel):
+            return self._measured.profile(token)
+        return profile_decode_step(self.model, token, self._at_context, self.dtype)
 
     def _gate(
         self,
@@ -127,48 +170,25 @@ class Gate(GateChecks):
         steps = tokens.to(self.device, copy=True)  # the candidate's; ``tokens`` stays ours
         phase = "load"
         try:
-            with _timed(phases, "load", sync):
-                load_code_modules(candidate.code_modules)
-            loaded = list(model.changes())
-            if loaded:
-                tampered += loaded
-                model.restore()
-            phase = "bind"
-            with _timed(phases, "bind", sync):
-                # what this engine runs for the model (after the code modules registered
-                # theirs): the statement the agents' search space is restricted to
-                support = support_for(self.spec.model_config(), self.device.type)
-                refusal = support.refusal(candidate)
-                if refusal is not None:
-                    raise RejectedCandidate(refusal)
-                try:
-                    binding = OpBinding.from_recipe(
-                        dict(candidate.ops), allow_lossy=candidate.lossy
-                    )
-                    self.model.rebind(binding)
-                except (OpLookupError, LossyImplementationError, BindError) as exc:
-                    raise RejectedCandidate(str(exc)) from exc
-                more = apply_transforms(self.model, candidate.transforms, support)
-                applied.undo += more.undo
-                applied.compiled = more.compiled
-                notes += more.notes
-            model.take()
-            for name, ms in more.phases_ms.items():  # graph_capture: its own phase
-                phases["bind"] -= ms
-                phases[name] = ms
+            if self._sandbox_for(candidate, request) is not None:
+                self._measured = self._sandbox_load(candidate, phases, notes)
+            else:
+                self._measured = self.model
+                phase = self._load_here(candidate, phases, notes, applied, model, tampered)
             if candidate.lossy:
                 notes.append(f"lossy: checked to {LOSSY_RTOL:g} x max |reference|")
             phase = "compile"
             guard = OutputGuard(self._protected)
+            measured = self._measured
             with _timed(phases, "compile", sync):
                 # The first step at the traffic shape is checked (in the check phase); the
                 # candidate cannot tell it from the timed steps that follow.
                 token = self._shape_token(request.seed)
                 self._fill_cache()
-                first = run_steps([functools.partial(self.model.decode_step, token)], guard)
+                first = run_steps([functools.partial(measured.decode_step, token)], guard)
                 for i in range(1, request.warmup):
                     self._at_context()
-                    self.model.decode_step(steps[i])
+                    measured.decode_step(steps[i])
             phase = "check"
             with _timed(phases, "check", sync):
                 verdict = self._check(request.seed, rtol, first, guard, notes)
@@ -208,14 +228,20 @@ class Gate(GateChecks):
                 )
             profiled = profile_fields(  # after the timed steps: it cannot change them
                 request.profile,
-                lambda: profile_decode_step(
-                    self.model, self._shape_token(request.seed), self._at_context, self.dtype
-                ),
+                lambda: self._profile(self._shape_token(request.seed)),
                 notes,
                 phases,
             )
         except RejectedCandidate as exc:
             return Measurement.failed("rejected", f"{phase}: {exc}", phases_ms=phases, **base)
+        except SandboxFailure as exc:
+            return Measurement.failed(
+                exc.status, f"{phase}: {exc.message}", phases_ms=phases, notes=notes, **base
+            )
+        except CandidateRaised as exc:
+            return Measurement.failed(
+                "crashed", f"{exc.phase or phase}: {exc}", phases_ms=phases, notes=notes, **base
+            )
         except NotPlainTensor as exc:
             return Measurement.failed(
                 "incorrect",
@@ -269,6 +295,51 @@ class Gate(GateChecks):
             **base,
         )
 
+    def _load_here(
+        self,
+        candidate: Candidate,
+        phases: dict[str, float],
+        notes: list[str],
+        applied: AppliedTransforms,
+        model: AttributeSnapshot,
+        tampered: list[str],
+    ) -> str:
+        """Load and bind in this process (a recipe: trusted code only); returns the phase
+        reached. ``model`` and ``tampered`` as in :meth:`_gate`.
+
+        Raises:
+            RejectedCandidate: refused (support, an unknown op or implementation, lossy without
+                opting in, a bad transform). Whatever loading the code modules raises.
+        """
+        sync = self.timer.sync
+        with _timed(phases, "load", sync):
+            load_code_modules(candidate.code_modules)
+        loaded = list(model.changes())
+        if loaded:
+            tampered += loaded
+            model.restore()
+        with _timed(phases, "bind", sync):
+            # what this engine runs for the model (after the code modules registered
+            # theirs): the statement the agents' search space is restricted to
+            support = support_for(self.spec.model_config(), self.device.type)
+            refusal = support.refusal(candidate)
+            if refusal is not None:
+                raise RejectedCandidate(refusal)
+            try:
+                binding = OpBinding.from_recipe(dict(candidate.ops), allow_lossy=candidate.lossy)
+                self.model.rebind(binding)
+            except (OpLookupError, LossyImplementationError, BindError) as exc:
+                raise RejectedCandidate(str(exc)) from exc
+            more = apply_transforms(self.model, candidate.transforms, support)
+            applied.undo += more.undo
+            applied.compiled = more.compiled
+            notes += more.notes
+        model.take()
+        for name, ms in more.phases_ms.items():  # graph_capture: its own phase
+            phases["bind"] -= ms
+            phases[name] = ms
+        return "bind"
+
     def _time_prefill(self, repeats: int, seed: int) -> list[float]:
         """Prefill of ``batch_size`` random prompts of ``context_len`` tokens on the measured
         model (the candidate's ops): one untimed, then ``repeats`` timed, ms each. The cache is
@@ -282,9 +353,11 @@ class Gate(GateChecks):
         g = torch.Generator().manual_seed(seed + 3)
         prompts = torch.randint(self.vocab, (spec.batch_size, spec.context_len), generator=g)
         prompts = prompts.to(self.device)
-        call = functools.partial(self.model.prefill, prompts)
+        call = functools.partial(self._measured.prefill, prompts)
+        timer, overhead = self._step_timer()
         try:
-            return time_after_untimed(self.timer, call, repeats, _plain_prefill)
+            ms = time_after_untimed(timer, call, repeats, _plain_prefill)
+            return [t - overhead for t in ms]
         finally:
             self._at_context()
 
@@ -298,7 +371,7 @@ class Gate(GateChecks):
         return Measurement(
             status="incorrect",
             max_abs_error=verdict.max_abs_error,
-            error=f"incorrect: {verdict.reason}",
+            error=f"incorrect: {verdict.reason}{self._judged()}",
             memory=self.memory(),
             phases_ms=phases,
             notes=notes,
@@ -324,6 +397,7 @@ class Gate(GateChecks):
             NotPlainTensor: a step returned something other than a plain tensor.
         """
         samples: list[float] = []
+        timer, overhead = self._step_timer()
         budget_ms = request.measure_budget_s * 1e3
         threads = ThreadWatch()
 
@@ -336,8 +410,8 @@ class Gate(GateChecks):
             self._at_context()
             guard.poison()
             guard.release()
-            step = functools.partial(self.model.decode_step, steps[i])
-            samples.append(self.timer.time_ms(step, functools.partial(keep, i)))
+            step = functools.partial(self._measured.decode_step, steps[i])
+            samples.append(timer.time_ms(step, functools.partial(keep, i)) - overhead)
             strays = threads.strays()
             if strays:
                 raise OutsideWork(f"after timed step {i + 1} returned: {'; '.join(strays[:4])}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,12 +64,15 @@ class GateChecks:
     shape_reference: DecoderModel
     _protected: set[int]
     _state: StateGuard
+    _measured: Any  # the model the candidate's calls go to (in process, or the sandbox's stand-in)
 
     if TYPE_CHECKING:
 
         def _at_context(self) -> None: ...
 
         def _fill_cache(self) -> None: ...
+
+        def _check_state(self, when: str) -> None: ...
 
     def _verify(
         self, kept: TimedOutputs, tokens: Tensor, rtol: float, timed: int, notes: list[str]
@@ -116,7 +119,7 @@ class GateChecks:
                 worst, tolerance = max(worst, verdict.max_abs_error), verdict.tolerance
         ref_guard.poison()
         self._at_context()
-        self._state.check("by the end of verification")  # StateChanged: the reference read it
+        self._check_state("by the end of verification")  # StateChanged: the reference read it
         if forwards:
             notes.append(f"{len(steps)} kept timed step(s) verified in {forwards} forward(s)")
         if moe.applies and steps:
@@ -184,7 +187,7 @@ class GateChecks:
             out += [functools.partial(model.decode_step, step) for step in inputs.decode]
             return out
 
-        got = run_steps(calls(self.model), guard)
+        got = run_steps(calls(self._measured), guard)
         exact = None
         if self._reduced_precision:
             cache = self.reference.cache
@@ -192,7 +195,7 @@ class GateChecks:
             exact = self._exact(calls(fresh))
         ref = moe.record(self.reference, "check prefill/decode")
         want = run_steps(calls(ref), ref_guard)
-        self._state.check("by the end of the check")  # before any candidate code runs again
+        self._check_state("by the end of the check")  # before any candidate code runs again
         guard.poison()
         ref_guard.poison()
         self._fill_cache()  # the candidate's prefill wrote the first slots: timed steps start clean
@@ -207,7 +210,7 @@ class GateChecks:
                 f"{verdict.max_abs_error:.3g})"
             )
         if moe.applies:
-            layers = moe.check_layers(self.model)
+            layers = moe.check_layers(self._measured)
             if not layers.correct:
                 return layers
             notes.append(moe.note())

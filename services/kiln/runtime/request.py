@@ -42,6 +42,8 @@ class RunRequest:
         baseline: measure this :mod:`kiln.baselines` baseline instead (``hf_eager``, ``hf_static``,
             ``hf_compile``, ``gpt_fast``) on the engine's weights and operating point; "" for a
             normal experiment.
+        deadline_s: seconds the engine has for it (0: none); a sandbox that has not answered by
+            then is killed and the experiment TIMED_OUT, before the pool would kill the engine.
     """
 
     experiment_id: str
@@ -55,6 +57,7 @@ class RunRequest:
     prefill_repeats: int = 0
     profile: bool = False
     baseline: str = ""
+    deadline_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the pipe; the candidate as ``Candidate.canonical()``."""

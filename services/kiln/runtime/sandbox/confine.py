@@ -1,0 +1,178 @@
+"""What the sandbox process may do, set before any candidate code runs (rationale:
+docs/design/engine.md, "Sandbox").
+
+The judge starts it with :func:`sandbox_environment` (a short allow-list: no ``KILN_*``,
+database, NATS or cloud credentials) and only its socket and shared-memory descriptors open.
+The process then confines itself (:func:`confine`), before importing torch or reading a
+candidate: it dies with the judge (``PR_SET_PDEATHSIG``), gains no privileges
+(``PR_SET_NO_NEW_PRIVS``), has no core dumps, at most ``RLIMIT_NOFILE`` descriptors, files of at
+most ``RLIMIT_FSIZE``, a lifetime CPU cap and (CPU engines) an address-space cap; where the
+kernel lets an unprivileged process, it leaves the host's network (a new user and network
+namespace: only a loopback that is down) and enters a Landlock domain (writes only beneath its
+own directory and ``/dev``, no TCP bind or connect, no signals or abstract-socket connections
+to processes outside, and, as in any Landlock domain, no ptrace or ``/proc/<pid>/mem`` of the
+judge). Each step that the host refuses is reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+import struct
+from collections.abc import Mapping
+
+ENV_ALLOWED = (
+    "PATH",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "NVIDIA_VISIBLE_DEVICES",
+    "TRITON_INTERPRET",
+    "TORCHINDUCTOR_COMPILE_THREADS",
+)
+"""Variables of the judge's environment the sandbox inherits; everything else is dropped."""
+NOFILE = 1024
+"""Open descriptors the sandbox may hold."""
+FSIZE = 1 << 30
+"""Largest file the sandbox may write, bytes (compiled kernels, caches)."""
+CPU_SECONDS = 4 * 3600
+"""CPU time the sandbox process may use over its life, seconds (a runaway's cap; the judge's
+deadline ends a hung call long before)."""
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
+_PR_SET_NO_NEW_PRIVS = 38
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_SYS_LANDLOCK = (444, 445, 446)  # create_ruleset, add_rule, restrict_self (x86_64 and aarch64)
+_LL_CREATE_VERSION = 1
+_LL_RULE_PATH_BENEATH = 1
+_FS_WRITE = (
+    (1 << 1)  # WRITE_FILE
+    | (1 << 4)  # REMOVE_DIR
+    | (1 << 5)  # REMOVE_FILE
+    | (1 << 6)  # MAKE_CHAR
+    | (1 << 7)  # MAKE_DIR
+    | (1 << 8)  # MAKE_REG
+    | (1 << 9)  # MAKE_SOCK
+    | (1 << 10)  # MAKE_FIFO
+    | (1 << 11)  # MAKE_BLOCK
+    | (1 << 12)  # MAKE_SYM
+)
+_FS_REFER = 1 << 13  # ABI 2
+_FS_TRUNCATE = 1 << 14  # ABI 3
+_NET_TCP = (1 << 0) | (1 << 1)  # BIND_TCP, CONNECT_TCP (ABI 4)
+_SCOPES = (1 << 0) | (1 << 1)  # ABSTRACT_UNIX_SOCKET, SIGNAL (ABI 6)
+
+
+def sandbox_environment(home: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The sandbox's environment: :data:`ENV_ALLOWED` from ``environ`` (default ``os.environ``),
+    ``HOME``/``TMPDIR`` and the compiler caches under ``home``, and one-thread OpenMP spinning
+    off (idle threads sleep)."""
+    source = os.environ if environ is None else environ
+    env = {k: source[k] for k in ENV_ALLOWED if k in source}
+    env.setdefault("PATH", "/usr/bin:/bin")
+    env.update(
+        HOME=home,
+        TMPDIR=home,
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(home, "inductor"),
+        TRITON_CACHE_DIR=os.path.join(home, "triton"),
+        OMP_WAIT_POLICY="PASSIVE",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    return env
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _errno_text() -> str:
+    return os.strerror(ctypes.get_errno())
+
+
+def _rlimits(address_space: int) -> list[str]:
+    notes = []
+    limits = [
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_NOFILE, NOFILE),
+        (resource.RLIMIT_FSIZE, FSIZE),
+        (resource.RLIMIT_CPU, CPU_SECONDS),
+    ]
+    if address_space > 0:
+        limits.append((resource.RLIMIT_AS, address_space))
+    for which, value in limits:
+        _soft, hard = resource.getrlimit(which)
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
+        try:
+            resource.setrlimit(which, (value, value))
+        except (ValueError, OSError) as exc:
+            notes.append(f"rlimit {which}: {exc}")
+    return notes
+
+
+def _unshare_network(libc: ctypes.CDLL) -> str:
+    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+        return f"network kept: unshare(CLONE_NEWUSER | CLONE_NEWNET): {_errno_text()}"
+    return ""
+
+
+def _landlock(libc: ctypes.CDLL, writable: list[str]) -> str:
+    create, add, restrict = _SYS_LANDLOCK
+    abi = libc.syscall(create, None, 0, _LL_CREATE_VERSION)
+    if abi < 1:
+        return f"no Landlock: {_errno_text()}"
+    fs = _FS_WRITE | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
+    net = _NET_TCP if abi >= 4 else 0
+    scoped = _SCOPES if abi >= 6 else 0
+    attr = struct.pack("=QQQ", fs, net, scoped)
+    fd = libc.syscall(create, ctypes.c_char_p(attr), len(attr), 0)
+    if fd < 0:
+        return f"no Landlock ruleset: {_errno_text()}"
+    try:
+        for path in writable:
+            try:
+                parent = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                rule = struct.pack("=Qi", fs, parent)
+                if libc.syscall(add, fd, _LL_RULE_PATH_BENEATH, ctypes.c_char_p(rule), 0) != 0:
+                    return f"Landlock rule for {path}: {_errno_text()}"
+            finally:
+                os.close(parent)
+        if libc.syscall(restrict, fd, 0) != 0:
+            return f"Landlock not enforced: {_errno_text()}"
+    finally:
+        os.close(fd)
+    return ""
+
+
+def confine(
+    judge_pid: int, home: str, *, address_space: int = 0, network: bool = True
+) -> list[str]:
+    """Confine this process (module docstring); returns what the host refused, one line each.
+    ``network``: also leave the host's network namespace (off where CUDA IPC needs the host's).
+    Exits at once if the judge (``judge_pid``) is already gone."""
+    libc = _libc()
+    notes: list[str] = []
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != judge_pid:
+        os._exit(70)
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        notes.append(f"no_new_privs: {_errno_text()}")
+    notes += _rlimits(address_space)
+    if network:
+        refused = _unshare_network(libc)
+        if refused:
+            notes.append(refused)
+    refused = _landlock(libc, [home, "/dev"])
+    if refused:
+        notes.append(refused)
+    return notes
