@@ -116,8 +116,12 @@ class Engine(Gate):
             **common,
         )
         self.weights = self.reference.weights
-        # before any address is recorded: on CPU this moves the weights into a sealed memfd
-        self._shared = SharedWeights(self.weights) if sandbox else None
+        # before any address is recorded: on CPU this moves the weights into a sealed memfd; on
+        # CUDA the weights are exported on the first code-module candidate (:meth:`_host`)
+        self._sandboxed = sandbox
+        self._share_error = ""
+        cpu = self.device.type == "cpu"
+        self._shared = SharedWeights(self.weights) if sandbox and cpu else None
         self._sandbox: SandboxHost | None = None
         self._deadline = 0.0
         self._deadline_s = 0.0
@@ -192,9 +196,16 @@ class Engine(Gate):
         return self._host()
 
     def _host(self) -> SandboxHost | None:
-        """The engine's sandbox host, made on first use; None when built without one."""
-        if self._shared is None:
+        """The engine's sandbox host, made on first use; None when built without one or when
+        the weights cannot be shared with one (``_share_error`` says why)."""
+        if not self._sandboxed or self._share_error:
             return None
+        if self._shared is None:
+            try:
+                self._shared = SharedWeights(self.weights)
+            except (ValueError, RuntimeError) as exc:
+                self._share_error = f"{type(exc).__name__}: {exc}"
+                return None
         if self._sandbox is None:
             self._sandbox = SandboxHost(
                 self.spec, self._shared, self.vocab, self._threads, self._address_space()
@@ -257,7 +268,10 @@ class Engine(Gate):
         return result
 
     def prewarm(self) -> None:
-        """Start the sandbox ahead of the first code-module candidate (returns at once)."""
+        """Start the sandbox ahead of the first code-module candidate (returns at once); CPU
+        engines only (a CUDA sandbox holds its own context: it starts on first use)."""
+        if self.device.type != "cpu":
+            return
         host = self._host()
         if host is not None:
             host.prewarm()
@@ -398,6 +412,12 @@ class Engine(Gate):
         base = self._measurement_fields(request)
         if request.baseline:
             message = f"baseline {request.baseline!r}: measured through run_external, not run"
+            return Measurement.failed("rejected", message, **base)
+        if self._sandboxed and request.candidate.code_modules and self._host() is None:
+            message = (
+                "code modules run only in a sandbox, and this engine cannot share its weights "
+                f"with one ({self._share_error})"
+            )
             return Measurement.failed("rejected", message, **base)
         reset_peak(self.device)
         candidate = request.candidate
