@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import grpc
 
-from kiln.common.quoting import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
-from kiln.common.quoting import MAX_QUOTE_CHARS as MAX_QUOTE_CHARS
-from kiln.common.quoting import bounded
-from kiln.common.quoting import quote as quote
+from kiln.domain.quoting import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from kiln.domain.quoting import MAX_QUOTE_CHARS as MAX_QUOTE_CHARS
+from kiln.domain.quoting import bounded
+from kiln.domain.quoting import quote as quote
 
 
 class KilnError(Exception):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kiln.common.quoting import quote
+from kiln.domain.quoting import quote
 
 BASELINE_NAMES: tuple[str, ...] = ("hf_eager", "hf_static", "hf_compile", "gpt_fast")
 """Every baseline, in the order they are measured and printed (slowest expected first)."""

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from kiln.common.quoting import quote
+from kiln.domain.quoting import quote
 from kiln.events.schema import SCHEMAS, EventSchema
 
 _STREAM_RE = re.compile(

@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from kiln.common.quoting import quote
+from kiln.domain.quoting import quote
 from kiln.workloads.config_bounds import (
     MAX_CONFIG_CHARS,
     MAX_DTYPE_CHARS,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kiln.common.quoting import quote
+from kiln.domain.quoting import quote
 
 
 class UnsupportedModelError(ValueError):

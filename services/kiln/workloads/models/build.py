@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.common.quoting import quote
+from kiln.domain.quoting import quote
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.models import routing
 from kiln.workloads.models.binding import OpBinding
