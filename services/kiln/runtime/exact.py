@@ -34,6 +34,9 @@ Tensor = torch.Tensor
 EXACT_DTYPE = torch.float64
 """The exact forward's arithmetic: its rounding (about 1e-16) is far below float32's (6e-8), so
 ``reference - exact`` is the reference's own rounding error."""
+_EXACT_BYTES = 8
+HEAD_CHUNK_BYTES = 64 << 20
+"""Float64 LM-head rows upcast at once (a 128k-vocabulary head is 4 GiB in float64)."""
 
 
 def _upcast(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -98,7 +101,23 @@ class _Ops:
 
     @property
     def lm_head(self) -> BoundOp:
-        return _bind(self._slots.lm_head)
+        """The reference LM head over float64 copies of :data:`HEAD_CHUNK_BYTES` of vocabulary
+        rows at a time, joined: each logit is its own dot product, so the same logits as one
+        product over an upcast table, without a float64 copy of the whole vocabulary."""
+        site = self._slots.lm_head
+        fn = get(site.op, REFERENCE).fn
+        weight: Tensor = site.params["weight"]
+        others = _upcast({k: v for k, v in site.params.items() if k != "weight"})
+        rows = max(1, HEAD_CHUNK_BYTES // (weight.shape[1] * _EXACT_BYTES))
+
+        def call(x: Tensor) -> Tensor:
+            parts = [
+                fn(x, weight=weight[i : i + rows].to(EXACT_DTYPE), **others)
+                for i in range(0, weight.shape[0], rows)
+            ]
+            return torch.cat(parts, dim=-1)
+
+        return call
 
     @property
     def sampler(self) -> BoundOp:
