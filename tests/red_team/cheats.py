@@ -180,11 +180,11 @@ ORIGINAL: tuple[Cheat, ...] = (
     make(
         "gate_patch",
         "d",
-        "replaces the engine's compare() with one that always passes, and returns zeros for "
-        "attention",
+        "replaces the engine's compare() and compare_exact() with one that always passes, and "
+        "returns zeros for attention",
         {"attention": "nothing"},
         GATE_PATCH,
-        (TAMPERED, "kiln.runtime.gate_check.compare replaced"),
+        (TAMPERED, "kiln.runtime.gate_check.compare_exact replaced"),
     ),
     make(
         "deferred_thread",

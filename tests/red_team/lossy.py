@@ -1,10 +1,15 @@
 """Kind ``l``: undeclared lossy arithmetic. An implementation that computes in a narrower type
 than the model's, or on quantized weights, must say ``lossy=True`` (and the candidate opt in,
-judged at :data:`~kiln.runtime.check.LOSSY_RTOL`); these do not, and count on the tolerance
-table leaving room: ``1e-3 x max |reference|`` in float32, ``5e-2`` in bfloat16.
+judged at :data:`~kiln.runtime.check.LOSSY_RTOL`); these do not, and counted on a fixed
+tolerance table leaving room (``1e-3 x max |reference|`` in float32, ``5e-2`` in bfloat16).
+Against the tolerance derived from the reference's own error against its float64 forward they
+are 350 to 150,000 times the reference's error in float32, 2 (int8) and 8 (4-bit) times in
+bfloat16 (docs/design/engine.md, "Check").
 """
 
 from __future__ import annotations
+
+from kiln.runtime.check import DERIVED
 
 from .cheat import AT_SHAPE, Cheat, make
 from .cheat_code import code_module
@@ -100,9 +105,6 @@ def w4(x, *, gate_weight, up_weight, down_weight):
 ''',
 )
 
-TOLERANCE = "float64-derived tolerance: the fixed table allows "
-"""Start of the escape reason of this kind."""
-
 CHEATS: tuple[Cheat, ...] = (
     make(
         "fp16_mlp",
@@ -111,7 +113,7 @@ CHEATS: tuple[Cheat, ...] = (
         "declared lossy",
         {"mlp": "fp16"},
         FP16_MLP,
-        escapes=TOLERANCE + "1e-3 x max |reference|: float16 products stay within a fifth of it",
+        (AT_SHAPE, DERIVED),
     ),
     make(
         "bf16_attention",
@@ -119,7 +121,7 @@ CHEATS: tuple[Cheat, ...] = (
         "attention's two matmuls in bfloat16 in a float32 model, not declared lossy",
         {"attention": "bf16"},
         BF16_ATTENTION,
-        (AT_SHAPE,),
+        (AT_SHAPE, DERIVED),
     ),
     make(
         "w8a8_lm_head",
@@ -128,7 +130,7 @@ CHEATS: tuple[Cheat, ...] = (
         "scales) in a float32 model, not declared lossy",
         {"lm_head": "w8a8"},
         W8A8_LM_HEAD,
-        (AT_SHAPE,),
+        (AT_SHAPE, DERIVED),
     ),
     make(
         "w8a8_lm_head_bf16",
@@ -136,9 +138,8 @@ CHEATS: tuple[Cheat, ...] = (
         "w8a8_lm_head in a bfloat16 model",
         {"lm_head": "w8a8"},
         W8A8_LM_HEAD,
+        (DERIVED, "RMS error"),
         dtype="bfloat16",
-        escapes=TOLERANCE + "5e-2 x max |reference| plus the reference's own error: int8 "
-        "stays within a fifth of it",
     ),
     make(
         "w4_mlp_bf16",
@@ -147,9 +148,8 @@ CHEATS: tuple[Cheat, ...] = (
         "declared lossy",
         {"mlp": "w4"},
         W4_MLP,
+        (DERIVED,),
         dtype="bfloat16",
-        escapes=TOLERANCE + "5e-2 x max |reference| plus the reference's own error: 4-bit "
-        "weights stay within it",
         runs=3,
     ),
 )

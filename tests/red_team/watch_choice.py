@@ -1,16 +1,16 @@
 """Kind ``i``, part one: the verifier's own choices. Which timed step is verified is drawn from
 ``random.SystemRandom`` after each call; the tolerance comes from
-``kiln.runtime.state_guard.TOLERANCES`` (a tuple copied from ``kiln.runtime.check.RTOL``).
-A candidate that controls the draw is honest on the verified step only and skips every other
-layer's MLP elsewhere (:data:`SKIP_UNVERIFIED`); one that loosens the table passes wrong
-outputs.
+``kiln.runtime.check.TOLERANCES`` (immutable tuples of floats, watched by content). A candidate
+that controls the draw is honest on the verified step only and skips every other layer's MLP
+elsewhere (:data:`SKIP_UNVERIFIED`); one that loosens the table passes wrong outputs.
 """
 
 from __future__ import annotations
 
 from kiln.domain.candidate import CodeModule
+from kiln.runtime.state_guard import TABLE_CHANGED
 
-from .cheat import AT_SHAPE, TAMPERED, VERIFIED, Cheat, make
+from .cheat import TAMPERED, VERIFIED, Cheat, make
 from .cheat_code import code_module
 
 SKIP_UNVERIFIED = '''
@@ -153,13 +153,18 @@ def nothing(q, k_cache, v_cache, positions, seq_lens, *, scale):
 LOOSENED_TABLE = code_module(
     "loosened_table",
     """
+import ctypes
+
 from kiln.runtime import check as _check
 
-# The public tolerance table, mutated in place (the dict is the same object): were it what the
-# gate reads, at the start of every later experiment, this candidate's next submission would
-# pass anything.
-for _dtype in list(_check.RTOL):
-    _check.RTOL[_dtype] = 1e9
+# The tolerance table is a tuple of named tuples (no item assignment, no attribute to set, the
+# module attribute fingerprinted): its floats are written in place through ctypes, so the gate
+# reads the same objects, loosened, in this experiment and every later one.
+_OFFSET = float.__basicsize__ - ctypes.sizeof(ctypes.c_double)
+for _row in _check.TOLERANCES:
+    for _value in _row[1:]:
+        ctypes.c_double.from_address(id(_value) + _OFFSET).value = 1e9
+ctypes.c_double.from_address(id(_check.LOSSY_RTOL) + _OFFSET).value = 1e9
 """
     + _ZERO_ATTENTION,
 )
@@ -168,10 +173,9 @@ RTOL_REBIND = code_module(
     "rtol_rebind",
     """
 import kiln.runtime.check as _check
-import kiln.runtime.state_guard as _guard
 
-_guard.TOLERANCES = tuple((dtype, 1e9) for dtype, _ in _guard.TOLERANCES)  # module attributes
-_check.NOISE_FACTOR = 1e9  # rebound
+_check.TOLERANCES = tuple(row._replace(rms_factor=1e9, max_factor=1e9) for row in _check.TOLERANCES)
+_check.LOSSY_RTOL = 1e9  # module attributes, rebound
 """
     + _ZERO_ATTENTION,
 )
@@ -231,26 +235,26 @@ CHEATS: tuple[Cheat, ...] = (
     make(
         "loosened_table",
         "i",
-        "sets every entry of kiln.runtime.check.RTOL to 1e9 in place and returns zeros for "
-        "attention, hoping the next experiment reads the loosened table (the gate reads a "
-        "frozen copy; the public dict is watched by content and put back)",
+        "writes 1e9 into every float of kiln.runtime.check.TOLERANCES (and LOSSY_RTOL) in "
+        "place through ctypes and returns zeros for attention: the gate reads the loosened "
+        "table (the table's content is recorded at import, compared after the gate and put "
+        "back)",
         {"attention": "nothing"},
         LOOSENED_TABLE,
-        (*FINGERPRINTED, "kiln.runtime.check.RTOL changed in place", AT_SHAPE),
+        (*FINGERPRINTED, TABLE_CHANGED),
         runs=2,
     ),
     make(
         "rtol_rebind",
         "i",
-        "rebinds kiln.runtime.state_guard.TOLERANCES and kiln.runtime.check.NOISE_FACTOR to "
+        "rebinds kiln.runtime.check.TOLERANCES and kiln.runtime.check.LOSSY_RTOL to "
         "huge values and returns zeros for attention",
         {"attention": "nothing"},
         RTOL_REBIND,
         (
             *FINGERPRINTED,
-            "kiln.runtime.state_guard.TOLERANCES replaced",
-            "kiln.runtime.check.NOISE_FACTOR replaced",
-            AT_SHAPE,
+            "kiln.runtime.check.TOLERANCES replaced",
+            "kiln.runtime.check.LOSSY_RTOL replaced",
         ),
     ),
 )

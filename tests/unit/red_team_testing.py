@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.runtime import check, gate
+from kiln.runtime import gate, state_guard
 from kiln.runtime.engine import Engine
 from kiln.runtime.integrity import HarnessFingerprint
 from kiln.runtime.reload import RegistrySnapshot, load_code_modules
@@ -54,7 +54,6 @@ def putting_back(engine: Engine | None = None) -> Iterator[Callable[[], None]]:
     weights. Yields what stands in for the restart a measurement asks for: the weights put back
     (what a rebuilt engine would load)."""
     blinders = [(owner, name, vars(owner)[name]) for owner, name in BLINDERS]
-    rtol = dict(check.RTOL)
     fingerprint = HarnessFingerprint.take()
     weights = [(t, t.clone()) for _, t in engine.weights.items()] if engine else []
 
@@ -70,7 +69,7 @@ def putting_back(engine: Engine | None = None) -> Iterator[Callable[[], None]]:
         for owner, name, value in blinders:
             if vars(owner)[name] is not value:
                 setattr(owner, name, value)
-        check.RTOL.update(rtol)
+        state_guard.restore_tolerances()
         assert fingerprint.restore() == []
         restart()
 

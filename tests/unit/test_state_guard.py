@@ -1,7 +1,7 @@
 """The state guard (:mod:`kiln.runtime.state_guard`): weights the reference reads checked by
 content before a verdict, the measured KV cache refilled before each reference step on it, and
-the tolerance table read from a frozen copy; on a CPU engine, with candidates that change each
-in place, and its parts alone (host digests, the keyed checksum the CUDA engine uses)."""
+the tolerance table (immutable) watched by content; on a CPU engine, with candidates that change
+each in place, and its parts alone (host digests, the keyed checksum the CUDA engine uses)."""
 
 from __future__ import annotations
 
@@ -147,45 +147,52 @@ def halving(q, k_cache, v_cache, positions, seq_lens, *, scale):
     assert _run(engine, Candidate()).status == "ok"  # nothing left behind
 
 
-def test_the_tolerance_table_changed_in_place_changes_no_verdict_and_is_put_back(
-    engine: Engine,
-) -> None:
-    before = dict(check.RTOL)
-    source = (
-        HELPERS
-        + """
+WRITE_IN_PLACE = """
+import ctypes
+
 from kiln.runtime import check as _check
 
-_check.RTOL[torch.float32] = 1e9
+_OFFSET = float.__basicsize__ - ctypes.sizeof(ctypes.c_double)
+for _row in _check.TOLERANCES:  # a tuple of tuples: only ctypes writes a float in place
+    for _value in _row[1:]:
+        ctypes.c_double.from_address(id(_value) + _OFFSET).value = 1e9
 """
-    )
-    loosen = CodeModule("loosen", source)
+
+
+def test_the_tolerance_table_written_in_place_is_seen_and_put_back(engine: Engine) -> None:
+    before = list(check.TOLERANCES)
+    loosen = CodeModule("loosen", HELPERS + WRITE_IN_PLACE)
     try:
         m = _run(engine, Candidate.make({}, code_modules=[loosen]))
         assert m.status == "incorrect" and m.restart_engine
-        assert "kiln.runtime.check.RTOL changed in place" in m.error
-        assert "(gate said" not in m.error  # the gate judged it by the frozen table: ok
-        assert check.RTOL == before and state_guard.rtol_for(torch.float32) == 1e-3
+        assert state_guard.TABLE_CHANGED in m.error and "now 1e+09" in m.error
+        assert check.TOLERANCES == tuple(before) and state_guard.tolerance_changes() == []
+        assert state_guard.rtol_for(torch.float32) == 1e-3
     finally:
-        check.RTOL.clear()
-        check.RTOL.update(before)
+        state_guard.restore_tolerances()
+    assert _run(engine, Candidate()).status == "ok"
 
 
 # --------------------------------------------------------------------------- the parts
 
 
-def test_the_frozen_table_ignores_the_public_dict() -> None:
-    before = dict(check.RTOL)
+def test_the_table_is_immutable_and_watched_by_content() -> None:
+    row = check.tolerance_for(torch.bfloat16)
+    with pytest.raises(TypeError):
+        check.TOLERANCES[1] = row._replace(rms_factor=1e9)  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        row.rms_factor = 1e9  # type: ignore[misc]
+    assert state_guard.tolerance_changes() == []
+    namespace: dict[str, object] = {}
     try:
-        check.RTOL[torch.bfloat16] = 1.0
-        assert state_guard.rtol_for(torch.bfloat16) == 5e-2
+        exec(WRITE_IN_PLACE, namespace)
+        assert check.tolerance_for(torch.bfloat16).rms_factor == 1e9  # the same objects
         (line,) = state_guard.tolerance_changes()
-        assert line.startswith("kiln.runtime.check.RTOL changed in place")
-        state_guard.restore_tolerances()
-        assert check.RTOL == before and state_guard.tolerance_changes() == []
+        assert line.startswith(state_guard.TABLE_CHANGED)
     finally:
-        check.RTOL.clear()
-        check.RTOL.update(before)
+        state_guard.restore_tolerances()
+    assert state_guard.tolerance_changes() == [] and check.tolerance_for(torch.bfloat16) == row
+    assert state_guard.rtol_for(torch.bfloat16) == row.rtol
     with pytest.raises(KeyError, match="no tolerance"):
         state_guard.rtol_for(torch.int8)
 

@@ -4,7 +4,9 @@ check, the timed decode loop, freeing device memory, and each baseline module's 
 One run (:func:`measure`): kiln's seeded (or given) weights; a seeded prompt ``[batch,
 context]``; kiln's reference prefills and decodes one step (``[batch, V]`` float32 logits kept,
 its model dropped); the baseline builds, prefills and runs its first decode step untimed,
-compared as engines check candidates; ``warmup`` untimed and ``steps`` timed decode steps; then
+compared by the fixed bound (``kiln.runtime.check.compare`` with the dtype's ``rtol``, plus the
+reference's own error in reduced precision; candidates get the tighter float64-derived
+tolerance); ``warmup`` untimed and ``steps`` timed decode steps; then
 one untimed and ``prefill_repeats`` timed prefills.
 """
 
@@ -130,7 +132,7 @@ def reference_model(point: BaselineSetup, max_seq_len: int) -> DecoderModel:
 
 def reference_logits(point: BaselineSetup) -> tuple[Tensor, Tensor | None]:
     """kiln's reference prefill and first decode step: ``[batch, V]`` float32 logits, and in
-    reduced precision the float32-arithmetic ones (else None).
+    reduced precision the float64-arithmetic ones (else None).
     """
     model = reference_model(point, point.context + 1)
     model.prefill(point.prompt)
@@ -149,8 +151,8 @@ def reference_logits(point: BaselineSetup) -> tuple[Tensor, Tensor | None]:
 def compare(
     got: Tensor, want: Tensor, dtype: torch.dtype, exact: Tensor | None = None
 ) -> tuple[bool, float, float]:
-    """``(correct, max_abs_error, tolerance)`` of ``got`` vs ``want`` (``[batch, V]``) as engines
-    compare; non-finite values are an error of ``inf``. ValueError when the shapes differ.
+    """``(correct, max_abs_error, tolerance)`` of ``got`` vs ``want`` (``[batch, V]``) by the
+    fixed bound; non-finite values are an error of ``inf``. ValueError when the shapes differ.
     """
     if got.shape != want.shape:
         raise ValueError(f"logits of shape {tuple(got.shape)}, expected {tuple(want.shape)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.precision import widened
 from kiln.ops.registry import register
 
 Tensor = torch.Tensor
@@ -34,7 +35,7 @@ def reference(
     *,
     scale: float,
 ) -> Tensor:
-    """Explicit ``softmax(q k^T * scale + mask) v`` in float32.
+    """Explicit ``softmax(q k^T * scale + mask) v`` in float32 (float64 for float64 ``q``).
 
     Args:
         q: ``[B, Hq, T, D]`` (model dtype).
@@ -48,12 +49,12 @@ def reference(
     group = hq // hkv
     # Query head h reads KV head h // group (transformers' repeat_kv), computed by grouping the
     # queries as [B, Hkv, group * T, D] instead of copying the cache group times.
-    qg = q.float().reshape(b, hkv, group * t, d)
-    scores = torch.matmul(qg, k_cache.float().transpose(-1, -2)) * scale
+    qg = widened(q).reshape(b, hkv, group * t, d)
+    scores = torch.matmul(qg, k_cache.to(qg.dtype).transpose(-1, -2)) * scale
     mask = cache_mask(positions, seq_lens, k_cache.shape[2])  # [B, 1, T, S]
     scores = scores.view(b, hkv, group, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, hkv, group * t, -1)
-    return torch.matmul(probs, v_cache.float()).view(b, hq, t, d).to(q.dtype)
+    return torch.matmul(probs, v_cache.to(qg.dtype)).view(b, hq, t, d).to(q.dtype)
 
 
 def _whole_prompt(positions: Tensor, seq_lens: Tensor, cache_len: int) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.precision import widened
 from kiln.ops.registry import register
 
 
@@ -20,6 +21,6 @@ def reference(x: torch.Tensor, *, weight: torch.Tensor) -> torch.Tensor:
         x: ``[..., H]`` final-normed hidden states (model dtype).
 
     Returns:
-        ``[..., V]`` float32 logits.
+        ``[..., V]`` float32 logits (float64 for float64 ``x``).
     """
-    return F.linear(x, weight).float()
+    return widened(F.linear(x, weight))

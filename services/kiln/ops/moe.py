@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.precision import widened
 from kiln.ops.registry import REFERENCE, register
 
 Tensor = torch.Tensor
@@ -41,7 +42,7 @@ def route(
 
     Returns ``(weights [N, top_k] float32, experts [N, top_k] int64)`` in ``torch.topk`` order.
     """
-    logits = F.linear(x, router_weight).float()
+    logits = widened(F.linear(x, router_weight))
     if router_bias is not None:
         logits = logits + router_bias
     probs = torch.softmax(logits, dim=-1)

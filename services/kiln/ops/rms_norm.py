@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.precision import widened
 from kiln.ops.registry import register
 
 
@@ -37,7 +38,7 @@ def reference(
     """
     if residual is not None:
         x = x + residual
-    h = x.float()
+    h = widened(x)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype), x
 

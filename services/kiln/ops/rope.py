@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kiln.ops.precision import widened
 from kiln.ops.registry import Derivation, register
 
 Tensor = torch.Tensor
@@ -22,7 +23,7 @@ Tensor = torch.Tensor
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``x * [cos, cos] + rotate_half(x) * [sin, sin]`` in float32, cast back to ``x.dtype``.
     ``cos``/``sin``: ``[B, 1, T, D/2]`` float32."""
-    xf = x.float()
+    xf = widened(x)
     x1, x2 = xf.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 

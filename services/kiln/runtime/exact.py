@@ -1,17 +1,18 @@
-"""Views of the reference that read its cache without writing it: the forward in float32
-arithmetic over the model's own (e.g. bfloat16) weights, for the gate's noise estimate ``max
-|reference - exact|``, and the reference stepping several copies of its batch at once, for
+"""Views of the reference that read its cache without writing it: the forward in float64
+arithmetic over the model's own (float32 or bfloat16) weights, for the gate's noise estimate
+``|reference - exact|``, and the reference stepping several copies of its batch at once, for
 verifying several timed steps in one forward (docs/design/engine.md, "Check").
 
-The float32 forward: same graph and weight values, every op's ``reference`` fed float32 (weights
-upcast one layer at a time: extra memory is one layer's weights, plus one layer's cache rows for a
-step on the engine's cache); nothing of the model, its cache or its weight store is written.
+The float64 forward: same graph and weight values, every op's ``reference`` fed float64
+(:data:`EXACT_DTYPE`; weights upcast one layer at a time: extra memory is one layer's weights,
+plus one layer's cache rows for a step on the engine's cache); nothing of the model, its cache or
+its weight store is written.
 
 - :func:`exact_step`: one decode step from the cache's current state, its lengths and buffers
   untouched; ``copies`` times the active batch at once when the tokens hold that many rows.
 - :func:`stacked`: the model's own ops on ``copies`` copies of its active batch, one decode step
   from the cache's current state (each layer's rows copied when written).
-- :func:`exact_model`: a model view with its own float32 cache (``max_batch x max_len``) for a
+- :func:`exact_model`: a model view with its own float64 cache (``max_batch x max_len``) for a
   prefill and decode steps of fresh prompts.
 """
 
@@ -30,16 +31,23 @@ from kiln.workloads.models.slots import LayerSlots, ModelSlots, Site
 
 Tensor = torch.Tensor
 
+EXACT_DTYPE = torch.float64
+"""The exact forward's arithmetic: its rounding (about 1e-16) is far below float32's (6e-8), so
+``reference - exact`` is the reference's own rounding error."""
+_EXACT_BYTES = 8
+HEAD_CHUNK_BYTES = 64 << 20
+"""Float64 LM-head rows upcast at once (a 128k-vocabulary head is 4 GiB in float64)."""
+
 
 def _upcast(params: Mapping[str, Any]) -> dict[str, Any]:
     return {
-        k: v.float() if isinstance(v, Tensor) and v.is_floating_point() else v
+        k: v.to(EXACT_DTYPE) if isinstance(v, Tensor) and v.is_floating_point() else v
         for k, v in params.items()
     }
 
 
 def _bind(site: Site) -> BoundOp:
-    """``site``'s reference implementation over float32 copies of its tensor params."""
+    """``site``'s reference implementation over float64 copies of its tensor params."""
     fn = get(site.op, REFERENCE).fn
     params = _upcast(site.params)
 
@@ -50,7 +58,7 @@ def _bind(site: Site) -> BoundOp:
 
 
 class _Layers(Sequence[LayerSlots[BoundOp]]):
-    """A model's layers bound on access (one layer's float32 weights alive at a time while the
+    """A model's layers bound on access (one layer's float64 weights alive at a time while the
     forward iterates)."""
 
     def __init__(self, layers: tuple[LayerSlots[Site], ...]) -> None:
@@ -69,7 +77,7 @@ class _Layers(Sequence[LayerSlots[BoundOp]]):
 
 
 class _Ops:
-    """:class:`ModelSlots` of float32 reference ops, each bound when read."""
+    """:class:`ModelSlots` of float64 reference ops, each bound when read."""
 
     def __init__(self, slots: ModelSlots[Site]) -> None:
         self._slots = slots
@@ -77,7 +85,15 @@ class _Ops:
 
     @property
     def embedding(self) -> BoundOp:
-        return _bind(self._slots.embedding)
+        """The reference's row gather on the model's own table, its rows upcast: the same
+        values as gathering from an upcast table, without upcasting the whole vocabulary."""
+        site = self._slots.embedding
+        fn = get(site.op, REFERENCE).fn
+
+        def call(*args: Any, **kw: Any) -> Any:
+            return fn(*args, **site.params, **kw).to(EXACT_DTYPE)
+
+        return call
 
     @property
     def final_norm(self) -> BoundOp:
@@ -85,7 +101,23 @@ class _Ops:
 
     @property
     def lm_head(self) -> BoundOp:
-        return _bind(self._slots.lm_head)
+        """The reference LM head over float64 copies of :data:`HEAD_CHUNK_BYTES` of vocabulary
+        rows at a time, joined: each logit is its own dot product, so the same logits as one
+        product over an upcast table, without a float64 copy of the whole vocabulary."""
+        site = self._slots.lm_head
+        fn = get(site.op, REFERENCE).fn
+        weight: Tensor = site.params["weight"]
+        others = _upcast({k: v for k, v in site.params.items() if k != "weight"})
+        rows = max(1, HEAD_CHUNK_BYTES // (weight.shape[1] * _EXACT_BYTES))
+
+        def call(x: Tensor) -> Tensor:
+            parts = [
+                fn(x, weight=weight[i : i + rows].to(EXACT_DTYPE), **others)
+                for i in range(0, weight.shape[0], rows)
+            ]
+            return torch.cat(parts, dim=-1)
+
+        return call
 
     @property
     def sampler(self) -> BoundOp:
@@ -138,7 +170,7 @@ def copies_of(cache: StaticKVCache, tokens: Tensor) -> int:
     return rows // batch
 
 
-def step_bytes(model: DecoderModel, dtype: torch.dtype = torch.float32) -> int:
+def step_bytes(model: DecoderModel, dtype: torch.dtype = EXACT_DTYPE) -> int:
     """Bytes one more copy of ``model``'s active batch adds to a step of :func:`stacked` or
     :func:`exact_step` in ``dtype``: one layer's K and V rows and the logits."""
     cache, config = model.cache, model.config
@@ -157,7 +189,7 @@ def _view(model: DecoderModel, cache: Any, ops: Any) -> DecoderModel:
 
 @torch.no_grad()
 def exact_step(model: DecoderModel, tokens: Tensor) -> Tensor:
-    """``model.decode_step(tokens)`` in float32 arithmetic, from its cache's current state.
+    """``model.decode_step(tokens)`` in float64 arithmetic, from its cache's current state.
 
     Args:
         model: the reference model (its cache holds the state to step from).
@@ -165,13 +197,13 @@ def exact_step(model: DecoderModel, tokens: Tensor) -> Tensor:
             continues sequence ``j``.
 
     Returns:
-        ``[copies x B, V]`` float32 logits.
+        ``[copies x B, V]`` float64 logits.
 
     Raises:
         kiln.workloads.models.kv_cache.CacheCapacityError: as ``decode_step``.
         ValueError: the rows are not copies of the active batch.
     """
-    cache = _StepCache(model.cache, torch.float32, copies_of(model.cache, tokens))
+    cache = _StepCache(model.cache, EXACT_DTYPE, copies_of(model.cache, tokens))
     return _view(model, cache, _Ops(model.slots)).decode_step(tokens)
 
 
@@ -185,13 +217,13 @@ def stacked(model: DecoderModel, copies: int) -> DecoderModel:
 
 
 def exact_model(model: DecoderModel, *, max_batch: int, max_len: int) -> DecoderModel:
-    """A view of ``model`` computing in float32 with its own float32 cache of ``max_batch``
+    """A view of ``model`` computing in float64 with its own float64 cache of ``max_batch``
     sequences of ``max_len`` slots (use its ``prefill`` then ``decode_step``)."""
     cache = StaticKVCache.for_config(
         model.config,
         max_batch=max_batch,
         max_len=max_len,
-        dtype=torch.float32,
+        dtype=EXACT_DTYPE,
         device=model.cache.lengths.device,
     )
     return _view(model, cache, _Ops(model.slots))

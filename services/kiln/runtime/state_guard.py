@@ -7,28 +7,29 @@ docs/design/engine.md, "State").
   differ. On CPU the digest is SHA-256 of the bytes, taken once at build. On CUDA it is
   :func:`keyed_checksum` on the device, with a key drawn from OS entropy by
   :meth:`StateGuard.begin` (each experiment).
-- The tolerance table: :func:`rtol_for` reads :data:`TOLERANCES`, a tuple copied from
-  ``kiln.runtime.check.RTOL`` at import; :func:`tolerance_changes` and
-  :func:`restore_tolerances` watch the public dict (tools read it; a candidate may edit it).
+- The tolerance table ``kiln.runtime.check.TOLERANCES`` (and ``LOSSY_RTOL``): immutable tuples
+  of floats, whose content is recorded at import; :func:`tolerance_changes` names a change
+  (only ctypes writes a float in place; rebinding is the fingerprint's), :func:`restore_tolerances`
+  writes the recorded values back into the same objects. :func:`rtol_for` reads the table.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import secrets
+import struct
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kiln.runtime.check import RTOL
+from kiln.runtime import check
 from kiln.workloads.models import DecoderModel
 from kiln.workloads.weights import WeightStore
 
 Tensor = torch.Tensor
 
-TOLERANCES: tuple[tuple[torch.dtype, float], ...] = tuple(RTOL.items())
-"""``(dtype, rtol)`` of ``check.RTOL`` at import: what the engine judges by."""
 KEY_WORDS = 4096
 """Length of a keyed checksum's word multipliers (a tensor is read as rows of this many words)."""
 CHUNK_WORDS = 1 << 24
@@ -46,24 +47,46 @@ class StateChanged(Exception):
 
 
 def rtol_for(dtype: torch.dtype) -> float:
-    """The relative tolerance of ``dtype`` from :data:`TOLERANCES`; KeyError if none."""
-    for known, rtol in TOLERANCES:
-        if known == dtype:
-            return rtol
-    raise KeyError(f"no tolerance for {dtype}")
+    """``rtol`` of ``dtype``'s row of ``kiln.runtime.check.TOLERANCES``; KeyError if none."""
+    return check.tolerance_for(dtype).rtol
+
+
+def _table_floats() -> list[float]:
+    """Every float of the table, in order: each row's numbers, then ``LOSSY_RTOL``."""
+    floats = [v for row in check.TOLERANCES for v in row if isinstance(v, float)]
+    return [*floats, check.LOSSY_RTOL]
+
+
+def _packed(values: Sequence[float]) -> bytes:
+    return struct.pack(f"<{len(values)}d", *values)
+
+
+TABLE_CHANGED = "kiln.runtime.check.TOLERANCES differs from its content at import"
+"""Start of :func:`tolerance_changes`' line."""
+_RECORDED = _packed(_table_floats())
+"""The table's floats at import, packed (bytes, not floats a ctypes write could reach too)."""
+_VALUE_OFFSET = float.__basicsize__ - ctypes.sizeof(ctypes.c_double)
 
 
 def tolerance_changes() -> list[str]:
-    """One line when ``kiln.runtime.check.RTOL`` no longer holds :data:`TOLERANCES`, else []."""
-    if RTOL == dict(TOLERANCES):
+    """One line when the table's floats differ from their content at import, else []."""
+    now = _table_floats()
+    if _packed(now) == _RECORDED:
         return []
-    return [f"kiln.runtime.check.RTOL changed in place to {dict(RTOL)}"]
+    shown = ", ".join(f"{v:g}" for v in now)
+    return [f"{TABLE_CHANGED} (now {shown})"]
 
 
 def restore_tolerances() -> None:
-    """Put :data:`TOLERANCES` back into ``kiln.runtime.check.RTOL`` (the same dict)."""
-    RTOL.clear()
-    RTOL.update(TOLERANCES)
+    """Write the recorded values back into the table's float objects (the same objects: a value
+    written in place through ctypes is put back the same way)."""
+    recorded = struct.unpack(f"<{len(_RECORDED) // 8}d", _RECORDED)
+    now = _table_floats()
+    if len(now) != len(recorded):  # the table rebound: the fingerprint puts it back
+        return
+    for value, want in zip(now, recorded, strict=True):
+        if _packed([value]) != _packed([want]):
+            ctypes.c_double.from_address(id(value) + _VALUE_OFFSET).value = want
 
 
 def _words(t: Tensor) -> Tensor:
