@@ -15,7 +15,7 @@ import json
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -43,6 +43,7 @@ from kiln.v1 import (
     ledger_pb2,
     ledger_pb2_grpc,
 )
+from tests.databases import scratch_database
 
 MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
 
@@ -88,12 +89,21 @@ class Stubs:
     compiler: Any
 
 
+@pytest.fixture(scope="module")
+def hostile_database(postgres_server_url: str) -> Iterator[str]:
+    """A database of its own: the agent runner resumes every running compilation it finds, and
+    earlier modules of a full run leave some in the session's database."""
+    with scratch_database(postgres_server_url) as url:
+        yield url
+
+
 @pytest_asyncio.fixture(scope="module")
-async def stubs(settings: KilnSettings) -> AsyncIterator[Stubs]:
+async def stubs(settings: KilnSettings, hostile_database: str) -> AsyncIterator[Stubs]:
     prefix = f"{settings.subject_prefix}hi"
     ledger_addr, cost_addr, runner_addr = (f"127.0.0.1:{_free_port()}" for _ in range(3))
     cfg = settings.model_copy(
         update={
+            "database_url": hostile_database,
             "subject_prefix": prefix,
             "ledger_addr": ledger_addr,
             "cost_model_addr": cost_addr,
