@@ -134,7 +134,7 @@ def wrong(family: str) -> list[red_team_moe.MoECase]:
 def test_library_implementations_pass(family: str, dtype: str, recipe: str) -> None:
     e = engine(family, dtype)
     for seed in SEEDS:
-        m = run(e, library(recipe), seed)
+        m = run(e, Candidate.make(LIBRARY[recipe]), seed)
         assert m.status == "ok", (seed, m.error)
         assert any(n.startswith("moe: per-layer check") for n in m.notes), m.notes
 
