@@ -47,8 +47,16 @@ def _mlp(x, gate_weight, up_weight, down_weight):
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
+    """Code modules in this process (``sandbox=False``): the state guard is the only defense, so
+    these tests see it alone. The sandboxed engine's verdicts on the same cheats are below."""
     spec = EngineSpec.from_workload(tiny_workload(batch=3, context=24), "fast", LIMITS)
-    yield Engine(spec, engine_id="state-guard")
+    yield Engine(spec, engine_id="state-guard", sandbox=False)
+
+
+@pytest.fixture(scope="module")
+def sandboxed() -> Iterator[Engine]:
+    spec = EngineSpec.from_workload(tiny_workload(batch=3, context=24), "fast", LIMITS)
+    yield Engine(spec, engine_id="state-guard-sandboxed")
 
 
 @pytest.fixture
@@ -80,6 +88,26 @@ def {name}(x, *, gate_weight, up_weight, down_weight):
 """
     )
     return Candidate.make({"mlp": name}, code_modules=[CodeModule(name, source)])
+
+
+def _halving() -> Candidate:
+    """Attention computed honestly over a cache it halves in place at its first timed call."""
+    source = (
+        HELPERS
+        + """
+
+_halved = set()
+
+
+@register("attention", "halving", replace=True)
+def halving(q, k_cache, v_cache, positions, seq_lens, *, scale):
+    if not _checked() and q.shape[2] == 1 and k_cache.data_ptr() not in _halved:
+        _halved.add(k_cache.data_ptr())
+        v_cache.mul_(0.5)
+    return _attention.reference(q, k_cache, v_cache, positions, seq_lens, scale=scale)
+"""
+    )
+    return Candidate.make({"attention": "halving"}, code_modules=[CodeModule("halving", source)])
 
 
 def test_an_honest_candidate_built_the_same_way_passes(engine: Engine) -> None:
@@ -123,25 +151,7 @@ def test_a_kv_cache_edited_in_place_is_caught_even_when_computed_over_honestly(
 ) -> None:
     """Attention computed honestly, over a measured cache the candidate halved in place at its
     first timed call: the verifying reference reads the cache as the engine filled it."""
-    source = (
-        HELPERS
-        + """
-
-_halved = set()
-
-
-@register("attention", "halving", replace=True)
-def halving(q, k_cache, v_cache, positions, seq_lens, *, scale):
-    if not _checked() and q.shape[2] == 1 and k_cache.data_ptr() not in _halved:
-        _halved.add(k_cache.data_ptr())
-        v_cache.mul_(0.5)
-    return _attention.reference(q, k_cache, v_cache, positions, seq_lens, scale=scale)
-"""
-    )
-    candidate = Candidate.make(
-        {"attention": "halving"}, code_modules=[CodeModule("halving", source)]
-    )
-    m = _run(engine, candidate)
+    m = _run(engine, _halving())
     assert m.status == "incorrect", m.error
     assert "(verified after timing)" in m.error
     assert _run(engine, Candidate()).status == "ok"  # nothing left behind
@@ -171,6 +181,50 @@ def test_the_tolerance_table_written_in_place_is_seen_and_put_back(engine: Engin
     finally:
         state_guard.restore_tolerances()
     assert _run(engine, Candidate()).status == "ok"
+
+
+# ------------------------------------------------- the same cheats in the sandbox (the default)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "    if not _NUDGED:\n        down_weight.view(-1)[7] += 0.5\n        _NUDGED.append(1)",
+        "    if not _checked():\n        down_weight.zero_()\n        return torch.zeros_like(x)",
+    ],
+    ids=["nudged", "late_zero"],
+)
+def test_a_weight_written_in_the_sandbox_is_incorrect_and_the_judges_copy_is_untouched(
+    sandboxed: Engine, body: str
+) -> None:
+    """The sandbox writes only its private copy of the weights: the verdict names the write, the
+    sandbox (not the engine) is replaced, and the judge's weights keep their content."""
+    m = _run(sandboxed, _mlp_module("sandboxed_write", body))
+    assert m.status == "incorrect" and not m.restart_engine, m.error
+    assert "state changed in the sandbox" in m.error and "of its copy of the weights" in m.error
+    assert "sandbox replaced after this experiment" in m.notes
+    assert sandboxed.weights_intact()
+    assert _run(sandboxed, _mlp_module("plain_after", "    pass")).status == "ok"
+
+
+def test_a_kv_cache_halved_in_the_sandbox_is_incorrect(sandboxed: Engine) -> None:
+    m = _run(sandboxed, _halving())
+    assert m.status == "incorrect", m.error
+    assert "judged outside the candidate's sandbox" in m.error
+    assert _run(sandboxed, Candidate()).status == "ok"
+
+
+def test_the_tolerance_table_written_in_the_sandbox_leaves_the_judges_table_alone(
+    sandboxed: Engine,
+) -> None:
+    """The write lands in the sandbox's own interpreter: the judge's table, and so the verdict on
+    an honest candidate that carries it, are unchanged."""
+    before = list(check.TOLERANCES)
+    m = _run(
+        sandboxed, Candidate.make({}, code_modules=[CodeModule("loosen", HELPERS + WRITE_IN_PLACE)])
+    )
+    assert m.status == "ok", m.error
+    assert check.TOLERANCES == tuple(before) and state_guard.tolerance_changes() == []
 
 
 # --------------------------------------------------------------------------- the parts

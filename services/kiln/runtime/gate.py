@@ -174,7 +174,9 @@ class Gate(GateChecks):
                 self._measured = self._sandbox_load(candidate, phases, notes)
             else:
                 self._measured = self.model
-                phase = self._load_here(candidate, phases, notes, applied, model, tampered)
+                self._load_here(candidate, phases, model, tampered)
+                phase = "bind"
+                self._bind_here(candidate, phases, notes, applied, model)
             if candidate.lossy:
                 notes.append(f"lossy: checked to {LOSSY_RTOL:g} x max |reference|")
             phase = "compile"
@@ -299,26 +301,37 @@ class Gate(GateChecks):
         self,
         candidate: Candidate,
         phases: dict[str, float],
-        notes: list[str],
-        applied: AppliedTransforms,
         model: AttributeSnapshot,
         tampered: list[str],
-    ) -> str:
-        """Load and bind in this process (a recipe: trusted code only); returns the phase
-        reached. ``model`` and ``tampered`` as in :meth:`_gate`.
+    ) -> None:
+        """Load ``candidate``'s code modules in this process (trusted code only). ``model`` and
+        ``tampered`` as in :meth:`_gate`.
 
         Raises:
-            RejectedCandidate: refused (support, an unknown op or implementation, lossy without
-                opting in, a bad transform). Whatever loading the code modules raises.
+            whatever loading the code modules raises.
         """
-        sync = self.timer.sync
-        with _timed(phases, "load", sync):
+        with _timed(phases, "load", self.timer.sync):
             load_code_modules(candidate.code_modules)
         loaded = list(model.changes())
         if loaded:
             tampered += loaded
             model.restore()
-        with _timed(phases, "bind", sync):
+
+    def _bind_here(
+        self,
+        candidate: Candidate,
+        phases: dict[str, float],
+        notes: list[str],
+        applied: AppliedTransforms,
+        model: AttributeSnapshot,
+    ) -> None:
+        """Bind ``candidate``'s recipe and apply its transforms to the measured model.
+
+        Raises:
+            RejectedCandidate: refused (support, an unknown op or implementation, lossy without
+                opting in, a bad transform).
+        """
+        with _timed(phases, "bind", self.timer.sync):
             # what this engine runs for the model (after the code modules registered
             # theirs): the statement the agents' search space is restricted to
             support = support_for(self.spec.model_config(), self.device.type)
@@ -338,7 +351,6 @@ class Gate(GateChecks):
         for name, ms in more.phases_ms.items():  # graph_capture: its own phase
             phases["bind"] -= ms
             phases[name] = ms
-        return "bind"
 
     def _time_prefill(self, repeats: int, seed: int) -> list[float]:
         """Prefill of ``batch_size`` random prompts of ``context_len`` tokens on the measured
