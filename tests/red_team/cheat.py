@@ -71,6 +71,9 @@ class Cheat:
         disarmed: "" unless, in the sandbox, the trick finds nothing to use and the candidate
             computes honestly: then why (naming the defense); it must come back ``ok`` without
             having played (``_played`` empty).
+        needs: "" unless the trick needs something of the hardware (e.g. bfloat16 matmuls for
+            float32); where that is missing it records no play and computes honestly, so ``ok``
+            without having played is accepted.
     """
 
     name: str
@@ -85,6 +88,7 @@ class Cheat:
     timed_steps: int = 4
     sandboxed: tuple[str, ...] = (JUDGED,)
     disarmed: str = ""
+    needs: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -222,6 +222,7 @@ ORIGINAL: tuple[Cheat, ...] = (
         {"lm_head": "plain"},
         REDUCED_PRECISION,
         (TAMPERED, "fp32_precision changed"),
+        needs="float32 matmuls that the backend computes in bfloat16 (AMX/AVX512-BF16) or TF32",
     ),
 )
 """Kinds a to e: the first red team (every one rejected)."""

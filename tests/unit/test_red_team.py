@@ -93,7 +93,7 @@ def test_every_cheat_is_rejected(
             if m.status == "ok" and trick is not False:
                 raise Escaped(f"{cheat.name}: ok on run {run + 1} of {cheat.runs}: {m.notes}")
             if m.status == "ok":  # a cheat by chance that happened not to cheat: again
-                assert cheat.runs > 1, f"{cheat.name} came back ok without playing its trick"
+                assert cheat.runs > 1 or cheat.needs, f"{cheat.name}: ok without playing its trick"
                 continue
             assert m.status == "incorrect" and not m.correct, (m.status, m.error)
             assert m.timing is None and m.tokens_per_s == 0.0
@@ -126,7 +126,7 @@ def test_every_cheat_in_process(
             if m.status == "ok" and played(loaded) is not False:
                 raise Escaped(f"{cheat.name}: ok on run {run + 1} of {cheat.runs}: {m.notes}")
             if m.status == "ok":
-                assert cheat.runs > 1, f"{cheat.name} came back ok without playing its trick"
+                assert cheat.runs > 1 or cheat.needs, f"{cheat.name}: ok without playing its trick"
                 continue
             assert m.status == "incorrect" and not m.correct, (m.status, m.error)
             for text in cheat.caught:
