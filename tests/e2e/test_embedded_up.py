@@ -20,8 +20,11 @@ import pytest
 
 from kiln.embedded.endpoints import Endpoints
 from kiln.embedded.nats import jetstream_answers
+from kiln.embedded.nats_auth import NatsPasswords
 from kiln.embedded.process import process_alive, read_pid
 from kiln.ledger.migrate import sync_url
+
+from .test_compile_e2e import TRACE, tiny_llama
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -133,7 +136,9 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
     assert endpoints.services["ledger"] == kiln_env["KILN_LEDGER_ADDR"]
     with psycopg.connect(sync_url(endpoints.database_url).replace("+psycopg", "")) as conn:
         assert conn.execute("SELECT to_regclass('events')").fetchone() == ("events",)
-    assert jetstream_answers(endpoints.nats_url)
+    cli = NatsPasswords.of_state_dir(state_dir).credentials("cli")
+    assert cli is not None and jetstream_answers(endpoints.nats_url, cli)
+    assert not jetstream_answers(endpoints.nats_url)  # no anonymous connections
 
     again = kiln(kiln_env, "up")  # a no-op that reports what runs
     assert "already running" in again.stdout and "started" not in again.stdout
@@ -165,6 +170,40 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
     replay = kiln(kiln_env, "ledger", "replay")
     assert "compilations" in replay.stdout
     kiln(kiln_env, "down")
+
+
+@pytest.mark.embedded
+@pytest.mark.skipif(not TRACE.is_file(), reason="../shared/data absent")
+def test_a_compilation_on_the_embedded_default_with_nats_users(
+    kiln_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Every service does its work on NATS as its own user: a compilation succeeds, the CLI
+    follows the events as `cli`, and no service log reports a refused subject."""
+    state_dir = Path(kiln_env["KILN_STATE_DIR"])
+    kiln(kiln_env, "up")
+    model = tiny_llama(tmp_path)
+    compiled = kiln(
+        kiln_env, "compile", "--model", str(model), "--traffic", str(TRACE), "--hardware", "cpu",
+        "--budget", "90s", "--max-experiments", "4", "--baselines", "none",
+    )  # fmt: skip
+    assert "succeeded" in compiled.stdout, compiled.stdout + compiled.stderr[-2000:]
+    followed = kiln(kiln_env, "ledger", "subscribe", "--all", "--count", "1", "--json")
+    assert json.loads(followed.stdout.splitlines()[0])["sequence"] == 1
+    for name in SERVICES:
+        log = (state_dir / "logs" / f"{name}.log").read_text().lower()
+        assert "permissions violation" not in log, name
+        assert "authorization violation" not in log, name
+    env_of = {name: _environ(read_pid(state_dir / "run" / f"{name}.pid")) for name in SERVICES}
+    for name, env in env_of.items():
+        assert env.get("KILN_NATS_USER") == name and "KILN_NATS_PASSWORD" not in env, name
+    kiln(kiln_env, "down")
+
+
+def _environ(pid: int | None) -> dict[str, str]:
+    import psutil
+
+    assert pid is not None
+    return dict(psutil.Process(pid).environ())
 
 
 _GRPC_CORE_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d")

@@ -32,7 +32,7 @@ from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.board import Board
 from kiln.common.client import team_channel
 from kiln.common.logging import get_logger
-from kiln.common.nats import connect, ensure_streams
+from kiln.common.nats import connect, ensure_streams, owned_streams
 from kiln.common.settings import KilnSettings
 from kiln.v1 import compiler_pb2_grpc, cost_model_pb2_grpc
 
@@ -74,12 +74,15 @@ class AgentRunnerApp:
 
         Raises:
             Unavailable: NATS cannot be reached.
-            RuntimeError: no NATS URL is configured.
+            Unauthenticated: NATS refused the credentials.
+            RuntimeError: no NATS URL is configured, or its credentials are incomplete.
         """
         prefix = self.settings.subject_prefix
-        self._nc = await connect(self.settings.require_nats_url(), name="kiln-agent-runner")
+        credentials = self.settings.nats_credentials()
+        url = self.settings.require_nats_url()
+        self._nc = await connect(url, name="kiln-agent-runner", credentials=credentials)
         js = self._nc.jetstream()
-        await ensure_streams(js, prefix)
+        await ensure_streams(js, prefix, owned_streams(self.name, open_server=credentials is None))
         self._dispatcher = ExperimentDispatcher(
             self.ledger, js, prefix, self.config, self._on_cancel
         )

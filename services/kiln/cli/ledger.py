@@ -24,7 +24,7 @@ from kiln.cli.render import (
     replay_table,
     rows_table,
 )
-from kiln.common.errors import KilnError, NotFound, Unavailable
+from kiln.common.errors import KilnError, NotFound, Unauthenticated, Unavailable
 
 if TYPE_CHECKING:
     from kiln.ledger.client import LedgerClient
@@ -202,11 +202,17 @@ def subscribe(
     except KilnError as exc:
         raise CliError(exc.message) from None
     url = settings.require_nats_url()
+    try:
+        credentials = settings.nats_credentials()
+    except RuntimeError as exc:
+        raise CliError(str(exc)) from None
     configure_logging("error", "console", service="kiln-cli")  # not the client's retry warnings
 
     async def go() -> None:
         try:
-            nc = await connect(url, "kiln-cli", attempts=2)
+            nc = await connect(url, "kiln-cli", credentials=credentials, attempts=2)
+        except Unauthenticated as exc:
+            raise CliError(f"{exc.message}; set KILN_NATS_USER and KILN_NATS_PASSWORD") from None
         except Unavailable:
             raise CliError(f"NATS at {url} is not reachable; start it with `kiln up`") from None
         try:

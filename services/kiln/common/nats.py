@@ -8,22 +8,28 @@ Subjects (``prefix`` is ``settings.subject_prefix``):
   (``{PREFIX}_BOARD``).
 - ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``: experiments waiting for an
   engine (work-queue stream ``{PREFIX}_WORK``; see :mod:`kiln.common.work`).
+- ``$KV.{prefix}_engines.>``: the engine pools' registry (key-value bucket ``{prefix}_engines``).
+
+Each stream has one owner, the service that creates and updates it (:data:`STREAM_OWNERS`);
+on a NATS with users (docs/design/security.md, "NATS") no other identity may.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any, Final, Literal
 
 import nats
 import structlog
-from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from kiln.common.errors import InvalidArgument, Unavailable
+from kiln.common.nats_connect import NatsCredentials as NatsCredentials  # re-exported
+from kiln.common.nats_connect import connect as connect
+from kiln.common.nats_connect import inbox_prefix as inbox_prefix
 
 log = structlog.get_logger(__name__)
 
@@ -55,68 +61,6 @@ _STREAM_ID_RE = re.compile(r"^(?P<category>[a-z][a-z0-9_]{0,31})-[A-Za-z0-9_-]{1
 _CATEGORY_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _EVENT_TYPE_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,127}$")
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
-
-
-# --- connecting ---------------------------------------------------------------------------
-_CONNECT_ERRORS = (OSError, TimeoutError, nats.errors.Error)
-
-
-async def connect(
-    url: str,
-    name: str,
-    *,
-    attempts: int = 5,
-    connect_timeout_s: float = 2.0,
-    reconnect_wait_s: float = 1.0,
-) -> Client:
-    """Connect to NATS, retrying the initial connection, then reconnecting forever.
-
-    Args:
-        url: server URL(s), comma-separated.
-        attempts: initial-connect attempts before giving up.
-        connect_timeout_s, reconnect_wait_s: per-try timeout and pause between tries, seconds.
-
-    Raises:
-        Unavailable: no server answered within ``attempts`` attempts.
-    """
-    servers = [s.strip() for s in url.split(",") if s.strip()]
-
-    async def _error_cb(exc: Exception) -> None:
-        log.warning("nats.error", client=name, error=str(exc) or type(exc).__name__)
-
-    async def _disconnected_cb() -> None:
-        log.info("nats.disconnected", client=name)
-
-    async def _reconnected_cb() -> None:
-        log.info("nats.reconnected", client=name)
-
-    last: BaseException | None = None
-    try:
-        async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(max(1, attempts)),
-            wait=wait_exponential(multiplier=0.25, max=4.0),
-            retry=retry_if_exception(lambda e: isinstance(e, _CONNECT_ERRORS)),
-            reraise=True,
-        ):
-            with attempt:
-                # nats-py quirk: with max_reconnect_attempts <= 0 the *initial* connect loops
-                # forever, so bound it here and lift the bound once connected.
-                nc = await nats.connect(
-                    servers,
-                    name=name,
-                    allow_reconnect=True,
-                    max_reconnect_attempts=1,
-                    connect_timeout=connect_timeout_s,
-                    reconnect_time_wait=reconnect_wait_s,
-                    error_cb=_error_cb,
-                    disconnected_cb=_disconnected_cb,
-                    reconnected_cb=_reconnected_cb,
-                )
-                nc.options["max_reconnect_attempts"] = -1
-                return nc
-    except _CONNECT_ERRORS as exc:
-        last = exc
-    raise Unavailable(f"cannot reach NATS at {url} after {attempts} attempts: {last!r}")
 
 
 # --- names ----------------------------------------------------------------------------------
@@ -378,25 +322,93 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     log.info("nats.stream_updated", stream=config.name)
 
 
+StreamKind = Literal["events", "board", "work"]
+STREAM_KINDS: Final[tuple[StreamKind, ...]] = ("events", "board", "work")
+
+STREAM_OWNERS: Final[dict[StreamKind, str]] = {
+    "events": "ledger",  # the outbox publisher fills it
+    "board": "agent-runner",  # its agents post and read the board
+    "work": "agent-runner",  # it publishes the experiments engine pools take
+}
+"""The service that creates and updates each stream; the engine pool owns its registry bucket
+(:func:`registry_bucket`). Nobody deletes a stream."""
+
+
+def stream_name(prefix: str, kind: StreamKind) -> str:
+    """The stream of ``kind`` under ``prefix``, e.g. ``KILN_WORK``."""
+    names = {"events": events_stream_name, "board": board_stream_name, "work": work_stream_name}
+    return names[kind](prefix)
+
+
+def registry_bucket(prefix: str) -> str:
+    """The engine pools' key-value bucket, e.g. ``kiln_engines`` (stream ``KV_kiln_engines``,
+    subjects ``$KV.kiln_engines.>``)."""
+    return f"{_check_prefix(prefix)}_engines"
+
+
+def owned_streams(service: str, *, open_server: bool) -> tuple[StreamKind, ...]:
+    """The streams ``service`` declares when it starts: those :data:`STREAM_OWNERS` gives it, or
+    all of them on an ``open_server`` (no users: any client may create streams there, so a
+    service that starts first finds every stream, as before NATS had users)."""
+    if open_server:
+        return STREAM_KINDS
+    return tuple(kind for kind in STREAM_KINDS if STREAM_OWNERS[kind] == service)
+
+
 async def ensure_streams(
     js: JetStreamContext,
     prefix: str,
+    kinds: tuple[StreamKind, ...] = STREAM_KINDS,
     *,
     events_duplicate_window_s: float = EVENTS_DUPLICATE_WINDOW_S,
     board_duplicate_window_s: float = BOARD_DUPLICATE_WINDOW_S,
 ) -> None:
-    """Create or update (to this config) the events, board and work-queue streams; idempotent and
-    safe to run concurrently.
+    """Create or update (to this config) the streams of ``kinds`` (default: events, board and
+    work queue); idempotent and safe to run concurrently.
 
     Raises:
         nats.js.errors.APIError: the server refused.
+        nats.errors.TimeoutError: JetStream did not answer (also what a user without the
+            permission to create the stream sees).
+    """
+    configs = {
+        "events": lambda: events_stream_config(
+            prefix, duplicate_window_s=events_duplicate_window_s
+        ),
+        "board": lambda: board_stream_config(prefix, duplicate_window_s=board_duplicate_window_s),
+        "work": lambda: work_stream_config(prefix),
+    }
+    for kind in kinds:
+        await _ensure_stream(js, configs[kind]())
+
+
+async def wait_for_streams(
+    js: JetStreamContext,
+    prefix: str,
+    kinds: tuple[StreamKind, ...],
+    *,
+    timeout_s: float = 10.0,
+    poll_s: float = 0.5,
+) -> None:
+    """Return once every stream of ``kinds`` exists (their owners create them).
+
+    Raises:
+        Unavailable: one is still missing after ``timeout_s`` (its owner has not run yet).
         nats.errors.TimeoutError: JetStream did not answer.
     """
-    events = events_stream_config(prefix, duplicate_window_s=events_duplicate_window_s)
-    board = board_stream_config(prefix, duplicate_window_s=board_duplicate_window_s)
-    await _ensure_stream(js, events)
-    await _ensure_stream(js, board)
-    await _ensure_stream(js, work_stream_config(prefix))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    for kind in kinds:
+        name = stream_name(prefix, kind)
+        while True:
+            try:
+                await js.stream_info(name)
+                break
+            except nats.js.errors.NotFoundError:
+                if loop.time() >= deadline:
+                    owner = STREAM_OWNERS[kind]
+                    raise Unavailable(f"no stream {name} yet (the {owner} creates it)") from None
+                await asyncio.sleep(poll_s)
 
 
 async def delete_streams(js: JetStreamContext, prefix: str) -> None:

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SERVICE_NAMES = ("ledger", "engine-pool", "agent-runner", "cost-model")
@@ -86,6 +86,19 @@ class KilnSettings(BaseSettings):
     state_dir: Path = Field(Path.home() / ".kiln", description="Embedded servers' data and logs.")
     embedded_nats_port: int = 14222
     embedded_postgres_port: int = 15432
+
+    # --- NATS credentials (docs/design/security.md, "NATS") -------------------------------
+    nats_user: str | None = Field(
+        None,
+        description="NATS user; unset = the `cli` user of `kiln up`'s NATS, else none (an open "
+        "server, as CI's).",
+    )
+    nats_password: SecretStr | None = Field(None, description="The NATS user's password.")
+    nats_password_file: Path | None = Field(
+        None,
+        description="File holding the NATS user's password (what `kiln up` gives its services, "
+        "so no secret sits in their environment).",
+    )
 
     # --- NATS naming (tests use a private prefix to share one server) --------------------
     subject_prefix: str = Field(
@@ -183,6 +196,42 @@ class KilnSettings(BaseSettings):
             )
         return url
 
+    def nats_credentials(self) -> tuple[str, str] | None:
+        """(user, password) for NATS: ``nats_user`` with ``nats_password`` or the first line of
+        ``nats_password_file``; with neither set, the `cli` user that `kiln up` generated when
+        the NATS in use is the embedded one it records (``state_dir/nats/credentials/cli``);
+        else None (connect without credentials).
+
+        Raises:
+            RuntimeError: a user without a password (or the reverse), or an unreadable file.
+        """
+        password_given = self.nats_password is not None or self.nats_password_file is not None
+        if self.nats_user is None:
+            if password_given:
+                raise RuntimeError("KILN_NATS_PASSWORD(_FILE) is set but KILN_NATS_USER is not")
+            return self._embedded_cli_credentials()
+        if self.nats_password is not None:
+            return self.nats_user, self.nats_password.get_secret_value()
+        if self.nats_password_file is None:
+            raise RuntimeError(
+                f"KILN_NATS_USER={self.nats_user} needs KILN_NATS_PASSWORD or "
+                "KILN_NATS_PASSWORD_FILE"
+            )
+        return self.nats_user, _read_secret(self.nats_password_file, "KILN_NATS_PASSWORD_FILE")
+
+    def _embedded_cli_credentials(self) -> tuple[str, str] | None:
+        path = self.state_dir / NATS_CREDENTIALS_DIR / "cli"
+        try:
+            recorded = json.loads(self.endpoints_file.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(recorded, dict) or not dict(recorded.get("embedded") or {}).get("nats"):
+            return None
+        url = self.with_embedded_endpoints().nats_url
+        if url != recorded.get("nats_url") or not path.is_file():
+            return None
+        return "cli", _read_secret(path, "the embedded NATS's cli credentials")
+
     def require_nats_url(self) -> str:
         """The NATS URL; raises RuntimeError with a hint when none is configured."""
         url = self.with_embedded_endpoints().nats_url
@@ -191,6 +240,22 @@ class KilnSettings(BaseSettings):
                 "no NATS: set KILN_NATS_URL or start the embedded default with `kiln up`"
             )
         return url
+
+
+NATS_CREDENTIALS_DIR = Path("nats") / "credentials"
+"""Where `kiln up` keeps the embedded NATS's passwords, under ``state_dir``: one file per user
+(mode 0600), named after the user."""
+
+
+def _read_secret(path: Path, what: str) -> str:
+    """The first line of ``path``; RuntimeError naming ``what`` when unreadable or empty."""
+    try:
+        lines = Path(path).expanduser().read_text().splitlines()
+    except OSError as exc:
+        raise RuntimeError(f"cannot read {what} ({path}): {exc.strerror or exc}") from None
+    if not lines or not lines[0].strip():
+        raise RuntimeError(f"{what} ({path}) is empty")
+    return lines[0].strip()
 
 
 def load_settings(**overrides: object) -> KilnSettings:

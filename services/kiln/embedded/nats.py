@@ -7,7 +7,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,9 +17,11 @@ from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kiln.embedded.nats_auth import NatsPasswords, render_config, write_private
 from kiln.embedded.process import log_tail, port_open, process_alive, read_pid, terminate
 
 _START_TIMEOUT_S = 30.0
+_LISTEN_RE = re.compile(r'^listen: "[^"]*:(?P<port>\d+)"$', re.MULTILINE)
 
 
 def nats_server_binary() -> str:
@@ -59,23 +63,30 @@ def _servers(url: str) -> list[tuple[str, int]] | None:
     return found
 
 
-def jetstream_answers(url: str) -> bool:
-    """True when a NATS server at ``url`` accepts a connection and JetStream answers.
+def jetstream_answers(url: str, credentials: tuple[str, str] | None = None) -> bool:
+    """True when a NATS server at ``url`` accepts a connection (with ``credentials``, (user,
+    password), if given) and JetStream answers.
 
     Safe to call from inside a running event loop (it then checks on a worker thread).
     """
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(nats_problem(url)) is None
+        return asyncio.run(nats_problem(url, credentials=credentials)) is None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, nats_problem(url)).result() is None
+        check = nats_problem(url, credentials=credentials)
+        return pool.submit(asyncio.run, check).result() is None
 
 
-async def nats_problem(url: str, timeout_s: float = 3.0) -> str | None:
-    """None when the NATS server at ``url`` accepts a client connection and JetStream
-    answers; else why not, in a few words ("invalid URL ...", "nothing listens at ...")."""
+async def nats_problem(
+    url: str, timeout_s: float = 3.0, *, credentials: tuple[str, str] | None = None
+) -> str | None:
+    """None when the NATS server at ``url`` accepts a client connection (with ``credentials``,
+    (user, password), if given) and JetStream answers; else why not, in a few words ("invalid
+    URL ...", "nothing listens at ...")."""
     import nats
+
+    from kiln.common.nats import inbox_prefix
 
     async def quiet(_exc: Exception) -> None:
         return None
@@ -86,6 +97,7 @@ async def nats_problem(url: str, timeout_s: float = 3.0) -> str | None:
     if not any(port_open(host, port) for host, port in servers):
         host, port = servers[0]
         return f"nothing listens at {host}:{port}"
+    user, password = credentials if credentials is not None else (None, None)
     try:
         nc = await asyncio.wait_for(
             nats.connect(
@@ -94,6 +106,9 @@ async def nats_problem(url: str, timeout_s: float = 3.0) -> str | None:
                 allow_reconnect=False,
                 max_reconnect_attempts=1,
                 error_cb=quiet,
+                user=user,
+                password=password,
+                inbox_prefix=inbox_prefix(user),
             ),
             timeout=timeout_s,
         )
@@ -110,14 +125,35 @@ async def nats_problem(url: str, timeout_s: float = 3.0) -> str | None:
 
 
 class EmbeddedNats:
-    """One NATS server whose JetStream store, pid file and log live in ``data_dir``."""
+    """One NATS server whose JetStream store, pid file and log live in ``data_dir``.
 
-    def __init__(self, data_dir: Path, port: int) -> None:
+    With ``passwords`` it runs with kiln's users (:mod:`kiln.embedded.nats_auth`) for the
+    subjects of ``prefix``: its configuration ``data_dir/nats-server.conf`` (mode 0600) is
+    written on every start, and a running server reloads it when it changed. Without, it
+    accepts anyone (the tests' open server).
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int,
+        *,
+        passwords: NatsPasswords | None = None,
+        prefix: str = "kiln",
+    ) -> None:
         self.data_dir = Path(data_dir).expanduser().resolve()
         self.port = port
         self.pid_file = self.data_dir / "nats-server.pid"
         self.log_path = self.data_dir / "nats-server.log"
+        self.config_file = self.data_dir / "nats-server.conf"
+        self.passwords = passwords
+        self.prefix = prefix
         self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def probe_credentials(self) -> tuple[str, str] | None:
+        """What this module's health checks connect as: the ``cli`` user, when there are users."""
+        return None if self.passwords is None else self.passwords.credentials("cli")
 
     @property
     def url(self) -> str:
@@ -140,19 +176,25 @@ class EmbeddedNats:
         it does not come up."""
         if self.is_running():
             self.adopt_running_port()
+            if self.passwords is not None:
+                self._reconfigure_running()
             self._wait_ready(None)
             return self.url
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.pid_file.unlink(missing_ok=True)
-        cmd = [
-            nats_server_binary(),
-            "-a", "127.0.0.1",
-            "-p", str(self.port),
-            "-js",
-            "-sd", str(self.data_dir / "js"),
-            "--pid", str(self.pid_file),
-            "-l", str(self.log_path),
-        ]  # fmt: skip
+        if self.passwords is not None:
+            self._write_config()
+            cmd = [nats_server_binary(), "-c", str(self.config_file)]
+        else:
+            cmd = [
+                nats_server_binary(),
+                "-a", "127.0.0.1",
+                "-p", str(self.port),
+                "-js",
+                "-sd", str(self.data_dir / "js"),
+                "--pid", str(self.pid_file),
+                "-l", str(self.log_path),
+            ]  # fmt: skip
         with open(self.data_dir / "nats-server.out", "ab") as out:
             self._proc = subprocess.Popen(
                 cmd,
@@ -177,17 +219,61 @@ class EmbeddedNats:
         self.pid_file.unlink(missing_ok=True)
 
     # ----------------------------------------------------------------- helpers
-    def adopt_running_port(self) -> None:
-        """Set :attr:`port` to the port the running server of this data directory uses."""
+    def _running_args(self) -> list[str]:
         pid = self.pid
         if pid is None:
-            return
+            return []
         import psutil
 
-        with contextlib.suppress(psutil.Error):
-            args = psutil.Process(pid).cmdline()
-            if "-p" in args:
-                self.port = int(args[args.index("-p") + 1])
+        try:
+            return list(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            return []
+
+    def adopt_running_port(self) -> None:
+        """Set :attr:`port` to the port the running server of this data directory uses."""
+        args = self._running_args()
+        if "-p" in args:
+            self.port = int(args[args.index("-p") + 1])
+        elif "-c" in args:
+            with contextlib.suppress(OSError, ValueError):
+                found = _LISTEN_RE.search(Path(args[args.index("-c") + 1]).read_text())
+                if found:
+                    self.port = int(found["port"])
+
+    def render_config(self) -> str:
+        """This server's configuration (:func:`kiln.embedded.nats_auth.render_config`),
+        generating missing passwords. Only with ``passwords``."""
+        assert self.passwords is not None
+        return render_config(
+            self.prefix,
+            self.passwords.ensure(),
+            host="127.0.0.1",
+            port=self.port,
+            store_dir=self.data_dir / "js",
+            pid_file=self.pid_file,
+            log_file=self.log_path,
+        )
+
+    def _write_config(self) -> bool:
+        """Write the configuration (0600); True when it changed."""
+        text = self.render_config()
+        with contextlib.suppress(OSError):
+            if self.config_file.read_text() == text:
+                return False
+        write_private(self.config_file, text)
+        return True
+
+    def _reconfigure_running(self) -> None:
+        """Bring the running server to this configuration (SIGHUP reloads it); RuntimeError
+        when it runs without one (an older kiln started it without users)."""
+        if "-c" not in self._running_args():
+            raise RuntimeError(
+                f"the embedded NATS on 127.0.0.1:{self.port} (data {self.data_dir}) runs without "
+                "users (an older kiln started it): run `kiln down`, then `kiln up`"
+            )
+        if self._write_config() and (pid := self.pid) is not None:
+            os.kill(pid, signal.SIGHUP)
 
     def _failure(self, why: str) -> RuntimeError:
         tail = log_tail(self.log_path, lines=200) or log_tail(self.data_dir / "nats-server.out")
@@ -203,7 +289,7 @@ class EmbeddedNats:
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
                 raise self._failure(f"nats-server exited with status {proc.returncode}")
-            if jetstream_answers(self.url):
+            if jetstream_answers(self.url, self.probe_credentials):
                 if proc is None or self.pid == proc.pid:
                     return
             time.sleep(0.1)

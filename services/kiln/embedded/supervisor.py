@@ -7,7 +7,8 @@ healthy; ``down`` stops them cleanly. Layout of ``state_dir``::
     kiln.lock               held by a running up / down
     endpoints.json          URLs, which servers are embedded, service addresses
     postgres/               PGDATA of the embedded PostgreSQL
-    nats/                   JetStream store, pid and log of the embedded NATS
+    nats/                   JetStream store, pid, log and configuration of the embedded NATS
+    nats/credentials/<user> the embedded NATS's passwords (mode 0600; docs/design/security.md)
     logs/<service>.log      each service's output
     run/<service>.pid       each service's pid
 """
@@ -29,6 +30,7 @@ from kiln.common.settings import SERVICE_NAMES, KilnSettings, ServiceName, split
 from kiln.embedded.endpoints import Endpoints
 from kiln.embedded.lock import state_lock
 from kiln.embedded.nats import EmbeddedNats, nats_problem
+from kiln.embedded.nats_auth import NatsPasswords
 from kiln.embedded.postgres import EmbeddedPostgres
 from kiln.embedded.process import port_open
 from kiln.embedded.services import ServiceProcess, service_env
@@ -62,7 +64,14 @@ class Supervisor:
         self.postgres = EmbeddedPostgres(
             self.state_dir / "postgres", settings.embedded_postgres_port
         )
-        self.nats = EmbeddedNats(self.state_dir / "nats", settings.embedded_nats_port)
+        # NATS users (docs/design/security.md, "NATS"): passwords under nats/credentials/.
+        self.nats_passwords = NatsPasswords.of_state_dir(self.state_dir)
+        self.nats = EmbeddedNats(
+            self.state_dir / "nats",
+            settings.embedded_nats_port,
+            passwords=self.nats_passwords,
+            prefix=settings.subject_prefix,
+        )
         recorded = self.recorded()
         self.services = {name: self._service(name, recorded) for name in SERVICE_NAMES}
 
@@ -138,7 +147,7 @@ class Supervisor:
         if taken:
             raise RuntimeError("\n".join(taken))
         for svc in to_start:
-            svc.spawn(env, cwd=self.state_dir)
+            svc.spawn(self._with_nats_user(env, svc.name, nats_url), cwd=self.state_dir)
             notes[svc.name] = "started"
 
         async def wait_all() -> list[BaseException | None]:
@@ -153,6 +162,16 @@ class Supervisor:
                 svc.stop(timeout_s=5.0)
             raise RuntimeError("\n".join(str(exc) for exc in failures))
         return notes
+
+    def _with_nats_user(self, env: dict[str, str], service: str, nats_url: str) -> dict[str, str]:
+        """``env`` with the service's NATS user on the embedded NATS (its password by file, so
+        none sits in the environment); unchanged on an external NATS (the services then share
+        the environment's ``KILN_NATS_*``)."""
+        if self.settings.nats_url or nats_url != self.nats.url:
+            return env
+        own = {k: v for k, v in env.items() if k != "KILN_NATS_PASSWORD"}  # it would win
+        own.update(self.nats_passwords.service_env(service))
+        return own
 
     def _metrics_conflicts(self, to_start: list[ServiceProcess]) -> list[str]:
         """Why the services' metrics endpoints cannot start, if they cannot."""
@@ -234,14 +253,22 @@ class Supervisor:
 
     async def _nats_status(self, recorded: Endpoints | None) -> ComponentStatus:
         if recorded is not None and not recorded.embedded.get("nats", True):
-            return await _external("nats", recorded.nats_url, nats_problem)
+            try:
+                credentials = self.settings.nats_credentials()
+            except RuntimeError:
+                credentials = None
+
+            async def probe(url: str) -> str | None:
+                return await nats_problem(url, credentials=credentials)
+
+            return await _external("nats", recorded.nats_url, probe)
         pid = self.nats.pid
         if pid is None:
             return _not_running("nats", self.nats.url, 4222)
         if recorded is None:
             self.nats.adopt_running_port()
         url = recorded.nats_url if recorded is not None else self.nats.url
-        problem = await nats_problem(url)
+        problem = await nats_problem(url, credentials=self.nats.probe_credentials)
         return ComponentStatus("nats", pid, url, problem is None, _note("embedded", problem))
 
     async def _service_status(self, svc: ServiceProcess, addr: str) -> ComponentStatus:

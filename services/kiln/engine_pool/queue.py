@@ -29,7 +29,9 @@ from kiln.common.errors import InvalidArgument
 from kiln.common.nats import (
     connect,
     ensure_streams,
+    owned_streams,
     parse_work_subject,
+    wait_for_streams,
     work_filter,
     work_stream_name,
 )
@@ -260,9 +262,15 @@ class WorkConsumer:
                 continue
             nc = None
             try:
-                nc = await connect(url, name="kiln-engine-pool")
+                credentials = self.settings.nats_credentials()
+                nc = await connect(url, name="kiln-engine-pool", credentials=credentials)
                 js = nc.jetstream()
-                await ensure_streams(js, prefix)
+                # The agent runner owns the work queue; on an open server, as anyone, we may
+                # create it ourselves.
+                await ensure_streams(
+                    js, prefix, owned_streams("engine-pool", open_server=credentials is None)
+                )
+                await wait_for_streams(js, prefix, ("work",))
                 await nc.subscribe(work_filter(prefix), cb=self._on_published)
                 self._js = js
                 await self.discover()

@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from kiln.common import nats as kn
 from kiln.common.nats import connect
 from kiln.common.settings import KilnSettings
 from kiln.engine_pool.process import EngineSnapshot
@@ -37,7 +38,7 @@ MIN_PUT_INTERVAL_S = 0.5
 
 def registry_bucket(prefix: str) -> str:
     """The key-value bucket of the registry, e.g. ``kiln_engines`` (stream ``KV_kiln_engines``)."""
-    return f"{prefix}_engines"
+    return kn.registry_bucket(prefix)
 
 
 @dataclass
@@ -163,7 +164,9 @@ class Registry:
                 continue
             nc: Client | None = None
             try:
-                nc = await connect(url, name="kiln-engine-registry")
+                nc = await connect(
+                    url, name="kiln-engine-registry", credentials=self.settings.nats_credentials()
+                )
                 self._kv = await self._bucket(nc.jetstream())
                 self.connected.set()
                 log.info("registry.registered", key=self.key(), ttl_s=self.ttl_s)

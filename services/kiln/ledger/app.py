@@ -63,7 +63,7 @@ class LedgerApp:
 
     async def _publish_outbox(self) -> None:
         """Connect to NATS (retrying while it is down) and run the outbox publisher."""
-        from kiln.common.nats import connect, ensure_streams
+        from kiln.common.nats import connect, ensure_streams, owned_streams
         from kiln.ledger.outbox import OutboxPublisher
 
         assert self.engine is not None
@@ -71,9 +71,13 @@ class LedgerApp:
         while not self._stop.is_set():
             nc = None
             try:
-                nc = await connect(self.settings.require_nats_url(), name="kiln-ledger-outbox")
+                credentials = self.settings.nats_credentials()
+                url = self.settings.require_nats_url()
+                nc = await connect(url, name="kiln-ledger-outbox", credentials=credentials)
                 js = nc.jetstream()
-                await ensure_streams(js, prefix)
+                await ensure_streams(
+                    js, prefix, owned_streams(self.name, open_server=credentials is None)
+                )
                 publisher = OutboxPublisher(
                     self.engine, js, prefix, poll_interval_s=self.settings.poll_interval_s
                 )
