@@ -253,8 +253,8 @@ class Deliveries:
         pool. A malformed candidate or an unbuildable workload is REJECTED. An engine that died
         mid-experiment (restarted by the pool) runs it again, up to ``max_deliver`` attempts,
         then CRASHED. An engine that cannot be built here raises (nak: another pool may take
-        it) but on delivery ``max_deliver``, where it is CRASHED; so does a pool shutting down,
-        always."""
+        it) but on delivery ``max_deliver``, where it is CRASHED. A pool shutting down always
+        raises."""
         candidate_id = ""
         attempts = self.engine_settings.max_deliver
         try:
