@@ -1,7 +1,8 @@
 """A compilation through all four services as separate processes, over real gRPC, NATS and
 PostgreSQL, with the real engine pool measuring on the CPU: the ``kiln compile`` CLI end to end,
 SIGKILL of the agent runner and of the engine pool mid-compilation, and SIGKILL of an engine
-worker process (a child of the engine pool) mid-experiment."""
+worker process (a child of the engine pool) mid-experiment, which is run again rather than
+recorded as the candidate's crash."""
 
 from __future__ import annotations
 
@@ -248,9 +249,11 @@ async def test_compilation_survives_an_engine_crash_mid_experiment(
     events = await _wait_for(db, cid, "CompilationEnded", 1, timeout_s=240)
     _assert_sound(events, max_experiments=7)  # ... and it succeeded
     results = [e["data"] for e in events if e["type"] == "ExperimentCompleted"]
-    crashed = [d for d in results if d["status"] == "crashed"]
-    assert crashed, f"killed {killed}; results: {[(d['status'], d['error']) for d in results]}"
-    assert "engine process died" in crashed[0]["error"]
+    # The engine was killed from outside: the pool restarted it and ran the experiment again;
+    # the candidate is not blamed (issue 14).
+    assert "work.engine_died" in deployment.procs["engine-pool"].log_tail(1_000_000), killed
+    blamed = [(d["status"], d["error"]) for d in results if "engine process died" in d["error"]]
+    assert not blamed, f"killed {killed}; results: {blamed}"
     assert len(results) == 7 and all(d["status"] != "cancelled" for d in results)
     end = events[-1]["data"]
     assert end["reason"].startswith("the experiment budget is spent (7 of 7 experiments)")

@@ -86,6 +86,7 @@ def _pids(state_dir: Path) -> dict[str, int | None]:
     pids = {name: read_pid(state_dir / "run" / f"{name}.pid") for name in SERVICES}
     pids["postgres"] = read_pid(state_dir / "postgres" / "postmaster.pid")
     pids["nats"] = read_pid(state_dir / "nats" / "nats-server.pid")
+    pids["supervisor"] = read_pid(state_dir / "run" / "supervisor.pid")
     return pids
 
 
@@ -127,7 +128,7 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
     first = kiln(kiln_env, "up")
     assert "started" in first.stdout
     status = kiln(kiln_env, "status")  # exits 0 only when every component is healthy
-    for name in ("postgres", "nats", *SERVICES):
+    for name in ("postgres", "nats", *SERVICES, "supervisor"):
         assert name in status.stdout
 
     endpoints = Endpoints.read(state_dir / "endpoints.json")

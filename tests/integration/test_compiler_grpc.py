@@ -62,6 +62,7 @@ RUNNER_CONFIG = RunnerConfig(
     search_min_deadline_s=1.0,
     plan_timeout_s=2.0,
     plan_attempts=2,
+    plan_outage_s=0.5,
     cancel_wait_s=5.0,
     resume_retry_s=0.5,
 )

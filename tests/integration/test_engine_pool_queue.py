@@ -80,13 +80,18 @@ async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
 
 
 async def _requested(stack: Stack, w: ExperimentWork) -> ledger_pb2.RecordedEvent:
-    candidate = Candidate.from_canonical(w.candidate)
+    """Append ``w``'s ExperimentRequested as the runner would (its candidate as it is, parsed
+    or not)."""
+    try:
+        candidate_id = Candidate.from_canonical(w.candidate).id
+    except (KeyError, TypeError, ValueError, AttributeError):
+        candidate_id = "malformed"
     event = NewEvent(
         "ExperimentRequested",
         {
             "compilation_id": w.compilation_id,
-            "candidate_id": candidate.id,
-            "candidate": candidate.canonical(),
+            "candidate_id": candidate_id,
+            "candidate": w.candidate,
             "tier": w.tier,
             "agent": "test",
         },
@@ -182,10 +187,9 @@ async def test_failures_are_recorded_and_bad_messages_dropped(stack: Stack) -> N
     rejected = work(Candidate(), workload=bad_workload)
     await _requested(stack, rejected)
     await _publish(stack, rejected)
-    # A candidate that does not parse: recorded as rejected, with no candidate id.
-    requested = work(Candidate())
-    malformed = requested.model_copy(update={"candidate": {"transforms": [{"params": {}}]}})
-    await _requested(stack, requested)
+    # A candidate that does not parse (the ledger's): recorded as rejected, no candidate id.
+    malformed = work(Candidate()).model_copy(update={"candidate": {"transforms": [{"params": {}}]}})
+    await _requested(stack, malformed)
     await _publish(stack, malformed)
     # Work whose ExperimentRequested was never appended, and a body that is not work at all.
     orphan = work(Candidate())
@@ -202,6 +206,27 @@ async def test_failures_are_recorded_and_bad_messages_dropped(stack: Stack) -> N
     assert data["error"] == "malformed candidate: KeyError('name')"
     with pytest.raises(Exception, match="has no events"):
         await _events(stack, orphan)
+
+
+async def test_a_forged_body_is_not_measured(stack: Stack) -> None:
+    """A work message whose candidate is not the one the ledger recorded (anyone who can publish
+    on a work subject could send one) is terminated and logged; the genuine message of the same
+    experiment is then measured with the ledger's candidate."""
+    handled = stack.app.consumer.handled
+    genuine = work(Candidate.make({"attention": "sdpa"}))
+    forged = genuine.model_copy(
+        update={"candidate": Candidate.make(code_modules=[EXIT_AT_LOAD]).canonical()}
+    )
+    await _requested(stack, genuine)
+    await _publish(stack, forged, msg_id=f"{genuine.experiment_id}-forged")
+    await _until(lambda: _settled(stack, handled + 1))
+    assert len(await _events(stack, genuine)) == 1, "a forged body was measured"
+    await _publish(stack, genuine)
+    data = await _completed(stack, genuine)
+    assert (
+        data["status"] == "ok"
+        and data["candidate_id"] == Candidate.from_canonical(genuine.candidate).id
+    )
 
 
 SEGFAULT_AT_LOAD = module("segv", "import ctypes\nctypes.string_at(0)\n")

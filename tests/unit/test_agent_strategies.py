@@ -6,6 +6,7 @@ import asyncio
 from datetime import UTC, datetime
 from typing import Any, cast
 
+import nats.errors
 import pytest
 
 from kiln.agent_runner.agents import (
@@ -270,3 +271,49 @@ def test_a_search_candidate_takes_at_most_its_share_of_the_budget() -> None:
     # a one-minute budget: half of it, not the floor (a 39 s torch.compile on the fast tier held
     # the only H200 past the whole budget of a 60 s compilation, and no leader was confirmed)
     assert cfg.search_deadline_s(60.0) == 30.0
+
+
+class _FlakyBoard(_MemoryBoard):
+    """NATS goes away: the first ``outages`` claims and ideas time out, then ``refuse`` makes
+    every claim fail with an error that is not an outage."""
+
+    def __init__(self, outages: int) -> None:
+        super().__init__()
+        self.outages = outages
+        self.refuse = False
+
+    def _trouble(self) -> None:
+        if self.refuse:
+            raise ValueError("the board refused the claim")
+        if self.outages:
+            self.outages -= 1
+            raise nats.errors.TimeoutError
+
+    async def claim(self, cid: str, cand: str, agent: str, body: Any = None) -> bool:
+        self._trouble()
+        return await super().claim(cid, cand, agent, body)
+
+    async def post_idea(self, cid: str, cand: str, agent: str, body: Any = None) -> BoardPost:
+        self._trouble()
+        return await super().post_idea(cid, cand, agent, body)
+
+
+async def test_nats_away_loses_no_experiment_slot() -> None:
+    """A claim or idea that times out (NATS restarting) is tried again; no slot stays reserved
+    for it, so the agents still spend the whole budget (issue 14: a slot lost for good)."""
+    board = _FlakyBoard(outages=4)
+    lab = _Lab(board, limit=8)
+    agents = build_agents(["coordinate", "random"], "c1")
+    counts = await asyncio.wait_for(asyncio.gather(*(a.run(cast(Lab, lab)) for a in agents)), 30)
+    assert sum(counts) == 8 == len(lab.measured) and board.outages == 0
+    assert lab.budget.in_flight == 0 and lab.budget.spent
+
+
+async def test_a_refused_claim_gives_its_slot_back() -> None:
+    board = _FlakyBoard(outages=0)
+    board.refuse = True
+    lab = _Lab(board, limit=5)
+    (agent,) = build_agents(["coordinate"], "c1")
+    with pytest.raises(ValueError, match="refused"):
+        await asyncio.wait_for(agent.run(cast(Lab, lab)), 10)
+    assert lab.budget.in_flight == 0

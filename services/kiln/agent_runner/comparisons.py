@@ -137,8 +137,8 @@ class BaselineComparisons:
         return None
 
     async def _request(self, name: str) -> Requested:
-        """Record and queue baseline ``name``'s experiment; work that cannot be queued closes
-        it at once (``timed_out``)."""
+        """Record and queue baseline ``name``'s experiment (the ledger or NATS being away is
+        waited out); work that NATS refuses closes it at once (``timed_out``)."""
         st, dispatcher = self.state, self._dispatcher
         req = await dispatcher.record(
             team=st.team,

@@ -42,6 +42,7 @@ from kiln.agent_runner.judge import (
 )
 from kiln.agent_runner.lab import CompilationLab
 from kiln.agent_runner.ledger_access import LedgerPool
+from kiln.agent_runner.outage import ride_out
 from kiln.agent_runner.planning import choose_plan
 from kiln.agent_runner.resume import orphan_claims
 from kiln.agent_runner.space import CandidateSpace
@@ -276,6 +277,7 @@ class CompilationRunner:
             addr=self._deps.cost_model_addr,
             timeout_s=cfg.plan_timeout_s,
             attempts=cfg.plan_attempts,
+            outage_s=cfg.plan_outage_s,
         )
         await self._stream.append(records.planned(st.compilation_id, plan))
 
@@ -295,9 +297,17 @@ class CompilationRunner:
             if not self._budget.reserve():
                 raise Failure("no experiment slot is left for the baseline")
             ref = REFERENCE_CANDIDATE
-            await self._deps.board.claim(
-                st.compilation_id, ref.id, BASELINE_AGENT, {"candidate": ref.canonical()}
-            )
+            try:
+                await ride_out(
+                    lambda: self._deps.board.claim(
+                        st.compilation_id, ref.id, BASELINE_AGENT, {"candidate": ref.canonical()}
+                    ),
+                    what="claim the reference",
+                    compilation=st.compilation_id,
+                )
+            except BaseException:
+                self._budget.release()
+                raise
             # profiled, so profile-guided agents see where the reference's time goes from the
             # start (one extra eager decode step, after the timed ones)
             await self.lab.measure(ref, BASELINE_AGENT, profile=True)
@@ -322,7 +332,11 @@ class CompilationRunner:
 
     async def _orphan_claims(self) -> list[Coroutine[Any, Any, Any]]:
         """Measure candidates claimed before a restart but never requested."""
-        posts = await self._deps.board.history(self.compilation_id, kinds=["claim"])
+        posts = await ride_out(
+            lambda: self._deps.board.history(self.compilation_id, kinds=["claim"]),
+            what="read the board's claims",
+            compilation=self.compilation_id,
+        )
         return [
             self._measure_orphan(candidate, agent)
             for candidate, agent in orphan_claims(posts, self._experiments.requested)

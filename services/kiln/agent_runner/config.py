@@ -21,7 +21,9 @@ class RunnerConfig:
             take (:meth:`search_deadline_s`), at least ``search_min_deadline_s`` but never more
             than half the budget.
         plan_timeout_s, plan_attempts: one cost-model ``Plan`` call's deadline; tries while it is
-            UNAVAILABLE.
+            UNAVAILABLE or times out.
+        plan_outage_s: how long planning keeps trying a cost model that is UNAVAILABLE (one
+            restarting under ``kiln supervise`` is back in seconds), past ``plan_attempts``.
         cancel_wait_s: how long ``Cancel`` waits for a local runner to record the end.
         resume_retry_s: pause between resume attempts while the ledger is unreachable.
     """
@@ -32,6 +34,7 @@ class RunnerConfig:
     search_min_deadline_s: float = 60.0
     plan_timeout_s: float = 10.0
     plan_attempts: int = 3
+    plan_outage_s: float = 60.0
     cancel_wait_s: float = 10.0
     resume_retry_s: float = 2.0
 

@@ -27,7 +27,8 @@ from nats.js import JetStreamContext
 from kiln.agent_runner import records
 from kiln.agent_runner.config import RunnerConfig
 from kiln.agent_runner.experiment import Completed, Requested, completed_of, event_data
-from kiln.agent_runner.ledger_access import LedgerPool, retry_unavailable
+from kiln.agent_runner.ledger_access import LedgerPool
+from kiln.agent_runner.outage import ride_out
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.common import nats as kn
 from kiln.common.errors import Aborted, AlreadyExists, KilnError
@@ -97,15 +98,17 @@ class ExperimentDispatcher:
             The request (its ledger position included); await :meth:`wait` for the result.
 
         Raises:
-            KilnError: the ledger refused or stayed unavailable.
+            KilnError: the ledger refused it (an unavailable ledger is waited out).
         """
         eid = records.new_experiment_id()
         event = records.experiment_requested(
             compilation_id, eid, candidate, tier, agent, profile, baseline
         )
         client = self._ledger.client(team)
-        result = await retry_unavailable(
-            lambda: client.append(records.experiment_stream(eid), [event], "no_stream")
+        result = await ride_out(
+            lambda: client.append(records.experiment_stream(eid), [event], "no_stream"),
+            what="record an experiment",
+            compilation=compilation_id,
         )
         req = Requested(
             eid,
@@ -127,10 +130,10 @@ class ExperimentDispatcher:
         """Publish (again) the work item of a recorded experiment; JetStream drops a repeat
         within its duplicate window (``Nats-Msg-Id`` = experiment id). ``deadline_s``: the
         engine's deadline for it (default :attr:`RunnerConfig.experiment_deadline_s`; never
-        above it).
+        above it). NATS being away is waited out (:func:`~kiln.agent_runner.outage.ride_out`).
 
         Raises:
-            nats.errors.Error, nats.js.errors.APIError: NATS did not take it.
+            nats.js.errors.APIError: NATS refused it.
         """
         work = ExperimentWork(
             experiment_id=req.experiment_id,
@@ -145,12 +148,16 @@ class ExperimentDispatcher:
             profile=req.profile,
             baseline=req.baseline,
         )
-        ack = await self._js.publish(
-            work.subject(self._prefix),  # per (device kind, tier, model)
-            work.to_json(),
-            timeout=10.0,
-            stream=kn.work_stream_name(self._prefix),
-            headers={kn.MSG_ID: req.experiment_id},
+        ack = await ride_out(
+            lambda: self._js.publish(
+                work.subject(self._prefix),  # per (device kind, tier, model)
+                work.to_json(),
+                timeout=10.0,
+                stream=kn.work_stream_name(self._prefix),
+                headers={kn.MSG_ID: req.experiment_id},
+            ),
+            what="queue an experiment's work",
+            compilation=req.compilation_id,
         )
         self._work_seq[req.experiment_id] = ack.seq
 
@@ -160,10 +167,16 @@ class ExperimentDispatcher:
         an engine that finds it completed drops it).
 
         Raises:
-            KilnError: the ledger failed. nats.errors.Error: NATS did not take the work.
+            KilnError: the ledger refused. nats.js.errors.APIError: NATS refused the work (both
+            being away is waited out).
         """
         self._register(req)
-        events = await self._ledger.system.read_stream(records.experiment_stream(req.experiment_id))
+        stream = records.experiment_stream(req.experiment_id)
+        events = await ride_out(
+            lambda: self._ledger.system.read_stream(stream),
+            what="read an experiment",
+            compilation=req.compilation_id,
+        )
         for event in events:
             if event.type == "ExperimentCompleted":
                 self._resolve(completed_of(event))
@@ -193,7 +206,7 @@ class ExperimentDispatcher:
         answer). Drops its queued work best-effort.
 
         Raises:
-            KilnError: the ledger is unavailable (after retries).
+            KilnError: the ledger refused (an unavailable ledger is waited out).
         """
         future = self._futures.get(req.experiment_id)
         if future is not None and future.done():
@@ -204,11 +217,20 @@ class ExperimentDispatcher:
         stream = records.experiment_stream(req.experiment_id)
         client = self._ledger.client(req.team)
         try:
-            await retry_unavailable(lambda: client.append(stream, [event], 1))
+            await ride_out(
+                lambda: client.append(stream, [event], 1),
+                what="close an experiment",
+                compilation=req.compilation_id,
+            )
         except (Aborted, AlreadyExists):
             pass  # an engine answered first (or our earlier close did): read what is recorded
         completed = None
-        for recorded in await client.read_stream(stream):
+        recorded_events = await ride_out(
+            lambda: client.read_stream(stream),
+            what="read an experiment",
+            compilation=req.compilation_id,
+        )
+        for recorded in recorded_events:
             if recorded.type == "ExperimentCompleted":
                 completed = completed_of(recorded)
                 break

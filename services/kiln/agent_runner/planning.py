@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from kiln.agent_runner.errors import Failure
+from kiln.common.backoff import backoff_s
 from kiln.v1 import common_pb2, cost_model_pb2
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -21,6 +23,7 @@ async def choose_plan(
     addr: str,
     timeout_s: float,
     attempts: int,
+    outage_s: float = 0.0,
 ) -> dict[str, Any]:
     """The cost model's best feasible plan (``CostModel.Plan`` with ``max_plans`` 1) as JSON
     (``ParallelismPlan`` with proto field names).
@@ -31,15 +34,19 @@ async def choose_plan(
         addr: the cost model's address (for messages).
         timeout_s: deadline of one call, seconds.
         attempts: tries while the cost model is UNAVAILABLE or times out (0.5 s, 1 s, ...
-            apart).
+            apart, jittered, at most 5 s).
+        outage_s: keep trying an UNAVAILABLE cost model (restarting: seconds) for this long
+            since the first try, past ``attempts``.
 
     Raises:
-        Failure: unreachable after ``attempts`` tries; any other error status (its code and
-            message); or no feasible plan (the pruning reasons).
+        Failure: unreachable after ``attempts`` tries and ``outage_s``; any other error status
+            (its code and message); or no feasible plan (the pruning reasons).
     """
     request = cost_model_pb2.PlanRequest(workload=workload, max_plans=1)
-    last = ""
-    for attempt in range(max(1, attempts)):
+    last, tries = "", 0
+    give_up_at = time.monotonic() + outage_s
+    while True:
+        tries += 1
         try:
             reply = await stub.Plan(request, timeout=timeout_s)
             break
@@ -49,11 +56,12 @@ async def choose_plan(
                     f"the cost model refused the workload: {err.code().name}: {err.details()}"
                 ) from None
             last = f"{err.code().name}: {err.details()}"
-            await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
-    else:
-        raise Failure(
-            f"the cost model at {addr} is unreachable after {max(1, attempts)} attempts ({last})"
-        )
+            outage = err.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < give_up_at
+            if tries >= max(1, attempts) and not outage:
+                raise Failure(
+                    f"the cost model at {addr} is unreachable after {tries} attempts ({last})"
+                ) from None
+            await asyncio.sleep(backoff_s(tries, max_s=5.0))
     if not reply.plans:
         reasons = sorted({p.infeasible_reason for p in reply.pruned if p.infeasible_reason})
         raise Failure(

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 
 from kiln.agent_runner import records
-from kiln.agent_runner.ledger_access import retry_unavailable
+from kiln.agent_runner.outage import ride_out
 from kiln.agent_runner.state import CompilationState
 from kiln.common.errors import Aborted, KilnError
 from kiln.ledger.client import LedgerClient
@@ -43,14 +43,17 @@ class CompilationStream:
         """Append ``events`` (payloads dicts) in one atomic append and fold them.
 
         Raises:
-            KilnError: the ledger refused them, stayed unavailable, or conflicts kept coming.
+            KilnError: the ledger refused them or conflicts kept coming (an unavailable ledger
+                is waited out).
         """
         st = self.state
         async with self._lock:
             for _ in range(MAX_CONFLICTS):
                 try:
-                    result = await retry_unavailable(
-                        lambda: self._client.append(self._stream, list(events), st.version)
+                    result = await ride_out(
+                        lambda: self._client.append(self._stream, list(events), st.version),
+                        what="append to the compilation",
+                        compilation=st.compilation_id,
                     )
                 except Aborted:
                     await self.sync()
@@ -69,7 +72,12 @@ class CompilationStream:
     async def sync(self) -> None:
         """Fold the stream's events after the state's version."""
         st = self.state
-        for recorded in await self._client.read_stream(self._stream, from_version=st.version + 1):
+        recorded_events = await ride_out(
+            lambda: self._client.read_stream(self._stream, from_version=st.version + 1),
+            what="read the compilation",
+            compilation=st.compilation_id,
+        )
+        for recorded in recorded_events:
             st.apply(recorded)
         if st.cancel_reason is not None and not st.ended:
             self._on_cancel()

@@ -1,7 +1,8 @@
 """The experiments a compilation's runner requests, each tracked from its request to its one
-completion. Work that cannot be queued closes its experiment at once (``timed_out``), so none is
-left open; a completion fills the state's record and is counted once. Steps a cancelled caller
-must not cut run shielded; :meth:`ExperimentTracker.drain` waits for them.
+completion. NATS being away is waited out; work that NATS refuses closes its experiment at once
+(``timed_out``), so none is left open; a completion fills the state's record and is counted once.
+Steps a cancelled caller must not cut run shielded; :meth:`ExperimentTracker.drain` waits for
+them.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class ExperimentTracker:
     async def request(
         self, candidate: Candidate, agent: str, tier: Tier, *, profile: bool = False
     ) -> Requested:
-        """Record the experiment, track it and queue its work; KilnError when the ledger refused
-        it.
+        """Record the experiment, track it and queue its work (the ledger or NATS being away is
+        waited out); KilnError when the ledger refused it.
         """
         st, dispatcher = self.state, self._dispatcher
         req = await dispatcher.record(

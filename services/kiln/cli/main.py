@@ -45,6 +45,7 @@ def main(
 app.command()(up.up)
 app.command()(up.down)
 app.command()(up.status)
+app.command(hidden=True)(up.supervise)
 app.command()(serve.serve)
 app.command()(migrate.migrate)
 app.command()(health.health)

@@ -1,4 +1,5 @@
-"""``kiln up``, ``kiln down``, ``kiln status``: the embedded default's lifecycle."""
+"""``kiln up``, ``kiln down``, ``kiln status``: the embedded default's lifecycle; ``kiln
+supervise``, the process ``kiln up`` leaves to keep it alive."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def up(
         bool, typer.Option("--no-services", help="Start only NATS and PostgreSQL, and migrate.")
     ] = False,
 ) -> None:
-    """Start NATS, PostgreSQL and the four services; a no-op for what already runs.
+    """Start NATS, PostgreSQL and the four services, and a supervisor that restarts any of
+    them that dies; a no-op for what already runs.
 
     NATS and PostgreSQL are embedded unless KILN_NATS_URL / KILN_DATABASE_URL name existing
     servers; the database is migrated before the services start.
@@ -40,11 +42,21 @@ def up(
 
 
 def down(ctx: typer.Context, state_dir: StateDirOpt = None) -> None:
-    """Stop the services, then the embedded NATS and PostgreSQL (their data is kept)."""
+    """Stop the supervisor, the services, then the embedded NATS and PostgreSQL (their data is
+    kept)."""
     supervisor = Supervisor(settings_for(ctx, state_dir=state_dir))
     with err_console.status("stopping kiln..."):
         stopped = supervisor.down()
     console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+
+
+def supervise(ctx: typer.Context, state_dir: StateDirOpt = None) -> None:
+    """Keep what `kiln up` started alive, restarting what dies (`kiln up` starts this)."""
+    import os
+
+    from kiln.embedded.supervise import supervise as run
+
+    run(settings_for(ctx, state_dir=state_dir), dict(os.environ))
 
 
 def status(ctx: typer.Context, state_dir: StateDirOpt = None) -> None:

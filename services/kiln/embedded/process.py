@@ -78,6 +78,18 @@ def terminate(pid: int, timeout_s: float = 10.0, sig: int = signal.SIGTERM) -> N
     wait_gone(pid, 5.0)
 
 
+def describe_exit(code: int | None) -> str:
+    """``exited with status 3`` / ``killed by SIGKILL`` / ``exited`` (status unknown)."""
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
 def log_tail(path: Path, lines: int = 20) -> str:
     """The last ``lines`` lines of a log file ("" when it cannot be read)."""
     try:

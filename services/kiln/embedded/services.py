@@ -14,19 +14,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kiln.embedded.process import log_tail, process_alive, read_pid, wait_gone
+from kiln.embedded.process import describe_exit, log_tail, process_alive, read_pid, wait_gone
 
 SUPERVISOR_LOGGER = "kiln.supervisor"
 """The ``logger`` of the lines the supervisor itself writes into a service's log."""
 
 
-def supervisor_line(service: str, event: str, **fields: Any) -> str:
+def supervisor_line(service: str, event: str, level: str = "info", **fields: Any) -> str:
     """One JSON log line (the services' own key order) that the supervisor writes into a
-    service's log, so the file stays one JSON object per line."""
+    service's log (or its own), so the file stays one JSON object per line."""
     stamp = datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
     record = {
         "timestamp": stamp,
-        "level": "info",
+        "level": level,
         "service": service,
         "logger": SUPERVISOR_LOGGER,
         "event": event,
@@ -128,6 +128,13 @@ class ServiceProcess:
             except TimeoutError as exc:
                 last = str(exc)
             await asyncio.sleep(0)
+
+    def ended(self) -> str:
+        """How its last run ended: the exit status when this process started it, else
+        "exited" (a process started by another ``kiln up`` is not our child)."""
+        if self._proc is not None and self._proc.poll() is not None:
+            return describe_exit(self._proc.returncode)
+        return "exited"
 
     def stop_signal(self) -> int | None:
         """Send SIGTERM (graceful shutdown) if running; returns the pid signalled. Follow with

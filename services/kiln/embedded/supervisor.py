@@ -2,15 +2,19 @@
 
 ``up`` starts the embedded PostgreSQL and NATS (unless their URLs are set) under ``state_dir``,
 records the endpoints, migrates the ledger and starts the four services, waiting until each is
-healthy; ``down`` stops them cleanly. Layout of ``state_dir``::
+healthy, then (re)starts the supervisor (``kiln supervise``, :mod:`kiln.embedded.supervise`),
+which restarts any of them that dies; ``down`` stops the supervisor first, then the rest,
+cleanly. Layout of ``state_dir``::
 
-    kiln.lock               held by a running up / down
+    kiln.lock               held by a running up / down (and by the supervisor restarting)
     endpoints.json          URLs, which servers are embedded, service addresses
     postgres/               PGDATA of the embedded PostgreSQL
     nats/                   JetStream store, pid, log and configuration of the embedded NATS
     nats/credentials/<user> the embedded NATS's passwords (mode 0600; docs/design/security.md)
     logs/<service>.log      each service's output
+    logs/supervisor.log     what the supervisor saw and did
     run/<service>.pid       each service's pid
+    run/supervisor.pid      the supervisor's pid; run/supervisor.json its report
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from kiln.embedded.nats_auth import NatsPasswords
 from kiln.embedded.postgres import EmbeddedPostgres
 from kiln.embedded.process import port_open
 from kiln.embedded.services import ServiceProcess, service_env
+from kiln.embedded.watchdog import WatchdogProcess
 
 HEALTH_TIMEOUT_S = 60.0
 """How long ``up`` waits for each service to report healthy."""
@@ -74,6 +79,7 @@ class Supervisor:
         )
         recorded = self.recorded()
         self.services = {name: self._service(name, recorded) for name in SERVICE_NAMES}
+        self.watchdog = WatchdogProcess(self.state_dir)
 
     @property
     def endpoints_file(self) -> Path:
@@ -117,12 +123,15 @@ class Supervisor:
             upgrade(database_url)
         if start_services:
             notes.update(self._start_services(database_url, nats_url))
+        started = self.watchdog.ensure(self.service_environment(database_url, nats_url))
+        notes["supervisor"] = "started" if started else "already running"
         statuses = self.status()
         for row in statuses:
             row.note = notes.get(row.name, row.note)
         return statuses
 
-    def _start_services(self, database_url: str, nats_url: str) -> dict[str, str]:
+    def service_environment(self, database_url: str, nats_url: str) -> dict[str, str]:
+        """The environment of the services (and of the supervisor, which restarts them)."""
         env = service_env(
             dict(os.environ),
             {
@@ -135,6 +144,10 @@ class Supervisor:
         # The embedded deployment has one engine pool: it measures every target hardware
         # (a workload for h200 runs on this host's devices, noted as a stand-in) unless told.
         env.setdefault("KILN_ENGINE_HARDWARE", "*")
+        return env
+
+    def _start_services(self, database_url: str, nats_url: str) -> dict[str, str]:
+        env = self.service_environment(database_url, nats_url)
         notes: dict[str, str] = {}
         to_start = []
         for name, svc in self.services.items():
@@ -196,13 +209,15 @@ class Supervisor:
 
     # -------------------------------------------------------------------- down
     def down(self) -> list[str]:
-        """Stop the services (SIGTERM, SIGKILL after ``grace_period_s + 5`` s), then the embedded
-        servers, holding ``kiln.lock``; return what was stopped.
+        """Stop the supervisor (so it restarts nothing), then the services (SIGTERM, SIGKILL
+        after ``grace_period_s + 5`` s), then the embedded servers, holding ``kiln.lock``;
+        return what was stopped.
         """
         if not self.state_dir.is_dir():
             return []
+        supervisor = ["supervisor"] if self.watchdog.stop() else []
         with state_lock(self.state_dir):
-            return self._down()
+            return supervisor + self._down()
 
     def _down(self) -> list[str]:
         signalled = {name: svc.stop_signal() for name, svc in self.services.items()}
@@ -222,7 +237,8 @@ class Supervisor:
     # ------------------------------------------------------------------ status
     def status(self) -> list[ComponentStatus]:
         """What this state directory's ``up`` started and whether each answers at its recorded
-        address; a component it did not start is never reported healthy.
+        address (a component it did not start is never reported healthy), with what the
+        supervisor says of each (restarts, a crash loop), and the supervisor itself.
         """
         recorded = self.recorded()
 
@@ -235,7 +251,13 @@ class Supervisor:
             ]
             return list(await asyncio.gather(*rows))
 
-        return asyncio.run(check_all())
+        rows = asyncio.run(check_all())
+        return [*_with_supervision(rows, self.watchdog.report()), self._supervisor_status()]
+
+    def _supervisor_status(self) -> ComponentStatus:
+        pid = self.watchdog.pid
+        note = "keeps the rest alive" if pid else "not running (`kiln up` starts it)"
+        return ComponentStatus("supervisor", pid, "", pid is not None, note)
 
     async def _postgres_status(self, recorded: Endpoints | None) -> ComponentStatus:
         if recorded is not None and not recorded.embedded.get("postgres", True):
@@ -309,6 +331,21 @@ def _quiet_alembic() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(before)
+
+
+def _with_supervision(
+    rows: list[ComponentStatus], report: dict[str, object]
+) -> list[ComponentStatus]:
+    """``rows`` with the supervisor's note on each component appended (restarts, crash loop)."""
+    seen = report.get("components")
+    if not isinstance(seen, dict):
+        return rows
+    for row in rows:
+        entry = seen.get(row.name)
+        note = str(entry.get("note") or "") if isinstance(entry, dict) else ""
+        if note:
+            row.note = f"{row.note}; {note}" if row.note else note
+    return rows
 
 
 def _note(kind: str, problem: str | None) -> str:

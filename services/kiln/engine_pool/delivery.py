@@ -2,13 +2,23 @@
 
 1. parse :class:`~kiln.common.work.ExperimentWork`; malformed → ``term()``;
 2. read ``experiment-<id>``: already completed → ack; no ``ExperimentRequested`` → ``term()``;
-3. parse its candidate (once: :class:`~kiln.engine_pool.job.Job`) and run it on this device,
-   sending ``in_progress()`` every third of ``ack_wait``; a malformed candidate or an unbuildable
-   workload is REJECTED;
-4. append ``ExperimentCompleted`` (expected version 1, the work's team, caused by and correlated
-   with ``ExperimentRequested``); ``Aborted`` → completed elsewhere;
-5. ack. Ledger unreachable after retries → ``nak(nak_delay_s)``; on the last delivery a failure to
-   run is recorded as CRASHED.
+3. take what the ledger recorded (:func:`~kiln.engine_pool.provenance.ledger_work`): a body
+   that disagrees with it is forged → ``term()``, logged, nothing measured;
+4. parse the ledger's candidate (once: :class:`~kiln.engine_pool.job.Job`) and run it on this
+   device, sending ``in_progress()`` every third of ``ack_wait``; a malformed candidate or an
+   unbuildable workload is REJECTED;
+5. append ``ExperimentCompleted`` (expected version 1, the recorded team, caused by and
+   correlated with ``ExperimentRequested``); ``Aborted`` → completed elsewhere;
+6. ack.
+
+Infrastructure is not the candidate's fault (docs/design/security.md, "Recovery"). A ledger that
+is unavailable is waited out while the message is held (heartbeats go on, no delivery is spent)
+for up to ``outage_wait_s``, then the message is nak'd. An engine process that dies
+mid-experiment is restarted by the pool and the experiment run again, up to ``max_deliver``
+attempts. An engine that cannot be built on this host is nak'd (another pool may take it) and
+recorded CRASHED on delivery ``max_deliver``. A message delivered more than
+``max_redeliveries`` times (pools died holding it) is recorded CRASHED without running again:
+JetStream's own ``max_deliver`` is unlimited, so no work item is ever dropped unrecorded.
 
 A crash before the ack redelivers; the ledger check and expected version keep the ledger free of
 duplicates.
@@ -20,30 +30,47 @@ import asyncio
 import contextlib
 import math
 import sys
+import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from kiln.common.errors import Aborted, AlreadyExists, InvalidArgument, KilnError, NotFound
+from kiln.common.backoff import backoff_s
+from kiln.common.errors import (
+    Aborted,
+    AlreadyExists,
+    DeadlineExceeded,
+    InvalidArgument,
+    KilnError,
+    NotFound,
+    Unavailable,
+)
 from kiln.common.settings import KilnSettings
 from kiln.common.work import ExperimentWork
 from kiln.domain import streams
 from kiln.engine_pool.job import Job
 from kiln.engine_pool.metrics import ANSWERED_ELSEWHERE, record_experiment
 from kiln.engine_pool.pool import EnginePool
+from kiln.engine_pool.provenance import Forged, ledger_work
 from kiln.engine_pool.settings import EngineSettings
 from kiln.events.types import ExperimentCompleted
 from kiln.ledger.client import LedgerClient
+from kiln.ledger.convert import recorded_data
 from kiln.ledger.model import NewEvent
 from kiln.runtime.measurement import Measurement
 from kiln.v1 import ledger_pb2
 
 log = structlog.get_logger("kiln.engine_pool.queue")
 
+T = TypeVar("T")
+
 APPEND_ATTEMPTS = 3
+"""Tries of a ledger call that fails for a reason other than an outage (then: nak)."""
+OUTAGE_MAX_PAUSE_S = 10.0
+"""Longest pause between two tries of a ledger that is unavailable, seconds."""
 
 
 def _finite(x: float) -> float:
@@ -94,7 +121,7 @@ class Deliveries:
 
     Args:
         settings: the ledger address.
-        engine_settings: ack wait, max deliver, nak delay.
+        engine_settings: ack wait, attempts, redeliveries, nak delay, outage wait.
         pool: runs the experiments.
 
     Attributes:
@@ -150,7 +177,16 @@ class Deliveries:
         heartbeat = asyncio.create_task(self._heartbeat(msg))
         try:
             await self._handle(msg, work, device)
-        except KilnError as exc:  # ledger trouble: try again later
+        except Forged as exc:
+            log.error(
+                "work.forged",
+                experiment_id=work.experiment_id,
+                subject=msg.subject,
+                error=exc.message,
+            )
+            with contextlib.suppress(Exception):
+                await msg.term()
+        except KilnError as exc:  # ledger or host trouble: try again later
             log.warning("work.retry_later", experiment_id=work.experiment_id, error=exc.message)
             with contextlib.suppress(Exception):
                 await msg.nak(delay=self.engine_settings.nak_delay_s)
@@ -161,11 +197,13 @@ class Deliveries:
         finally:
             heartbeat.cancel()
 
-    async def _handle(self, msg: Msg, work: ExperimentWork, device: str | None) -> None:
-        stream = streams.experiment_stream(work.experiment_id)
-        ledger = self.ledger(work.team)
-        bound = log.bind(experiment_id=work.experiment_id, tier=work.tier, device=device)
-        requested, completed = await self._ledger_state(ledger, stream)
+    async def _handle(self, msg: Msg, body: ExperimentWork, device: str | None) -> None:
+        stream = streams.experiment_stream(body.experiment_id)
+        bound = log.bind(experiment_id=body.experiment_id, tier=body.tier, device=device)
+        reader = self.ledger(body.team)
+        requested, completed = await self._ride_out(
+            lambda: self._ledger_state(reader, stream), "read", bound
+        )
         if completed:
             bound.info("work.already_completed")
             await msg.ack()
@@ -174,15 +212,29 @@ class Deliveries:
             bound.error("work.no_request", why="no ExperimentRequested in the ledger")
             await msg.term()
             return
-        measurement = await self._measure(msg, work, device)
+        work = ledger_work(body, recorded_data(requested), requested.metadata.team)
+        delivered = msg.metadata.num_delivered if msg.metadata else 1
+        if delivered > self.engine_settings.max_redeliveries:
+            measurement = Measurement.failed(
+                "crashed",
+                f"delivered {delivered} times without an answer (engine pools stopped or lost "
+                "NATS while holding it); not run again",
+                tier=work.tier,
+                candidate_id=str(recorded_data(requested).get("candidate_id", "")),
+            )
+        else:
+            measurement = await self._measure(work, device, delivered)
         event = NewEvent(
             "ExperimentCompleted",
             completed_payload(work, measurement),
             correlation_id=requested.metadata.correlation_id or None,
             causation_id=requested.event_id or None,
         )
+        ledger = self.ledger(work.team)
         try:
-            await _retrying(lambda: ledger.append(stream, [event], expected=1))
+            await self._ride_out(
+                lambda: ledger.append(stream, [event], expected=1), "append", bound
+            )
             bound.info("work.completed", status=measurement.status)
             record_experiment(work.tier, measurement.status, measurement.device_ms)
         except (Aborted, AlreadyExists) as exc:
@@ -194,50 +246,82 @@ class Deliveries:
             return
         await msg.ack()
 
-    async def _measure(self, msg: Msg, work: ExperimentWork, device: str | None) -> Measurement:
+    async def _measure(
+        self, work: ExperimentWork, device: str | None, delivered: int
+    ) -> Measurement:
         """The work's measurement: its candidate parsed here (:meth:`Job.of`), then run by the
-        pool; a malformed candidate or an unbuildable workload is REJECTED, a failure to run is
-        raised (so the message is retried) but on its last delivery, where it is CRASHED."""
+        pool. A malformed candidate or an unbuildable workload is REJECTED. An engine that died
+        mid-experiment (restarted by the pool) runs it again, up to ``max_deliver`` attempts,
+        then CRASHED. An engine that cannot be built here raises (nak: another pool may take
+        it) but on delivery ``max_deliver``, where it is CRASHED. A pool shutting down always
+        raises."""
         candidate_id = ""
+        attempts = self.engine_settings.max_deliver
         try:
             job = Job.of(work)
             candidate_id = job.candidate.id
-            return await self.pool.measure(job, device)
+            for attempt in range(1, attempts + 1):
+                measurement = await self.pool.measure(job, device)
+                if not measurement.engine_died:
+                    return measurement
+                log.warning(
+                    "work.engine_died",
+                    experiment_id=work.experiment_id,
+                    attempt=attempt,
+                    of=attempts,
+                    error=measurement.error,
+                )
+                if attempt < attempts:
+                    await asyncio.sleep(self.engine_settings.nak_delay_s)
+            measurement.error = f"{measurement.error} (on each of {attempts} attempts)"
+            measurement.engine_died = False
+            return measurement
         except InvalidArgument as exc:
             return Measurement.failed(
                 "rejected", exc.message, tier=work.tier, candidate_id=candidate_id
             )
         except KilnError as exc:
-            delivered = msg.metadata.num_delivered if msg.metadata else 1
-            if delivered < self.engine_settings.max_deliver:
+            if self.pool.closed or delivered < self.engine_settings.max_deliver:
                 raise
             return Measurement.failed(
                 "crashed", exc.message, tier=work.tier, candidate_id=candidate_id
             )
+
+    async def _ride_out(self, call: Callable[[], Awaitable[T]], what: str, bound: Any) -> T:
+        """``call()`` (a ledger call), tried again while the ledger is unavailable (UNAVAILABLE,
+        DEADLINE_EXCEEDED) for up to ``outage_wait_s`` with growing, jittered pauses, and up to
+        :data:`APPEND_ATTEMPTS` times on other transient errors; definite answers (Aborted,
+        AlreadyExists, InvalidArgument, NotFound) at once. Raises the last error when it gives
+        up (the caller naks)."""
+        definite = (Aborted, AlreadyExists, InvalidArgument, NotFound)
+        deadline = time.monotonic() + self.engine_settings.outage_wait_s
+        failures = other = 0
+        while True:
+            try:
+                return await call()
+            except definite:
+                raise
+            except KilnError as exc:
+                failures += 1
+                if not isinstance(exc, Unavailable | DeadlineExceeded):
+                    other += 1
+                    if other >= APPEND_ATTEMPTS:
+                        raise
+                elif time.monotonic() >= deadline:
+                    raise
+                if failures == 1 or failures % 10 == 0:
+                    bound.warning(
+                        "work.ledger_unavailable", call=what, failures=failures, error=exc.message
+                    )
+                await asyncio.sleep(backoff_s(failures, max_s=OUTAGE_MAX_PAUSE_S))
 
     async def _ledger_state(
         self, ledger: LedgerClient, stream: str
     ) -> tuple[ledger_pb2.RecordedEvent | None, bool]:
         """(the ExperimentRequested event or None, whether it is completed already)."""
         try:
-            events = await _retrying(lambda: ledger.read_stream(stream))
+            events = await ledger.read_stream(stream)
         except NotFound:
             return None, False
         requested = next((e for e in events if e.type == "ExperimentRequested"), None)
         return requested, any(e.type == "ExperimentCompleted" for e in events)
-
-
-async def _retrying(call: Callable[[], Awaitable[Any]]) -> Any:
-    """``call()``, retried on transient ledger errors (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
-    up to :data:`APPEND_ATTEMPTS` times, 0.5 s then 1 s apart."""
-    definite = (Aborted, AlreadyExists, InvalidArgument, NotFound)
-    for attempt in range(APPEND_ATTEMPTS):
-        try:
-            return await call()
-        except definite:
-            raise
-        except KilnError:
-            if attempt == APPEND_ATTEMPTS - 1:
-                raise
-            await asyncio.sleep(0.5 * 2**attempt)
-    raise AssertionError("unreachable")

@@ -270,6 +270,11 @@ class EnginePool:
         return engine
 
     # ------------------------------------------------------------------ inspection
+    @property
+    def closed(self) -> bool:
+        """The pool is shutting down (:meth:`close`): it starts no engine."""
+        return self._closed
+
     def engines(self, model_name: str = "") -> list[EngineSnapshot]:
         """Snapshots of the engines held (all, or one model's), by device, LRU first."""
         return [

@@ -3,11 +3,13 @@
 :class:`EngineProcess` spawns the worker (``spawn`` start method), waits for ready (the cold start)
 and sends one experiment at a time without blocking the event loop. The process is the isolation
 boundary: past the deadline it is SIGKILLed and restarted (TIMED_OUT); if it dies mid-experiment the
-experiment is CRASHED with the exit code or signal and it is restarted; after a requested restart or
-a device fault (:func:`is_device_fault`) it is restarted after the answer. Only a restart reloads
-weights; it spawns at once and the next experiment waits for ready. A process may be pinned to a
-device (``env``, ``worker_device``; :mod:`kiln.engine_pool.devices`). Start and restart must run on
-the event loop's thread (the worker dies with its starting thread, ``PR_SET_PDEATHSIG``).
+answer is CRASHED with the exit code or signal and ``engine_died`` set (the work queue runs it
+again: code modules run in the sandbox, so the judge's death is the host's until it repeats) and it
+is restarted; after a requested restart or a device fault (:func:`is_device_fault`) it is
+restarted after the answer. Only a restart reloads weights; it spawns at once and the next
+experiment waits for ready. A process may be pinned to a device (``env``, ``worker_device``;
+:mod:`kiln.engine_pool.devices`). Start and restart must run on the event loop's thread (the
+worker dies with its starting thread, ``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -407,7 +409,10 @@ class EngineProcess:
             code = await self._exit_code()
             await self._restart(f"process died: {describe_exit(code)}")
             return Measurement.failed(
-                "crashed", f"engine process died: {describe_exit(code)}; engine restarted", **base
+                "crashed",
+                f"engine process died: {describe_exit(code)}; engine restarted",
+                engine_died=True,
+                **base,
             )
         assert isinstance(msg, dict)
         self.experiments_run += 1

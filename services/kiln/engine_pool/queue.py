@@ -160,7 +160,7 @@ class WorkConsumer:
             filter_subject=subject,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.engine_settings.ack_wait_s,
-            max_deliver=self.engine_settings.max_deliver,
+            max_deliver=-1,  # never drop an item: the delivery records what gave up
             description=f"kiln engine pools: {tier}-tier experiments of model {key} on {kind}",
         )
 

@@ -146,9 +146,32 @@ class EngineSettings(BaseSettings):
         description="JetStream ack wait, seconds; in_progress() heartbeats every "
         "third of it keep a running experiment's message from being redelivered.",
     )
-    max_deliver: int = Field(default=3, ge=1, description="Deliveries of one work item at most.")
+    max_deliver: int = Field(
+        default=3,
+        ge=1,
+        description="Attempts to run one work item whose run fails for a reason of the host "
+        "(its engine cannot be built here, the engine process died mid-experiment), made "
+        "nak_delay_s apart while the pool holds the message; then it is recorded CRASHED.",
+    )
     nak_delay_s: float = Field(
-        default=5.0, ge=0, description="Redelivery delay after a nak, seconds."
+        default=5.0,
+        ge=0,
+        description="Pause between attempts, and redelivery delay after a nak, seconds.",
+    )
+    max_redeliveries: int = Field(
+        default=10,
+        ge=1,
+        description="Deliveries of one work item (redelivered after a pool died holding it, or "
+        "NATS lost its heartbeats) after which it is recorded CRASHED without running again. "
+        "JetStream itself never stops delivering (its max_deliver is unlimited), so no work "
+        "item is dropped without an ExperimentCompleted.",
+    )
+    outage_wait_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="How long one delivery waits for an unavailable ledger (retrying with "
+        "backoff while it holds the message) before it naks the message, seconds. Waiting "
+        "spends no delivery.",
     )
     hardware: str = Field(
         default="",

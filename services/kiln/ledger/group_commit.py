@@ -19,7 +19,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from kiln.common.errors import Aborted, AlreadyExists, InvalidArgument, KilnError
+from kiln.common.errors import Aborted, AlreadyExists, InvalidArgument, KilnError, Unavailable
 from kiln.ledger.model import AppendResult, ExpectedVersion
 from kiln.ledger.tables import events, outbox
 
@@ -80,7 +80,7 @@ class GroupCommitter:
         return await asyncio.shield(future)
 
     async def close(self) -> None:
-        """Stop the writer; appends still queued fail with ``Unavailable``-like errors."""
+        """Stop the writer; appends still queued fail with ``Unavailable``."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -88,7 +88,7 @@ class GroupCommitter:
         while not self._queue.empty():
             pending = self._queue.get_nowait()
             if not pending.future.done():
-                pending.future.set_exception(RuntimeError("the ledger is shutting down"))
+                pending.future.set_exception(Unavailable("the ledger is shutting down; retry"))
 
     async def _run(self) -> None:
         while True:
@@ -100,7 +100,9 @@ class GroupCommitter:
             except asyncio.CancelledError:
                 for pending in group:
                     if not pending.future.done():
-                        pending.future.set_exception(RuntimeError("the ledger is shutting down"))
+                        pending.future.set_exception(
+                            Unavailable("the ledger is shutting down; retry")
+                        )
                 raise
 
     async def _commit_group(self, group: list[PendingAppend]) -> None:

@@ -25,6 +25,7 @@ from kiln.ledger.notifier import CommitNotifier
 from kiln.ledger.query import query
 from kiln.ledger.replay import replay
 from kiln.ledger.store import EventStore
+from kiln.ledger.unavailable import unavailable_on_database_errors
 from kiln.v1 import ledger_pb2, ledger_pb2_grpc
 
 log = structlog.get_logger("kiln.ledger")
@@ -59,9 +60,10 @@ def _check_types(types: Sequence[str]) -> list[str]:
     return distinct
 
 
+@unavailable_on_database_errors
 class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     """kiln.v1.Ledger over an :class:`EventStore`; errors are ``KilnError`` (mapped by the
-    runtime to gRPC status codes)."""
+    runtime to gRPC status codes; a database that cannot be reached is UNAVAILABLE)."""
 
     def __init__(
         self,

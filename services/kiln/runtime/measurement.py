@@ -89,6 +89,8 @@ class Measurement:
         op_ms: op -> ms per step of one extra eager step (empty unless asked), at
             ``op_profile_shape``.
         restart_engine: the worker asks to be restarted after replying (never sent).
+        engine_died: the engine process (the judge, which runs no candidate code) died before
+            answering; the work queue runs the experiment again on the restarted engine.
     """
 
     status: Status
@@ -112,6 +114,7 @@ class Measurement:
     op_profile_shape: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     restart_engine: bool = False
+    engine_died: bool = False
     verified_steps: int = 0
     escape_probability: float = 1.0
 

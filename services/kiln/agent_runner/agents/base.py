@@ -2,9 +2,10 @@
 
 One step: propose a candidate; drop it, logged, if an engine would refuse it; claim it on the
 board (skip it if another agent holds it); post the idea; have it measured (its result reaches
-every agent through ``lab.results``). An agent stops when no experiment slot is left, or when
-its strategy has nothing to propose and no claimed result is pending (waiting at most
-``idle_timeout_s``); the runner cancels it at the wall-clock budget or on cancel.
+every agent through ``lab.results``). NATS or the ledger being away is waited out; a slot taken
+for a step that ends without a request is given back. An agent stops when no experiment slot is
+left, or when its strategy has nothing to propose and no claimed result is pending (waiting at
+most ``idle_timeout_s``); the runner cancels it at the wall-clock budget or on cancel.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import ClassVar, Protocol
 
 from kiln.agent_runner.agents.view import BoardView
 from kiln.agent_runner.experiment import Completed
+from kiln.agent_runner.outage import ride_out
 from kiln.agent_runner.results import ResultFeed, Seen
 from kiln.agent_runner.space import CandidateSpace
 from kiln.board import Board
@@ -156,17 +158,26 @@ class Agent(ABC):
         if not await lab.acquire():
             return False
         body = {"candidate": candidate.canonical()}
-        if not await lab.board.claim(cid, candidate.id, self.name, body):
-            lab.release()
-            view.claimed.add(candidate.id)
-            return True
+        idea = {**body, "why": proposal.why, "text": candidate.describe()}
+        try:
+            claimed = await ride_out(
+                lambda: lab.board.claim(cid, candidate.id, self.name, body),
+                what="claim a candidate",
+                compilation=cid,
+            )
+            if claimed:
+                await ride_out(
+                    lambda: lab.board.post_idea(cid, candidate.id, self.name, idea),
+                    what="post an idea",
+                    compilation=cid,
+                )
+        except BaseException:
+            lab.release()  # nothing was requested: the slot goes back
+            raise
         view.claimed.add(candidate.id)
-        await lab.board.post_idea(
-            cid,
-            candidate.id,
-            self.name,
-            {**body, "why": proposal.why, "text": candidate.describe()},
-        )
+        if not claimed:
+            lab.release()
+            return True
         if self.wants_profiles:
             outcome = await lab.measure(candidate, self.name, profile=True)
         else:

@@ -9,6 +9,7 @@ import contextlib
 
 import nats.errors
 
+from kiln.agent_runner.outage import ride_out
 from kiln.agent_runner.results import ResultFeed, SearchResult, Seen
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.board import Board, BoardPost
@@ -79,10 +80,15 @@ class BoardView:
         return sorted(good, key=lambda s: (-s.tokens_per_s, s.candidate.id))
 
     async def start(self) -> None:
-        """Read the board's claims, then follow them in the background; NATS errors if
-        unreadable.
+        """Read the board's claims (NATS being away is waited out), then follow them in the
+        background; NATS errors if it refuses.
         """
-        for post in await self._board.history(self._cid, kinds=["claim"]):
+        posts = await ride_out(
+            lambda: self._board.history(self._cid, kinds=["claim"]),
+            what="read the board",
+            compilation=self._cid,
+        )
+        for post in posts:
             self.take(post)
         self._task = asyncio.create_task(self._follow(), name=f"kiln-view-{self._cid}")
 
