@@ -3,7 +3,9 @@
 :class:`FakeEnginePool` is the real :class:`kiln.engine_pool.pool.EnginePool` (device slots, one
 experiment per device at a time, engines held per device with LRU eviction) except that an
 "engine" is a record, not a process: building one sleeps ``build_s``, an experiment sleeps
-``run_s[tier]`` and answers with :func:`tests.integration.fake_engine.throughput`. It is driven by
+``run_s[tier]`` and answers with :func:`tests.integration.fake_engine.throughput` (times
+``boost`` for every candidate but the reference, so that a test can make any search find
+something to confirm). It is driven by
 the real :class:`kiln.engine_pool.queue.WorkConsumer` and its delivery (real NATS, real ledger),
 so what a test sees is the pool's real scheduling. A mock only where the real part cannot run
 here: a dozen compilations on real torch engines would take many minutes on two cores.
@@ -47,9 +49,11 @@ class _Engine:
 
 @dataclass(frozen=True)
 class Run:
-    """One simulated experiment: when it held the device (monotonic s), what it was, whether an
-    engine was built (and which was evicted) for it."""
+    """One simulated experiment: when it held the device (monotonic s; ``started_at``: Unix
+    time, to compare with the ledger's), what it was, whether an engine was built (and which
+    was evicted) for it."""
 
+    experiment_id: str
     device: str
     tier: str
     model_key: str
@@ -59,10 +63,13 @@ class Run:
     ended: float
     built: bool
     evicted: str = ""
+    started_at: float = 0.0
 
 
 class FakeEnginePool(EnginePool):
-    """See the module docstring. ``runs``: every experiment, in the order they ran."""
+    """See the module docstring. ``runs``: every experiment, in the order they ran;
+    ``full_open``: while cleared, a full-tier experiment holds its device without running (an
+    engine stuck on a confirmation)."""
 
     def __init__(
         self,
@@ -71,11 +78,15 @@ class FakeEnginePool(EnginePool):
         build_s: float = 0.3,
         run_s: dict[str, float] | None = None,
         devices: list[Device] | None = None,
+        boost: float = 1.0,
     ) -> None:
         super().__init__(settings, pool_id="fake", devices=devices)
+        self.boost = boost
         self.build_s = build_s
         self.run_s = run_s or {"fast": 0.05, "full": 0.1}
         self.runs: list[Run] = []
+        self.full_open = asyncio.Event()
+        self.full_open.set()
 
     async def measure(self, job: Job, device: str | None = None) -> Measurement:
         work = job.work
@@ -83,7 +94,9 @@ class FakeEnginePool(EnginePool):
         key = f"{work.tier}/{work.model_key}"
         async with slot.lock:
             self.on_change()
-            started, built, evicted = time.monotonic(), False, ""
+            if work.tier == "full":
+                await self.full_open.wait()
+            started, started_at, built, evicted = time.monotonic(), time.time(), False, ""
             if key not in slot.engines:
                 while len(slot.engines) >= self.settings.engines_per_device():
                     evicted, _ = slot.engines.popitem(last=False)
@@ -98,6 +111,7 @@ class FakeEnginePool(EnginePool):
             slot.experiments_done += 1
             self.runs.append(
                 Run(
+                    work.experiment_id,
                     slot.device.name,
                     work.tier,
                     work.model_key,
@@ -107,10 +121,13 @@ class FakeEnginePool(EnginePool):
                     time.monotonic(),
                     built,
                     evicted,
+                    started_at,
                 )
             )
         self.on_change()
         tps, correct = throughput(job.candidate.canonical(), work.tier)
+        if not job.candidate.is_reference:
+            tps *= self.boost
         median_ms = 1000.0 * FAKE_BATCH / tps
         return Measurement(
             status="ok" if correct else "incorrect",

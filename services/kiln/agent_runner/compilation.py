@@ -248,7 +248,10 @@ class CompilationRunner:
         if st.baseline is None:
             return "failed", f"{wall.end_reason()} before the baseline was measured"
         if fast_leader(st) is None:
-            overtime = "; no candidate beat the baseline on the fast tier, so none was confirmed"
+            overtime = (
+                "; no candidate had beaten the baseline on the fast tier by then, so none was "
+                "confirmed"
+            )
         return "succeeded", wall.end_reason() + overtime
 
     def _search_end_reason(self) -> str:
