@@ -66,6 +66,7 @@ QUOTAS = QuotaSettings(
     teams={
         "metered": TeamOverride(device_seconds=1.0, max_running=2),
         "crowded": TeamOverride(max_running=1, max_pending=1),
+        "restart": TeamOverride(max_running=1),
     },
 )
 BOOST = 1.25
@@ -93,9 +94,23 @@ RUNNER_CONFIG = RunnerConfig(
 class Stack:
     settings: KilnSettings
     runner_addr: str
+    runner_task: asyncio.Task[Any]
     pool: FakeEnginePool
     ledger: LedgerClient
     workload: common_pb2.Workload
+
+    async def restart_runner(self) -> None:
+        """Stop the agent runner (its compilations stay open) and start a new one, which
+        resumes them (one runner per ledger at a time)."""
+        await _stop(self.runner_task)
+        self.runner_task, self.runner_addr = await _start_runner(self.settings)
+
+
+async def _start_runner(cfg: KilnSettings) -> tuple[asyncio.Task[Any], str]:
+    runner = AgentRunnerApp(cfg, RUNNER_CONFIG, QUOTAS)
+    task, addr = await serve_in_task(runner, cfg)
+    await asyncio.wait_for(runner.resumed.wait(), 20)
+    return task, addr
 
 
 async def _stop(task: asyncio.Task[Any]) -> None:
@@ -127,19 +142,19 @@ async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
     stop = asyncio.Event()
     tasks.append(asyncio.create_task(consumer.run(stop)))
     await asyncio.wait_for(consumer.connected.wait(), 20)
-    runner = AgentRunnerApp(cfg, RUNNER_CONFIG, QUOTAS)
-    runner_task, runner_addr = await serve_in_task(runner, cfg)
-    tasks.append(runner_task)
-    await asyncio.wait_for(runner.resumed.wait(), 20)
+    runner_task, runner_addr = await _start_runner(cfg)
     workload = common_pb2.Workload(
         model=common_pb2.ModelSpec(name="llama-3.2-1b", config_json=MODEL.read_text()),
         traffic=common_pb2.TrafficShape(batch_size=8, context_len=512),
         hardware=common_pb2.HardwareTarget(name="cpu"),
     )
+    stack = Stack(cfg, runner_addr, runner_task, pool, None, workload)  # type: ignore[arg-type]
     try:
         async with LedgerClient(ledger_addr, "fairness") as ledger:
-            yield Stack(cfg, runner_addr, pool, ledger, workload)
+            stack.ledger = ledger
+            yield stack
     finally:
+        await _stop(stack.runner_task)
         stop.set()
         for task in reversed(tasks):
             await _stop(task)
@@ -482,3 +497,24 @@ async def test_a_confirmation_that_never_gets_a_device_is_cut_after_the_grace(
     assert requested == set(_experiments(story))  # nothing left open
     full = [d for _, r, _, d in _experiments(story).values() if r["tier"] == "full"]
     assert full and all(d["status"] == "cancelled" for d in full)
+
+
+async def test_after_a_restart_the_running_keep_their_slots_and_the_pending_still_wait(
+    stack: Stack,
+) -> None:
+    running = await _submit(stack, "restart", wall_seconds=4.0)
+    pending = await _submit(stack, "restart", wall_seconds=4.0)
+    for _ in range(300):
+        if await _status(stack, running) == "running":
+            break
+        await asyncio.sleep(0.1)
+    assert await _status(stack, pending) == "pending"
+    await stack.restart_runner()
+    assert await _status(stack, pending) == "pending"  # the resumed one holds the only slot
+    await _ended(stack, [running, pending], timeout_s=GRACE_S + 40)
+    stories = await _stories(stack.ledger, [running, pending])
+    ends = {c: _end_of(s) for c, s in stories.items()}
+    assert {e["status"] for e in ends.values()} == {"succeeded"}, ends
+    first_end = next(e.position for e in stories[running] if e.type == "CompilationEnded")
+    second_start = next(e.position for e in stories[pending] if e.type == "CompilationPlanned")
+    assert second_start > first_end  # one at a time, across the restart

@@ -37,6 +37,7 @@ from kiln.common.client import team_channel
 from kiln.common.logging import get_logger
 from kiln.common.nats import connect, ensure_streams
 from kiln.common.settings import KilnSettings
+from kiln.domain.compilation import Status
 from kiln.v1 import compiler_pb2_grpc, cost_model_pb2_grpc
 
 log = get_logger("kiln.agent_runner")
@@ -192,6 +193,9 @@ class AgentRunnerApp:
             except Exception as exc:
                 log.warning("cannot resume yet; retrying", error=str(exc))
                 await asyncio.sleep(self.config.resume_retry_s)
+        # Running ones first (they keep their slots), then the pending in submission order, so
+        # that admission queues them as they were submitted.
+        states.sort(key=lambda s: (s.compilation.status != Status.RUNNING, s.submitted_position))
         for state in states:
             if self.reserve_id(state.compilation_id):
                 self.release_id(state.compilation_id)
