@@ -20,20 +20,24 @@ import contextvars
 import grpc
 from nats.aio.client import Client
 
+from kiln.agent_runner.admission import Admission
 from kiln.agent_runner.compilation import CompilationRunner, RunnerDeps
 from kiln.agent_runner.config import RunnerConfig
 from kiln.agent_runner.dispatcher import ExperimentDispatcher
 from kiln.agent_runner.ledger_access import LedgerPool
+from kiln.agent_runner.quotas import QuotaSettings
 from kiln.agent_runner.resume import load_open_states, open_compilation_ids
 from kiln.agent_runner.service import CompilerServicer
 from kiln.agent_runner.space import CandidateSpace, space_for
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.tasks import cancel_and_wait
+from kiln.agent_runner.team_usage import TeamUsage
 from kiln.board import Board
 from kiln.common.client import team_channel
 from kiln.common.logging import get_logger
 from kiln.common.nats import connect, ensure_streams, owned_streams
 from kiln.common.settings import KilnSettings
+from kiln.domain.compilation import Status
 from kiln.v1 import compiler_pb2_grpc, cost_model_pb2_grpc
 
 log = get_logger("kiln.agent_runner")
@@ -45,14 +49,27 @@ class AgentRunnerApp:
     Args:
         settings: ledger, cost model and NATS addresses, subject prefix, own team name.
         config: tunables (defaults for production).
+        quotas: the teams' quotas (default: from ``KILN_QUOTA_*``).
     """
 
     name = "agent-runner"
     grpc_service_names = ("kiln.v1.Compiler",)
 
-    def __init__(self, settings: KilnSettings, config: RunnerConfig | None = None) -> None:
+    def __init__(
+        self,
+        settings: KilnSettings,
+        config: RunnerConfig | None = None,
+        quotas: QuotaSettings | None = None,
+    ) -> None:
         self.settings = settings
         self.config = config or RunnerConfig()
+        self.quotas = quotas or QuotaSettings()
+        limited = self.quotas.device_seconds or any(
+            t.device_seconds for t in self.quotas.teams.values()
+        )
+        self.usage = TeamUsage(self.quotas.period_s) if limited else None
+        """The teams' device time, read from the ledger (only when some team's is limited)."""
+        self.admission = Admission(self.quotas, self.usage)
         self.closing = asyncio.Event()
         """Set when shutdown begins: Watch streams end."""
         self.resumed = asyncio.Event()
@@ -94,8 +111,11 @@ class AgentRunnerApp:
             cost_model_addr=self.settings.cost_model_addr,
             space=self._space,
             config=self.config,
+            admission=self.admission,
         )
         compiler_pb2_grpc.add_CompilerServicer_to_server(CompilerServicer(self), server)
+        if self.usage is not None:
+            self._background.append(asyncio.create_task(self._follow_usage(), name="kiln-ar-usage"))
         self._background.append(asyncio.create_task(self._resume(), name="kiln-ar-resume"))
         self._background.append(asyncio.create_task(self._warm_up(), name="kiln-ar-warm-up"))
 
@@ -176,6 +196,9 @@ class AgentRunnerApp:
             except Exception as exc:
                 log.warning("cannot resume yet; retrying", error=str(exc))
                 await asyncio.sleep(self.config.resume_retry_s)
+        # Running ones first (they keep their slots), then the pending in submission order, so
+        # that admission queues them as they were submitted.
+        states.sort(key=lambda s: (s.compilation.status != Status.RUNNING, s.submitted_position))
         for state in states:
             if self.reserve_id(state.compilation_id):
                 self.release_id(state.compilation_id)
@@ -186,6 +209,18 @@ class AgentRunnerApp:
                 )
                 self.start_runner(state, resumed=True)
         self.resumed.set()
+
+    async def _follow_usage(self) -> None:
+        """Read the teams' device time from the ledger and follow it (see ``TeamUsage.run``)."""
+        assert self.usage is not None
+        while True:
+            try:
+                head = (await self.ledger.query_page("compilations", limit=1)).checkpoint_position
+                break
+            except Exception as exc:  # the ledger is not up yet: the reader retries too
+                log.warning("cannot read the ledger's position yet; retrying", error=str(exc))
+                await asyncio.sleep(self.config.resume_retry_s)
+        await self.usage.run(self.ledger.system, head)
 
     async def _warm_up(self) -> None:
         """Build the CPU space in a thread (its first use imports torch, seconds of work)."""

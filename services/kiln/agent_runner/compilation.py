@@ -6,9 +6,13 @@ events, in order: ``CompilationPlanned``, ``BaselineMeasured``, ``BestCandidateI
 confirmed improvement, ``BaselineCompared`` per baseline (after the search), ``TierAgreement``,
 ``CompilationEnded``.
 
-It ends ``succeeded`` when a budget is spent or the agents have nothing left to propose;
-``cancelled`` after a cancel request; ``failed`` when the cost model is unreachable or refuses,
-the baseline does not measure, or every agent fails. Before ``CompilationEnded`` every requested
+It stays ``pending`` until its team's quotas admit it (:mod:`kiln.agent_runner.admission`); its
+wall-clock budget runs from then. It ends ``succeeded`` when a budget is spent, the team's device
+time is spent or the agents have nothing left to propose; ``cancelled`` after a cancel request;
+``failed`` when the cost model is unreachable or refuses, the baseline does not measure, or every
+agent fails. When the wall clock runs out while a confirmation is under way or due, the agents
+stop and the confirmation still runs, for at most ``RunnerConfig.confirm_grace_s`` (the end's
+reason says how long it took, or that it was cut). Before ``CompilationEnded`` every requested
 experiment gets its ``ExperimentCompleted`` (``timed_out`` or ``cancelled`` if need be). On
 shutdown the runner stops without ending the compilation; a new process resumes it.
 """
@@ -17,14 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import structlog
 
 from kiln.agent_runner import records
+from kiln.agent_runner.admission import Admission
 from kiln.agent_runner.agents import build_agents
 from kiln.agent_runner.budget import ExperimentBudget, WallClock
 from kiln.agent_runner.comparisons import BaselineComparisons
@@ -38,6 +45,7 @@ from kiln.agent_runner.judge import (
     SEARCH_TIER,
     agreement_text,
     completed_on,
+    fast_leader,
     tier_agreement,
 )
 from kiln.agent_runner.lab import CompilationLab
@@ -54,6 +62,7 @@ from kiln.agent_runner.workload import workload_to_json
 from kiln.board import Board
 from kiln.common.logging import get_logger
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
+from kiln.domain.compilation import Status
 from kiln.events.types import EndStatus
 
 log = get_logger("kiln.agent_runner.compilation")
@@ -62,7 +71,7 @@ log = get_logger("kiln.agent_runner.compilation")
 @dataclass(frozen=True)
 class RunnerDeps:
     """What every runner of one agent-runner process shares (ledger clients per team, dispatcher,
-    board, a cost model stub and its address, candidate space, config).
+    board, a cost model stub and its address, candidate space, config, the teams' admission).
     """
 
     ledger: LedgerPool
@@ -72,6 +81,7 @@ class RunnerDeps:
     cost_model_addr: str
     space: Callable[[str], CandidateSpace]
     config: RunnerConfig
+    admission: Admission
 
 
 class CompilationRunner:
@@ -97,6 +107,13 @@ class CompilationRunner:
             completed=len(state.experiments) - in_flight,
             in_flight=in_flight,
         )
+        admission, team = deps.admission, state.team
+        if not state.ended:
+            if state.compilation.status == Status.RUNNING:
+                admission.hold(team, state.compilation_id)  # admitted before a restart
+            else:
+                admission.enqueue(team, state.compilation_id, state.submitted_position)
+        self._agent_tasks: list[asyncio.Task[Any]] = []
         self.lab = CompilationLab(
             state,
             self._experiments,
@@ -106,6 +123,9 @@ class CompilationRunner:
             space=deps.space,
             append=self._stream.append,
             stop=self._stop,
+            max_in_flight=admission.limits(team).max_in_flight,
+            work_slot=partial(admission.work_slot, team),
+            quota=partial(admission.device_time_spent, team),
         )
         """What the agents measure with."""
         self.agents_measured: dict[str, int] = {}
@@ -147,6 +167,7 @@ class CompilationRunner:
             with contextlib.suppress(Exception):
                 await self._end("failed", f"internal error in the agent runner: {exc!r}")
         finally:
+            self._deps.admission.release(self.state.team, self.compilation_id)
             self.finished.set()
 
     async def _run(self) -> None:
@@ -159,6 +180,8 @@ class CompilationRunner:
         else:
             if self._compares.records:  # restarted while the baselines were measured
                 status, reason = "succeeded", "the search had ended before a restart"
+            elif not await self._admitted():
+                status, reason = "cancelled", st.cancel_reason or "cancel requested"
             else:
                 status, reason = await self._search_until_stopped()
             if status == "succeeded" and st.baselines:
@@ -169,17 +192,45 @@ class CompilationRunner:
                     status, reason = "cancelled", st.cancel_reason
         await self._end(status, reason)
 
+    async def _admitted(self) -> bool:
+        """Wait (pending) until the team's quotas admit the compilation; False when it was
+        cancelled meanwhile."""
+        st, admission = self.state, self._deps.admission
+        if st.compilation.status == Status.RUNNING:
+            return True
+        admit = asyncio.ensure_future(
+            admission.admit(st.team, st.compilation_id, st.submitted_position)
+        )
+        if not admit.done():
+            log.info(
+                "compilation pending",
+                compilation=st.compilation_id,
+                why=admission.why_pending(st.team),
+            )
+        stopper = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({admit, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait(stopper)
+            await cancel_and_wait(admit)
+        return st.cancel_reason is None and admit.done() and not admit.cancelled()
+
     async def _search_until_stopped(self) -> tuple[EndStatus, str]:
         st = self.state
-        wall = WallClock(st.submitted_at, st.wall_seconds)
+        wall = WallClock(st.compilation.started_at or datetime.now(UTC), st.wall_seconds)
         search = asyncio.create_task(self._search(), name=f"kiln-search-{st.compilation_id}")
         stopper = asyncio.create_task(self._stop.wait())
+        overtime = ""
         try:
             done, _ = await asyncio.wait(
                 {search, stopper},
                 timeout=max(0.0, wall.remaining_s(datetime.now(UTC))),
                 return_when=asyncio.FIRST_COMPLETED,
             )
+            wall_out = not done
+            if wall_out and self.lab.confirmations.pending:
+                overtime = await self._finish_confirmation(search, stopper, wall)
+                done = {search} if search.done() else set()
         finally:
             self._stop.set()  # agents that miss the cancellation stop at their next step
             await cancel_and_wait(stopper)
@@ -193,10 +244,56 @@ class CompilationRunner:
             if exc is not None:
                 log.error("search failed", compilation=st.compilation_id, exc_info=exc)
                 return "failed", f"internal error in the agent runner: {exc!r}"
-            return "succeeded", self._budget.end_reason()
+            if not wall_out:
+                return "succeeded", self._search_end_reason()
         if st.baseline is None:
             return "failed", f"{wall.end_reason()} before the baseline was measured"
-        return "succeeded", wall.end_reason()
+        if fast_leader(st) is None:
+            overtime = (
+                "; no candidate had beaten the baseline on the fast tier by then, so none was "
+                "confirmed"
+            )
+        return "succeeded", wall.end_reason() + overtime
+
+    def _search_end_reason(self) -> str:
+        """Why a search that stopped by itself ended: the team's quota, else the budget's."""
+        quota = self.lab.quota_reason
+        if quota is not None:
+            return f"the search stopped: {quota} ({self._budget.completed} experiments)"
+        return self._budget.end_reason()
+
+    async def _finish_confirmation(
+        self, search: asyncio.Task[None], stopper: asyncio.Task[Any], wall: WallClock
+    ) -> str:
+        """The wall clock ran out with a confirmation under way or due: stop the agents, close
+        their experiments and wait for the search (which then ends with the confirmation) at
+        most ``confirm_grace_s``; returns what the end's reason adds."""
+        grace = self._deps.config.confirm_grace_s
+        start = time.monotonic()
+        self.lab.search_stop.set()  # an agent that misses its cancellation stops at its next step
+        for task in self._agent_tasks:
+            task.cancel()
+        why = f"{wall.end_reason()}: the agents stopped before an engine answered"
+        await self._close_search_experiments(why)
+        log.info("wall clock spent; finishing a confirmation", compilation=self.compilation_id)
+        done, _ = await asyncio.wait(
+            {search, stopper}, timeout=grace, return_when=asyncio.FIRST_COMPLETED
+        )
+        waited = time.monotonic() - start
+        if search in done:
+            return f"; its last confirmation ended {waited:.1f} s after it"
+        if stopper in done:
+            return ""
+        return f"; a confirmation still waiting for a device after {grace:g} s more was cancelled"
+
+    async def _close_search_experiments(self, why: str) -> None:
+        """Close the search-tier experiments in flight as cancelled (their queued work is
+        dropped, so the device serves the confirmation and other compilations)."""
+        for req in list(self._experiments.in_flight.values()):
+            if req.tier != SEARCH_TIER:
+                continue
+            completed = await self._deps.dispatcher.close(req, why, status="cancelled")
+            await self.lab.complete(req, completed)
 
     async def _end(self, status: EndStatus, reason: str) -> None:
         """Settle every experiment, then append TierAgreement (once a baseline was measured) and
@@ -248,23 +345,30 @@ class CompilationRunner:
         confirming = asyncio.create_task(
             self.lab.confirmations.run(in_flight), name=f"kiln-confirm-{st.compilation_id}"
         )
+        # Tasks, so that the wall clock can stop the agents and leave the confirmations running
+        # (a cancelled one is a CancelledError among the results).
+        self._agent_tasks = [
+            asyncio.create_task(c) for c in (*(agent.run(self.lab) for agent in agents), *extra)
+        ]
         try:
-            results = await asyncio.gather(
-                *(agent.run(self.lab) for agent in agents), *extra, return_exceptions=True
-            )
+            results = await asyncio.gather(*self._agent_tasks, return_exceptions=True)
             self.lab.confirmations.agents_done()
             await asyncio.wait({confirming})
         finally:
+            for task in self._agent_tasks:
+                task.cancel()
             await cancel_and_wait(confirming)
         errors: list[BaseException] = []
         for agent, result in zip(agents, results, strict=False):
+            if isinstance(result, asyncio.CancelledError):
+                continue  # stopped by the wall clock
             if isinstance(result, BaseException):
                 errors.append(result)
                 log.error("agent failed", agent=agent.name, exc_info=result)
             else:
                 self.agents_measured[agent.name] = result
         for result in results[len(agents) :]:
-            if isinstance(result, BaseException):
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                 log.error("resumed experiment failed", exc_info=result)
         if errors and len(errors) == len(agents):
             raise Failure(f"every agent failed; the first: {errors[0]!r}")

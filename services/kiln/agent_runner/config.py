@@ -26,6 +26,9 @@ class RunnerConfig:
             restarting under ``kiln supervise`` is back in seconds), past ``plan_attempts``.
         cancel_wait_s: how long ``Cancel`` waits for a local runner to record the end.
         resume_retry_s: pause between resume attempts while the ledger is unreachable.
+        confirm_grace_s: how long past its wall-clock budget a compilation waits for a
+            confirmation under way or due (its agents stopped): one that waited for a device is
+            still run, within this bound.
     """
 
     experiment_deadline_s: float = 300.0
@@ -37,6 +40,7 @@ class RunnerConfig:
     plan_outage_s: float = 60.0
     cancel_wait_s: float = 10.0
     resume_retry_s: float = 2.0
+    confirm_grace_s: float = 300.0
 
     def search_deadline_s(self, wall_seconds: float) -> float:
         """:attr:`search_share` of ``wall_seconds`` within [:attr:`search_min_deadline_s`,

@@ -82,6 +82,11 @@ class Confirmations:
             self._hold_slots()
             self._wanted.set()
 
+    @property
+    def pending(self) -> bool:
+        """A confirmation is under way (the gate is closed) or due with its slots held."""
+        return not self.gate.is_set() or self._slots > 0
+
     def agents_done(self) -> None:
         """The agents stopped: the task ends once nothing is due."""
         self._agents_done = True

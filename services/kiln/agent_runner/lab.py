@@ -1,17 +1,22 @@
 """A compilation's lab: how its agents (and its runner) measure candidates and judge results.
 
-A search-tier measurement takes a budget slot, passes the confirmations' gate, is requested and
+A search-tier measurement takes a budget slot, passes the confirmations' gate and the in-flight
+limits (the compilation's ``max_in_flight``, then its team's ``work_slot``), is requested and
 completed once through the tracker and judged one at a time; ``BaselineMeasured`` and
 ``BestCandidateImproved`` are appended to the compilation's stream. Every search-tier judgement
 feeds :attr:`CompilationLab.results`, the agents' only source of results. Once ``stop`` is set,
-no slot is given.
+no slot is given; once :attr:`CompilationLab.search_stop` is set (the wall clock ran out) or
+``quota`` names a reason (the team's device time is spent), agents get none but confirmations
+still do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from kiln.agent_runner.agents import Outcome
@@ -37,7 +42,9 @@ log = get_logger(__name__)
 
 class CompilationLab:
     """The measuring side of one compilation; ``append`` appends an event to its stream (and
-    folds it), ``stop`` is set when it stops.
+    folds it), ``stop`` is set when it stops. ``max_in_flight``: search-tier experiments under
+    way at once (0 = no limit); ``work_slot``: one of the team's work-item slots; ``quota``: why
+    the team may not search now (None: it may).
     """
 
     def __init__(
@@ -51,10 +58,20 @@ class CompilationLab:
         space: Callable[[str], CandidateSpace],
         append: Callable[[NewEvent], Coroutine[Any, Any, Any]],
         stop: asyncio.Event,
+        max_in_flight: int = 0,
+        work_slot: Callable[[], AbstractAsyncContextManager[None]] | None = None,
+        quota: Callable[[], str | None] | None = None,
     ) -> None:
         self.state, self.experiments, self.budget = state, experiments, budget
         self._dispatcher, self._board, self._space_of = dispatcher, board, space
         self._append, self._stop = append, stop
+        self._in_flight = asyncio.Semaphore(max_in_flight) if max_in_flight else None
+        self._work_slot = work_slot or contextlib.nullcontext
+        self._quota = quota
+        self.search_stop = asyncio.Event()
+        """Set when the agents must stop (the wall clock ran out) while confirmations finish."""
+        self.quota_reason: str | None = None
+        """Why a slot was refused for the team's quota, once one was."""
         self._space: CandidateSpace | None = None
         self._judge_lock = asyncio.Lock()
         self.results = ResultFeed(state.compilation_id)
@@ -111,13 +128,22 @@ class CompilationLab:
         """
         return not self._stop.is_set() and self.budget.reserve()
 
+    def _searching_stopped(self) -> bool:
+        if self._stop.is_set() or self.search_stop.is_set():
+            return True
+        reason = self._quota() if self._quota is not None else None
+        if reason is not None:
+            self.quota_reason = reason
+            return True
+        return False
+
     async def acquire(self) -> bool:
         """Take a slot for an agent once no confirmation holds the gate; False once the budget is
-        spent or the compilation is stopping.
+        spent, the compilation is stopping or searching, or the team's quota is spent.
         """
-        if self._stop.is_set() or not await self.budget.acquire(self.confirmations.gate):
+        if self._searching_stopped() or not await self.budget.acquire(self.confirmations.gate):
             return False
-        if self._stop.is_set():  # stopped while waiting: the slot is not used
+        if self._searching_stopped():  # stopped while waiting: the slot is not used
             self.budget.release()
             return False
         return True
@@ -137,24 +163,70 @@ class CompilationLab:
             KilnError, nats.errors.Error: the ledger or NATS failed.
         """
         try:
-            await self.confirmations.gate.wait()
+            limits = await self._pass_gate()
         except asyncio.CancelledError:
             self.release()
             raise
-        if candidate.id in self.experiments.requested:
-            self.release()
-            return None
-        self.experiments.requested.add(candidate.id)
-        with self.confirmations.searching():
-            try:
-                req = await self.experiments.shielded(
+        kept = False  # the limits are held until the experiment settles, even for a cancelled
+        try:  # caller (its request goes on and is settled when the compilation ends)
+            if candidate.id in self.experiments.requested:
+                self.release()
+                return None
+            self.experiments.requested.add(candidate.id)
+            with self.confirmations.searching():
+                requesting = self.experiments.spawn(
                     self.experiments.request(candidate, agent, SEARCH_TIER, profile=profile)
                 )
-            except Exception:
-                self.release()  # nothing was requested (a cancelled caller keeps its slot:
-                raise  # the request goes on and is settled when the compilation ends)
-            completed = await self._dispatcher.wait(req)
-            return await self.experiments.shielded(self.complete(req, completed))
+                try:
+                    req = await asyncio.shield(requesting)
+                except asyncio.CancelledError:
+                    kept = True
+                    self.experiments.hold(self._keep_until_settled(requesting, limits))
+                    raise
+                except Exception:
+                    self.release()  # nothing was requested
+                    raise
+                try:
+                    completed = await self._dispatcher.wait(req)
+                except asyncio.CancelledError:
+                    kept = True
+                    self.experiments.hold(self._keep_until_settled(requesting, limits))
+                    raise
+                return await self.experiments.shielded(self.complete(req, completed))
+        finally:
+            if not kept:
+                await limits.aclose()
+
+    async def _keep_until_settled(
+        self, requesting: asyncio.Task[Requested], limits: contextlib.AsyncExitStack
+    ) -> None:
+        """Hold ``limits`` until the experiment ``requesting`` records is settled."""
+        try:
+            req = await requesting
+            await self.experiments.settled(req.experiment_id)
+        except Exception:
+            self.release()  # nothing was requested
+        finally:
+            await limits.aclose()
+
+    async def _pass_gate(self) -> contextlib.AsyncExitStack:
+        """Wait for the confirmations' gate and the in-flight limits (the compilation's, then
+        the team's); returns them held, the gate open. The limits are taken after the gate and
+        the gate looked at again, so a confirmation that closed it meanwhile goes first.
+        """
+        while True:
+            await self.confirmations.gate.wait()
+            limits = contextlib.AsyncExitStack()
+            try:
+                if self._in_flight is not None:
+                    await limits.enter_async_context(self._in_flight)
+                await limits.enter_async_context(self._work_slot())
+            except BaseException:
+                await limits.aclose()
+                raise
+            if self.confirmations.gate.is_set():
+                return limits
+            await limits.aclose()
 
     async def finish(self, req: Requested) -> Outcome:
         """Wait for an experiment already requested, then complete and judge it."""

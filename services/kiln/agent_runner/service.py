@@ -3,10 +3,12 @@
 Appends are made as the caller's team. Bad input is refused before anything is appended:
 INVALID_ARGUMENT for a missing or malformed workload, budget, agent, baseline or compilation id;
 NOT_FOUND for unknown hardware, weights directory or compilation; ALREADY_EXISTS for a reused
-compilation id; PERMISSION_DENIED for cancelling another team's compilation; FAILED_PRECONDITION
-for cancelling one that has ended; OUT_OF_RANGE for a number beyond its field's range
-(:mod:`kiln.workloads.config_bounds`, :mod:`kiln.domain.operating_point`). Reads cross teams
-(List's ``team`` "*" lists every team's).
+compilation id; RESOURCE_EXHAUSTED for a Submit while the team has its ``max_pending``
+compilations waiting (below it a Submit over the team's running limit is accepted and waits as
+PENDING: :mod:`kiln.agent_runner.admission`); PERMISSION_DENIED for cancelling another team's
+compilation; FAILED_PRECONDITION for cancelling one that has ended; OUT_OF_RANGE for a number
+beyond its field's range (:mod:`kiln.workloads.config_bounds`,
+:mod:`kiln.domain.operating_point`). Reads cross teams (List's ``team`` "*" lists every team's).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from kiln.agent_runner import records
+from kiln.agent_runner.admission import Admission
 from kiln.agent_runner.agents import validate_agents
 from kiln.agent_runner.budget import validate_budget
 from kiln.agent_runner.comparisons import validate_baselines
@@ -55,6 +58,8 @@ class CompilationHost(Protocol):
 
     ledger: LedgerPool
     config: RunnerConfig
+    admission: Admission
+    """The teams' quotas: Submit refuses beyond the pending limit."""
     closing: asyncio.Event
     """Set when shutdown begins: Watch streams end."""
 
@@ -85,7 +90,8 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
     async def Submit(
         self, request: compiler_pb2.SubmitRequest, context: Any
     ) -> compiler_pb2.Compilation:
-        """Record a compilation and start running it; returns it as submitted (PENDING)."""
+        """Record a compilation and start running it (once its team's quotas admit it); returns
+        it as submitted (PENDING)."""
         team = current_call().team
         valid = validate_workload(request.workload if request.HasField("workload") else None)
         budget = validate_budget(request.budget if request.HasField("budget") else None)
@@ -94,6 +100,7 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
         cid = request.compilation_id or records.new_compilation_id()
         records.check_compilation_id(cid)
         app, stream = self._app, records.compilation_stream(cid)
+        app.admission.check_submit(team)
         if not app.reserve_id(cid):
             raise AlreadyExists(f"compilation {cid!r} exists already")
         try:

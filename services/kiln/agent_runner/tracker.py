@@ -45,6 +45,8 @@ class ExperimentTracker:
         self.in_flight: dict[str, Requested] = {}
         self.requested: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._holders: set[asyncio.Task[Any]] = set()
+        self._settled: dict[str, asyncio.Event] = {}
         for rec in state.experiments.values():
             if rec.requested.tier == SEARCH_TIER:
                 self.requested.add(rec.requested.candidate.id)
@@ -88,17 +90,38 @@ class ExperimentTracker:
         """Take an experiment's completion; False when it was taken before."""
         if self.in_flight.pop(req.experiment_id, None) is None:
             return False
+        settled = self._settled.pop(req.experiment_id, None)
+        if settled is not None:
+            settled.set()
         self.state.experiments[req.experiment_id] = ExperimentRecord(req, completed)
         self.state.compilation.count(req.experiment_id, completed.result.status)
         self._dispatcher.forget(req.experiment_id)
         return True
 
-    async def shielded(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Run ``coro`` as a task a cancelled caller does not cancel."""
+    async def settled(self, experiment_id: str) -> None:
+        """Wait until the experiment is no longer in flight (completed, or closed)."""
+        if experiment_id not in self.in_flight:
+            return
+        await self._settled.setdefault(experiment_id, asyncio.Event()).wait()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task :meth:`drain` waits for and a cancelled caller does not
+        cancel."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return await asyncio.shield(task)
+        return task
+
+    async def shielded(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coro`` as a task a cancelled caller does not cancel."""
+        return await asyncio.shield(self.spawn(coro))
+
+    def hold(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` in the background, e.g. to keep a limit until an experiment settles
+        (:meth:`drain` does not wait for it; :meth:`abandon` cancels it)."""
+        task = asyncio.create_task(coro)
+        self._holders.add(task)
+        task.add_done_callback(self._holders.discard)
 
     async def drain(self) -> None:
         """Wait for the shielded steps under way (and those they start)."""
@@ -107,4 +130,4 @@ class ExperimentTracker:
 
     async def abandon(self) -> None:
         """Cancel the shielded steps under way (shutdown: a restart redoes them)."""
-        await asyncio.gather(*(cancel_and_wait(t) for t in list(self._tasks)))
+        await asyncio.gather(*(cancel_and_wait(t) for t in [*self._tasks, *self._holders]))

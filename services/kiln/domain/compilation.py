@@ -120,6 +120,8 @@ class Compilation:
         agents, baselines: agent names (empty = default set) and baselines asked for.
         version: the compilation stream's last version folded; position: the highest global one.
         plan: the ``ParallelismPlan`` as JSON, once planned.
+        started_at: when it left pending (the ``recorded_at`` of its ``CompilationPlanned`` or
+            ``BaselineMeasured``), None before; the wall-clock budget runs from here.
         tier_agreement: (n, rho). compared: baseline names recorded.
         cancel_reason: the cancel request's reason (None: no request; may be "").
     """
@@ -140,6 +142,7 @@ class Compilation:
     version: int = 1
     position: int = 0
     updated_at: datetime | None = None
+    started_at: datetime | None = None
     plan: dict[str, Any] | None = None
     baseline: Baseline | None = None
     best: Best | None = None
@@ -240,7 +243,7 @@ class Compilation:
     def _fold_own(self, t: str, d: Mapping[str, Any], at: datetime | None) -> None:
         if t == "CompilationPlanned":
             self.plan = dict(d["plan"])
-            self._start()
+            self._start(at)
         elif t == "BaselineMeasured":
             self.baseline = Baseline(
                 str(d["experiment_id"]),
@@ -248,7 +251,7 @@ class Compilation:
                 float(d["tokens_per_s"]),
                 float(d["median_ms"]),
             )
-            self._start()
+            self._start(at)
         elif t == "BestCandidateImproved":
             self.best = Best(
                 str(d["experiment_id"]),
@@ -271,9 +274,10 @@ class Compilation:
         elif t == "CompilationEnded":
             self._end(str(d["status"]), str(d.get("reason", "")))
 
-    def _start(self) -> None:
+    def _start(self, at: datetime | None) -> None:
         if self.status == Status.PENDING:
             self.status = Status.RUNNING
+            self.started_at = at
 
     def _end(self, status: str, reason: str) -> None:
         try:

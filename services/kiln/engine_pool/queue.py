@@ -7,14 +7,16 @@ consumer (:func:`durable_name`). Subjects are found by scanning the stream every
 ``KILN_ENGINE_DISCOVER_S`` and by a core subscription to ``{prefix}.work.experiments.>``; a pool
 serves those whose kind one of its devices takes (the device's own, or ``KILN_ENGINE_HARDWARE``,
 ``*`` any) and whose model ``KILN_ENGINE_MODELS`` allows (default all). One worker per device
-fetches one message at a time while the device is free, in :meth:`WorkConsumer.order`;
-:mod:`kiln.engine_pool.delivery` takes each to its ack, nak or term.
+fetches one message at a time while the device is free, in :meth:`WorkConsumer.order` (the rule:
+:mod:`kiln.engine_pool.schedule`); :mod:`kiln.engine_pool.delivery` takes each to its ack, nak or
+term.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,7 @@ from kiln.common.settings import KilnSettings
 from kiln.engine_pool.delivery import Deliveries
 from kiln.engine_pool.metrics import WORK_QUEUED
 from kiln.engine_pool.pool import DeviceSlot, EnginePool
+from kiln.engine_pool.schedule import LaneView, WaitBounds, lane_order
 from kiln.engine_pool.settings import EngineSettings
 
 log = structlog.get_logger("kiln.engine_pool.queue")
@@ -64,8 +67,9 @@ def _csv(text: str) -> list[str]:
 @dataclass(eq=False)
 class Lane:
     """One work subject this pool consumes: ``subject`` and its tokens, ``sub`` (pull subscription),
-    ``queued`` (messages held on it: last scan plus publishes seen minus handled here), ``lock``
-    (one fetch at a time).
+    ``queued`` (messages held on it: last scan plus publishes seen minus handled here), ``since``
+    (``time.monotonic()`` when a device here last took a message from it, or when work appeared
+    on it, whichever is later), ``lock`` (one fetch at a time).
     """
 
     subject: str
@@ -74,7 +78,14 @@ class Lane:
     model_key: str
     sub: Any
     queued: int = 0
+    since: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def count(self, n: int) -> None:
+        """Set ``queued``; work appearing on an empty lane starts its wait."""
+        if n > 0 >= self.queued:
+            self.since = time.monotonic()
+        self.queued = n
 
 
 class WorkConsumer:
@@ -102,7 +113,7 @@ class WorkConsumer:
         self._js: JetStreamContext | None = None
         self._news = asyncio.Condition()
         self._generation = 0
-        self._turn = 0
+        self._bounds = WaitBounds(engine_settings.full_max_wait_s, engine_settings.fast_max_wait_s)
         self._unbound: set[str] = set()
         self._hardware = _csv(engine_settings.hardware)
         self._models = set(_csv(engine_settings.models))
@@ -210,11 +221,11 @@ class WorkConsumer:
                     continue
                 lane = await self._bind(js, subject)
             # Published after the scan's snapshot: worth one fetch.
-            lane.queued = counts.get(subject, 1 if subject in noticed else 0)
+            lane.count(counts.get(subject, 1 if subject in noticed else 0))
         self._unbound -= noticed
         for subject, lane in self.lanes.items():
             if subject not in counts and subject not in noticed:
-                lane.queued = 0
+                lane.count(0)
         await self._notify()
 
     def _export_queued(self) -> None:
@@ -243,7 +254,7 @@ class WorkConsumer:
         if lane is None:
             self._unbound.add(msg.subject)
         else:
-            lane.queued += 1
+            lane.count(lane.queued + 1)
         await self._notify()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -378,10 +389,12 @@ class WorkConsumer:
                 self._export_queued()
 
     def order(self, slot: DeviceSlot) -> list[Lane]:
-        """The subjects ``slot`` fetches from: the (tier, model) its engines hold (most recent
-        first), then models no other device here holds, then the rest, rotating.
+        """The subjects ``slot`` fetches from, in :func:`kiln.engine_pool.schedule.lane_order`:
+        overdue lanes first, then those that evict no engine (full tier first, taking turns),
+        then the rest.
         """
-        resident = self.pool.resident(slot.device.name)
+        name = slot.device.name
+        resident = self.pool.resident(name)
         elsewhere = {
             pair
             for other in self.pool.slots.values()
@@ -389,16 +402,15 @@ class WorkConsumer:
             for pair in self.pool.resident(other.device.name)
         }
         lanes = [lane for lane in self.lanes.values() if self._slot_serves(slot, lane)]
-        self._turn += 1
-        n = max(1, len(lanes))
-
-        def rank(item: tuple[int, Lane]) -> tuple[int, int, int]:
-            i, lane = item
+        now = time.monotonic()
+        views = []
+        for lane in lanes:
             pair = (lane.tier, lane.model_key)
-            mine = resident.index(pair) if pair in resident else len(resident)
-            return (mine, pair in elsewhere, (i - self._turn) % n)
-
-        return [lane for _, lane in sorted(enumerate(lanes), key=rank)]
+            here = pair in resident
+            elsewhere_only = not here and pair in elsewhere
+            views.append(LaneView(lane.tier, now - lane.since, here, elsewhere_only))
+        room = len(resident) < self.pool.settings.engines_per_device()
+        return [lanes[i] for i in lane_order(views, room=room, bounds=self._bounds)]
 
     async def _next(self, slot: DeviceSlot, stop: asyncio.Event) -> tuple[Lane, Msg] | None:
         """The next message for ``slot``, or None when no subject it serves gave one."""
@@ -409,6 +421,7 @@ class WorkConsumer:
                 continue
             msg = await self._fetch(lane)
             if msg is not None:
+                lane.since = time.monotonic()  # its next message waits from now
                 return lane, msg
         return None
 

@@ -184,6 +184,20 @@ class EngineSettings(BaseSettings):
         description="Model keys (kiln.common.work.model_key; ListEngines shows them) whose "
         "queued experiments this pool takes, comma-separated; empty = every model.",
     )
+    full_max_wait_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86400,
+        description="Longest a full-tier (confirmation) work subject waits for a device whose "
+        "engines are all busy with other subjects' warm engines, seconds: past it the device "
+        "takes it even if that evicts a warm engine (kiln.engine_pool.schedule).",
+    )
+    fast_max_wait_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86400,
+        description="The same bound for a fast-tier (search) work subject, seconds.",
+    )
     discover_s: float = Field(
         default=2.0,
         gt=0,
