@@ -6,6 +6,7 @@ healthy; ``down`` stops them cleanly. Layout of ``state_dir``::
 
     kiln.lock               held by a running up / down
     endpoints.json          URLs, which servers are embedded, service addresses
+    pki/                    the CA and certificates (unless KILN_PKI_DIR puts them elsewhere)
     postgres/               PGDATA of the embedded PostgreSQL
     nats/                   JetStream store, pid and log of the embedded NATS
     logs/<service>.log      each service's output
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import cast
 from urllib.parse import urlsplit
 
+from kiln.common.pki import Issued, ensure_pki
 from kiln.common.settings import SERVICE_NAMES, KilnSettings, ServiceName, split_host_port
 from kiln.embedded.endpoints import Endpoints
 from kiln.embedded.lock import state_lock
@@ -65,6 +67,8 @@ class Supervisor:
         self.nats = EmbeddedNats(self.state_dir / "nats", settings.embedded_nats_port)
         recorded = self.recorded()
         self.services = {name: self._service(name, recorded) for name in SERVICE_NAMES}
+        self.issued: list[Issued] = []
+        """The certificates the last ``up`` issued (kiln.common.pki.ensure_pki)."""
 
     @property
     def endpoints_file(self) -> Path:
@@ -106,6 +110,7 @@ class Supervisor:
             from kiln.ledger.migrate import upgrade
 
             upgrade(database_url)
+        self.issued = ensure_pki(self.settings)  # before the services, which present them
         if start_services:
             notes.update(self._start_services(database_url, nats_url))
         statuses = self.status()
