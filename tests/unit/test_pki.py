@@ -141,3 +141,37 @@ def test_a_process_finds_its_material_by_role_or_explicit_files(tmp_path: Path) 
     partial = settings.model_copy(update={"tls_cert_file": alpha / "cert.pem"})
     with pytest.raises(TlsUnavailable, match="all of KILN_TLS_CA_FILE"):
         material_for(partial, Principal("team", "alpha"))
+
+
+def test_the_credentials_commands(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env.update(KILN_STATE_DIR=str(tmp_path), COLUMNS="200")
+
+    def kiln(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kiln", "credentials", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    missing = kiln("issue", "--team", "alpha")
+    assert missing.returncode == 1 and "no CA in" in missing.stderr
+    assert kiln("init").returncode == 0
+    again = kiln("init")
+    assert again.returncode == 0 and "every certificate is there already" in again.stdout
+    issued = kiln("issue", "--team", "alpha", "--out", str(tmp_path / "alpha"))
+    assert issued.returncode == 0, issued.stderr
+    assert f"KILN_TLS_CERT_FILE={tmp_path / 'alpha' / 'cert.pem'}" in issued.stdout
+    assert certificate_principal(_cert(tmp_path / "alpha")) == Principal("team", "alpha")
+    listed = kiln("list")
+    assert "spiffe://kiln/operator/admin" in listed.stdout
+    assert "spiffe://kiln/service/engine-pool" in listed.stdout
+    bad = kiln("issue", "--team", "alpha", "--host", "x")
+    assert bad.returncode == 2 and "only a service certificate" in bad.stderr
