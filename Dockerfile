@@ -19,7 +19,8 @@ RUN pip install . && rm -rf /app/services/*.egg-info
 
 COPY migrations ./migrations
 
-RUN useradd --system --uid 10001 --home-dir /app kiln
+RUN useradd --system --uid 10001 --home-dir /app kiln \
+    && mkdir -p /pki && chown kiln /pki  # a new `pki` volume takes this owner (docker-compose.yml)
 USER kiln
 
 # ledger, engine-pool, agent-runner, cost-model; Prometheus metrics.

@@ -243,11 +243,13 @@ def upsert_row(path: Path, row: dict[str, Any]) -> list[dict[str, Any]]:
 async def _row(args: argparse.Namespace) -> dict[str, Any]:
     from kiln.cli.context import ledger_addr
     from kiln.common.settings import load_settings
+    from kiln.common.tls import client_material
     from kiln.ledger.client import LedgerClient
 
     given = {"team": args.team, "ledger_addr": args.ledger_addr}
     settings = load_settings(**{k: v for k, v in given.items() if v is not None})
-    async with LedgerClient(ledger_addr(settings), settings.team) as client:
+    tls = client_material(settings)  # the team's certificate (--team), not KILN_TEAM's
+    async with LedgerClient(ledger_addr(settings), settings.team, tls=tls) as client:
         failures: dict[str, int] = {}
         snap, comparison = await read_compilation(client, args.compilation_id, failures)
     trace = args.trace or Path(snap.workload.traffic.source).name

@@ -9,7 +9,9 @@ It creates a scratch database next to the one URL names (default: the local serv
 
 1. store appends: ``writers`` concurrent asyncio writers, each appending batches of
    ``--batch`` events to its own streams through ``EventStore.append`` (one transaction each);
-2. gRPC appends: the same through a ``kiln serve ledger`` process (``LedgerClient.append``);
+2. gRPC appends: the same through a ``kiln serve ledger`` process (``LedgerClient.append``)
+   over mutual TLS, as the service ``bench`` that a policy file lets append every event type
+   (a PKI of its own in a temporary directory);
 3. replay (verify mode) over everything written.
 
 It prints one table; the scratch database is dropped at the end.
@@ -19,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -37,6 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from integration.events_factory import compilation_story
 
 from kiln.common.client import wait_healthy
+from kiln.common.identity import Principal
+from kiln.common.pki import ensure_deployment
+from kiln.common.settings import KilnSettings
+from kiln.common.tls import TlsMaterial, material_for
+from kiln.events.registry import event_categories
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.db import create_engine
 from kiln.ledger.migrate import sync_url, upgrade
@@ -72,6 +82,26 @@ async def sustained(
     return sum(counts) / (time.perf_counter() - t0), latencies
 
 
+def _bench_security(tmp: Path) -> tuple[dict[str, str], TlsMaterial]:
+    """A PKI (the ledger and the service ``bench``) and a policy letting ``bench`` append every
+    event type: the server's environment and the client's certificate."""
+    ensure_deployment(tmp / "pki", ("ledger", "bench"))
+    by_category: dict[str, list[str]] = {}
+    for event_type, category in event_categories().items():
+        by_category.setdefault(category, []).append(event_type)
+    policy = tmp / "policy.toml"
+    policy.write_text(
+        "".join(
+            f'[[append]]\nservice = "bench"\ncategory = "{c}"\ntypes = {json.dumps(types)}\n'
+            for c, types in by_category.items()
+        )
+    )
+    settings = KilnSettings(pki_dir=tmp / "pki")
+    tls = material_for(settings, Principal("service", "bench"))
+    assert tls is not None
+    return {"KILN_PKI_DIR": str(tmp / "pki"), "KILN_POLICY_FILE": str(policy)}, tls
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,8 +135,11 @@ async def main(args: argparse.Namespace) -> None:
         # The service in its own process, as deployed (client and server would share a core
         # and an event loop otherwise).
         addr = f"127.0.0.1:{_free_port()}"
+        secrets = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
+        security, tls = _bench_security(secrets)
         env = {
             **os.environ,
+            **security,
             "KILN_DATABASE_URL": url,
             "KILN_NATS_URL": args.nats_url,
             "KILN_SUBJECT_PREFIX": "kbench",
@@ -120,8 +153,8 @@ async def main(args: argparse.Namespace) -> None:
             stderr=subprocess.DEVNULL,
         )
         try:
-            await wait_healthy(addr, timeout_s=30)
-            async with LedgerClient(addr, "bench") as client:
+            await wait_healthy(addr, timeout_s=30, tls=tls)
+            async with LedgerClient(addr, "bench", tls=tls) as client:
 
                 async def grpc_append(stream: str, evs: list[NewEvent]) -> object:
                     return await client.append(stream, evs)
@@ -130,6 +163,7 @@ async def main(args: argparse.Namespace) -> None:
         finally:
             server.terminate()
             server.wait(30)
+            shutil.rmtree(secrets, ignore_errors=True)
         rows.append(
             (
                 "gRPC append",

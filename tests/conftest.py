@@ -20,7 +20,10 @@ import pytest
 
 from kiln.common.settings import KilnSettings
 
+from . import pki
 from .databases import scratch_database
+
+pki.install()  # before any test builds settings or a channel: every test runs over mTLS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -47,6 +50,23 @@ def _port_open(host: str, port: int) -> bool:
 
 def _force_embedded() -> bool:
     return os.environ.get("KILN_TEST_EMBEDDED", "") not in ("", "0", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_pki() -> Iterator[Path]:
+    """The session's PKI directory (tests/pki.py), removed at the end."""
+    try:
+        yield pki.pki_dir()
+    finally:
+        pki.remove()
+
+
+@pytest.fixture(autouse=True)
+def test_client_identity() -> Iterator[None]:
+    """Each test starts with the process's client identity of tests/pki.py (a CLI command run
+    in-process, or ``kiln.common.server.run``, replaces the process default)."""
+    pki.reset_client_identity()
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from kiln.common.client import wait_healthy
 
+from ..pki import team_tls
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -73,8 +75,11 @@ class ServiceProcess:
 def service_env(
     database_url: str, nats_url: str, prefix: str, state_dir: Path, addrs: dict[str, str]
 ) -> dict[str, str]:
-    """The environment every service of one test deployment shares."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    """The environment every service of one test deployment shares (and the CLI run beside it,
+    as team ``e2e``, whose certificate this issues into the session's PKI)."""
+    team_tls("e2e")
+    # KILN_PKI_DIR stays: the session's certificates (tests/pki.py)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_PKI_DIR"}
     env.update(
         KILN_DATABASE_URL=database_url,
         KILN_NATS_URL=nats_url,

@@ -31,6 +31,7 @@ from kiln.ledger.db import create_engine, libpq_dsn
 from kiln.ledger.replay import replay
 from kiln.v1 import compiler_pb2_grpc, engine_pool_pb2, engine_pool_pb2_grpc
 
+from ..pki import team_tls
 from .processes import ServiceProcess, free_port, service_env
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -292,9 +293,11 @@ async def test_kiln_compile_cli_end_to_end(deployment: Deployment, tmp_path: Pat
     )  # fmt: skip
     listing, _ = await listed.communicate()
     assert listed.returncode == 0 and "tiny-llama" in listing.decode()
-    # `kiln compilations cancel`: another team may not; the owner is told it has ended.
+    # `kiln compilations cancel`: another team (with its own certificate) cannot even see it;
+    # the owner is told it has ended.
+    team_tls("someone-else")  # issued into the session's PKI, where the CLI finds it
     for team, needle in (
-        ("someone-else", "PERMISSION_DENIED"),
+        ("someone-else", "NOT_FOUND"),
         (None, "FAILED_PRECONDITION"),
     ):
         env = dict(deployment.env, **({"KILN_TEAM": team} if team else {}))

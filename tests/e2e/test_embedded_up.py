@@ -90,9 +90,16 @@ def _pids(state_dir: Path) -> dict[str, int | None]:
     return pids
 
 
-def _append_event(addr: str, stream: str) -> str:
+def _append_event(addr: str, stream: str, state_dir: Path) -> str:
+    """Append a CompilationSubmitted as the agent runner does: with its certificate, which
+    `kiln up` issued under ``state_dir/pki`` (a team may not append)."""
+    from kiln.common.pki import CA_CERT, CERT, KEY
+    from kiln.common.tls import load_material
     from kiln.ledger.client import LedgerClient
     from kiln.ledger.model import NewEvent
+
+    runner = state_dir / "pki" / "services" / "agent-runner"
+    tls = load_material(runner / CA_CERT, runner / CERT, runner / KEY, fix="kiln up")
 
     event = NewEvent(
         "CompilationSubmitted",
@@ -106,7 +113,7 @@ def _append_event(addr: str, stream: str) -> str:
     )
 
     async def go() -> None:
-        client = LedgerClient(addr, "e2e")
+        client = LedgerClient(addr, "e2e", tls=tls)
         try:
             await client.append(stream, [event], "no_stream")
         finally:
@@ -127,6 +134,13 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
 
     first = kiln(kiln_env, "up")
     assert "started" in first.stdout
+    # the PKI it created: the CA (its key private), a certificate per service, team, operator
+    assert (
+        "spiffe://kiln/team/e2e" in first.stdout and "spiffe://kiln/operator/admin" in first.stdout
+    )
+    assert (state_dir / "pki" / "ca.key").stat().st_mode & 0o777 == 0o600
+    for name in SERVICES:
+        assert (state_dir / "pki" / "services" / name / "cert.pem").is_file()
     status = kiln(kiln_env, "status")  # exits 0 only when every component is healthy
     for name in ("postgres", "nats", *SERVICES, "supervisor"):
         assert name in status.stdout
@@ -143,6 +157,7 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
 
     again = kiln(kiln_env, "up")  # a no-op that reports what runs
     assert "already running" in again.stdout and "started" not in again.stdout
+    assert "issued certificates" not in again.stdout  # existing material is kept
 
     # status reports what `up` recorded, whatever the current shell says
     confused = dict(kiln_env, KILN_NATS_URL="garbage")
@@ -151,7 +166,7 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
     assert "external" not in status.stdout and status.stdout.count("embedded") == 2
 
     stream = f"compilation-{uuid.uuid4().hex[:12]}"
-    event_id = _append_event(kiln_env["KILN_LEDGER_ADDR"], stream)
+    event_id = _append_event(kiln_env["KILN_LEDGER_ADDR"], stream, state_dir)
     # the agent runner may append to the stream (it fails a compilation whose workload is
     # empty): what matters is that the event appended here is stored and stays first
     assert _stream_event_ids(kiln_env, stream)[0] == event_id

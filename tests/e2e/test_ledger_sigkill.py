@@ -17,10 +17,10 @@ import pytest
 from kiln.common import nats as kn
 from kiln.common.errors import KilnError
 from kiln.common.settings import KilnSettings
-from kiln.ledger.client import LedgerClient
 from kiln.ledger.db import libpq_dsn
 from kiln.ledger.model import NewEvent
 
+from ..pki import ServiceLedger  # writes as the services do
 from .processes import ServiceProcess, free_port, service_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -57,7 +57,7 @@ async def test_sigkill_mid_burst_loses_and_duplicates_nothing(
 
     async def writer(w: int) -> None:
         stream = f"compilation-kill{w}-{uuid.uuid4().hex[:8]}"
-        async with LedgerClient(ledger.addr, "chaos", timeout_s=5) as client:
+        async with ServiceLedger(ledger.addr, "chaos", timeout_s=5) as client:
             i = 0
             while not killed.is_set():
                 batch = _batch(stream, i)
@@ -77,7 +77,7 @@ async def test_sigkill_mid_burst_loses_and_duplicates_nothing(
     assert len(acked) > 50, "the burst was too small to mean anything"
 
     await ledger.start()
-    async with LedgerClient(ledger.addr, "chaos") as client:
+    async with ServiceLedger(ledger.addr, "chaos") as client:
         for stream, batch in unacked:  # a client retries what it never heard back about
             result = await client.append(stream, batch)
             acked.update(zip((e.event_id for e in batch), result.positions, strict=True))

@@ -30,6 +30,8 @@ from kiln.common.work import ExperimentWork
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 
+from ..pki import service_tls
+
 BASE_TOKENS_PER_S = 1000.0
 OP_FACTORS = {
     ("attention", "sdpa"): 1.30,
@@ -153,7 +155,11 @@ class FakeEngine:
         }
         client = self._clients.get(work.team)
         if client is None:
-            client = self._clients[work.team] = LedgerClient(self.ledger_addr, work.team)
+            client = self._clients[work.team] = LedgerClient(
+                self.ledger_addr,
+                work.team,
+                tls=service_tls("engine-pool"),  # it plays the pool
+            )
         with contextlib.suppress(Aborted):  # answered already (e.g. timed out by the runner)
             await client.append(
                 f"experiment-{work.experiment_id}", [NewEvent("ExperimentCompleted", data)], 1

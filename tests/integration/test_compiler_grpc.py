@@ -39,6 +39,7 @@ from kiln.ledger.app import LedgerApp
 from kiln.ledger.client import LedgerClient
 from kiln.v1 import common_pb2, compiler_pb2, compiler_pb2_grpc, ledger_pb2
 
+from ..pki import ServiceLedger, operator_tls  # ServiceLedger writes as the services do
 from .fake_engine import FAKE_BATCH, FAKE_CONTEXT, FakeEngine
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -148,7 +149,7 @@ async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
     )
     nc = await kn.connect(cfg.require_nats_url(), "test-compiler")
     async with (
-        LedgerClient(ledger_addr, TEAM) as ledger,
+        ServiceLedger(ledger_addr, TEAM) as ledger,
         team_channel(runner_addr, TEAM) as channel,
     ):
         yield Stack(
@@ -567,23 +568,39 @@ async def test_cancel_ends_a_running_compilation(stack: Stack) -> None:
     submitted = await stack.stub.Submit(_request(stack, 60.0, 0), timeout=10)
     cid = submitted.compilation_id
     await _watch(stack.stub, cid, until="BaselineMeasured")
-    # Another team may read it (audit) but not cancel it.
+    # Another team neither sees nor cancels it (cross-team reads are off by default) ...
     runner_addr = stack.settings.agent_runner_addr
     async with team_channel(runner_addr, "other-team") as channel:
         other = compiler_pb2_grpc.CompilerStub(channel)
-        seen = await other.Get(compiler_pb2.GetRequest(compilation_id=cid), timeout=10)
-        assert seen.team == TEAM
+        for denied_call in (
+            other.Get(compiler_pb2.GetRequest(compilation_id=cid), timeout=10),
+            other.Cancel(compiler_pb2.CancelRequest(compilation_id=cid), timeout=10),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as denied:
+                await denied_call
+            assert denied.value.code() == grpc.StatusCode.NOT_FOUND
+            assert denied.value.details() == f"no compilation {cid!r}"
         with pytest.raises(grpc.aio.AioRpcError) as denied:
-            await other.Cancel(compiler_pb2.CancelRequest(compilation_id=cid), timeout=10)
+            await other.List(compiler_pb2.ListRequest(team="*"), timeout=10)
         assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert f"belongs to team {TEAM!r}" in (denied.value.details() or "")
-        everyone = await other.List(compiler_pb2.ListRequest(team="*", limit=1000), timeout=10)
+        own = await other.List(compiler_pb2.ListRequest(), timeout=10)
+        assert cid not in {c.compilation_id for c in own.compilations}
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await other.List(compiler_pb2.ListRequest(team="Not A Team"), timeout=10)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "ListRequest.team" in (bad.value.details() or "")
+    # ... while an operator (audit) reads every team's, paged.
+    async with team_channel(runner_addr, "other-team", tls=operator_tls()) as channel:
+        operator = compiler_pb2_grpc.CompilerStub(channel)
+        seen = await operator.Get(compiler_pb2.GetRequest(compilation_id=cid), timeout=10)
+        assert seen.team == TEAM
+        everyone = await operator.List(compiler_pb2.ListRequest(team="*", limit=1000), timeout=10)
         assert cid in {c.compilation_id for c in everyone.compilations}
         # Paged two at a time, oldest first (ids are random: their order is not creation's).
         paged: list[compiler_pb2.Compilation] = []
         token = ""
         while True:
-            reply = await other.List(
+            reply = await operator.List(
                 compiler_pb2.ListRequest(team="*", limit=2, page_token=token), timeout=10
             )
             paged.extend(reply.compilations)
@@ -596,12 +613,6 @@ async def test_cancel_ends_a_running_compilation(stack: Stack) -> None:
         created = [(c.created_at.ToDatetime(), c.compilation_id) for c in paged]
         assert len(created) >= 4 and created == sorted(created)
         assert len({when for when, _ in created}) == len(created)  # ordered by time, not id
-        own = await other.List(compiler_pb2.ListRequest(), timeout=10)
-        assert cid not in {c.compilation_id for c in own.compilations}
-        with pytest.raises(grpc.aio.AioRpcError) as bad:
-            await other.List(compiler_pb2.ListRequest(team="Not A Team"), timeout=10)
-        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "ListRequest.team" in (bad.value.details() or "")
     assert not any(e.type == "CompilationCancelRequested" for e in await _story(stack.ledger, cid))
     cancelled = await stack.stub.Cancel(
         compiler_pb2.CancelRequest(compilation_id=cid, reason="enough"), timeout=15

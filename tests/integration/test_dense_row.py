@@ -19,6 +19,7 @@ from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from tests.unit.test_baselines_table_limit import KV_PER_TOKEN, LLAMA_1B, WEIGHTS
 
+from ..pki import ServiceLedger  # writes as the services do
 from .events_factory import new_id
 from .serving import run_command
 
@@ -173,7 +174,7 @@ async def _compilation(client: LedgerClient) -> str:
 
 
 async def test_dense_row_from_the_ledger(ledger_addr: str, tmp_path: Path) -> None:
-    async with LedgerClient(ledger_addr, "search") as client:
+    async with ServiceLedger(ledger_addr, "search") as client:
         cid = await _compilation(client)
         failures: dict[str, int] = {}
         snap, comparison = await dense_row.read_compilation(client, cid, failures)
@@ -221,7 +222,7 @@ def test_upsert_row_refuses_a_file_that_is_not_a_list(tmp_path: Path) -> None:
 
 
 async def test_dense_row_command_line(ledger_addr: str, tmp_path: Path) -> None:
-    async with LedgerClient(ledger_addr, "search") as client:
+    async with ServiceLedger(ledger_addr, "search") as client:
         cid = await _compilation(client)
     out = tmp_path / "h200_dense.json"
     args = [cid, "--trace", "conv.csv", "--command", "kiln compile ...", "--out", str(out)]

@@ -24,6 +24,7 @@ from kiln.engine_pool.app import EnginePoolApp
 from kiln.engine_pool.service import NOTES_METADATA_KEY
 from kiln.v1 import common_pb2, engine_pool_pb2, engine_pool_pb2_grpc
 
+from ..pki import service_tls
 from ..unit.engine_testing import TINY_LLAMA, ZEROS_ATTENTION, engine_settings, tiny_workload
 from ..unit.runtime_app import free_port
 
@@ -45,7 +46,8 @@ async def stub(
         serve(app, settings, listen=addr, started=started, handle_signals=False)
     )
     await asyncio.wait_for(started.wait(), 10)
-    async with team_channel(addr, "search") as ch:
+    # RunExperiment is for services and operators (kiln.common.policy): the agent runner's
+    async with team_channel(addr, "search", tls=service_tls("agent-runner")) as ch:
         yield engine_pool_pb2_grpc.EnginePoolStub(ch)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -29,6 +29,7 @@ from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from kiln.v1 import ledger_pb2
 
+from ..pki import ServiceLedger  # writes as the services do
 from ..unit.engine_testing import (
     EXIT_AT_LOAD,
     TINY_LLAMA,
@@ -68,7 +69,7 @@ async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
     await asyncio.wait_for(app.consumer.connected.wait(), 20)
     nc = await nats.connect(cfg.require_nats_url())
     try:
-        async with LedgerClient(ledger_addr, team="search") as ledger:
+        async with ServiceLedger(ledger_addr, "search") as ledger:
             yield Stack(ledger, app, nc.jetstream(), prefix)
     finally:
         for task in (pool_task, ledger_task):

@@ -34,6 +34,7 @@ from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from kiln.v1 import engine_pool_pb2, engine_pool_pb2_grpc
 
+from ..pki import ServiceLedger  # writes as the services do
 from ..unit.engine_testing import work
 from ..unit.runtime_app import free_port
 from .serving import serve_in_task
@@ -100,7 +101,7 @@ async def pools(
     nc = await nats.connect(cfg.require_nats_url())
     try:
         async with (
-            LedgerClient(ledger_addr, team="search") as ledger,
+            ServiceLedger(ledger_addr, "search") as ledger,
             team_channel(pool_addr, "search") as ch,
         ):
             yield Pools(

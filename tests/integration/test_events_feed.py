@@ -115,7 +115,8 @@ async def consumers(js: JetStreamContext, prefix: str) -> int:
 
 
 def kiln_env(nats_url: str, prefix: str, state_dir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    # KILN_PKI_DIR stays: the session's certificates (tests/pki.py)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_PKI_DIR"}
     env.update(
         KILN_NATS_URL=nats_url,
         KILN_SUBJECT_PREFIX=prefix,

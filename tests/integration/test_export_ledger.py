@@ -16,6 +16,7 @@ from kiln.ledger.model import NewEvent
 from kiln.runtime.environment import environment
 from tests.unit.engine_testing import HANDWRITTEN_MLP, tiny_workload
 
+from ..pki import ServiceLedger  # writes as the services do
 from .events_factory import new_id
 from .serving import run_command
 
@@ -129,7 +130,7 @@ async def _kiln(addr: str, *args: str) -> tuple[int, str]:
 
 
 async def test_export_writes_a_loadable_artifact(ledger_addr: str, tmp_path: Path) -> None:
-    async with LedgerClient(ledger_addr, team="search") as client:
+    async with ServiceLedger(ledger_addr, "search") as client:
         cid, eid = await _compilation(client, best=True)
     out = tmp_path / "art"
     code, text = await _kiln(ledger_addr, "export", cid, "--out", str(out))
@@ -167,7 +168,7 @@ async def test_export_writes_a_loadable_artifact(ledger_addr: str, tmp_path: Pat
 async def test_export_of_a_named_candidate_records_its_speedup_over_the_adjacent_reference(
     ledger_addr: str, tmp_path: Path
 ) -> None:
-    async with LedgerClient(ledger_addr, team="search") as client:
+    async with ServiceLedger(ledger_addr, "search") as client:
         cid, eid = await _compilation(client, best=False, reference_tps=400.0)
     out = tmp_path / "named"
     code, text = await _kiln(
@@ -179,7 +180,7 @@ async def test_export_of_a_named_candidate_records_its_speedup_over_the_adjacent
 
 
 async def test_export_errors(ledger_addr: str, tmp_path: Path) -> None:
-    async with LedgerClient(ledger_addr, team="search") as client:
+    async with ServiceLedger(ledger_addr, "search") as client:
         cid, _ = await _compilation(client, best=False)
     code, text = await _kiln(ledger_addr, "export", cid, "--out", str(tmp_path / "a"))
     assert code != 0 and "has no confirmed best candidate yet" in text

@@ -44,6 +44,7 @@ from kiln.v1 import (
     ledger_pb2_grpc,
 )
 from tests.databases import scratch_database
+from tests.pki import service_tls
 
 MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
 
@@ -117,8 +118,8 @@ async def stubs(settings: KilnSettings, hostile_database: str) -> AsyncIterator[
     runner = AgentRunnerApp(cfg, RunnerConfig(resume_retry_s=0.5))
     tasks.append(await _serve(runner, cfg, runner_addr))
     await asyncio.wait_for(runner.resumed.wait(), 20)
-    async with (
-        team_channel(ledger_addr, TEAM) as lch,
+    async with (  # the ledger's writers are services: hostile input as a (compromised) one
+        team_channel(ledger_addr, TEAM, tls=service_tls("agent-runner")) as lch,
         team_channel(cost_addr, TEAM) as cch,
         team_channel(runner_addr, TEAM) as rch,
     ):

@@ -20,6 +20,7 @@ from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from kiln.v1 import ledger_pb2, ledger_pb2_grpc
 
+from ..pki import ServiceLedger, service_tls
 from .events_factory import compilation_story, new_id, submitted
 
 pytestmark = pytest.mark.integration
@@ -48,8 +49,8 @@ async def ledger_addr(settings: KilnSettings) -> AsyncIterator[str]:
 
 @pytest_asyncio.fixture
 async def client(ledger_addr: str) -> AsyncIterator[LedgerClient]:
-    async with LedgerClient(ledger_addr, team="search") as c:
-        yield c
+    async with ServiceLedger(ledger_addr, "search") as c:  # writes as the services do
+        yield c  # type: ignore[misc]
 
 
 async def test_append_and_read_back_records_team_and_correlation(client: LedgerClient) -> None:
@@ -59,6 +60,7 @@ async def test_append_and_read_back_records_team_and_correlation(client: LedgerC
     (event,) = await client.read_stream(f"compilation-{cid}")
     assert event.position == result.positions[0]
     assert event.metadata.team == "search"
+    assert event.metadata.principal == "spiffe://kiln/service/agent-runner"
     assert event.metadata.correlation_id == event.event_id
     assert json.loads(event.data)["model_name"] == "llama-3.2-1b"
     assert event.stream_id == f"compilation-{cid}"
@@ -84,8 +86,8 @@ async def test_bad_input_gets_the_right_status_and_stores_nothing(client: Ledger
     assert [e.type for e in events] == ["CompilationSubmitted"]
 
 
-async def test_missing_team_is_unauthenticated(ledger_addr: str) -> None:
-    async with channel(ledger_addr) as ch:
+async def test_a_service_naming_no_team_is_unauthenticated(ledger_addr: str) -> None:
+    async with channel(ledger_addr, tls=service_tls("agent-runner")) as ch:
         stub = ledger_pb2_grpc.LedgerStub(ch)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.ReadStream(ledger_pb2.ReadStreamRequest(stream_id="compilation-x"))
@@ -140,7 +142,7 @@ async def test_query_and_replay_over_grpc(client: LedgerClient) -> None:
 
 
 async def test_append_requires_client_chosen_event_ids(ledger_addr: str) -> None:
-    async with team_channel(ledger_addr, "search") as ch:
+    async with team_channel(ledger_addr, "search", tls=service_tls("agent-runner")) as ch:
         stub = ledger_pb2_grpc.LedgerStub(ch)
         request = ledger_pb2.AppendRequest(
             stream_id=f"compilation-{new_id()}",

@@ -17,7 +17,10 @@ from kiln.embedded.postgres import free_port
 
 
 def _kiln(*args: str, state_dir: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    # KILN_PKI_DIR stays: the session's certificates (tests/pki.py)
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_PKI_DIR"
+    }
     clean.update(KILN_STATE_DIR=str(state_dir), COLUMNS="200", **env)
     return subprocess.run(
         [sys.executable, "-m", "kiln", *args],
@@ -53,6 +56,21 @@ def test_unreachable_ledger_is_one_line(tmp_path: Path, args: tuple[str, ...]) -
     addr = f"127.0.0.1:{free_port()}"  # nothing listens there
     result = _kiln(*args, "--ledger-addr", addr, state_dir=tmp_path)
     _assert_one_line_error(result, f"ledger at {addr} is not reachable", "kiln up")
+
+
+def test_no_credentials_is_one_line_naming_the_fix(tmp_path: Path) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    result = _kiln(
+        "ledger",
+        "tail",
+        "--no-follow",
+        "--ledger-addr",
+        addr,
+        state_dir=tmp_path,
+        KILN_PKI_DIR=str(tmp_path / "no-pki"),
+    )
+    line = _assert_one_line_error(result, "UNAUTHENTICATED", "spiffe://kiln/team/default")
+    assert "kiln up" in line and "kiln credentials issue --team default" in line
 
 
 def test_unreachable_nats_is_one_line(tmp_path: Path) -> None:

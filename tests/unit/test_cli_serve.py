@@ -28,7 +28,8 @@ from .engine_testing import work
 
 
 def _env(state_dir: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    # KILN_PKI_DIR stays: the session's certificates (tests/pki.py)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_PKI_DIR"}
     env.update(KILN_STATE_DIR=str(state_dir), KILN_METRICS_PORT="0", COLUMNS="200", **extra)
     return env
 

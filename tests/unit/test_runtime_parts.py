@@ -38,6 +38,7 @@ from kiln.v1 import (
     engine_pool_pb2_grpc,
 )
 
+from ..pki import operator_tls
 from .runtime_app import free_port
 
 
@@ -168,7 +169,7 @@ def _submit(ch: grpc.aio.Channel) -> Any:
 
 @pytest.mark.parametrize(
     ("name", "call", "message"),
-    [
+    [  # RunExperiment is for services and operators (kiln.common.policy)
         ("engine-pool", _run_experiment, "experiment is missing"),
         ("cost-model", _plan, "config_json is empty"),
         ("agent-runner", _submit, "workload is missing"),
@@ -182,8 +183,9 @@ async def test_every_service_answers_an_empty_request_with_invalid_argument(
     settings: KilnSettings,
 ) -> None:
     task, addr = await _start_service(name, tmp_path, settings)
+    tls = operator_tls() if name == "engine-pool" else "current"
     try:
-        async with team_channel(addr, "search") as ch:
+        async with team_channel(addr, "search", tls=tls) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call(ch)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

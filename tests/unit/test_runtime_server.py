@@ -23,6 +23,7 @@ from kiln.common.server import serve
 from kiln.common.settings import KilnSettings
 from kiln.v1 import compiler_pb2, compiler_pb2_grpc, cost_model_pb2, cost_model_pb2_grpc
 
+from ..pki import service_tls  # the session's PKI also holds the test app's service
 from .runtime_app import ABORT, CRASH, ECHO_SERVICE, NOT_FOUND, RuntimeTestApp, free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -41,8 +42,13 @@ class Running:
 async def running(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Running]:
     app = RuntimeTestApp()
     addr, metrics_port = f"127.0.0.1:{free_port()}", free_port()
+    state = tmp_path_factory.mktemp("rt")
+    policy = state / "policy.toml"  # the test app's own service, allowed to teams
+    policy.write_text(
+        f'[rpc]\n"{ECHO_SERVICE}/ClientStream" = ["team"]\n"{ECHO_SERVICE}/BidiStream" = ["team"]\n'
+    )
     settings = KilnSettings(
-        metrics_port=metrics_port, grace_period_s=1.0, state_dir=tmp_path_factory.mktemp("rt")
+        metrics_port=metrics_port, grace_period_s=1.0, state_dir=state, policy_file=policy
     )
     started = asyncio.Event()
     task = asyncio.create_task(
@@ -115,18 +121,27 @@ async def test_reflection_lists_services(running: Running) -> None:
     assert "grpc.reflection.v1alpha.ServerReflection" in names
 
 
-async def test_call_without_team_is_unauthenticated(running: Running) -> None:
+async def test_service_call_without_team_is_unauthenticated(running: Running) -> None:
     calls_before = running.app.calls
-    async with channel(running.addr) as ch:
+    async with channel(running.addr, tls=service_tls("agent-runner")) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await cost_model_pb2_grpc.CostModelStub(ch).Plan(cost_model_pb2.PlanRequest())
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert err.value.details() == "missing team identity: set gRPC metadata 'kiln-team'"
+    assert err.value.details() == (
+        "service principal spiffe://kiln/service/agent-runner must name the team it acts for "
+        "in gRPC metadata 'kiln-team'"
+    )
     assert running.app.calls == calls_before  # the handler never ran
 
 
+async def test_a_team_certificate_names_the_team(running: Running) -> None:
+    async with channel(running.addr, team="search") as ch:  # search's certificate, no header
+        reply = await cost_model_pb2_grpc.CostModelStub(ch).Plan(cost_model_pb2.PlanRequest())
+    assert reply.hardware_source == "search|"
+
+
 async def test_malformed_team_is_invalid_argument(running: Running) -> None:
-    async with channel(running.addr) as ch:
+    async with channel(running.addr, tls=service_tls("agent-runner")) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await cost_model_pb2_grpc.CostModelStub(ch).Plan(
                 cost_model_pb2.PlanRequest(), metadata=(("kiln-team", "Search Team!"),)
@@ -236,7 +251,7 @@ async def test_metrics_count_calls_by_method_and_code(running: Running) -> None:
         await plan(running.addr, NOT_FOUND)
     with pytest.raises(grpc.aio.AioRpcError):
         await plan(running.addr, ABORT)
-    async with channel(running.addr) as ch:  # no team
+    async with channel(running.addr, tls=service_tls("agent-runner")) as ch:  # no team
         with pytest.raises(grpc.aio.AioRpcError):
             await cost_model_pb2_grpc.CostModelStub(ch).Plan(cost_model_pb2.PlanRequest())
     after = await asyncio.to_thread(_requests_total, running.metrics_port)

@@ -43,8 +43,16 @@ class LedgerPool:
         self.addr = addr
         self.system_team = system_team
         self._clients: dict[str, LedgerClient] = {}
-        self._query_channel = team_channel(addr, system_team)
-        self._query_stub = ledger_pb2_grpc.LedgerStub(self._query_channel)
+        self._query_channel: grpc.aio.Channel | None = None
+        self._query_stub: Any = None
+
+    def _queries(self) -> Any:
+        """The stub of the runner's queries; its channel is made on first use, so it presents
+        the client identity of the service that uses it (kiln.common.client)."""
+        if self._query_stub is None:
+            self._query_channel = team_channel(self.addr, self.system_team)
+            self._query_stub = ledger_pb2_grpc.LedgerStub(self._query_channel)
+        return self._query_stub
 
     def client(self, team: str) -> LedgerClient:
         """The client appending as ``team``; Unauthenticated or InvalidArgument for a bad team."""
@@ -77,7 +85,7 @@ class LedgerPool:
             page_token=page_token,
         )
         try:
-            resp = await self._query_stub.Query(request, timeout=timeout_s)
+            resp = await self._queries().Query(request, timeout=timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         rows = [json.loads(r) for r in resp.rows_json]
@@ -106,7 +114,9 @@ class LedgerPool:
         for client in self._clients.values():
             await client.close()
         self._clients.clear()
-        await self._query_channel.close(None)
+        if self._query_channel is not None:
+            await self._query_channel.close(None)
+            self._query_channel = self._query_stub = None
 
 
 async def retry_unavailable(

@@ -9,6 +9,15 @@ PENDING: :mod:`kiln.agent_runner.admission`); PERMISSION_DENIED for cancelling a
 compilation; FAILED_PRECONDITION for cancelling one that has ended; OUT_OF_RANGE for a number
 beyond its field's range (:mod:`kiln.workloads.config_bounds`,
 :mod:`kiln.domain.operating_point`). Reads cross teams (List's ``team`` "*" lists every team's).
+compilation id; PERMISSION_DENIED for cancelling another team's compilation; FAILED_PRECONDITION
+for cancelling one that has ended; OUT_OF_RANGE for a number beyond its field's range
+(:mod:`kiln.workloads.config_bounds`, :mod:`kiln.domain.operating_point`).
+
+Reads follow the policy's read scope (:mod:`kiln.common.policy`): a team sees its own
+compilations unless cross-team reads are on; another team's id then answers NOT_FOUND exactly as
+an unknown id does (Get, Watch, Cancel), and List naming another team or "*" is
+PERMISSION_DENIED. Operators and services read every team's; an operator may cancel any
+compilation (recorded for the compilation's team).
 """
 
 from __future__ import annotations
@@ -37,9 +46,12 @@ from kiln.common.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     PermissionDenied,
 )
 from kiln.common.identity import TEAM_RULE, current_call, validate_team
+from kiln.common.policy import policy_for
+from kiln.common.settings import KilnSettings
 from kiln.ledger.bounds import check_position, check_text
 from kiln.v1 import compiler_pb2, compiler_pb2_grpc
 
@@ -60,6 +72,8 @@ class CompilationHost(Protocol):
     config: RunnerConfig
     admission: Admission
     """The teams' quotas: Submit refuses beyond the pending limit."""
+    settings: KilnSettings
+    """For the policy (:func:`kiln.common.policy.policy_for`)."""
     closing: asyncio.Event
     """Set when shutdown begins: Watch streams end."""
 
@@ -86,6 +100,19 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
 
     def __init__(self, app: CompilationHost) -> None:
         self._app = app
+
+    def _scope(self) -> str | None:
+        """The one team whose compilations the caller may read (None: every team's)."""
+        return policy_for(self._app.settings).read_scope(current_call())
+
+    async def _check_visible(self, compilation_id: str) -> None:
+        """NotFound, as for an unknown id, when the caller may not read the compilation."""
+        scope = self._scope()
+        if scope is None:
+            return
+        events = await compilation_events(self._app.ledger, compilation_id)
+        if events[0].metadata.team != scope:
+            raise NotFound(f"no compilation {compilation_id!r}")
 
     async def Submit(
         self, request: compiler_pb2.SubmitRequest, context: Any
@@ -134,6 +161,7 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
     async def Get(self, request: compiler_pb2.GetRequest, context: Any) -> compiler_pb2.Compilation:
         """The compilation now (see :func:`kiln.agent_runner.lookup.compilation_snapshot`)."""
         cid = request.compilation_id
+        await self._check_visible(cid)
         return await compilation_snapshot(self._app.ledger, cid, self._app.runner(cid))
 
     async def List(
@@ -143,7 +171,8 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
         status, oldest first, ``limit`` per page (default 100, at most 1000). InvalidArgument for
         a malformed team or unknown status.
         """
-        team = request.team or current_call().team
+        call, scope = current_call(), self._scope()
+        team = request.team or call.team or ALL_TEAMS  # an operator naming no team: all
         filters: dict[str, str] = {}
         if team != ALL_TEAMS:
             try:
@@ -153,6 +182,12 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
                     f"malformed team {team[:80]!r} in ListRequest.team: team names must match "
                     f"{TEAM_RULE}, or '*' for every team"
                 ) from None
+        if scope is not None and team != scope:
+            whose = "every team's" if team == ALL_TEAMS else f"team {team!r}'s"
+            raise PermissionDenied(
+                f"team {scope!r} may not list {whose} compilations: cross-team reads are off "
+                "(KILN_CROSS_TEAM_READS, or an operator's certificate)"
+            )
         if request.status:
             name = NAME_BY_STATUS.get(request.status)
             if name is None:
@@ -172,19 +207,25 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
         """Append ``CompilationCancelRequested``; when the compilation runs here, wait up to
         ``cancel_wait_s`` for it to end.
         """
-        team, cid = current_call().team, records.check_compilation_id(request.compilation_id)
-        app = self._app
+        call, cid = current_call(), records.check_compilation_id(request.compilation_id)
+        team, app = call.team, self._app
+        operator = call.principal is not None and call.principal.kind == "operator"
         reason = check_text("reason", request.reason, MAX_REASON_CHARS)
-        reason = reason or f"cancelled by team {team}"
+        reason = reason or (
+            f"cancelled by {call.principal}" if operator else f"cancelled by team {team}"
+        )
         event = records.cancel_requested(cid, reason)
-        client, stream = app.ledger.client(team), records.compilation_stream(cid)
+        stream = records.compilation_stream(cid)
         for _ in range(MAX_CANCEL_CONFLICTS):
             state = CompilationState.from_events(await compilation_events(app.ledger, cid))
-            if state.team != team:
+            if state.team != team and not operator:
+                if self._scope() is not None:  # it may not even see it
+                    raise NotFound(f"no compilation {cid!r}")
                 raise PermissionDenied(
                     f"compilation {cid!r} belongs to team {state.team!r}; only that team may "
                     f"cancel it (this call is from team {team!r})"
                 )
+            client = app.ledger.client(state.team)
             if state.ended:
                 raise FailedPrecondition(
                     f"compilation {cid!r} has ended already ({state.end_status})"
@@ -209,6 +250,7 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
         """History, then live events, until the compilation ends; OutOfRange for an
         ``after_position`` beyond 2^63-1."""
         after = check_position("after_position", request.after_position)
+        await self._check_visible(request.compilation_id)
         async for event in watch(
             self._app.ledger, request.compilation_id, after, self._app.closing
         ):

@@ -7,7 +7,9 @@ from typing import Any
 
 import typer
 
+from kiln.common.client import RoleIdentity, set_default_client_identity
 from kiln.common.settings import KilnSettings, ServiceName, load_settings
+from kiln.common.tls import client_principal
 from kiln.embedded.endpoints import Endpoints
 
 
@@ -28,11 +30,15 @@ def state(ctx: typer.Context) -> CliState:
 
 
 def settings_for(ctx: typer.Context, **overrides: Any) -> KilnSettings:
-    """Settings from the environment, the global options, then ``overrides`` (None = unset)."""
+    """Settings from the environment, the global options, then ``overrides`` (None = unset).
+    The command's calls present the certificate of its team (or ``KILN_OPERATOR``) by these
+    settings (kiln.common.tls), read when the first call is made."""
     opts = state(ctx)
     given: dict[str, Any] = {"team": opts.team, "ledger_addr": opts.ledger_addr}
     given.update({k: v for k, v in overrides.items() if v is not None})
-    return load_settings(**given)
+    settings = load_settings(**given)
+    set_default_client_identity(RoleIdentity(settings, client_principal(settings)))
+    return settings
 
 
 def service_addr(settings: KilnSettings, service: ServiceName) -> str:

@@ -41,6 +41,14 @@ AddrOpt = Annotated[
     str | None, typer.Option("--ledger-addr", help="Ledger address host:port.", show_default=False)
 ]
 TeamOpt = Annotated[str | None, typer.Option("--team", help="Team identity.", show_default=False)]
+OperatorOpt = Annotated[
+    str,
+    typer.Option(
+        "--operator",
+        envvar="KILN_OPERATOR",
+        help="Operator identity (its certificate: operators/NAME of the PKI, or KILN_TLS_*).",
+    ),
+]
 
 
 class ProjectionName(StrEnum):
@@ -53,14 +61,18 @@ class ProjectionName(StrEnum):
 
 @asynccontextmanager
 async def open_ledger(
-    ctx: typer.Context, addr: str | None = None, team: str | None = None
+    ctx: typer.Context,
+    addr: str | None = None,
+    team: str | None = None,
+    operator: str | None = None,
 ) -> AsyncIterator[LedgerClient]:
     """A LedgerClient for the configured ledger and team (``addr`` / ``team`` override the
-    global options); an unreachable ledger becomes one readable error."""
+    global options), presenting the team's certificate or ``operator``'s; an unreachable ledger
+    becomes one readable error."""
     from kiln.ledger.client import LedgerClient
 
     # None = not given; "" is given (an empty --team fails like KILN_TEAM= does)
-    settings = settings_for(ctx, ledger_addr=addr, team=team)
+    settings = settings_for(ctx, ledger_addr=addr, team=team, operator=operator)
     addr = ledger_addr(settings)
     client = LedgerClient(addr, settings.team)
     try:
@@ -79,11 +91,12 @@ def run_with_ledger(
     call: Callable[[LedgerClient], Awaitable[T]],
     addr: str | None = None,
     team: str | None = None,
+    operator: str | None = None,
 ) -> T:
-    """Open a client, await ``call(client)``, close the client."""
+    """Open a client (as ``operator`` when given), await ``call(client)``, close the client."""
 
     async def go() -> T:
-        async with open_ledger(ctx, addr, team) as client:
+        async with open_ledger(ctx, addr, team, operator) as client:
             return await call(client)
 
     return asyncio.run(go())
@@ -327,12 +340,14 @@ def replay(
     ] = False,
     ledger_addr: AddrOpt = None,
     team: TeamOpt = None,
+    operator: OperatorOpt = "admin",
 ) -> None:
-    """Rebuild the projections from the events and compare them with the live ones.
+    """Rebuild the projections from the events and compare them with the live ones (an
+    operator's call: `kiln up` issues the operator `admin`).
 
     Exits 1 when a projection differs and was not replaced (--apply replaces it).
     """
-    response = run_with_ledger(ctx, lambda c: c.replay(apply=apply), ledger_addr, team)
+    response = run_with_ledger(ctx, lambda c: c.replay(apply=apply), ledger_addr, team, operator)
     console.print(replay_table(response))
     for proj in response.projections:
         for line in list(proj.differences)[:10]:

@@ -1,6 +1,6 @@
 """The ``kiln`` command: ``kiln compile``, ``kiln compilations``, ``kiln up`` / ``down`` /
-``status``, ``kiln serve``, ``kiln migrate`` and ``kiln ledger ...``. Every user error is one
-red line on stderr and a non-zero exit."""
+``status``, ``kiln serve``, ``kiln migrate``, ``kiln ledger ...`` and ``kiln credentials ...``.
+Every user error is one red line on stderr and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import compilations, health, ledger, migrate, serve, up
+from kiln.cli import compilations, credentials, health, ledger, migrate, serve, up
 from kiln.cli.compile import compile as compile_command
 from kiln.cli.context import CliState
 from kiln.cli.errors import KilnGroup
@@ -53,6 +53,7 @@ app.command("compile")(compile_command)
 app.command("export")(export_command)
 app.add_typer(compilations.app, name="compilations")
 app.add_typer(ledger.app, name="ledger")
+app.add_typer(credentials.app, name="credentials")
 
 if __name__ == "__main__":
     app(prog_name="kiln")

@@ -52,6 +52,7 @@ def event_dict(event: Any) -> dict[str, Any]:
         "type": event.type,
         "schema_version": event.schema_version,
         "team": event.metadata.team,
+        "principal": event.metadata.principal,
         "correlation_id": event.metadata.correlation_id,
         "causation_id": event.metadata.causation_id,
         "recorded_at": recorded_at(event),

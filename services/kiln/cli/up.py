@@ -38,6 +38,9 @@ def up(
     with err_console.status("starting kiln..."):
         rows = supervisor.up(start_services=not no_services)
     console.print(status_table(rows))
+    if supervisor.issued:
+        names = ", ".join(i.principal.uri for i in supervisor.issued)
+        console.print(f"issued certificates: {names}", markup=False)
     console.print(f"state: {supervisor.state_dir}  (stop with `kiln down`)", markup=False)
 
 

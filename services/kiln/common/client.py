@@ -1,10 +1,22 @@
-"""Client side of the runtime: channels that carry the team identity, and a health wait."""
+"""Client side of the runtime: channels that present the process's certificate and carry the
+team identity, and a health wait.
+
+Which certificate a channel presents is the *client identity* of the context that creates it:
+the one :func:`use_client_identity` set (the service runtime sets its service's around the app),
+else the process default (:func:`set_default_client_identity`), else, on first use, the CLI's
+role from the environment (``teams/<KILN_TEAM>``, or ``operators/<KILN_OPERATOR>``; see
+:mod:`kiln.common.tls`). A channel's ``tls`` argument overrides all of these.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -13,9 +25,12 @@ from kiln.common.errors import NotFound
 from kiln.common.identity import (
     CORRELATION_METADATA_KEY,
     TEAM_METADATA_KEY,
+    Principal,
     current_call_or_none,
     validate_team,
 )
+from kiln.common.settings import KilnSettings, load_settings
+from kiln.common.tls import TlsMaterial, client_principal, material_for, warn_if_insecure
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     # Ping an idle connection every 30 s so long server streams (Watch, ReadAll follow)
@@ -30,11 +45,100 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 """Options of every kiln channel (the server permits these pings: kiln.common.server)."""
 
 
-def channel(addr: str, *, interceptors: list[Any] | None = None) -> grpc.aio.Channel:
-    """A lazily connecting insecure ``grpc.aio`` channel to ``addr`` with kiln's keepalive
-    options.
+class ClientIdentity(Protocol):
+    """What a process presents when it calls: the material for a channel acting for ``team``
+    (None: the channel's team is unknown), or None for plaintext."""
+
+    def material(self, team: str | None) -> TlsMaterial | None:
+        """The certificate to present; raises TlsUnavailable when there is none."""
+        ...
+
+
+@dataclass(frozen=True)
+class FixedIdentity:
+    """One certificate whatever the team (a service, the CLI); None: plaintext (TLS off)."""
+
+    tls: TlsMaterial | None
+
+    def material(self, team: str | None) -> TlsMaterial | None:
+        """``tls``, for every team."""
+        return self.tls
+
+
+class RoleIdentity:
+    """The material of ``principal`` by ``settings`` (:func:`kiln.common.tls.material_for`),
+    read on first use (so it may be issued after this is made) and kept."""
+
+    def __init__(self, settings: KilnSettings, principal: Principal) -> None:
+        self.settings = settings
+        self.principal = principal
+        self._found: FixedIdentity | None = None
+
+    def material(self, team: str | None) -> TlsMaterial | None:
+        """The role's material; raises TlsUnavailable (not kept) when it is missing."""
+        if self._found is None:
+            warn_if_insecure(self.settings, "client")
+            self._found = FixedIdentity(material_for(self.settings, self.principal))
+        return self._found.tls
+
+
+_CURRENT: ContextVar[ClientIdentity | None] = ContextVar("kiln_client_identity", default=None)
+_default: ClientIdentity | None = None
+
+
+def set_default_client_identity(identity: ClientIdentity | None) -> None:
+    """Make ``identity`` the process's client identity where no context sets one (None: resolve
+    from the environment again on next use)."""
+    global _default
+    _default = identity
+
+
+@contextmanager
+def use_client_identity(identity: ClientIdentity) -> Iterator[ClientIdentity]:
+    """Channels created in the block (and in tasks it starts) present ``identity``."""
+    token = _CURRENT.set(identity)
+    try:
+        yield identity
+    finally:
+        # An abandoned async generator (a server stream) is finalized in another context.
+        with suppress(ValueError):
+            _CURRENT.reset(token)
+
+
+def current_client_identity() -> ClientIdentity:
+    """The client identity of this context (see the module docs).
+
+    Raises:
+        TlsUnavailable: resolving the CLI's role from the environment found no material.
     """
-    return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    found = _CURRENT.get() or _default
+    if found is None:
+        settings = load_settings()
+        found = RoleIdentity(settings, client_principal(settings))
+        set_default_client_identity(found)
+    return found
+
+
+def channel(
+    addr: str,
+    *,
+    interceptors: list[Any] | None = None,
+    tls: TlsMaterial | Literal["current"] | None = "current",
+    team: str | None = None,
+) -> grpc.aio.Channel:
+    """A lazily connecting ``grpc.aio`` channel to ``addr`` with kiln's keepalive options,
+    presenting ``tls`` ("current": the :func:`current_client_identity`'s for ``team``; None:
+    plaintext).
+
+    Raises:
+        TlsUnavailable: no certificate for this process's role (the message names the fix).
+    """
+    material = current_client_identity().material(team) if tls == "current" else tls
+    if material is None:
+        return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        addr, material.channel_credentials(), options=CHANNEL_OPTIONS, interceptors=interceptors
+    )
 
 
 class _TeamMetadata:
@@ -106,24 +210,38 @@ def team_interceptors(team: str, correlation_id: str | None = None) -> list[Any]
     return [kind(team, correlation_id) for kind in kinds]
 
 
-def team_channel(addr: str, team: str, correlation_id: str | None = None) -> grpc.aio.Channel:
-    """A :func:`channel` whose every call carries ``team``; raises as :func:`team_interceptors`."""
-    return channel(addr, interceptors=team_interceptors(team, correlation_id))
+def team_channel(
+    addr: str,
+    team: str,
+    correlation_id: str | None = None,
+    *,
+    tls: TlsMaterial | Literal["current"] | None = "current",
+) -> grpc.aio.Channel:
+    """A :func:`channel` whose every call carries ``team``; raises as :func:`team_interceptors`
+    and :func:`channel`."""
+    return channel(addr, interceptors=team_interceptors(team, correlation_id), tls=tls, team=team)
 
 
 async def wait_healthy(
-    addr: str, timeout_s: float, service: str = "", *, unknown_is_final: bool = False
+    addr: str,
+    timeout_s: float,
+    service: str = "",
+    *,
+    unknown_is_final: bool = False,
+    tls: TlsMaterial | Literal["current"] | None = "current",
 ) -> None:
     """Poll gRPC health ``Check`` at ``addr`` until ``service`` ("" overall, "liveness",
-    "readiness" or a gRPC service) is SERVING.
+    "readiness" or a gRPC service) is SERVING; over TLS it presents ``tls`` (see
+    :func:`channel`), since every port requires a client certificate.
 
     Raises:
         TimeoutError: not SERVING within ``timeout_s`` (names the last status seen).
         NotFound: ``unknown_is_final`` and the server has no status for ``service``.
+        TlsUnavailable: no certificate to present.
     """
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    async with channel(addr) as ch:
+    async with channel(addr, tls=tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             remaining = deadline - time.monotonic()

@@ -2,6 +2,11 @@
 with health (``"liveness"`` SERVING while the process runs; ``""``, ``"readiness"`` and the app's
 services follow ``app.is_ready()``), reflection, :class:`RuntimeInterceptor` on every kiln method, a
 Prometheus endpoint and graceful shutdown.
+
+Every port serves TLS requiring a client certificate of the deployment's CA (the handshake
+refuses any other), the service presenting ``services/<name>`` (:mod:`kiln.common.tls`); the
+calls the app makes present the same identity. The interceptor takes the caller's principal from
+its certificate and applies the policy (:mod:`kiln.common.policy`) before the handler runs.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import inspect
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
 import grpc
@@ -20,8 +26,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from kiln.common.errors import KilnError
-from kiln.common.identity import CallIdentity, identity_from_metadata, use_call
+from kiln.common.client import (
+    ClientIdentity,
+    FixedIdentity,
+    set_default_client_identity,
+    use_client_identity,
+)
+from kiln.common.errors import KilnError, Unauthenticated
+from kiln.common.identity import CallIdentity, Principal, identity_for, parse_principal, use_call
 from kiln.common.logging import configure_logging, get_logger
 from kiln.common.metrics import (
     RPC_IN_FLIGHT,
@@ -31,7 +43,9 @@ from kiln.common.metrics import (
     start_metrics_server,
     stop_metrics_server,
 )
+from kiln.common.policy import Policy, PolicyError, policy_for
 from kiln.common.settings import KilnSettings, ServiceName
+from kiln.common.tls import TlsMaterial, TlsUnavailable, material_for, warn_if_insecure
 
 log = get_logger("kiln.server")
 
@@ -88,25 +102,62 @@ class ServiceStartError(RuntimeError):
 # --------------------------------------------------------------------------------------- #
 
 
-class _Rpc:
-    """One RPC in flight: identity, log context, error mapping and metrics."""
+def peer_principal(context: grpc.aio.ServicerContext) -> Principal:
+    """The principal of the caller's verified certificate: its one ``spiffe://kiln/`` SAN URI.
 
-    def __init__(self, service: str, method: str, context: grpc.aio.ServicerContext) -> None:
+    Raises:
+        Unauthenticated: no peer certificate, or not exactly one kiln SAN URI in it.
+    """
+    auth = context.auth_context()
+    values = [*auth.get("peer_spiffe_id", ()), *auth.get("x509_subject_alternative_name", ())]
+    found: set[Principal] = set()
+    for raw in values:
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        try:
+            found.add(parse_principal(text))
+        except ValueError:
+            continue
+    if len(found) != 1:
+        what = "no client certificate" if not auth.get("x509_pem_cert") else "a certificate"
+        raise Unauthenticated(
+            f"{what} naming {len(found)} kiln principals (spiffe://kiln/<kind>/<name> SAN URIs) "
+            "where one is required: get credentials with `kiln credentials issue`"
+        )
+    return found.pop()
+
+
+class _Rpc:
+    """One RPC in flight: identity, policy, log context, error mapping and metrics."""
+
+    def __init__(
+        self,
+        service: str,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        policy: Policy | None,
+    ) -> None:
         self.service = service
         self.method = method
         self.context = context
+        self.policy = policy
         self.started = time.perf_counter()
         self.code = grpc.StatusCode.OK
         self._log_tokens: dict[str, Any] = {}
         RPC_IN_FLIGHT.labels(service).inc()
 
     def enter(self) -> CallIdentity:
-        """Validate the caller's identity and bind it to the log context (raises KilnError)."""
-        identity = identity_from_metadata(self.context.invocation_metadata())
+        """Verify the caller's identity, apply the policy to the method and bind the identity to
+        the log context (raises KilnError). ``policy`` None: TLS off, the team header as sent."""
+        principal = peer_principal(self.context) if self.policy is not None else None
+        identity = identity_for(principal, self.context.invocation_metadata())
         bound: dict[str, Any] = {"team": identity.team, "method": self.method}
+        if principal is not None:
+            bound["principal"] = principal.uri
         if identity.correlation_id:
             bound["correlation_id"] = identity.correlation_id
         self._log_tokens = dict(structlog.contextvars.bind_contextvars(**bound))
+        if self.policy is not None:
+            self.policy.check_call(self.method, identity)
         return identity
 
     async def fail(self, exc: BaseException) -> None:
@@ -156,11 +207,27 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def _wrap_unary_response(service: str, method: str, behavior: Callable[..., Any]) -> Any:
+@dataclass(frozen=True)
+class _Security:
+    policy: Policy | None
+    client: ClientIdentity | None
+
+    @contextlib.contextmanager
+    def calls_out(self) -> Iterator[None]:
+        if self.client is None:
+            yield
+        else:
+            with use_client_identity(self.client):
+                yield
+
+
+def _wrap_unary_response(
+    service: str, method: str, behavior: Callable[..., Any], sec: _Security
+) -> Any:
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        rpc = _Rpc(service, method, context)
+        rpc = _Rpc(service, method, context, sec.policy)
         try:
-            with use_call(rpc.enter()):
+            with use_call(rpc.enter()), sec.calls_out():
                 return await _maybe_await(behavior(request, context))
         except BaseException as exc:
             await rpc.fail(exc)
@@ -170,14 +237,16 @@ def _wrap_unary_response(service: str, method: str, behavior: Callable[..., Any]
     return handle
 
 
-def _wrap_stream_response(service: str, method: str, behavior: Callable[..., Any]) -> Any:
+def _wrap_stream_response(
+    service: str, method: str, behavior: Callable[..., Any], sec: _Security
+) -> Any:
     if inspect.iscoroutinefunction(behavior):  # writes with context.write() and returns None
-        return _wrap_unary_response(service, method, behavior)
+        return _wrap_unary_response(service, method, behavior, sec)
 
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        rpc = _Rpc(service, method, context)
+        rpc = _Rpc(service, method, context, sec.policy)
         try:
-            with use_call(rpc.enter()):
+            with use_call(rpc.enter()), sec.calls_out():
                 responses = behavior(request, context)
                 if hasattr(responses, "__aiter__"):
                     async for response in responses:
@@ -194,38 +263,51 @@ def _wrap_stream_response(service: str, method: str, behavior: Callable[..., Any
 
 
 def wrap_handler(
-    handler: grpc.RpcMethodHandler, service: str, method: str
+    handler: grpc.RpcMethodHandler,
+    service: str,
+    method: str,
+    policy: Policy | None = None,
+    client: ClientIdentity | None = None,
 ) -> grpc.RpcMethodHandler:
-    """The same handler with kiln's identity, error and metrics behaviour around it."""
+    """The same handler with kiln's identity, policy, error and metrics behaviour around it;
+    the calls it makes present ``client`` (default: the context's client identity)."""
     des, ser = handler.request_deserializer, handler.response_serializer
     h: Any = handler
+    sec = _Security(policy, client)
     if not handler.request_streaming and not handler.response_streaming:
         return grpc.unary_unary_rpc_method_handler(
-            _wrap_unary_response(service, method, h.unary_unary), des, ser
+            _wrap_unary_response(service, method, h.unary_unary, sec), des, ser
         )
     if not handler.request_streaming:
         return grpc.unary_stream_rpc_method_handler(
-            _wrap_stream_response(service, method, h.unary_stream), des, ser
+            _wrap_stream_response(service, method, h.unary_stream, sec), des, ser
         )
     if not handler.response_streaming:
         return grpc.stream_unary_rpc_method_handler(
-            _wrap_unary_response(service, method, h.stream_unary), des, ser
+            _wrap_unary_response(service, method, h.stream_unary, sec), des, ser
         )
     return grpc.stream_stream_rpc_method_handler(
-        _wrap_stream_response(service, method, h.stream_stream), des, ser
+        _wrap_stream_response(service, method, h.stream_stream, sec), des, ser
     )
 
 
 class RuntimeInterceptor(grpc.aio.ServerInterceptor):
     """Server interceptor for every kiln method (health and reflection pass untouched).
 
-    Metadata ``kiln-team`` is required (UNAUTHENTICATED when missing, INVALID_ARGUMENT when
-    malformed); a :class:`KilnError` becomes its status, anything else INTERNAL without details
-    (logged); RPC metrics recorded. Handlers must be ``async``.
+    With a ``policy`` (TLS on): the principal comes from the client certificate
+    (UNAUTHENTICATED without one kiln SAN URI), the team from it and ``kiln-team``
+    (:func:`kiln.common.identity.identity_for`), and the policy must allow the method
+    (PERMISSION_DENIED). Without (TLS off): ``kiln-team`` is required (UNAUTHENTICATED when
+    missing, INVALID_ARGUMENT when malformed). A :class:`KilnError` becomes its status, anything
+    else INTERNAL without details (logged); RPC metrics recorded. Handlers must be ``async``.
     """
 
-    def __init__(self, service: str) -> None:
+    def __init__(
+        self, service: str, policy: Policy | None = None, client: ClientIdentity | None = None
+    ) -> None:
         self._service = service
+        self._policy = policy
+        self._client = client
 
     async def intercept_service(
         self,
@@ -236,7 +318,7 @@ class RuntimeInterceptor(grpc.aio.ServerInterceptor):
         method = str(handler_call_details.method)
         if handler is None or method.startswith(_UNINTERCEPTED):
             return handler
-        return wrap_handler(handler, self._service, method)
+        return wrap_handler(handler, self._service, method, self._policy, self._client)
 
 
 # --------------------------------------------------------------------------------------- #
@@ -299,9 +381,14 @@ async def _poll_readiness(health: HealthServicer, app: ServiceApp, interval_s: f
         await asyncio.sleep(interval_s)
 
 
-def _bind(server: grpc.aio.Server, address: str, service: str) -> str:
+def _bind(
+    server: grpc.aio.Server, address: str, service: str, tls: TlsMaterial | None = None
+) -> str:
     try:
-        port = server.add_insecure_port(address)
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.server_credentials())
     except RuntimeError as exc:
         port, cause = 0, str(exc)
     else:
@@ -370,11 +457,46 @@ async def serve(
     accepted.
 
     Raises:
-        ServiceStartError: the address or the metrics port cannot be bound.
+        ServiceStartError: the address or the metrics port cannot be bound, TLS is on and the
+            service has no certificate, or the policy file is invalid.
         Exception: whatever ``app.start`` raises (``app.stop`` is still called).
     """
     configure_logging(settings.log_level, settings.log_format, app.name)
-    server = grpc.aio.server(interceptors=[RuntimeInterceptor(app.name)], options=SERVER_OPTIONS)
+    tls, policy = _security(app.name, settings)
+    with use_client_identity(FixedIdentity(tls)):  # the app's own calls present its identity
+        await _serve(
+            app, settings, tls, policy, listen, started, readiness_interval_s, handle_signals
+        )
+
+
+def _security(service: str, settings: KilnSettings) -> tuple[TlsMaterial | None, Policy | None]:
+    """The service's certificate and the policy; (None, None) with TLS off (warned).
+
+    Raises:
+        ServiceStartError: TLS on and no certificate, or an invalid policy file (one line).
+    """
+    warn_if_insecure(settings, service)
+    try:
+        tls = material_for(settings, Principal("service", service))
+        policy = policy_for(settings) if tls is not None else None
+    except (TlsUnavailable, PolicyError) as exc:
+        message = exc.message if isinstance(exc, TlsUnavailable) else str(exc)
+        raise ServiceStartError(f"{service}: {message}") from None
+    return tls, policy
+
+
+async def _serve(
+    app: ServiceApp,
+    settings: KilnSettings,
+    tls: TlsMaterial | None,
+    policy: Policy | None,
+    listen: str | None,
+    started: asyncio.Event | None,
+    readiness_interval_s: float,
+    handle_signals: bool,
+) -> None:
+    interceptor = RuntimeInterceptor(app.name, policy, FixedIdentity(tls))
+    server = grpc.aio.server(interceptors=[interceptor], options=SERVER_OPTIONS)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -395,14 +517,20 @@ async def serve(
             await app.start(server)
             # Bind only now: a grpc server that bound a port but never started cannot release
             # it (stop() is a no-op), so a failed app.start() would hold the port until exit.
-            address = _bind(server, address, app.name)
+            address = _bind(server, address, app.name, tls)
             await server.start()
             poller = asyncio.create_task(
                 _poll_readiness(health, app, readiness_interval_s), name="kiln-readiness"
             )
             if started is not None:
                 started.set()
-            log.info("service started", address=address, metrics_port=metrics_port)
+            log.info(
+                "service started",
+                address=address,
+                metrics_port=metrics_port,
+                tls=tls is not None,
+                principal=None if tls is None else tls.principal.uri,
+            )
             await stop.wait()
             log.info("shutting down", grace_period_s=settings.grace_period_s)
         finally:
@@ -441,6 +569,9 @@ def run(app_factory: Callable[[KilnSettings], ServiceApp], settings: KilnSetting
     """
 
     async def main() -> None:
-        await serve(app_factory(settings), settings)
+        app = app_factory(settings)
+        tls, _ = _security(app.name, settings)
+        set_default_client_identity(FixedIdentity(tls))  # work outside serve's context too
+        await serve(app, settings)
 
     asyncio.run(main())

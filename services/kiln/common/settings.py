@@ -76,6 +76,16 @@ class KilnSettings(BaseSettings):
     # --- identity ----------------------------------------------------------------------
     team: str = Field("default", description="Team identity sent on every call the CLI makes.")
 
+    # --- security (docs/design/security.md; kiln.common.tls, kiln.common.policy) -----------
+    tls: Literal["on", "off"] = Field("on", description="off: plaintext, no identities, no policy.")
+    tls_ca_file: Path | None = Field(None, description="CA certificate (PEM); unset = by role.")
+    tls_cert_file: Path | None = Field(None, description="This process's certificate (PEM).")
+    tls_key_file: Path | None = Field(None, description="Its private key (PEM).")
+    pki_dir: Path | None = Field(None, description="Material by role; unset = state_dir/pki.")
+    operator: str | None = Field(None, description="Operator identity of operator commands.")
+    cross_team_reads: bool = Field(False, description="Teams read other teams' records.")
+    policy_file: Path | None = Field(None, description="TOML policy overriding the defaults.")
+
     # --- backing servers ------------------------------------------------------------------
     nats_url: str | None = Field(None, description="NATS server URL; unset = embedded default.")
     database_url: str | None = Field(
@@ -166,6 +176,11 @@ class KilnSettings(BaseSettings):
         if self.metrics_port is not None:
             return self.metrics_port
         return METRICS_PORT_BASE + SERVICE_NAMES.index(service) + 1
+
+    @property
+    def pki_path(self) -> Path:
+        """Where certificates are looked up by role and issued (``pki_dir`` or state_dir/pki)."""
+        return self.pki_dir or self.state_dir / "pki"
 
     @property
     def endpoints_file(self) -> Path:

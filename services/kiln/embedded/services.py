@@ -178,10 +178,19 @@ class ServiceProcess:
         return RuntimeError(f"service {self.name} {what}\n--- {self.log_path} ---\n{tail}")
 
 
+_SHARED_BY_MISTAKE = (
+    "KILN_LISTEN_ADDR",
+    "KILN_TLS_CA_FILE",
+    "KILN_TLS_CERT_FILE",
+    "KILN_TLS_KEY_FILE",
+)
+
+
 def service_env(base: dict[str, str], updates: dict[str, str]) -> dict[str, str]:
     """The environment of a service process: ``base`` plus ``updates``, without variables that
-    would make the four services collide (one shared listen address)."""
-    env = {k: v for k, v in base.items() if k != "KILN_LISTEN_ADDR"}
+    would make the four services collide (one shared listen address, one certificate: each
+    presents its own from the PKI)."""
+    env = {k: v for k, v in base.items() if k not in _SHARED_BY_MISTAKE}
     env.update(updates)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

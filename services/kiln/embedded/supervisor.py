@@ -8,6 +8,7 @@ cleanly. Layout of ``state_dir``::
 
     kiln.lock               held by a running up / down (and by the supervisor restarting)
     endpoints.json          URLs, which servers are embedded, service addresses
+    pki/                    the CA and certificates (unless KILN_PKI_DIR puts them elsewhere)
     postgres/               PGDATA of the embedded PostgreSQL
     nats/                   JetStream store, pid, log and configuration of the embedded NATS
     nats/credentials/<user> the embedded NATS's passwords (mode 0600; docs/design/security.md)
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import cast
 from urllib.parse import urlsplit
 
+from kiln.common.pki import Issued, ensure_pki
 from kiln.common.settings import SERVICE_NAMES, KilnSettings, ServiceName, split_host_port
 from kiln.embedded.endpoints import Endpoints
 from kiln.embedded.lock import state_lock
@@ -80,6 +82,8 @@ class Supervisor:
         recorded = self.recorded()
         self.services = {name: self._service(name, recorded) for name in SERVICE_NAMES}
         self.watchdog = WatchdogProcess(self.state_dir)
+        self.issued: list[Issued] = []
+        """The certificates the last ``up`` issued (kiln.common.pki.ensure_pki)."""
 
     @property
     def endpoints_file(self) -> Path:
@@ -121,6 +125,7 @@ class Supervisor:
             from kiln.ledger.migrate import upgrade
 
             upgrade(database_url)
+        self.issued = ensure_pki(self.settings)  # before the services, which present them
         if start_services:
             notes.update(self._start_services(database_url, nats_url))
         started = self.watchdog.ensure(self.service_environment(database_url, nats_url))

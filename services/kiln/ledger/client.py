@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 
 from kiln.common.client import team_channel
 from kiln.common.errors import InvalidArgument, from_rpc_error
+from kiln.common.tls import TlsMaterial
 from kiln.ledger import convert
 from kiln.ledger.model import AppendResult, ExpectedVersion, NewEvent
 from kiln.v1 import ledger_pb2, ledger_pb2_grpc
@@ -33,11 +34,20 @@ class LedgerClient:
         addr: ``host:port`` of a ledger service.
         team: team identity sent as ``kiln-team`` metadata.
         timeout_s: deadline of unary calls, seconds (streams have none).
+        tls: the certificate to present (default: the context's client identity,
+            :func:`kiln.common.client.channel`).
     """
 
-    def __init__(self, addr: str, team: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        addr: str,
+        team: str,
+        *,
+        timeout_s: float = 30.0,
+        tls: TlsMaterial | Literal["current"] | None = "current",
+    ) -> None:
         self.addr = addr
-        self._channel = team_channel(addr, team)
+        self._channel = team_channel(addr, team, tls=tls)
         self._stub = ledger_pb2_grpc.LedgerStub(self._channel)
         self._timeout = timeout_s
 

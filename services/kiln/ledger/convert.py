@@ -112,6 +112,7 @@ def recorded_to_proto(event: StoredEvent) -> ledger_pb2.RecordedEvent:
             correlation_id=meta.get("correlation_id") or "",
             causation_id=meta.get("causation_id") or "",
             team=meta.get("team") or "",
+            principal=meta.get("principal") or "",
         ),
         recorded_at=_timestamp(event.recorded_at),
     )

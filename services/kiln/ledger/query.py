@@ -22,6 +22,7 @@ from kiln.ledger.bounds import (
 )
 from kiln.ledger.projections import all_projections
 from kiln.ledger.projections.checkpoint import read_checkpoint
+from kiln.ledger.tables import proj_compilations
 
 MAX_LIMIT = 10_000
 
@@ -86,6 +87,16 @@ def _decode_token(token: str, query_id: str, width: int) -> list[str]:
     return after
 
 
+def _of_team(table: Table, team: str) -> Any:
+    """The condition "row of ``team``'s compilations": the compilations projection's own team
+    column, the others' compilation id among that team's compilations."""
+    if "team" in table.c:
+        return table.c.team == team
+    return table.c.compilation_id.in_(
+        select(proj_compilations.c.compilation_id).where(proj_compilations.c.team == team)
+    )
+
+
 async def query(
     engine: AsyncEngine,
     projection: str,
@@ -93,6 +104,7 @@ async def query(
     *,
     limit: int = 1000,
     page_token: str = "",
+    team: str | None = None,
 ) -> tuple[list[dict[str, Any]], str, int]:
     """Rows of one projection, oldest first (see the module docs).
 
@@ -101,6 +113,8 @@ async def query(
         filters: column -> value (compared for equality, cast to the column's type).
         limit: rows per page (1..10000).
         page_token: from the previous page ("" = first page).
+        team: only rows of this team's compilations (the caller's read scope,
+            kiln.common.policy); None = every team's.
 
     Returns:
         (rows, next page token or "", the projection checkpoint position the rows reflect).
@@ -126,6 +140,8 @@ async def query(
                 f"{projection} has no column {quote(column)}; columns: {', '.join(table.c.keys())}"
             )
         stmt = stmt.where(table.c[column] == _cast(table, column, value))
+    if team is not None:
+        stmt = stmt.where(_of_team(table, team))
     query_id = _query_id(projection, filters)
     order = [proj.created, key] if proj.created else [key]
     columns = [table.c[c] for c in order]

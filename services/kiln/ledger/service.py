@@ -1,4 +1,12 @@
-"""The Ledger gRPC servicer: the event store, projections and replay over kiln.v1.Ledger."""
+"""The Ledger gRPC servicer: the event store, projections and replay over kiln.v1.Ledger.
+
+Authorization (kiln.common.policy): Append passes the policy's append rules for each event (only
+service principals append; each service its own event types); every event records the team and
+the verified principal. A team's reads are scoped to its own records unless cross-team reads are
+on: ReadStream of another team's stream is NOT_FOUND with the message an empty stream gets (so a
+team cannot learn which ids exist), ReadAll and Query return only its events and rows, and a Query
+filter naming another team is PERMISSION_DENIED.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +18,9 @@ import structlog
 from prometheus_client import Counter, Histogram
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from kiln.common.errors import InvalidArgument, Unavailable, quote
+from kiln.common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable, quote
 from kiln.common.identity import current_call
+from kiln.common.policy import policy_for
 from kiln.common.settings import KilnSettings
 from kiln.events import registered_types
 from kiln.ledger import convert
@@ -60,6 +69,11 @@ def _check_types(types: Sequence[str]) -> list[str]:
     return distinct
 
 
+def _scope(settings: KilnSettings) -> str | None:
+    """The one team the current call may read (None: every team's)."""
+    return policy_for(settings).read_scope(current_call())
+
+
 @unavailable_on_database_errors
 class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     """kiln.v1.Ledger over an :class:`EventStore`; errors are ``KilnError`` (mapped by the
@@ -83,6 +97,9 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         self, request: ledger_pb2.AppendRequest, context: grpc.aio.ServicerContext
     ) -> ledger_pb2.AppendResponse:
         call = current_call()
+        policy_for(self.settings).check_append(
+            call, request.stream_id, [(e.type, e.data) for e in request.events]
+        )
         new_events = [
             convert.event_from_proto(e, call.causation_id, i) for i, e in enumerate(request.events)
         ]
@@ -98,6 +115,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
                 expected,
                 team=call.team,
                 correlation_id=call.correlation_id,
+                principal=call.principal.uri if call.principal else None,
             )
         if not result.already_stored:
             for ev in new_events:
@@ -123,6 +141,11 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     ) -> ledger_pb2.ReadStreamResponse:
         from_version = check_position("from_version", request.from_version)
         page = read_count(request.max_count, self.settings.read_page_size)
+        scope = _scope(self.settings)
+        if scope is not None and await self.store.stream_team(request.stream_id) != scope:
+            # the same answer as an empty stream gets: another team's ids stay unknown
+            await self.store.read_stream(request.stream_id, 1, 1)  # InvalidArgument, NotFound
+            raise NotFound(f"stream {quote(request.stream_id)} has no events")
         events, version = await self.store.read_stream(
             request.stream_id, max(from_version, 1), page
         )
@@ -140,9 +163,12 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         after = check_position("after_position", request.after_position)
         remaining = request.max_count or None
         page = self.settings.read_page_size
+        scope = _scope(self.settings)
         while True:
             size = min(page, remaining) if remaining else page
-            batch = await self.store.read_all(after, size, types=types, stream_prefix=prefix)
+            batch = await self.store.read_all(
+                after, size, types=types, stream_prefix=prefix, team=scope
+            )
             for event in batch:
                 yield convert.recorded_to_proto(event)
             if batch:
@@ -164,12 +190,21 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     async def Query(
         self, request: ledger_pb2.QueryRequest, context: grpc.aio.ServicerContext
     ) -> ledger_pb2.QueryResponse:
+        scope = _scope(self.settings)
+        filters = dict(request.filter)
+        named = filters.get("team")
+        if scope is not None and named is not None and named != scope:
+            raise PermissionDenied(
+                f"team {scope!r} may not query team {named[:80]!r}'s rows: cross-team reads are "
+                "off (KILN_CROSS_TEAM_READS, or an operator's certificate)"
+            )
         rows, token, checkpoint = await query(
             self.engine,
             _projection_name(request.projection),
-            dict(request.filter),
+            filters,
             limit=request.limit or self.settings.read_page_size,
             page_token=request.page_token,
+            team=scope,
         )
         return ledger_pb2.QueryResponse(
             rows_json=[convert.row_to_json(r) for r in rows],

@@ -65,6 +65,7 @@ class EventStore:
         new_events: Sequence[NewEvent],
         team: str,
         call_correlation: str | None,
+        principal: str | None = None,
     ) -> list[dict[str, Any]]:
         try:
             parse_stream_id(stream_id)
@@ -78,6 +79,7 @@ class EventStore:
             )
         rows: list[dict[str, Any]] = []
         seen: set[str] = set()
+        who = {"principal": principal} if principal else {}
         for i, ev in enumerate(new_events):
             try:
                 event_id = str(uuid.UUID(ev.event_id))
@@ -108,6 +110,7 @@ class EventStore:
                         "team": team,
                         "correlation_id": ev.correlation_id or call_correlation or event_id,
                         "causation_id": ev.causation_id,
+                        **who,
                     },
                 }
             )
@@ -122,9 +125,10 @@ class EventStore:
         *,
         team: str,
         correlation_id: str | None = None,
+        principal: str | None = None,
     ) -> AppendResult:
-        """Append ``new_events`` (1..1000) to ``stream_id`` atomically, recording ``team`` in
-        each.
+        """Append ``new_events`` (1..1000) to ``stream_id`` atomically, recording ``team`` and
+        the verified caller's ``principal`` URI (when given) in each one's metadata.
 
         Returns an AppendResult, ``already_stored`` when all were stored before (nothing
         written).
@@ -136,7 +140,7 @@ class EventStore:
                 stored.
             Aborted: the stream's version is not the expected one.
         """
-        rows = self._validate(stream_id, new_events, team, correlation_id)
+        rows = self._validate(stream_id, new_events, team, correlation_id, principal)
         return await self._committer.submit(stream_id, rows, expected)
 
     async def close(self) -> None:
@@ -189,11 +193,15 @@ class EventStore:
         *,
         types: Sequence[str] = (),
         stream_prefix: str = "",
+        team: str | None = None,
     ) -> list[StoredEvent]:
         """Up to ``max_count`` events with position > ``after_position``, in global order
-        (positions may have gaps; none appears later below one returned).
+        (positions may have gaps; none appears later below one returned); only ``team``'s
+        (metadata) when given.
         """
         query = select(events).where(events.c.position > after_position)
+        if team is not None:
+            query = query.where(events.c.metadata["team"].astext == team)
         if types:
             query = query.where(events.c.type.in_(list(types)))
         if stream_prefix:
@@ -201,6 +209,16 @@ class EventStore:
         async with self.engine.connect() as conn:
             result = await conn.execute(query.order_by(events.c.position).limit(max_count))
             return [row_to_event(r) for r in result]
+
+    async def stream_team(self, stream_id: str) -> str | None:
+        """The team recorded on the stream's first event (its owner), None for an empty stream."""
+        async with self.engine.connect() as conn:
+            meta = await conn.scalar(
+                select(events.c.metadata).where(
+                    events.c.stream_id == stream_id, events.c.stream_version == 1
+                )
+            )
+        return None if meta is None else str(meta.get("team") or "")
 
     async def head_position(self) -> int:
         """The highest committed position (0 for an empty ledger)."""

@@ -26,7 +26,7 @@ from google.protobuf import empty_pb2 as google_dot_protobuf_dot_empty__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kiln/v1/ledger.proto\x12\x07kiln.v1\x1a\x1bgoogle/protobuf/empty.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xaf\x01\n\x0f\x45xpectedVersion\x12%\n\x03\x61ny\x18\x01 \x01(\x0b\x32\x16.google.protobuf.EmptyH\x00\x12+\n\tno_stream\x18\x02 \x01(\x0b\x32\x16.google.protobuf.EmptyH\x00\x12/\n\rstream_exists\x18\x03 \x01(\x0b\x32\x16.google.protobuf.EmptyH\x00\x12\x0f\n\x05\x65xact\x18\x04 \x01(\x04H\x00\x42\x06\n\x04kind\"\x7f\n\tEventData\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x16\n\x0eschema_version\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x16\n\x0e\x63orrelation_id\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61usation_id\x18\x06 \x01(\t\"z\n\rAppendRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x32\n\x10\x65xpected_version\x18\x02 \x01(\x0b\x32\x18.kiln.v1.ExpectedVersion\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.kiln.v1.EventData\"S\n\x0e\x41ppendResponse\x12\x11\n\tpositions\x18\x01 \x03(\x04\x12\x16\n\x0estream_version\x18\x02 \x01(\x04\x12\x16\n\x0e\x61lready_stored\x18\x03 \x01(\x08\"K\n\rEventMetadata\x12\x16\n\x0e\x63orrelation_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63\x61usation_id\x18\x02 \x01(\t\x12\x0c\n\x04team\x18\x03 \x01(\t\"\xed\x01\n\rRecordedEvent\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x11\n\tstream_id\x18\x02 \x01(\t\x12\x16\n\x0estream_version\x18\x03 \x01(\x04\x12\x10\n\x08\x65vent_id\x18\x04 \x01(\t\x12\x0c\n\x04type\x18\x05 \x01(\t\x12\x16\n\x0eschema_version\x18\x06 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12(\n\x08metadata\x18\x08 \x01(\x0b\x32\x16.kiln.v1.EventMetadata\x12/\n\x0brecorded_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"O\n\x11ReadStreamRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66rom_version\x18\x02 \x01(\x04\x12\x11\n\tmax_count\x18\x03 \x01(\r\"k\n\x12ReadStreamResponse\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kiln.v1.RecordedEvent\x12\x16\n\x0estream_version\x18\x02 \x01(\x04\x12\x15\n\rend_of_stream\x18\x03 \x01(\x08\"q\n\x0eReadAllRequest\x12\x16\n\x0e\x61\x66ter_position\x18\x01 \x01(\x04\x12\x11\n\tmax_count\x18\x02 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\r\n\x05types\x18\x04 \x03(\t\x12\x15\n\rstream_prefix\x18\x05 \x01(\t\"\xbc\x01\n\x0cQueryRequest\x12\'\n\nprojection\x18\x01 \x01(\x0e\x32\x13.kiln.v1.Projection\x12\x31\n\x06\x66ilter\x18\x02 \x03(\x0b\x32!.kiln.v1.QueryRequest.FilterEntry\x12\r\n\x05limit\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\x1a-\n\x0b\x46ilterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"X\n\rQueryResponse\x12\x11\n\trows_json\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x1b\n\x13\x63heckpoint_position\x18\x03 \x01(\x04\"H\n\rReplayRequest\x12(\n\x0bprojections\x18\x01 \x03(\x0e\x32\x13.kiln.v1.Projection\x12\r\n\x05\x61pply\x18\x02 \x01(\x08\"~\n\x10ProjectionReplay\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\trows_live\x18\x02 \x01(\x04\x12\x14\n\x0crows_rebuilt\x18\x03 \x01(\x04\x12\r\n\x05\x65qual\x18\x04 \x01(\x08\x12\x13\n\x0b\x64ifferences\x18\x05 \x03(\t\x12\x0f\n\x07\x61pplied\x18\x06 \x01(\x08\"\xfd\x01\n\x0eReplayResponse\x12\x1b\n\x13\x63heckpoint_position\x18\x01 \x01(\x04\x12\x17\n\x0f\x65vents_replayed\x18\x02 \x01(\x04\x12.\n\x0bprojections\x18\x03 \x03(\x0b\x32\x19.kiln.v1.ProjectionReplay\x12\r\n\x05\x65qual\x18\x04 \x01(\x08\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12/\n\x0breplayed_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rhead_position\x18\x07 \x01(\x04\x12\x1a\n\x12quarantined_events\x18\x08 \x01(\x04*\x81\x01\n\nProjection\x12\x1a\n\x16PROJECTION_UNSPECIFIED\x10\x00\x12\x1b\n\x17PROJECTION_COMPILATIONS\x10\x01\x12\x1a\n\x16PROJECTION_EXPERIMENTS\x10\x02\x12\x1e\n\x1aPROJECTION_BEST_CANDIDATES\x10\x03\x32\xbb\x02\n\x06Ledger\x12\x39\n\x06\x41ppend\x12\x16.kiln.v1.AppendRequest\x1a\x17.kiln.v1.AppendResponse\x12\x45\n\nReadStream\x12\x1a.kiln.v1.ReadStreamRequest\x1a\x1b.kiln.v1.ReadStreamResponse\x12<\n\x07ReadAll\x12\x17.kiln.v1.ReadAllRequest\x1a\x16.kiln.v1.RecordedEvent0\x01\x12\x36\n\x05Query\x12\x15.kiln.v1.QueryRequest\x1a\x16.kiln.v1.QueryResponse\x12\x39\n\x06Replay\x12\x16.kiln.v1.ReplayRequest\x1a\x17.kiln.v1.ReplayResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kiln/v1/ledger.proto\x12\x07kiln.v1\x1a\x1bgoogle/protobuf/empty.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xaf\x01\n\x0f\x45xpectedVersion\x12%\n\x03\x61ny\x18\x01 \x01(\x0b\x32\x16.google.protobuf.EmptyH\x00\x12+\n\tno_stream\x18\x02 \x01(\x0b\x32\x16.google.protobuf.EmptyH\x00\x12/\n\rstream_exists\x18\x03 \x01(\x0b\x32\x16.google.protobuf.EmptyH\x00\x12\x0f\n\x05\x65xact\x18\x04 \x01(\x04H\x00\x42\x06\n\x04kind\"\x7f\n\tEventData\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x16\n\x0eschema_version\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x16\n\x0e\x63orrelation_id\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61usation_id\x18\x06 \x01(\t\"z\n\rAppendRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x32\n\x10\x65xpected_version\x18\x02 \x01(\x0b\x32\x18.kiln.v1.ExpectedVersion\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.kiln.v1.EventData\"S\n\x0e\x41ppendResponse\x12\x11\n\tpositions\x18\x01 \x03(\x04\x12\x16\n\x0estream_version\x18\x02 \x01(\x04\x12\x16\n\x0e\x61lready_stored\x18\x03 \x01(\x08\"^\n\rEventMetadata\x12\x16\n\x0e\x63orrelation_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63\x61usation_id\x18\x02 \x01(\t\x12\x0c\n\x04team\x18\x03 \x01(\t\x12\x11\n\tprincipal\x18\x04 \x01(\t\"\xed\x01\n\rRecordedEvent\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x11\n\tstream_id\x18\x02 \x01(\t\x12\x16\n\x0estream_version\x18\x03 \x01(\x04\x12\x10\n\x08\x65vent_id\x18\x04 \x01(\t\x12\x0c\n\x04type\x18\x05 \x01(\t\x12\x16\n\x0eschema_version\x18\x06 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12(\n\x08metadata\x18\x08 \x01(\x0b\x32\x16.kiln.v1.EventMetadata\x12/\n\x0brecorded_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"O\n\x11ReadStreamRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66rom_version\x18\x02 \x01(\x04\x12\x11\n\tmax_count\x18\x03 \x01(\r\"k\n\x12ReadStreamResponse\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.kiln.v1.RecordedEvent\x12\x16\n\x0estream_version\x18\x02 \x01(\x04\x12\x15\n\rend_of_stream\x18\x03 \x01(\x08\"q\n\x0eReadAllRequest\x12\x16\n\x0e\x61\x66ter_position\x18\x01 \x01(\x04\x12\x11\n\tmax_count\x18\x02 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\r\n\x05types\x18\x04 \x03(\t\x12\x15\n\rstream_prefix\x18\x05 \x01(\t\"\xbc\x01\n\x0cQueryRequest\x12\'\n\nprojection\x18\x01 \x01(\x0e\x32\x13.kiln.v1.Projection\x12\x31\n\x06\x66ilter\x18\x02 \x03(\x0b\x32!.kiln.v1.QueryRequest.FilterEntry\x12\r\n\x05limit\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\x1a-\n\x0b\x46ilterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"X\n\rQueryResponse\x12\x11\n\trows_json\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x1b\n\x13\x63heckpoint_position\x18\x03 \x01(\x04\"H\n\rReplayRequest\x12(\n\x0bprojections\x18\x01 \x03(\x0e\x32\x13.kiln.v1.Projection\x12\r\n\x05\x61pply\x18\x02 \x01(\x08\"~\n\x10ProjectionReplay\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\trows_live\x18\x02 \x01(\x04\x12\x14\n\x0crows_rebuilt\x18\x03 \x01(\x04\x12\r\n\x05\x65qual\x18\x04 \x01(\x08\x12\x13\n\x0b\x64ifferences\x18\x05 \x03(\t\x12\x0f\n\x07\x61pplied\x18\x06 \x01(\x08\"\xfd\x01\n\x0eReplayResponse\x12\x1b\n\x13\x63heckpoint_position\x18\x01 \x01(\x04\x12\x17\n\x0f\x65vents_replayed\x18\x02 \x01(\x04\x12.\n\x0bprojections\x18\x03 \x03(\x0b\x32\x19.kiln.v1.ProjectionReplay\x12\r\n\x05\x65qual\x18\x04 \x01(\x08\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12/\n\x0breplayed_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rhead_position\x18\x07 \x01(\x04\x12\x1a\n\x12quarantined_events\x18\x08 \x01(\x04*\x81\x01\n\nProjection\x12\x1a\n\x16PROJECTION_UNSPECIFIED\x10\x00\x12\x1b\n\x17PROJECTION_COMPILATIONS\x10\x01\x12\x1a\n\x16PROJECTION_EXPERIMENTS\x10\x02\x12\x1e\n\x1aPROJECTION_BEST_CANDIDATES\x10\x03\x32\xbb\x02\n\x06Ledger\x12\x39\n\x06\x41ppend\x12\x16.kiln.v1.AppendRequest\x1a\x17.kiln.v1.AppendResponse\x12\x45\n\nReadStream\x12\x1a.kiln.v1.ReadStreamRequest\x1a\x1b.kiln.v1.ReadStreamResponse\x12<\n\x07ReadAll\x12\x17.kiln.v1.ReadAllRequest\x1a\x16.kiln.v1.RecordedEvent0\x01\x12\x36\n\x05Query\x12\x15.kiln.v1.QueryRequest\x1a\x16.kiln.v1.QueryResponse\x12\x39\n\x06Replay\x12\x16.kiln.v1.ReplayRequest\x1a\x17.kiln.v1.ReplayResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_QUERYREQUEST_FILTERENTRY']._loaded_options = None
   _globals['_QUERYREQUEST_FILTERENTRY']._serialized_options = b'8\001'
-  _globals['_PROJECTION']._serialized_start=1973
-  _globals['_PROJECTION']._serialized_end=2102
+  _globals['_PROJECTION']._serialized_start=1992
+  _globals['_PROJECTION']._serialized_end=2121
   _globals['_EXPECTEDVERSION']._serialized_start=96
   _globals['_EXPECTEDVERSION']._serialized_end=271
   _globals['_EVENTDATA']._serialized_start=273
@@ -46,27 +46,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_APPENDRESPONSE']._serialized_start=526
   _globals['_APPENDRESPONSE']._serialized_end=609
   _globals['_EVENTMETADATA']._serialized_start=611
-  _globals['_EVENTMETADATA']._serialized_end=686
-  _globals['_RECORDEDEVENT']._serialized_start=689
-  _globals['_RECORDEDEVENT']._serialized_end=926
-  _globals['_READSTREAMREQUEST']._serialized_start=928
-  _globals['_READSTREAMREQUEST']._serialized_end=1007
-  _globals['_READSTREAMRESPONSE']._serialized_start=1009
-  _globals['_READSTREAMRESPONSE']._serialized_end=1116
-  _globals['_READALLREQUEST']._serialized_start=1118
-  _globals['_READALLREQUEST']._serialized_end=1231
-  _globals['_QUERYREQUEST']._serialized_start=1234
-  _globals['_QUERYREQUEST']._serialized_end=1422
-  _globals['_QUERYREQUEST_FILTERENTRY']._serialized_start=1377
-  _globals['_QUERYREQUEST_FILTERENTRY']._serialized_end=1422
-  _globals['_QUERYRESPONSE']._serialized_start=1424
-  _globals['_QUERYRESPONSE']._serialized_end=1512
-  _globals['_REPLAYREQUEST']._serialized_start=1514
-  _globals['_REPLAYREQUEST']._serialized_end=1586
-  _globals['_PROJECTIONREPLAY']._serialized_start=1588
-  _globals['_PROJECTIONREPLAY']._serialized_end=1714
-  _globals['_REPLAYRESPONSE']._serialized_start=1717
-  _globals['_REPLAYRESPONSE']._serialized_end=1970
-  _globals['_LEDGER']._serialized_start=2105
-  _globals['_LEDGER']._serialized_end=2420
+  _globals['_EVENTMETADATA']._serialized_end=705
+  _globals['_RECORDEDEVENT']._serialized_start=708
+  _globals['_RECORDEDEVENT']._serialized_end=945
+  _globals['_READSTREAMREQUEST']._serialized_start=947
+  _globals['_READSTREAMREQUEST']._serialized_end=1026
+  _globals['_READSTREAMRESPONSE']._serialized_start=1028
+  _globals['_READSTREAMRESPONSE']._serialized_end=1135
+  _globals['_READALLREQUEST']._serialized_start=1137
+  _globals['_READALLREQUEST']._serialized_end=1250
+  _globals['_QUERYREQUEST']._serialized_start=1253
+  _globals['_QUERYREQUEST']._serialized_end=1441
+  _globals['_QUERYREQUEST_FILTERENTRY']._serialized_start=1396
+  _globals['_QUERYREQUEST_FILTERENTRY']._serialized_end=1441
+  _globals['_QUERYRESPONSE']._serialized_start=1443
+  _globals['_QUERYRESPONSE']._serialized_end=1531
+  _globals['_REPLAYREQUEST']._serialized_start=1533
+  _globals['_REPLAYREQUEST']._serialized_end=1605
+  _globals['_PROJECTIONREPLAY']._serialized_start=1607
+  _globals['_PROJECTIONREPLAY']._serialized_end=1733
+  _globals['_REPLAYRESPONSE']._serialized_start=1736
+  _globals['_REPLAYRESPONSE']._serialized_end=1989
+  _globals['_LEDGER']._serialized_start=2124
+  _globals['_LEDGER']._serialized_end=2439
 # @@protoc_insertion_point(module_scope)

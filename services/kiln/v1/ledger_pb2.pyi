@@ -188,20 +188,26 @@ class EventMetadata(_message.Message):
     CORRELATION_ID_FIELD_NUMBER: _builtins.int
     CAUSATION_ID_FIELD_NUMBER: _builtins.int
     TEAM_FIELD_NUMBER: _builtins.int
+    PRINCIPAL_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     causation_id: _builtins.str
     team: _builtins.str
     """Team identity of the caller that appended the event."""
+    principal: _builtins.str
+    """The verified principal (spiffe://kiln/<kind>/<name>) that appended it; empty when TLS was
+    off or the event predates identities.
+    """
     def __init__(
         self,
         *,
         correlation_id: _builtins.str = ...,
         causation_id: _builtins.str = ...,
         team: _builtins.str = ...,
+        principal: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["causation_id", b"causation_id", "correlation_id", b"correlation_id", "team", b"team"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["causation_id", b"causation_id", "correlation_id", b"correlation_id", "principal", b"principal", "team", b"team"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
