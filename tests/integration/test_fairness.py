@@ -33,7 +33,7 @@ from kiln.agent_runner.config import RunnerConfig
 from kiln.agent_runner.quotas import QuotaSettings, TeamOverride
 from kiln.agent_runner.team_usage import TeamUsage, position_before, recorded_s
 from kiln.common import nats as kn
-from kiln.common.client import team_channel
+from kiln.common.client import FixedIdentity, team_channel, use_client_identity
 from kiln.common.settings import KilnSettings
 from kiln.cost_model.app import create_app as create_cost_model
 from kiln.domain.candidate import REFERENCE_CANDIDATE
@@ -43,6 +43,7 @@ from kiln.ledger.app import LedgerApp
 from kiln.ledger.client import LedgerClient
 from kiln.v1 import common_pb2, compiler_pb2, compiler_pb2_grpc, ledger_pb2
 
+from ..pki import service_tls
 from .fake_pool import FakeEnginePool, Run
 from .serving import serve_in_task
 
@@ -140,7 +141,8 @@ async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
     )
     consumer = WorkConsumer(cfg, pool.settings, pool)
     stop = asyncio.Event()
-    tasks.append(asyncio.create_task(consumer.run(stop)))
+    with use_client_identity(FixedIdentity(service_tls("engine-pool"))):  # its ledger appends
+        tasks.append(asyncio.create_task(consumer.run(stop)))
     await asyncio.wait_for(consumer.connected.wait(), 20)
     runner_task, runner_addr = await _start_runner(cfg)
     workload = common_pb2.Workload(
@@ -150,7 +152,8 @@ async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
     )
     stack = Stack(cfg, runner_addr, runner_task, pool, None, workload)  # type: ignore[arg-type]
     try:
-        async with LedgerClient(ledger_addr, "fairness") as ledger:
+        reader = service_tls("agent-runner")  # reads every team's records
+        async with LedgerClient(ledger_addr, "fairness", tls=reader) as ledger:
             stack.ledger = ledger
             yield stack
     finally:
