@@ -267,6 +267,7 @@ def test_default_trusted_keys_come_from_the_state_dir_and_kiln_trusted_keys(
     (keys / "deploy.pub").write_bytes(public_pem(key.public_key()))
     monkeypatch.setenv("KILN_TRUSTED_KEYS", str(keys))  # a directory of *.pub
     kiln.load_optimized(path).release()
+    kiln.load_optimized(path, trusted_keys=str(keys / "deploy.pub")).release()  # one path
     monkeypatch.setenv("KILN_TRUSTED_KEYS", str(tmp_path / "missing.pub"))
     with pytest.raises(SignatureError, match=r"missing\.pub"):
         kiln.load_optimized(path)

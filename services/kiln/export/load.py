@@ -150,13 +150,13 @@ def _dtype(name: str) -> torch.dtype:
 
 def read_verified(
     artifact_dir: str | Path,
-    trusted_keys: Mapping[str, Ed25519PublicKey] | Iterable[str | Path] | None = None,
+    trusted_keys: Mapping[str, Ed25519PublicKey] | str | Path | Iterable[str | Path] | None = None,
     verify: bool = True,
 ) -> Artifact:
     """The artifact, its signature checked first unless ``verify`` is False.
 
-    ``trusted_keys``: key id -> public key, or paths of PEM public keys (files, or directories
-    of ``*.pub``); None: :func:`kiln.export.signing.default_trusted_keys`.
+    ``trusted_keys``: key id -> public key, or a path or paths of PEM public keys (files, or
+    directories of ``*.pub``); None: :func:`kiln.export.signing.default_trusted_keys`.
 
     Raises:
         kiln.export.signing.SignatureError: unsigned, signed by an unknown key, or altered.
@@ -171,6 +171,8 @@ def read_verified(
         keys: Mapping[str, Ed25519PublicKey] = signing.default_trusted_keys()
     elif isinstance(trusted_keys, Mapping):
         keys = trusted_keys
+    elif isinstance(trusted_keys, str | Path):
+        keys = signing.load_public_keys([trusted_keys])
     else:
         keys = signing.load_public_keys(trusted_keys)
     return parse_artifact(root, signing.verify_artifact(root, keys))
@@ -183,7 +185,7 @@ def load_optimized(
     device: str | None = None,
     dtype: str | None = None,
     max_seq_len: int | None = None,
-    trusted_keys: Mapping[str, Ed25519PublicKey] | Iterable[str | Path] | None = None,
+    trusted_keys: Mapping[str, Ed25519PublicKey] | str | Path | Iterable[str | Path] | None = None,
     verify: bool = True,
 ) -> OptimizedModel:
     """Load an exported winner, at its operating point.
