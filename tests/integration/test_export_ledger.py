@@ -1,16 +1,21 @@
 """``kiln export`` against compilations in the real ledger (in-process ledger server over
-gRPC, real PostgreSQL), then the artifact loaded and checked against the reference."""
+gRPC, real PostgreSQL), then the artifact (signed with the state directory's deployment key)
+loaded and checked against the reference."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 import kiln
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
-from kiln.export.artifact import read_artifact
+from kiln.export.artifact import CANDIDATE, read_artifact
+from kiln.export.signing import SIGNATURE, AlteredArtifact, UnsignedArtifact, key_id
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.model import NewEvent
 from kiln.runtime.environment import environment
@@ -21,6 +26,17 @@ from .events_factory import new_id
 from .serving import run_command
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A state directory of the test's own: the CLI's signing key goes there, and
+    ``load_optimized`` trusts its ``pki/signing.pub`` by default."""
+    state = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("KILN_STATE_DIR", str(state))
+    monkeypatch.delenv("KILN_TRUSTED_KEYS", raising=False)
+    return state
+
 
 WINNER = Candidate.make({"mlp": "handwritten", "qkv_proj": "fused"}, code_modules=[HANDWRITTEN_MLP])
 
@@ -129,13 +145,20 @@ async def _kiln(addr: str, *args: str) -> tuple[int, str]:
     return await run_command("-m", "kiln", "--team", "search", "--ledger-addr", addr, *args)
 
 
-async def test_export_writes_a_loadable_artifact(ledger_addr: str, tmp_path: Path) -> None:
+async def test_export_writes_a_loadable_artifact(
+    ledger_addr: str, tmp_path: Path, _state_dir: Path
+) -> None:
     async with ServiceLedger(ledger_addr, "search") as client:
         cid, eid = await _compilation(client, best=True)
     out = tmp_path / "art"
     code, text = await _kiln(ledger_addr, "export", cid, "--out", str(out))
     assert code == 0, text
     assert "500.0 tokens/s" in text
+    signature = json.loads((out / SIGNATURE).read_text())
+    pub = (_state_dir / "pki" / "signing.pub").read_bytes()
+    public = serialization.load_pem_public_key(pub)
+    assert isinstance(public, Ed25519PublicKey)
+    assert signature["key_id"] == key_id(public) and f"signed by key {key_id(public)[:16]}" in text
     art = read_artifact(out)
     m = art.manifest
     assert art.candidate == WINNER
@@ -155,6 +178,15 @@ async def test_export_writes_a_loadable_artifact(ledger_addr: str, tmp_path: Pat
         opt.release()
     code, text = await _kiln(ledger_addr, "export", cid, "--out", str(out))
     assert code != 0 and "exists and is not an empty directory" in text
+    # the same artifact altered after export, or stripped of its signature: refused
+    original = (out / CANDIDATE).read_text()
+    (out / CANDIDATE).write_text(original.replace("handwritten", "handwrittem", 1))
+    with pytest.raises(AlteredArtifact, match=r"candidate\.json was altered after signing"):
+        kiln.load_optimized(out)
+    (out / CANDIDATE).write_text(original)
+    (out / SIGNATURE).unlink()
+    with pytest.raises(UnsignedArtifact):
+        kiln.load_optimized(out)
     code, text = await _kiln(
         ledger_addr, "export", cid, "--out", str(tmp_path / "b"), "--candidate", WINNER.id
     )

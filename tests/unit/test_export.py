@@ -1,5 +1,6 @@
 """The export artifact (manifest round trip, bad manifests), ``load_optimized`` on CPU against
-the reference forward, and ``python -m kiln.export.reproduce`` in a fresh process."""
+the reference forward, and ``python -m kiln.export.reproduce`` in a fresh process. Artifacts are
+signed with a key of this module's (the signature checks: ``test_export_signing``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kiln.domain.candidate import Candidate, Transform
 from kiln.export.artifact import (
@@ -24,7 +26,8 @@ from kiln.export.artifact import (
     read_artifact,
     write_artifact,
 )
-from kiln.export.load import VersionWarning, load_optimized
+from kiln.export.load import OptimizedModel, VersionWarning, load_optimized
+from kiln.export.signing import key_id, public_pem, sign_artifact
 from kiln.ops import registry
 from kiln.runtime.environment import environment
 from kiln.runtime.transforms import RejectedCandidate
@@ -35,6 +38,8 @@ SWAPS = Candidate.make(
     transforms=[Transform.of("threads", n=1)],
     code_modules=[HANDWRITTEN_MLP],
 )
+
+REPO = str(Path(__file__).parents[2])
 
 
 def _manifest(candidate: Candidate, **env: str) -> Manifest:
@@ -50,8 +55,18 @@ def _manifest(candidate: Candidate, **env: str) -> Manifest:
     )
 
 
+KEY = Ed25519PrivateKey.generate()
+TRUSTED = {key_id(KEY.public_key()): KEY.public_key()}
+
+
 def _artifact(tmp_path: Path, candidate: Candidate = SWAPS, **env: str) -> Path:
-    return write_artifact(tmp_path / "art", _manifest(candidate, **env), candidate, TINY_LLAMA)
+    path = write_artifact(tmp_path / "art", _manifest(candidate, **env), candidate, TINY_LLAMA)
+    sign_artifact(path, KEY)
+    return path
+
+
+def _load(path: Path) -> OptimizedModel:
+    return load_optimized(path, trusted_keys=TRUSTED)
 
 
 def test_manifest_round_trip(tmp_path: Path) -> None:
@@ -103,7 +118,7 @@ def test_load_optimized_matches_the_reference(tmp_path: Path) -> None:
     same weights, at the operating point and after a prefill; release unregisters the
     module's implementation."""
     assert "handwritten" not in registry.implementations("mlp")
-    opt = load_optimized(_artifact(tmp_path))
+    opt = _load(_artifact(tmp_path))
     try:
         assert opt.model.binding.recipe["mlp"] == "handwritten"
         assert len(opt.model.ops.layers) == 2
@@ -129,7 +144,7 @@ def test_load_optimized_matches_the_reference(tmp_path: Path) -> None:
 
 def test_a_wrong_candidate_differs_from_the_reference(tmp_path: Path) -> None:
     zeros = Candidate.make({"attention": "zeros"}, code_modules=[ZEROS_ATTENTION])
-    opt = load_optimized(_artifact(tmp_path, zeros))
+    opt = _load(_artifact(tmp_path, zeros))
     try:
         token = torch.tensor([[5], [17], [300]])
         got = opt.decode_step(token)
@@ -142,22 +157,31 @@ def test_a_wrong_candidate_differs_from_the_reference(tmp_path: Path) -> None:
 def test_versions_that_differ_warn(tmp_path: Path) -> None:
     env = {**environment("cpu"), "torch": "0.0.1"}
     with pytest.warns(VersionWarning, match="torch"):
-        load_optimized(_artifact(tmp_path, **env)).release()
+        _load(_artifact(tmp_path, **env)).release()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_optimized(_artifact(tmp_path / "same")).release()
+        _load(_artifact(tmp_path / "same")).release()
 
 
 def test_cuda_graph_on_cpu_is_rejected(tmp_path: Path) -> None:
     graphed = Candidate.make(transforms=[Transform.of("cuda_graph")])
     with pytest.raises(RejectedCandidate, match="CUDA"):
-        load_optimized(_artifact(tmp_path, graphed))
+        _load(_artifact(tmp_path, graphed))
 
 
 def _reproduce(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    trusted = path.parent / "trusted.pub"
+    trusted.write_bytes(public_pem(KEY.public_key()))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
+        ),
+        "KILN_STATE_DIR": str(path.parent / "state"),
+    }
+    argv = [str(path), "--repeats", "5", "--trusted-key", str(trusted), *extra]
     return subprocess.run(
-        [sys.executable, "-m", "kiln.export.reproduce", str(path), "--repeats", "5", *extra],
+        [sys.executable, "-m", "kiln.export.reproduce", *argv],
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,6 +1,7 @@
 """``kiln export COMPILATION_ID --out DIR [--candidate ID]``: write the artifact of a
-compilation's best (full-tier confirmed) candidate (:mod:`kiln.export.from_ledger`); load it
-with ``kiln.load_optimized(DIR)`` or re-time it with ``python -m kiln.export.reproduce DIR``."""
+compilation's best (full-tier confirmed) candidate (:mod:`kiln.export.from_ledger`), signed with
+the deployment's key (``KILN_STATE_DIR/pki/signing.key``, created on first use); load it with
+``kiln.load_optimized(DIR)`` or re-time it with ``python -m kiln.export.reproduce DIR``."""
 
 from __future__ import annotations
 
@@ -26,19 +27,25 @@ def export(
     ] = None,
 ) -> None:
     """Export a compilation's winner as a standalone artifact directory."""
+    from kiln.cli.context import settings_for
     from kiln.cli.ledger import run_with_ledger
     from kiln.engine_pool.settings import EngineSettings
     from kiln.export.from_ledger import ExportError, export_compilation
+    from kiln.export.signing import SigningKeyError, deployment_key, key_id
 
     try:  # the engine limits of this environment (KILN_ENGINE_*), as a pool here would use
         limits = EngineSettings().limits()
     except ValueError as exc:
         raise CliError(f"KILN_ENGINE_* settings: {exc}") from None
     try:
+        key = deployment_key(settings_for(ctx).state_dir)
+    except (SigningKeyError, OSError) as exc:
+        raise CliError(f"signing key: {exc}") from None
+    try:
         path, manifest = run_with_ledger(
             ctx,
             lambda c: export_compilation(
-                c, compilation_id, out, candidate_id=candidate, limits=limits
+                c, compilation_id, out, key=key, candidate_id=candidate, limits=limits
             ),
         )
     except ExportError as exc:
@@ -47,7 +54,8 @@ def export(
     console.print(
         f"wrote {path}: candidate {manifest.candidate_id[:16]}, "
         f"{m.tokens_per_s:,.1f} tokens/s ({m.tier} tier)"
-        + (f", {m.speedup:.2f}x" if m.speedup else ""),
+        + (f", {m.speedup:.2f}x" if m.speedup else "")
+        + f"; signed by key {key_id(key.public_key())[:16]}",
         markup=False,
         highlight=False,
     )

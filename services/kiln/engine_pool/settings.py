@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kiln.runtime.sandbox.user import GID_ENV, UID_ENV, configured_user
 from kiln.runtime.spec import EngineLimits
 from kiln.runtime.timed_verification import VERIFY_TIMED_STEPS
 
@@ -233,6 +234,26 @@ class EngineSettings(BaseSettings):
         description="Seconds after its last heartbeat at which a pool drops out of the "
         "registry (the TTL of the JetStream key-value bucket; its first creator sets it).",
     )
+
+    # --- the sandbox's user (read by the engine's sandbox host itself; checked here early) --
+    sandbox_uid: str | None = Field(
+        default=None,
+        validation_alias=UID_ENV,
+        description="KILN_SANDBOX_UID: the uid a root engine's sandbox switches to before it "
+        "loads candidate code (1..2^32-2; unset = 65534, nobody). An engine that is not root "
+        "keeps its own user (kiln.runtime.sandbox.user).",
+    )
+    sandbox_gid: str | None = Field(
+        default=None,
+        validation_alias=GID_ENV,
+        description="KILN_SANDBOX_GID: its gid (unset = the uid's group, else the uid).",
+    )
+
+    @model_validator(mode="after")
+    def _check_sandbox_user(self) -> EngineSettings:
+        given = {UID_ENV: self.sandbox_uid, GID_ENV: self.sandbox_gid}
+        configured_user({k: v for k, v in given.items() if v})
+        return self
 
     @field_validator("device")
     @classmethod

@@ -7,8 +7,11 @@ Layout::
     candidate.json       the candidate's canonical JSON (what loads)
     model_config.json    the model's config.json
     code/NN_NAME.py      each code module's source, for reading
+    signature.json       the deployment's signature of all of the above (kiln.export.signing)
 
-:func:`read_artifact` raises :class:`ArtifactError` naming what is wrong.
+:func:`read_artifact` raises :class:`ArtifactError` naming what is wrong; it reads the files
+without checking a signature (``kiln.export.signing.verify_artifact`` does, and
+:func:`parse_artifact` then reads the very bytes it verified).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ MANIFEST = "manifest.json"
 CANDIDATE = "candidate.json"
 MODEL_CONFIG = "model_config.json"
 CODE_DIR = "code"
+CONTENT_FILES = (MANIFEST, CANDIDATE, MODEL_CONFIG)
+"""The files every artifact holds and :func:`parse_artifact` reads (code modules are inside
+``candidate.json``; ``code/`` copies them for reading)."""
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]")
 
 
@@ -119,13 +125,30 @@ def _errors(file: str, exc: ValidationError) -> str:
     return f"{file}: " + "; ".join(parts)
 
 
-def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        raise ArtifactError(f"{path.name} is missing in {path.parent}")
+def _json(name: str, data: bytes) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path.name} is not valid JSON: {exc}") from None
+        raise ArtifactError(f"{name} is not valid JSON: {exc}") from None
+
+
+def artifact_root(path: str | Path) -> Path:
+    """``path`` as an artifact directory; ArtifactError if it is not a directory."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ArtifactError(f"{root} is not an artifact directory")
+    return root
+
+
+def read_files(root: Path) -> dict[str, bytes]:
+    """The bytes of :data:`CONTENT_FILES`; ArtifactError naming one that is missing."""
+    files = {}
+    for name in CONTENT_FILES:
+        path = root / name
+        if not path.is_file():
+            raise ArtifactError(f"{name} is missing in {root}")
+        files[name] = path.read_bytes()
+    return files
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
@@ -168,13 +191,18 @@ def write_artifact(
 
 
 def read_artifact(path: str | Path) -> Artifact:
-    """Read and check an artifact directory; ArtifactError naming the file and field for anything
-    missing, malformed, unsupported or mismatched.
+    """Read and check an artifact directory (its signature unchecked); ArtifactError naming the
+    file and field for anything missing, malformed, unsupported or mismatched.
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise ArtifactError(f"{root} is not an artifact directory")
-    raw = _read_json(root / MANIFEST)
+    root = artifact_root(path)
+    return parse_artifact(root, read_files(root))
+
+
+def parse_artifact(root: Path, files: dict[str, bytes]) -> Artifact:
+    """The artifact from the bytes of its :data:`CONTENT_FILES` (``files``, as read once);
+    ArtifactError as :func:`read_artifact`.
+    """
+    raw = _json(MANIFEST, files[MANIFEST])
     if not isinstance(raw, dict):
         raise ArtifactError(f"{MANIFEST}: expected a JSON object, got {type(raw).__name__}")
     version = raw.get("schema_version")
@@ -187,7 +215,7 @@ def read_artifact(path: str | Path) -> Artifact:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:
         raise ArtifactError(_errors(MANIFEST, exc)) from None
-    body = _read_json(root / CANDIDATE)
+    body = _json(CANDIDATE, files[CANDIDATE])
     try:
         candidate = Candidate.from_canonical(body)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -197,7 +225,7 @@ def read_artifact(path: str | Path) -> Artifact:
             f"{CANDIDATE}: its content id {candidate.id} differs from the manifest's "
             f"candidate_id {manifest.candidate_id} (edited by hand?)"
         )
-    config = _read_json(root / MODEL_CONFIG)
+    config = _json(MODEL_CONFIG, files[MODEL_CONFIG])
     if not isinstance(config, dict):
         raise ArtifactError(f"{MODEL_CONFIG}: expected a JSON object")
     return Artifact(root, manifest, candidate, config)

@@ -4,7 +4,11 @@ The winner is the last ``BestCandidateImproved``, or a given candidate's correct
 experiment. The candidate comes from its ``ExperimentRequested``, figures and versions from its
 ``ExperimentCompleted``, and the model, weights and operating point from the workload as the
 engine pool derives its engines (this environment's ``KILN_ENGINE_*``), the recorded batch and
-context winning.
+context winning. The artifact is signed with the deployment's key (:mod:`kiln.export.signing`).
+
+Who wrote those events matters: a forged ``BestCandidateImproved`` or ``ExperimentCompleted``
+would make its code module the artifact that ``load_optimized`` runs. Every event that decides
+the winner passes :func:`decides_the_winner` first.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from kiln.ledger.convert import recorded_to_domain
 from kiln.runtime.spec import EngineLimits, EngineSpec, engine_operating_point
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     from kiln.ledger.client import LedgerClient
     from kiln.v1 import ledger_pb2
 
@@ -48,13 +54,36 @@ class Winner:
     speedup: float
 
 
+WINNER_EVENT_TYPES = frozenset(
+    {"BestCandidateImproved", "ExperimentRequested", "ExperimentCompleted"}
+)
+"""The events an export's winner, its candidate and its figures come from."""
+
+
+def decides_the_winner(event: ledger_pb2.RecordedEvent) -> bool:
+    """Whether ``event`` may count towards the exported winner: every event that is not one of
+    :data:`WINNER_EVENT_TYPES`, and those appended by a service identity.
+
+    TODO(identity, issue 14 item 1): the ledger's event metadata does not record the appending
+    principal yet (``EventMetadata`` has ``team`` only). When it does, return whether the
+    principal is a service (``spiffe://kiln/service/...`` in docs/design/security.md) for
+    :data:`WINNER_EVENT_TYPES`; until then the ledger's append policy is the only guard, and
+    events appended before it existed are taken as they are.
+    """
+    if event.type not in WINNER_EVENT_TYPES:
+        return True
+    return True  # TODO(identity): the principal of ``event.metadata`` is a service's
+
+
 def compilation_of(events: list[ledger_pb2.RecordedEvent]) -> Compilation:
-    """A compilation folded from its stream's events; ValueError or KeyError on a broken stream."""
+    """A compilation folded from its stream's events (those :func:`decides_the_winner` keeps);
+    ValueError or KeyError on a broken stream."""
     if not events:
         raise ValueError("a compilation stream starts with CompilationSubmitted")
     compilation = Compilation.submitted(recorded_to_domain(events[0]))
     for event in events[1:]:
-        compilation.apply(recorded_to_domain(event))
+        if decides_the_winner(event):
+            compilation.apply(recorded_to_domain(event))
     return compilation
 
 
@@ -120,6 +149,7 @@ async def _experiment(client: LedgerClient, experiment_id: str) -> tuple[Request
     events = [
         recorded_to_domain(e)
         for e in await client.read_stream(streams.experiment_stream(experiment_id))
+        if decides_the_winner(e)
     ]
     req = next((Requested.from_event(e) for e in events if e.type == "ExperimentRequested"), None)
     done = next((Completed.from_event(e) for e in events if e.type == "ExperimentCompleted"), None)
@@ -149,6 +179,8 @@ async def find_winner(
         types=EXPERIMENT_TYPES,
         stream_prefix=streams.EXPERIMENT_PREFIX,
     ):
+        if not decides_the_winner(recorded):
+            continue
         event = recorded_to_domain(recorded)
         if event.data.get("compilation_id") == cid:
             fold_experiment(experiments, event)
@@ -176,10 +208,12 @@ async def export_compilation(
     compilation_id: str,
     out_dir: str | Path,
     *,
+    key: Ed25519PrivateKey,
     candidate_id: str | None = None,
     limits: EngineLimits | None = None,
 ) -> tuple[Path, Manifest]:
-    """Write the artifact of a compilation's winner into ``out_dir``.
+    """Write the artifact of a compilation's winner into ``out_dir``, signed with ``key`` (the
+    deployment's: :func:`kiln.export.signing.deployment_key`).
 
     Raises:
         ExportError: unknown compilation, no winner, or ``out_dir`` not empty.
@@ -200,8 +234,11 @@ async def export_compilation(
     compilation = compilation_of(events)
     winner = await find_winner(client, compilation, candidate_id)
     manifest, config = manifest_for(compilation, winner, limits or EngineLimits())
+    from kiln.export.signing import sign_artifact
+
     try:
         write_artifact(out, manifest, winner.requested.candidate, config)
+        sign_artifact(out, key)
     except ArtifactError as exc:
         raise ExportError(str(exc)) from None
     return out, manifest

@@ -5,18 +5,29 @@ its transforms applied with the engine's own code; the KV cache is filled as an 
 operating point, so :meth:`OptimizedModel.decode_step` runs at the shape the candidate was
 measured at. A reference model over the same weights and cache is kept for checks. Versions that
 differ from the manifest's give a :class:`VersionWarning`, not an error.
+
+Code modules run in the caller's process, so nothing loads before the artifact's signature is
+checked (:mod:`kiln.export.signing`) and everything loaded comes from the bytes it checked.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.export.artifact import Artifact, ArtifactError, read_artifact
+from kiln.export.artifact import (
+    Artifact,
+    ArtifactError,
+    artifact_root,
+    parse_artifact,
+    read_files,
+)
 
 if TYPE_CHECKING:
     import torch
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     from kiln.runtime.reload import RegistrySnapshot
     from kiln.runtime.transforms import AppliedTransforms
@@ -137,6 +148,36 @@ def _dtype(name: str) -> torch.dtype:
     return value
 
 
+def read_verified(
+    artifact_dir: str | Path,
+    trusted_keys: Mapping[str, Ed25519PublicKey] | str | Path | Iterable[str | Path] | None = None,
+    verify: bool = True,
+) -> Artifact:
+    """The artifact, its signature checked first unless ``verify`` is False.
+
+    ``trusted_keys``: key id -> public key, or a path or paths of PEM public keys (files, or
+    directories of ``*.pub``); None: :func:`kiln.export.signing.default_trusted_keys`.
+
+    Raises:
+        kiln.export.signing.SignatureError: unsigned, signed by an unknown key, or altered.
+        ArtifactError: a bad artifact.
+    """
+    root = artifact_root(artifact_dir)
+    if not verify:
+        return parse_artifact(root, read_files(root))
+    from kiln.export import signing
+
+    if trusted_keys is None:
+        keys: Mapping[str, Ed25519PublicKey] = signing.default_trusted_keys()
+    elif isinstance(trusted_keys, Mapping):
+        keys = trusted_keys
+    elif isinstance(trusted_keys, str | Path):
+        keys = signing.load_public_keys([trusted_keys])
+    else:
+        keys = signing.load_public_keys(trusted_keys)
+    return parse_artifact(root, signing.verify_artifact(root, keys))
+
+
 def load_optimized(
     artifact_dir: str | Path,
     *,
@@ -144,6 +185,8 @@ def load_optimized(
     device: str | None = None,
     dtype: str | None = None,
     max_seq_len: int | None = None,
+    trusted_keys: Mapping[str, Ed25519PublicKey] | str | Path | Iterable[str | Path] | None = None,
+    verify: bool = True,
 ) -> OptimizedModel:
     """Load an exported winner, at its operating point.
 
@@ -151,8 +194,14 @@ def load_optimized(
         weights: a ``*.safetensors`` directory (HF names) instead of the manifest's weights.
         device, dtype: default the manifest's.
         max_seq_len: KV-cache tokens per sequence; default ``context_len + 1``.
+        trusted_keys: the keys whose signature is accepted (see :func:`read_verified`); by
+            default the state directory's ``pki/signing.pub`` and ``KILN_TRUSTED_KEYS``.
+        verify: False loads an unsigned or altered artifact, and runs its code modules here:
+            only for one whose origin you trust (artifacts exported before signing).
 
     Raises:
+        kiln.export.signing.UnsignedArtifact, UnknownSigningKey, AlteredArtifact: the signature
+            check refused it (nothing was loaded).
         ArtifactError: a bad artifact.
         kiln.runtime.transforms.RejectedCandidate: an op, implementation or transform this kiln
             does not know, or ``cuda_graph`` on a CPU.
@@ -169,7 +218,7 @@ def load_optimized(
     from kiln.workloads.models import DecoderModel, OpBinding, build_model
     from kiln.workloads.models.binding import BindError, LossyImplementationError
 
-    art = read_artifact(artifact_dir)
+    art = read_verified(artifact_dir, trusted_keys, verify)
     m, op = art.manifest, art.manifest.operating_point
     dev = torch.device(device or op.device)
     dt = _dtype(dtype or op.dtype)

@@ -5,7 +5,9 @@ Loads it, checks the optimized decode step at the operating point and a fresh pr
 step against the reference-ops model with the engine's tolerance rules, then times ``--warmup``
 untimed and ``--repeats`` timed decode steps with the engine's timer. Prints recorded vs
 measured tokens/s, their ratio, the max error and the verdict. Exit status: 0 correct, 1
-outputs differ beyond tolerance, 2 the artifact cannot be loaded.
+outputs differ beyond tolerance, 2 the artifact cannot be loaded (its signature refused included:
+``--trusted-key PEM`` adds a key to the defaults of ``load_optimized``, ``--no-verify`` loads an
+unsigned one).
 """
 
 from __future__ import annotations
@@ -75,9 +77,12 @@ def reproduce(
     warmup: int = 3,
     repeats: int = 20,
     seed: int = 0,
+    trusted_keys: list[str] | None = None,
+    verify: bool = True,
 ) -> Reproduction:
-    """Load, check and time an artifact; ArtifactError for a bad artifact, ValueError if
-    ``repeats`` < 1.
+    """Load (its signature checked, as :func:`~kiln.export.load.load_optimized`), check and time
+    an artifact; ArtifactError for a bad or refused artifact, ValueError if ``repeats`` < 1.
+    ``trusted_keys``: PEM public key paths trusted besides the defaults.
     """
     import torch
 
@@ -94,7 +99,12 @@ def reproduce(
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    opt = load_optimized(artifact, device=device, weights=weights)
+    keys = None
+    if trusted_keys and verify:
+        from kiln.export import signing
+
+        keys = {**signing.default_trusted_keys(), **signing.load_public_keys(trusted_keys)}
+    opt = load_optimized(artifact, device=device, weights=weights, trusted_keys=keys, verify=verify)
     try:
         m = opt.artifact.manifest
         rtol = LOSSY_RTOL if m.lossy else rtol_for(opt.dtype)
@@ -174,6 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default=None, help="write the figures here")
     parser.add_argument("--repeats", type=int, default=20, help="timed decode steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    parser.add_argument(
+        "--trusted-key",
+        action="append",
+        default=[],
+        metavar="PEM",
+        help="a public key (file, or directory of *.pub) trusted besides KILN_STATE_DIR's "
+        "pki/signing.pub and KILN_TRUSTED_KEYS (repeatable)",
+    )
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="load without checking the signature (its code modules run here)",
+    )
     args = parser.parse_args(argv)
     try:
         r = reproduce(
@@ -182,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             weights=args.weights,
             warmup=args.warmup,
             repeats=args.repeats,
+            trusted_keys=args.trusted_key,
+            verify=not args.no_verify,
         )
     except (ArtifactError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

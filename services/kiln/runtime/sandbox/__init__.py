@@ -7,6 +7,8 @@ their seed, the choice of verified steps, the comparison, the tolerances and the
 - :mod:`.memory`: the weights in a sealed memfd (CPU) or behind CUDA IPC handles, and the
   shared output buffer.
 - :mod:`.confine`: the sandbox's environment, rlimits, namespaces and Landlock domain.
+- :mod:`.user`: the unprivileged user a root engine's sandbox becomes; :mod:`.view`: the mount
+  namespace that keeps what it needs readable to that user.
 - :mod:`.server`: the sandbox process.
 - :mod:`.host`: the judge's side, and the stand-in model the gate drives.
 """

@@ -4,14 +4,19 @@ docs/design/engine.md, "Sandbox").
 The judge starts it with :func:`sandbox_environment` (a short allow-list: no ``KILN_*``,
 database, NATS or cloud credentials) and only its socket and shared-memory descriptors open.
 The process then confines itself (:func:`confine`), before importing torch or reading a
-candidate: it dies with the judge (``PR_SET_PDEATHSIG``), gains no privileges
+candidate: started as root, it becomes an unprivileged user for good (:mod:`.user`); it dies
+with the judge (``PR_SET_PDEATHSIG``, set again after the switch, which clears it), gains no
+privileges
 (``PR_SET_NO_NEW_PRIVS``), has no core dumps, at most ``RLIMIT_NOFILE`` descriptors, files of at
 most ``RLIMIT_FSIZE``, a lifetime CPU cap and (CPU engines) an address-space cap; where the
 kernel lets an unprivileged process, it leaves the host's network (a new user and network
 namespace: only a loopback that is down) and enters a Landlock domain (writes only beneath its
 own directory and ``/dev``, no TCP bind or connect, no signals or abstract-socket connections
 to processes outside, and, as in any Landlock domain, no ptrace or ``/proc/<pid>/mem`` of the
-judge). Each step that the host refuses is reported, not fatal.
+judge). The order matters: the user first (the private view it may need takes root, and a
+user namespace made as root would still own root's files), then the namespaces (an unprivileged
+user may still make them) and Landlock last. Each step that the host refuses is reported, not
+fatal.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import resource
 import signal
 import struct
 from collections.abc import Mapping
+
+from kiln.runtime.sandbox.user import SandboxUser, drop_to
 
 ENV_ALLOWED = (
     "PATH",
@@ -154,17 +161,41 @@ def _landlock(libc: ctypes.CDLL, writable: list[str]) -> str:
     return ""
 
 
-def confine(
-    judge_pid: int, home: str, *, address_space: int = 0, network: bool = True
-) -> list[str]:
-    """Confine this process (module docstring); returns what the host refused, one line each.
-    ``network``: also leave the host's network namespace (off where CUDA IPC needs the host's).
-    Exits at once if the judge (``judge_pid``) is already gone."""
-    libc = _libc()
-    notes: list[str] = []
+def _die_with(libc: ctypes.CDLL, judge_pid: int) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != judge_pid:
         os._exit(70)
+
+
+def confine(
+    judge_pid: int,
+    home: str,
+    *,
+    address_space: int = 0,
+    network: bool = True,
+    user: SandboxUser | None = None,
+) -> list[str]:
+    """Confine this process (module docstring); returns what the host refused, one line each.
+    ``network``: also leave the host's network namespace (off where CUDA IPC needs the host's).
+    ``user``: the user to become (the judge sends one when it is root; None: keep this one).
+    Exits at once if the judge (``judge_pid``) is already gone."""
+    libc = _libc()
+    notes: list[str] = []
+    _die_with(libc, judge_pid)
+    if user is None and os.geteuid() == 0:
+        notes.append("unprivileged user: none asked for, the sandbox stays root")
+    elif user is None:
+        notes.append(
+            f"unprivileged user: the engine runs as uid {os.geteuid()}, not root, and the "
+            "sandbox keeps that user"
+        )
+    elif os.geteuid() != 0:
+        notes.append(f"unprivileged user: started as uid {os.geteuid()}, not root: kept")
+    else:
+        refused = drop_to(user, home)
+        if refused:
+            notes.append(f"unprivileged user: {refused}")
+        _die_with(libc, judge_pid)  # a change of credentials clears the parent-death signal
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         notes.append(f"no_new_privs: {_errno_text()}")
     notes += _rlimits(address_space)

@@ -33,6 +33,7 @@ from kiln.runtime.sandbox import tensors, wire
 from kiln.runtime.sandbox.confine import sandbox_environment
 from kiln.runtime.sandbox.memory import SharedBuffer, SharedWeights, written_kib
 from kiln.runtime.sandbox.server import BOOT
+from kiln.runtime.sandbox.user import SandboxUser, host_user
 from kiln.runtime.spec import EngineSpec
 from kiln.runtime.transforms import RejectedCandidate
 
@@ -100,6 +101,9 @@ class SandboxHost:
         spec: the engine's spec (after any batch fitting). weights: the judge's shared weights.
         vocab: logits per row. threads: intra-op threads of the sandbox.
         address_space: ``RLIMIT_AS`` of the sandbox, bytes (0: none; CPU engines only).
+        user: the unprivileged user the sandbox becomes (default: ``KILN_SANDBOX_UID`` /
+            ``KILN_SANDBOX_GID`` when this process is root, else none:
+            :func:`~kiln.runtime.sandbox.user.host_user`); its directory is made that user's.
 
     Attributes:
         restarts: sandboxes replaced. confinement: what the host refused when confining the
@@ -114,6 +118,7 @@ class SandboxHost:
         vocab: int,
         threads: int,
         address_space: int = 0,
+        user: SandboxUser | None = None,
     ) -> None:
         self.spec = spec
         self.weights = weights
@@ -122,6 +127,9 @@ class SandboxHost:
         self.threads = threads
         self.address_space = address_space
         self.home = tempfile.mkdtemp(prefix="kiln-sandbox-")
+        self.user = user if user is not None else host_user()
+        if self.user is not None:
+            self.user.own(self.home)
         self.restarts = 0
         self.confinement: list[str] = []
         self.last_report: dict[str, Any] = {}
@@ -175,6 +183,7 @@ class SandboxHost:
                 "weights_bytes": self.weights.nbytes,
                 "out": {"fd": self.out.fd, "nbytes": self.out.nbytes, "ipc": self.out.ipc},
                 "address_space": self.address_space,
+                "user": None if self.user is None else {"uid": self.user.uid, "gid": self.user.gid},
                 # CUDA IPC may need the host's namespaces; TCP is still refused (Landlock)
                 "unshare_network": self.device.type != "cuda",
             },

@@ -44,17 +44,20 @@ TRACEBACK_CHARS = 1500
 def main() -> None:
     """Entry point (``BOOT``): argv is ``<socket fd> <judge pid> <home> <paths>``."""
     from kiln.runtime.sandbox.confine import confine
+    from kiln.runtime.sandbox.user import SandboxUser
 
     fd, judge_pid, home = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     sock = socket.socket(fileno=fd)
     from kiln.runtime.sandbox import wire
 
     hello, _ = wire.receive(sock)
+    user = hello.get("user")
     refused = confine(
         judge_pid,
         home,
         address_space=int(hello.get("address_space", 0)),
         network=bool(hello.get("unshare_network", True)),
+        user=SandboxUser(int(user["uid"]), int(user["gid"])) if user else None,
     )
     try:
         server = _Server(sock, hello)
