@@ -235,3 +235,26 @@ def test_reproduce_flags_a_noisy_timing() -> None:
     noisy = Reproduction(**{**quiet.__dict__, "p10_ms": 378.0, "p90_ms": 1617.0})
     (note,) = [line for line in report_lines(noisy) if line.startswith("note")]
     assert "noisy timing: p10-p90 spans 465% of the median" in note
+
+
+@pytest.mark.parametrize(
+    ("event_type", "principal", "counts"),
+    [
+        ("BestCandidateImproved", "spiffe://kiln/service/agent-runner", True),
+        ("ExperimentCompleted", "spiffe://kiln/service/engine-pool", True),
+        ("BestCandidateImproved", "spiffe://kiln/team/mallory", False),
+        ("ExperimentCompleted", "spiffe://kiln/operator/admin", False),
+        ("ExperimentRequested", "spiffe://kiln/team/mallory", False),
+        ("ExperimentCompleted", "", True),  # recorded before identities (or with TLS off)
+        ("CompilationSubmitted", "spiffe://kiln/team/alpha", True),  # not a winner event
+    ],
+)
+def test_only_service_identities_decide_the_exported_winner(
+    event_type: str, principal: str, counts: bool
+) -> None:
+    from kiln.export.from_ledger import decides_the_winner
+    from kiln.v1 import ledger_pb2
+
+    event = ledger_pb2.RecordedEvent(type=event_type)
+    event.metadata.principal = principal
+    assert decides_the_winner(event) is counts

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln.common.errors import InvalidArgument, NotFound
+from kiln.common.identity import SPIFFE_PREFIX
 from kiln.domain import streams
 from kiln.domain.compilation import EXPERIMENT_TYPES, Compilation
 from kiln.domain.experiment import Completed, ExperimentRecord, Requested, fold_experiment
@@ -59,20 +60,19 @@ WINNER_EVENT_TYPES = frozenset(
 )
 """The events an export's winner, its candidate and its figures come from."""
 
+SERVICE_PRINCIPAL_PREFIX = SPIFFE_PREFIX + "service/"
+"""How a service identity's principal starts."""
+
 
 def decides_the_winner(event: ledger_pb2.RecordedEvent) -> bool:
     """Whether ``event`` may count towards the exported winner: every event that is not one of
-    :data:`WINNER_EVENT_TYPES`, and those appended by a service identity.
-
-    TODO(identity, issue 14 item 1): the ledger's event metadata does not record the appending
-    principal yet (``EventMetadata`` has ``team`` only). When it does, return whether the
-    principal is a service (``spiffe://kiln/service/...`` in docs/design/security.md) for
-    :data:`WINNER_EVENT_TYPES`; until then the ledger's append policy is the only guard, and
-    events appended before it existed are taken as they are.
-    """
+    :data:`WINNER_EVENT_TYPES`, and those appended by a service identity
+    (``spiffe://kiln/service/...``, docs/design/security.md). An event with no recorded principal
+    (appended before identities existed, or with ``KILN_TLS=off``) is taken as it is."""
     if event.type not in WINNER_EVENT_TYPES:
         return True
-    return True  # TODO(identity): the principal of ``event.metadata`` is a service's
+    principal = event.metadata.principal
+    return not principal or principal.startswith(SERVICE_PRINCIPAL_PREFIX)
 
 
 def compilation_of(events: list[ledger_pb2.RecordedEvent]) -> Compilation:
