@@ -24,10 +24,13 @@ import psycopg
 import pytest
 
 from kiln.common import nats as kn
-from kiln.common.client import team_channel, wait_healthy
+from kiln.common.client import FixedIdentity, team_channel, use_client_identity, wait_healthy
 from kiln.common.errors import Unavailable
+from kiln.common.pki import CA_CERT, CERT, KEY
+from kiln.common.tls import load_material
 from kiln.embedded.endpoints import Endpoints
 from kiln.embedded.lock import state_lock
+from kiln.embedded.nats_auth import NatsPasswords
 from kiln.embedded.process import process_alive, read_pid
 from kiln.ledger.client import LedgerClient
 from kiln.ledger.db import create_engine, libpq_dsn
@@ -91,9 +94,22 @@ async def _healthy_again(env: dict[str, str], timeout_s: float) -> None:
         await asyncio.sleep(0.5)
 
 
-async def _redelivered(nats_url: str) -> int:
+async def _operator_nats(nats_url: str, state_dir: Path) -> nats.NATS:
+    """A connection as the embedded NATS's ``operator`` user (kiln up's password file)."""
+    credentials = NatsPasswords.of_state_dir(state_dir).credentials("operator")
+    assert credentials is not None, "kiln up wrote no operator password"
+    return await kn.connect(nats_url, "recovery-drill", credentials=credentials)
+
+
+def _acting_as_team(state_dir: Path, team: str) -> FixedIdentity:
+    """The client identity of ``team``'s certificate, which kiln up issued (KILN_TEAM)."""
+    path = state_dir / "pki" / "teams" / team
+    return FixedIdentity(load_material(path / CA_CERT, path / CERT, path / KEY, fix="kiln up"))
+
+
+async def _redelivered(nats_url: str, state_dir: Path) -> int:
     """Work items JetStream delivered more than once, over every work consumer."""
-    nc = await nats.connect(nats_url)
+    nc = await _operator_nats(nats_url, state_dir)
     try:
         infos = await nc.jetstream().consumers_info(kn.work_stream_name("kiln"))
         return sum(info.num_redelivered or 0 for info in infos)
@@ -101,7 +117,7 @@ async def _redelivered(nats_url: str) -> int:
         await nc.close()
 
 
-async def _events_published_once(database_url: str, nats_url: str) -> None:
+async def _events_published_once(database_url: str, nats_url: str, state_dir: Path) -> None:
     """Every event in PostgreSQL is on the events stream, once (after the outbox drained)."""
     dsn = libpq_dsn(database_url)
     for _ in range(300):
@@ -112,7 +128,7 @@ async def _events_published_once(database_url: str, nats_url: str) -> None:
         await asyncio.sleep(0.1)
     with psycopg.connect(dsn) as conn:
         stored = {str(r[0]) for r in conn.execute("SELECT event_id FROM events").fetchall()}
-    nc = await nats.connect(nats_url)
+    nc = await _operator_nats(nats_url, state_dir)
     try:
         js = nc.jetstream()
         name = kn.events_stream_name("kiln")
@@ -138,85 +154,92 @@ async def test_kiln_recovers_from_outages_and_kills_without_a_person(tmp_path: P
     state_dir = Path(env["KILN_STATE_DIR"])
     try:
         await asyncio.to_thread(kiln, env, "up")
-        endpoints = Endpoints.read(state_dir / "endpoints.json")
-        assert endpoints is not None
-        db, nats_url = endpoints.database_url, endpoints.nats_url
-        addrs = endpoints.services
-        # coordinate descent walks op swaps before torch_compile: short experiments on a CPU
-        request = _submit_request(_tiny_llama(tmp_path), 400, MAX_EXPERIMENTS, ["coordinate"])
-        async with team_channel(addrs["agent-runner"], "e2e") as ch:
-            submitted = await compiler_pb2_grpc.CompilerStub(ch).Submit(request, timeout=60)
-        cid = submitted.compilation_id
-        await _wait_for(db, cid, "ExperimentCompleted", 2, timeout_s=180)
-
-        # 1. PostgreSQL killed while an experiment runs, and kept down.
-        await _busy_engine(addrs["engine-pool"], timeout_s=60)
-        with state_lock(state_dir):
-            _kill(read_pid(state_dir / "postgres" / "postmaster.pid"), "postgres")
-            downed = time.monotonic()
-            await asyncio.sleep(1.0)
-            async with LedgerClient(addrs["ledger"], "e2e", timeout_s=5) as ledger:
-                with pytest.raises(Unavailable, match="database is unavailable"):
-                    await ledger.read_stream(f"compilation-{cid}")
-            await asyncio.sleep(max(0.0, OUTAGE_S - (time.monotonic() - downed)))
-        await _healthy_again(env, 90)
-        pool_log = (state_dir / "logs" / "engine-pool.log").read_text()
-        assert "work.ledger_unavailable" in pool_log, "no work item waited for the ledger"
-        assert await _redelivered(nats_url) == 0, "waiting for the ledger spent a delivery"
-        before = sum(e["type"] == "ExperimentCompleted" for e in _events_of(db, cid))
-        await _wait_for(db, cid, "ExperimentCompleted", before + 1, timeout_s=120)
-
-        # 2. NATS killed and kept down.
-        with state_lock(state_dir):
-            _kill(read_pid(state_dir / "nats" / "nats-server.pid"), "nats")
-            await asyncio.sleep(OUTAGE_S)
-        await _healthy_again(env, 90)
-        before = sum(e["type"] == "ExperimentCompleted" for e in _events_of(db, cid))
-        await _wait_for(db, cid, "ExperimentCompleted", before + 1, timeout_s=120)
-
-        # 3. Every service SIGKILLed at once: each is back and healthy within seconds.
-        assert not any(e["type"] == "CompilationEnded" for e in _events_of(db, cid)), (
-            "the compilation ended before the drill did: give it more budget"
-        )
-        killed = {
-            name: _kill(read_pid(state_dir / "run" / f"{name}.pid"), name) for name in SERVICES
-        }
-        await asyncio.gather(*(wait_healthy(addrs[name], 60) for name in SERVICES))
-        for name, pid in killed.items():
-            assert read_pid(state_dir / "run" / f"{name}.pid") != pid, f"{name} not restarted"
-        await _healthy_again(env, 60)
-
-        # The compilation finishes by its budget, nothing lost, duplicated or misblamed.
-        events = await _wait_for(db, cid, "CompilationEnded", 1, timeout_s=400)
-        _assert_sound(events, MAX_EXPERIMENTS)
-        end = events[-1]["data"]
-        assert end["reason"].startswith(
-            f"the experiment budget is spent ({MAX_EXPERIMENTS} of {MAX_EXPERIMENTS}"
-        ), end
-        results = [e["data"] for e in events if e["type"] == "ExperimentCompleted"]
-        blamed = [
-            (d["status"], d["error"])
-            for d in results
-            if any(words in d["error"] for words in INFRASTRUCTURE_ERRORS)
-        ]
-        assert not blamed, blamed
-        await _events_published_once(db, nats_url)
-        engine = create_engine(db)
-        try:
-            for _ in range(100):
-                report = await replay(engine)
-                if report.checkpoint_position >= events[-1]["position"]:
-                    break
-                await asyncio.sleep(0.1)
-            assert report.equal, [p.differences for p in report.projections]
-        finally:
-            await engine.dispose()
-        supervisor_log = (state_dir / "logs" / "supervisor.log").read_text().splitlines()
-        restarted = Counter(
-            json.loads(line)["service"] for line in supervisor_log if '"event": "restarted"' in line
-        )
-        assert set(restarted) >= {"postgres", "nats", *SERVICES}, restarted
+        with use_client_identity(_acting_as_team(state_dir, env["KILN_TEAM"])):
+            await _drill(env, state_dir, tmp_path)
     finally:
         out = await asyncio.to_thread(kiln, env, "down", check=False)
         if out.returncode != 0:
             sys.stderr.write(out.stderr)
+
+
+async def _drill(env: dict[str, str], state_dir: Path, tmp_path: Path) -> None:
+    """The drill on a kiln that is up (the test's body, as its team)."""
+    endpoints = Endpoints.read(state_dir / "endpoints.json")
+    assert endpoints is not None
+    db, nats_url = endpoints.database_url, endpoints.nats_url
+    addrs = endpoints.services
+    # coordinate descent walks op swaps before torch_compile: short experiments on a CPU
+    request = _submit_request(_tiny_llama(tmp_path), 400, MAX_EXPERIMENTS, ["coordinate"])
+    async with team_channel(addrs["agent-runner"], "e2e") as ch:
+        submitted = await compiler_pb2_grpc.CompilerStub(ch).Submit(request, timeout=60)
+    cid = submitted.compilation_id
+    await _wait_for(db, cid, "ExperimentCompleted", 2, timeout_s=180)
+
+    # 1. PostgreSQL killed while an experiment runs, and kept down.
+    await _busy_engine(addrs["engine-pool"], timeout_s=60)
+    with state_lock(state_dir):
+        _kill(read_pid(state_dir / "postgres" / "postmaster.pid"), "postgres")
+        downed = time.monotonic()
+        await asyncio.sleep(1.0)
+        async with LedgerClient(addrs["ledger"], "e2e", timeout_s=5) as ledger:
+            with pytest.raises(Unavailable, match="database is unavailable"):
+                await ledger.read_stream(f"compilation-{cid}")
+        await asyncio.sleep(max(0.0, OUTAGE_S - (time.monotonic() - downed)))
+    await _healthy_again(env, 90)
+    pool_log = (state_dir / "logs" / "engine-pool.log").read_text()
+    assert "work.ledger_unavailable" in pool_log, "no work item waited for the ledger"
+    assert await _redelivered(nats_url, state_dir) == 0, "waiting for the ledger spent a delivery"
+    before = sum(e["type"] == "ExperimentCompleted" for e in _events_of(db, cid))
+    await _wait_for(db, cid, "ExperimentCompleted", before + 1, timeout_s=120)
+
+    # 2. NATS killed and kept down.
+    with state_lock(state_dir):
+        _kill(read_pid(state_dir / "nats" / "nats-server.pid"), "nats")
+        await asyncio.sleep(OUTAGE_S)
+    await _healthy_again(env, 90)
+    before = sum(e["type"] == "ExperimentCompleted" for e in _events_of(db, cid))
+    await _wait_for(db, cid, "ExperimentCompleted", before + 1, timeout_s=120)
+
+    # 3. Every service SIGKILLed at once: each is back and healthy within seconds.
+    assert not any(e["type"] == "CompilationEnded" for e in _events_of(db, cid)), (
+        "the compilation ended before the drill did: give it more budget"
+    )
+    killed = {name: _kill(read_pid(state_dir / "run" / f"{name}.pid"), name) for name in SERVICES}
+    await asyncio.gather(*(wait_healthy(addrs[name], 60) for name in SERVICES))
+    for name, pid in killed.items():
+        assert read_pid(state_dir / "run" / f"{name}.pid") != pid, f"{name} not restarted"
+    await _healthy_again(env, 60)
+
+    # The compilation finishes by its budget, nothing lost, duplicated or misblamed.
+    events = await _wait_for(db, cid, "CompilationEnded", 1, timeout_s=400)
+    _assert_sound(events, MAX_EXPERIMENTS)
+    end = events[-1]["data"]
+    assert end["reason"].startswith(
+        f"the experiment budget is spent ({MAX_EXPERIMENTS} of {MAX_EXPERIMENTS}"
+    ), end
+    results = [e["data"] for e in events if e["type"] == "ExperimentCompleted"]
+    blamed = [
+        (d["status"], d["error"])
+        for d in results
+        if any(words in d["error"] for words in INFRASTRUCTURE_ERRORS)
+    ]
+    assert not blamed, blamed
+    await _events_published_once(db, nats_url, state_dir)
+    engine = create_engine(db)
+    try:
+        for _ in range(100):
+            report = await replay(engine)
+            if report.checkpoint_position >= events[-1]["position"]:
+                break
+            await asyncio.sleep(0.1)
+        assert report.equal, [p.differences for p in report.projections]
+    finally:
+        await engine.dispose()
+    supervisor_log = (state_dir / "logs" / "supervisor.log").read_text().splitlines()
+    restarted = Counter(
+        json.loads(line)["service"] for line in supervisor_log if '"event": "restarted"' in line
+    )
+    assert set(restarted) >= {"postgres", "nats", *SERVICES}, restarted
+    for name in SERVICES:  # restarted as themselves: each with its own NATS user and certificate
+        log = (state_dir / "logs" / f"{name}.log").read_text().lower()
+        assert "permissions violation" not in log and "permission_denied" not in log, name

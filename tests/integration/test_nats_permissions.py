@@ -31,11 +31,11 @@ from kiln.embedded.nats_auth import NATS_USERS, NatsPasswords
 from kiln.engine_pool.registry import PoolRecord, Registry
 from kiln.engine_pool.settings import EngineSettings
 from kiln.ledger.app import LedgerApp
-from kiln.ledger.client import LedgerClient
 from kiln.ledger.events_feed import EventsFeed
 from kiln.ledger.model import NewEvent
 
 from ..databases import scratch_database
+from ..pki import ServiceLedger
 from ..unit.runtime_app import free_port
 from .serving import serve_in_task
 
@@ -170,7 +170,7 @@ async def test_the_ledger_publishes_events_and_the_cli_follows_them(
             },
         )
         try:
-            async with LedgerClient(addr, team="nats-auth") as ledger:
+            async with ServiceLedger(addr, "nats-auth") as ledger:  # appends as the runner
                 await ledger.append(stream, [event], "no_stream")
             cli = await streams.service("cli")  # the outbox publishes as the ledger user
             try:
@@ -280,7 +280,9 @@ async def test_the_engine_pool_takes_work_acks_it_and_keeps_its_registry(
 
 
 # --- the drills ------------------------------------------------------------------------------
-OTHERS = [u for u in NATS_USERS if u != "engine-pool"]
+SERVICE_USERS = [u for u in NATS_USERS if u != "operator"]
+"""Every user but ``operator``, the deployment's owner (its own test below)."""
+OTHERS = [u for u in SERVICE_USERS if u != "engine-pool"]
 
 
 @pytest.mark.asyncio
@@ -342,7 +344,7 @@ async def test_only_the_owner_publishes_to_a_stream(
     subject = subject_of(streams.prefix)  # type: ignore[operator]
     publisher = "ledger" if kind == "events" else "agent-runner"
     before = await _messages(streams, kind)
-    for user in (u for u in NATS_USERS if u != publisher):
+    for user in (u for u in SERVICE_USERS if u != publisher):
         errors: list[str] = []
         nc = await streams.raw(user, errors)
         try:
@@ -371,11 +373,12 @@ async def test_nobody_deletes_streams_and_only_owners_create_them(
                 await js.delete_stream(kn.stream_name(prefix, kind))
             with pytest.raises(nats.errors.TimeoutError):
                 await js.purge_stream(kn.stream_name(prefix, kind))
-            if kn.STREAM_OWNERS[kind] != user:
+            if kn.STREAM_OWNERS[kind] != user and user != "operator":
                 with pytest.raises(nats.errors.TimeoutError):
                     await kn.ensure_streams(js, prefix, (kind,))
-        with pytest.raises(nats.errors.TimeoutError):  # a stream capturing the work subjects
-            await js.add_stream(StreamConfig(name="EVIL", subjects=[f"{prefix}.work.>"]))
+        if user != "operator":  # the owner of the deployment may make streams
+            with pytest.raises(nats.errors.TimeoutError):  # one capturing the work subjects
+                await js.add_stream(StreamConfig(name="EVIL", subjects=[f"{prefix}.work.>"]))
     finally:
         await nc.close()
     for kind in kn.STREAM_KINDS:  # all still there
@@ -406,3 +409,18 @@ async def test_the_cli_cannot_redirect_the_events_into_the_work_queue(streams: S
         await ledger.close()
         await cli.close()
     assert await _messages(streams, "work") == before
+
+
+@pytest.mark.asyncio
+async def test_the_operator_inspects_every_stream_and_its_consumers(streams: Server) -> None:
+    """The deployment's owner reads what no service may (every stream's consumers: the recovery
+    drill counts redeliveries this way); deleting is refused above."""
+    nc = await streams.service("operator")
+    try:
+        js = nc.jetstream(timeout=5.0)
+        for kind in kn.STREAM_KINDS:
+            name = kn.stream_name(streams.prefix, kind)
+            assert (await js.stream_info(name)).config.name == name
+            assert isinstance(await js.consumers_info(name), list)
+    finally:
+        await nc.close()

@@ -43,7 +43,14 @@ def test_stream_management_is_the_owners_and_nobody_deletes() -> None:
     managed = {kn.stream_name("kiln", kind): owner for kind, owner in kn.STREAM_OWNERS.items()} | {
         f"KV_{kn.registry_bucket('kiln')}": "engine-pool"
     }
+    operator = table.pop("operator")  # the deployment's owner: everything but deleting
+    assert operator.publish[-1] == ">" and set(operator.deny_publish) == {
+        "$JS.API.STREAM.DELETE.>",
+        "$JS.API.STREAM.PURGE.>",
+        "$JS.API.STREAM.MSG.DELETE.>",
+    }
     for user, perms in table.items():
+        assert perms.deny_publish == ()
         for subject in perms.publish:
             assert not subject.startswith(("$JS.API.>", "$JS.>", ">", "$JS.API.*")), subject
             assert ".DELETE." not in subject or subject.startswith("$JS.API.CONSUMER.DELETE.")

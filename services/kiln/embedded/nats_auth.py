@@ -25,9 +25,11 @@ from typing import Final
 from kiln.common import nats as kn
 from kiln.common.settings import NATS_CREDENTIALS_DIR
 
-NATS_USERS: Final = ("ledger", "engine-pool", "agent-runner", "cost-model", "cli")
-"""The users: the four services (``kiln serve NAME``) and ``cli``, what the CLI does on NATS
-(``kiln ledger subscribe``, ``kiln status``)."""
+NATS_USERS: Final = ("ledger", "engine-pool", "agent-runner", "cost-model", "cli", "operator")
+"""The users: the four services (``kiln serve NAME``), ``cli``, what the CLI does on NATS
+(``kiln ledger subscribe``, ``kiln status``), and ``operator``, the deployment's owner
+(inspection and repair: every subject, like the CA key its password stays in the state
+directory; no service is given it)."""
 
 _JS: Final = "$JS.API"
 
@@ -38,6 +40,8 @@ class Permissions:
 
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
+    deny_publish: tuple[str, ...] = ()
+    """Subjects refused even where ``publish`` allows them (the operator's)."""
 
 
 def _reader(stream: str, *, delete: bool = False) -> list[str]:
@@ -114,14 +118,26 @@ def permissions(prefix: str) -> dict[str, Permissions]:
         "cost-model": ([], []),
         # `kiln ledger subscribe`: reads the events stream.
         "cli": (_reader(events, delete=True), []),
+        # The deployment's owner: everything but deleting or purging (inspecting consumers,
+        # repairing streams).
+        "operator": ([">"], [">"]),
     }
     return {
         user: Permissions(
             publish=(f"{_JS}.INFO", *pub),
             subscribe=(f"{kn.inbox_prefix(user)}.>", *sub),
+            deny_publish=NO_DELETE if user == "operator" else (),
         )
         for user, (pub, sub) in table.items()
     }
+
+
+NO_DELETE: Final = (
+    f"{_JS}.STREAM.DELETE.>",
+    f"{_JS}.STREAM.PURGE.>",
+    f"{_JS}.STREAM.MSG.DELETE.>",
+)
+"""What not even the operator may publish: a stream's record is never deleted or purged."""
 
 
 # --- the server configuration -------------------------------------------------------------
@@ -145,16 +161,18 @@ def render_authorization(prefix: str, passwords: Mapping[str, str]) -> str:
     """
     perms = permissions(prefix)
 
-    def subjects(items: tuple[str, ...]) -> str:
+    def subjects(items: tuple[str, ...], deny: tuple[str, ...] = ()) -> str:
         inner = "".join(f"            {_quote(item)}\n" for item in items)
-        return "{\n          allow: [\n" + inner + "          ]\n        }"
+        denied = "".join(f"            {_quote(item)}\n" for item in deny)
+        refused = "          deny: [\n" + denied + "          ]\n" if deny else ""
+        return "{\n          allow: [\n" + inner + "          ]\n" + refused + "        }"
 
     entries = [
         "    {\n"
         f"      user: {_quote(user)}\n"
         f"      password: {_password(passwords[user])}\n"
         "      permissions: {\n"
-        f"        publish: {subjects(perms[user].publish)}\n"
+        f"        publish: {subjects(perms[user].publish, perms[user].deny_publish)}\n"
         f"        subscribe: {subjects(perms[user].subscribe)}\n"
         "      }\n"
         "    }"

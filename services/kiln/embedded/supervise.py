@@ -67,7 +67,7 @@ def _spawner(
         recorded = supervisor.recorded()
         if recorded is not None and svc.name in recorded.services:
             svc.addr = recorded.services[svc.name]
-        svc.spawn(env, cwd=supervisor.state_dir)
+        svc.spawn(supervisor.env_for(svc.name, env), cwd=supervisor.state_dir)
 
     return spawn
 

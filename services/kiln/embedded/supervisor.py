@@ -165,7 +165,7 @@ class Supervisor:
         if taken:
             raise RuntimeError("\n".join(taken))
         for svc in to_start:
-            svc.spawn(self._with_nats_user(env, svc.name, nats_url), cwd=self.state_dir)
+            svc.spawn(self.env_for(svc.name, env), cwd=self.state_dir)
             notes[svc.name] = "started"
 
         async def wait_all() -> list[BaseException | None]:
@@ -181,11 +181,14 @@ class Supervisor:
             raise RuntimeError("\n".join(str(exc) for exc in failures))
         return notes
 
-    def _with_nats_user(self, env: dict[str, str], service: str, nats_url: str) -> dict[str, str]:
-        """``env`` with the service's NATS user on the embedded NATS (its password by file, so
-        none sits in the environment); unchanged on an external NATS (the services then share
-        the environment's ``KILN_NATS_*``)."""
-        if self.settings.nats_url or nats_url != self.nats.url:
+    def env_for(self, service: str, env: dict[str, str]) -> dict[str, str]:
+        """``env`` (:meth:`service_environment`) as ``service`` is started with it, by ``up`` and
+        by the supervisor's restarts alike: with the service's NATS user on the embedded NATS (its
+        password by file, so none sits in the environment); unchanged on an external NATS (the
+        services then share the environment's ``KILN_NATS_*``)."""
+        recorded = self.recorded()  # written by ``up`` before any service starts
+        embedded = recorded.embedded.get("nats", False) if recorded else not self.settings.nats_url
+        if not embedded or env.get("KILN_NATS_URL") != self.nats.url:
             return env
         own = {k: v for k, v in env.items() if k != "KILN_NATS_PASSWORD"}  # it would win
         own.update(self.nats_passwords.service_env(service))
