@@ -313,20 +313,29 @@ async def test_twelve_compilations_of_three_teams_all_get_confirmations(stack: S
         elif not _confirmed(story):
             assert "no candidate had beaten the baseline" in end["reason"], report
 
-    # The pool served each confirmation before the search work queued with it: from its request
-    # to its start, the device began at most the search experiment it was about to fetch and
-    # one more (the request is recorded just before its work is published).
+    # The pool served each confirmation before the search work requested after it: of the search
+    # experiments requested later, the device began at most the one it was about to fetch and
+    # one more before the confirmation (requests are recorded just before their work is
+    # published; comparing request with request keeps a loaded host's publish delay out).
     runs = {r.experiment_id: r for r in stack.pool.runs}
+    asked_at = {
+        e.stream_id.removeprefix("experiment-"): recorded_s(e)
+        for story in stories.values()
+        for e in story
+        if e.type == "ExperimentRequested"
+    }
     for story in stories.values():
         for sid, (_, r, _, _) in _experiments(story).items():
             run = runs.get(sid.removeprefix("experiment-"))
             if r["tier"] != "full" or run is None:
                 continue
-            asked = next(recorded_s(e) for e in story if e.stream_id == sid)
+            asked = asked_at[sid.removeprefix("experiment-")]
             overtaken = [
                 o
                 for o in stack.pool.runs
-                if o.tier == "fast" and asked < o.started_at < run.started_at
+                if o.tier == "fast"
+                and asked_at.get(o.experiment_id, 0.0) > asked
+                and o.started_at < run.started_at
             ]
             assert len(overtaken) <= 2, report
 

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kiln.cli import ledger as ledger_cli
+from kiln.cli import render
 from kiln.cli.main import app
 from kiln.cli.render import MAIN_COLUMNS, rows_table
 
@@ -42,7 +43,8 @@ def answer(monkeypatch: pytest.MonkeyPatch) -> list[list[dict[str, Any]]]:
     """Set ``answer[0]`` to the rows the (replaced) ledger returns."""
     rows: list[list[dict[str, Any]]] = [[]]
     monkeypatch.setattr(ledger_cli, "run_with_ledger", lambda *_a, **_k: rows[0])
-    monkeypatch.setenv("COLUMNS", "250")
+    monkeypatch.setenv("COLUMNS", "250")  # for a console made from now on; the one made at
+    monkeypatch.setattr(render.console, "_width", 250)  # import read COLUMNS then, if at all
     return rows
 
 
