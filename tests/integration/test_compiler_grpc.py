@@ -298,7 +298,11 @@ async def test_compilation_runs_agents_to_the_experiment_budget(stack: Stack) ->
     # A search candidate may take its share of the budget (0.1 x 30 s); the reference and the
     # full-tier confirmations the whole experiment deadline.
     baseline_id = next(e for e in events if e.type == "BaselineMeasured").detail["experiment_id"]
-    deadlines = dict(stack.engine.deadlines)
+    story = await _story(stack.ledger, cid, events[0].position - 1)
+    ours = {
+        e.stream_id.removeprefix("experiment-") for e in story if e.type == "ExperimentRequested"
+    }
+    deadlines = {k: v for k, v in stack.engine.deadlines.items() if k in ours}  # this one's
     assert deadlines.pop(baseline_id) == ("fast", 5.0)
     assert {d for tier, d in deadlines.values() if tier == "fast"} == {3.0}
     assert {d for tier, d in deadlines.values() if tier == "full"} == {5.0}
@@ -331,7 +335,6 @@ async def test_compilation_runs_agents_to_the_experiment_budget(stack: Stack) ->
     )
 
     # Claims: no candidate measured twice; several default agents contributed; the budget held.
-    story = await _story(stack.ledger, cid, events[0].position - 1)
     requests = _check_experiments_settled(story)
     assert [b["experiment_id"] for b in _check_bests(story)] == [b["experiment_id"] for b in bests]
     assert len(requests) == 10  # confirmations count toward the budget

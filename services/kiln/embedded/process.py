@@ -51,7 +51,13 @@ def process_alive(pid: int | None, cmdline_contains: str = "") -> bool:
         if proc.status() == psutil.STATUS_ZOMBIE:
             return False
         if cmdline_contains:
-            return cmdline_contains in " ".join(proc.cmdline())
+            cmdline = proc.cmdline()
+            for _ in range(20):  # empty while the process is between fork and exec: wait it out
+                if cmdline:
+                    break
+                time.sleep(0.005)
+                cmdline = proc.cmdline()
+            return cmdline_contains in " ".join(cmdline)
         return True
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
