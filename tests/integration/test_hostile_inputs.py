@@ -88,6 +88,8 @@ class Stubs:
     cost: Any
     cost_health: Any
     compiler: Any
+    team_ledger: Any
+    """The ledger as a team: its reads are scoped to the team's streams."""
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +124,14 @@ async def stubs(settings: KilnSettings, hostile_database: str) -> AsyncIterator[
         team_channel(ledger_addr, TEAM, tls=service_tls("agent-runner")) as lch,
         team_channel(cost_addr, TEAM) as cch,
         team_channel(runner_addr, TEAM) as rch,
+        team_channel(ledger_addr, TEAM) as tch,
     ):
         yield Stubs(
             ledger_pb2_grpc.LedgerStub(lch),
             cost_model_pb2_grpc.CostModelStub(cch),
             health_pb2_grpc.HealthStub(cch),
             compiler_pb2_grpc.CompilerStub(rch),
+            ledger_pb2_grpc.LedgerStub(tch),
         )
     for task in reversed(tasks):
         task.cancel()
@@ -218,6 +222,7 @@ async def test_ledger_read_all_repeated_types_are_one_filter(stubs: Stubs) -> No
 async def test_ledger_stream_ids(stubs: Stubs, stream_id: str) -> None:
     read = ledger_pb2.ReadStreamRequest(stream_id=stream_id)
     await _refused(lambda: stubs.ledger.ReadStream(read, timeout=30), INVALID)
+    await _refused(lambda: stubs.team_ledger.ReadStream(read, timeout=30), INVALID)  # scoped
 
 
 def _compilation_cols_query(filters: dict[str, str], **kw: Any) -> ledger_pb2.QueryRequest:

@@ -211,7 +211,12 @@ class EventStore:
             return [row_to_event(r) for r in result]
 
     async def stream_team(self, stream_id: str) -> str | None:
-        """The team recorded on the stream's first event (its owner), None for an empty stream."""
+        """The team recorded on the stream's first event (its owner), None for an empty stream;
+        InvalidArgument for a malformed id."""
+        try:
+            parse_stream_id(stream_id)
+        except SchemaError as exc:
+            raise InvalidArgument(str(exc)) from None
         async with self.engine.connect() as conn:
             meta = await conn.scalar(
                 select(events.c.metadata).where(
