@@ -131,6 +131,13 @@ def _config(raw: dict[str, object]) -> dict[str, object]:
     return workload
 
 
+def _experiment(**fields: object) -> engine_pool_pb2.RunExperimentRequest:
+    request = _request()
+    for name, value in fields.items():
+        setattr(request.experiment, name, value)
+    return request
+
+
 _TWICE_COMPILED = common_pb2.Candidate(
     transforms=[common_pb2.Transform(name="torch_compile")] * 2  # one transform, named twice
 )
@@ -145,6 +152,9 @@ _TWICE_COMPILED = common_pb2.Candidate(
         (_request(workload=_config({**TINY_LLAMA, "hidden_act": "gelu"})), "activation 'gelu'"),
         (_request(deadline_s=4000.0), "deadline_s 4000.0 is outside"),
         (_request(_TWICE_COMPILED), 'malformed candidate: ValueError("a transform appears twice'),
+        (_experiment(tier=999), "experiment.tier 999 is unknown"),
+        (_experiment(experiment_id="a\x00b"), "experiment.experiment_id"),
+        (_experiment(compilation_id="c" * 200), "experiment.compilation_id"),
     ],
 )
 async def test_bad_requests_are_invalid_argument(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 from typing import Any
 
@@ -33,6 +34,7 @@ from kiln.common.identity import current_call
 from kiln.common.work import ExperimentWork
 from kiln.domain.baselines import BASELINE_NAMES
 from kiln.domain.candidate import Candidate
+from kiln.domain.quoting import quote
 from kiln.engine_pool.job import MALFORMED, Job, malformed
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.process import EngineSnapshot
@@ -51,6 +53,8 @@ _STATUS = {
     "rejected": common_pb2.EXPERIMENT_STATUS_REJECTED,
 }
 _TIER = {"fast": common_pb2.TIER_FAST, "full": common_pb2.TIER_FULL}
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+"""Experiment and compilation ids (the ledger's stream id rule)."""
 _STATE = {
     "starting": engine_pool_pb2.ENGINE_STATE_STARTING,
     "ready": engine_pool_pb2.ENGINE_STATE_READY,
@@ -197,6 +201,16 @@ def job_from_request(
         raise InvalidArgument(
             f"baseline {request.baseline!r} is unknown; known: {', '.join(BASELINE_NAMES)}"
         )
+    if exp.tier not in (common_pb2.TIER_UNSPECIFIED, common_pb2.TIER_FAST, common_pb2.TIER_FULL):
+        raise InvalidArgument(f"experiment.tier {exp.tier} is unknown: TIER_FAST or TIER_FULL")
+    for name, value in (
+        ("experiment_id", exp.experiment_id),
+        ("compilation_id", exp.compilation_id),
+    ):
+        if value and not _ID_RE.match(value):
+            raise InvalidArgument(
+                f"experiment.{name} {quote(value)} must be 1 to 128 of [A-Za-z0-9_-]"
+            )
     try:
         candidate = Candidate.from_proto(exp.candidate)
     except MALFORMED as exc:
