@@ -151,6 +151,7 @@ def test_up_down_up_keeps_data(kiln_env: dict[str, str]) -> None:
     assert endpoints.services["ledger"] == kiln_env["KILN_LEDGER_ADDR"]
     with psycopg.connect(sync_url(endpoints.database_url).replace("+psycopg", "")) as conn:
         assert conn.execute("SELECT to_regclass('events')").fetchone() == ("events",)
+    _assert_postgres_private(state_dir, endpoints.database_url, status.stdout + first.stdout)
     cli = NatsPasswords.of_state_dir(state_dir).credentials("cli")
     assert cli is not None and jetstream_answers(endpoints.nats_url, cli)
     assert not jetstream_answers(endpoints.nats_url)  # no anonymous connections
@@ -213,6 +214,33 @@ def test_a_compilation_on_the_embedded_default_with_nats_users(
     for name, env in env_of.items():
         assert env.get("KILN_NATS_USER") == name and "KILN_NATS_PASSWORD" not in env, name
     kiln(kiln_env, "down")
+
+
+def _assert_postgres_private(state_dir: Path, database_url: str, printed: str) -> None:
+    """The embedded PostgreSQL admits nobody without its password, which only the recorded URL
+    (endpoints.json, 0600) and its credentials file carry, never what `up` / `status` print;
+    logs are 0600 in 0700 directories."""
+    password = (state_dir / "postgres-credentials" / "postgres").read_text().strip()
+    assert password and f":{password}@" in database_url and password not in printed
+    port = int(database_url.rsplit(":", 1)[1].split("/", 1)[0])
+    with pytest.raises(psycopg.OperationalError, match="password"):
+        psycopg.connect(
+            host="127.0.0.1", port=port, user="postgres", dbname="kiln",
+            password="", passfile=os.devnull, connect_timeout=5,
+        )  # fmt: skip
+    private = {
+        state_dir / "endpoints.json": 0o600,
+        state_dir / "postgres-credentials": 0o700,
+        state_dir / "postgres-credentials" / "postgres": 0o600,
+        state_dir / "postgres" / "server.log": 0o600,
+        state_dir / "logs": 0o700,
+        state_dir / "nats": 0o700,
+        state_dir / "nats" / "nats-server.log": 0o600,
+        state_dir / "nats" / "nats-server.out": 0o600,
+        **{state_dir / "logs" / f"{name}.log": 0o600 for name in (*SERVICES, "supervisor")},
+    }
+    for path, mode in private.items():
+        assert path.stat().st_mode & 0o777 == mode, path
 
 
 def _environ(pid: int | None) -> dict[str, str]:

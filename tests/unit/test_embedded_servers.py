@@ -56,7 +56,11 @@ def test_free_port_can_be_bound() -> None:
 
 def test_postgres_start_is_idempotent_and_restart_keeps_data(postgres: EmbeddedPostgres) -> None:
     url = postgres.start()
-    assert url == f"postgresql+psycopg://postgres@127.0.0.1:{postgres.port}/kiln"
+    password = postgres.password.read()
+    assert (
+        password
+        and url == f"postgresql+psycopg://postgres:{password}@127.0.0.1:{postgres.port}/kiln"
+    )
     pid = postgres.pid
     assert pid is not None and postgres.is_running()
     assert postgres.start() == url and postgres.pid == pid  # reused, not restarted

@@ -1,15 +1,17 @@
 """The endpoints file ``state_dir/endpoints.json``: what ``kiln up`` started and where.
 
 Later commands read it back (:meth:`kiln.common.settings.KilnSettings.with_embedded_endpoints`
-reads ``nats_url`` and ``database_url``), so they find the same servers and services.
+reads ``nats_url`` and ``database_url``), so they find the same servers and services. Only
+its owner reads it (0600): the embedded PostgreSQL's URL holds the superuser's password.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from kiln.embedded.private import write_private
 
 
 @dataclass
@@ -24,11 +26,10 @@ class Endpoints:
     """Service name -> the address its clients dial."""
 
     def write(self, path: Path) -> None:
-        """Write atomically (a reader never sees half a file)."""
+        """Write atomically (a reader never sees half a file), mode 0600: the embedded
+        database URL carries its password."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(tmp, path)
+        write_private(path, json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def read(cls, path: Path) -> Endpoints | None:

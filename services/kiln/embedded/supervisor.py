@@ -7,12 +7,14 @@ which restarts any of them that dies; ``down`` stops the supervisor first, then 
 cleanly. Layout of ``state_dir``::
 
     kiln.lock               held by a running up / down (and by the supervisor restarting)
-    endpoints.json          URLs, which servers are embedded, service addresses
+    endpoints.json          URLs, which servers are embedded, service addresses (0600: the
+                            database URL carries the password)
     pki/                    the CA and certificates (unless KILN_PKI_DIR puts them elsewhere)
-    postgres/               PGDATA of the embedded PostgreSQL
+    postgres/               PGDATA of the embedded PostgreSQL (server.log inside, 0600)
+    postgres-credentials/postgres  its superuser's password (0600; in the database URL)
     nats/                   JetStream store, pid, log and configuration of the embedded NATS
     nats/credentials/<user> the embedded NATS's passwords (mode 0600; docs/design/security.md)
-    logs/<service>.log      each service's output
+    logs/<service>.log      each service's output (logs/ 0700, its files 0600)
     logs/supervisor.log     what the supervisor saw and did
     run/<service>.pid       each service's pid
     run/supervisor.pid      the supervisor's pid; run/supervisor.json its report
@@ -68,8 +70,11 @@ class Supervisor:
     def __init__(self, settings: KilnSettings) -> None:
         self.settings = settings
         self.state_dir = Path(settings.state_dir).expanduser().resolve()
+        # Password authentication (docs/design/security.md, "PostgreSQL").
         self.postgres = EmbeddedPostgres(
-            self.state_dir / "postgres", settings.embedded_postgres_port
+            self.state_dir / "postgres",
+            settings.embedded_postgres_port,
+            credentials_dir=self.state_dir / "postgres-credentials",
         )
         # NATS users (docs/design/security.md, "NATS"): passwords under nats/credentials/.
         self.nats_passwords = NatsPasswords.of_state_dir(self.state_dir)

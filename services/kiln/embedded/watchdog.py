@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.embedded.lock import StateDirBusy
+from kiln.embedded.private import open_private_log
 from kiln.embedded.process import process_alive, read_pid, wait_gone
 from kiln.embedded.restarts import RestartPolicy, Restarts
 from kiln.embedded.services import supervisor_line
@@ -191,9 +192,8 @@ class WatchdogProcess:
                     os.kill(pid, signal.SIGHUP)
             return False
         self.pid_file.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.report_path.unlink(missing_ok=True)
-        with open(self.log_path, "ab") as log:
+        with open_private_log(self.log_path) as log:
             self._proc = proc = subprocess.Popen(
                 [sys.executable, "-m", "kiln", "supervise", "--state-dir", str(self.state_dir)],
                 env=env,
