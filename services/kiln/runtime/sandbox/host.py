@@ -342,10 +342,14 @@ class SandboxHost:
     def load(self, canonical: dict[str, Any], phases: dict[str, float], notes: list[str]) -> None:
         """Load, bind and transform a candidate in the sandbox; its phases and notes added.
 
+        From this call on the sandbox counts as having run candidate code, whatever the
+        outcome: it is put back and checked (:meth:`settle`) or replaced.
+
         Raises:
             RejectedCandidate: refused there (unknown op, support, a bad transform).
             CandidateRaised, SandboxFailure: see :meth:`call`.
         """
+        self._pending = self._proc is not None  # a load that raises leaves residue too
         reply, _ = self.call({"op": "load", "candidate": canonical})
         for name, ms in dict(reply.get("phases") or {}).items():
             phases[str(name)] = float(ms)
@@ -353,11 +357,10 @@ class SandboxHost:
             raise RejectedCandidate(str(reply["rejected"]).partition(": ")[2])
         notes.extend(str(n) for n in reply.get("notes") or [])
 
-    def unload_later(self) -> None:
-        """Mark the current candidate for :meth:`settle` (after the reply: putting the sandbox
-        back and its integrity check take ~0.1 s no verdict waits for)."""
-        if self._proc is not None:
-            self._pending = True
+    def loaded(self) -> bool:
+        """Whether a candidate was sent to the current sandbox and it has not been put back
+        (:meth:`settle`) or replaced yet."""
+        return self._pending and self._proc is not None
 
     def settle(self) -> str:
         """Put the sandbox back after its candidate, if one is pending; replace it when it is not
