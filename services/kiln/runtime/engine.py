@@ -39,8 +39,9 @@ from kiln.runtime.integrity import HarnessFingerprint
 from kiln.runtime.measurement import Measurement, MemoryUsage
 from kiln.runtime.reload import RegistrySnapshot, forget_sources
 from kiln.runtime.request import RunRequest
-from kiln.runtime.sandbox.host import SandboxHost, SandboxModel
+from kiln.runtime.sandbox.host import SandboxHost
 from kiln.runtime.sandbox.memory import SharedWeights
+from kiln.runtime.sandbox.model import SandboxModel
 from kiln.runtime.spec import EngineSpec
 from kiln.runtime.state_guard import (
     StateGuard,
