@@ -39,8 +39,9 @@ from kiln.runtime.integrity import HarnessFingerprint
 from kiln.runtime.measurement import Measurement, MemoryUsage
 from kiln.runtime.reload import RegistrySnapshot, forget_sources
 from kiln.runtime.request import RunRequest
-from kiln.runtime.sandbox.host import SandboxHost, SandboxModel
+from kiln.runtime.sandbox.host import SandboxHost
 from kiln.runtime.sandbox.memory import SharedWeights
+from kiln.runtime.sandbox.model import SandboxModel
 from kiln.runtime.spec import EngineSpec
 from kiln.runtime.state_guard import (
     StateGuard,
@@ -245,13 +246,15 @@ class Engine(Gate):
             notes.append(f"sandbox confinement the host refused: {'; '.join(host.confinement)}")
         return SandboxModel(host, len(self.model.ops.layers))
 
-    def _end_sandbox(self, result: Measurement, base: dict[str, Any]) -> Measurement:
-        """After a sandboxed candidate: weights written there make it INCORRECT and the sandbox
-        is replaced; otherwise it is put back after the reply (and replaced if not clean)."""
-        measured = self._measured
-        if not isinstance(measured, SandboxModel):
+    def _end_sandbox(
+        self, result: Measurement, base: dict[str, Any], host: SandboxHost | None
+    ) -> Measurement:
+        """After a sandboxed candidate, whatever its outcome (a load that raised, a bind refusal,
+        incorrect, ok; one that crashed or timed out has replaced its sandbox already): weights
+        written there make it INCORRECT and the sandbox is replaced; otherwise it is put back
+        after the reply (:meth:`SandboxHost.settle`: replaced unless clean)."""
+        if host is None or not host.loaded():
             return result
-        host = measured.host
         written = host.weights_written()
         if written:
             result = Measurement.failed(
@@ -263,8 +266,7 @@ class Engine(Gate):
             )
             host.discard()
             result.notes.append("sandbox replaced after this experiment")
-        else:
-            host.unload_later()  # after the reply: after_reply, or the next experiment's start
+        # else it is put back after the reply: after_reply, or the next experiment's start
         return result
 
     def prewarm(self) -> None:
@@ -433,10 +435,15 @@ class Engine(Gate):
         derived_before = {name for name, _ in self.weights.derived_keys()}
         self._deadline = time.monotonic() + request.deadline_s if request.deadline_s > 0 else 0.0
         self._deadline_s = request.deadline_s
-        sandboxed = self._sandbox_for(candidate, request) is not None
+        host = self._sandbox_for(candidate, request)
+        sandboxed = host is not None
         try:
             result = self._attempt(candidate, request, phases, notes, applied, base)
-            result = self._end_sandbox(result, base)
+            result = self._end_sandbox(result, base, host)
+        except BaseException:
+            if host is not None:
+                host.discard()  # its check cannot run now: a fresh sandbox for the next one
+            raise
         finally:
             self._measured = self.model
             problem = self._restore(candidate, applied, derived_before, sandboxed)

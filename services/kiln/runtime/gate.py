@@ -58,7 +58,8 @@ from kiln.runtime.measurement import Measurement, MemoryUsage, Timing
 from kiln.runtime.op_profile import OpProfile, profile_decode_step, profile_fields
 from kiln.runtime.reload import load_code_modules
 from kiln.runtime.request import RunRequest
-from kiln.runtime.sandbox.host import CandidateRaised, SandboxFailure, SandboxModel
+from kiln.runtime.sandbox.host import CandidateRaised, SandboxFailure
+from kiln.runtime.sandbox.model import SandboxModel
 from kiln.runtime.state_guard import StateChanged, rtol_for
 from kiln.runtime.support import support_for
 from kiln.runtime.thread_watch import OutsideWork, ThreadWatch

@@ -9,10 +9,13 @@ with the judge (``PR_SET_PDEATHSIG``, set again after the switch, which clears i
 privileges
 (``PR_SET_NO_NEW_PRIVS``), has no core dumps, at most ``RLIMIT_NOFILE`` descriptors, files of at
 most ``RLIMIT_FSIZE``, a lifetime CPU cap and (CPU engines) an address-space cap; where the
-kernel lets an unprivileged process, it leaves the host's network (a new user and network
-namespace: only a loopback that is down) and enters a Landlock domain (writes only beneath its
-own directory and ``/dev``, no TCP bind or connect, no signals or abstract-socket connections
-to processes outside, and, as in any Landlock domain, no ptrace or ``/proc/<pid>/mem`` of the
+kernel lets an unprivileged process, it leaves the host's network (a new user, network and
+mount namespace: only a loopback that is down, an empty ``/dev/shm`` of its own), has at most
+``RLIMIT_NPROC`` tasks there and a pid namespace of its own (:mod:`.processes`: nothing it
+starts outlives it), and enters a Landlock domain (writes only beneath its own directory and
+to a few device files, no TCP bind or connect, no signals or abstract-socket
+connections to processes outside, and, as in any Landlock domain, no ptrace or
+``/proc/<pid>/mem`` of the
 judge). The order matters: the user first (the private view it may need takes root, and a
 user namespace made as root would still own root's files), then the namespaces (an unprivileged
 user may still make them) and Landlock last. Each step that the host refuses is reported, not
@@ -21,6 +24,7 @@ fatal.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -28,6 +32,7 @@ import signal
 import struct
 from collections.abc import Mapping
 
+from kiln.runtime.sandbox.processes import own_pid_namespace
 from kiln.runtime.sandbox.user import SandboxUser, drop_to
 
 ENV_ALLOWED = (
@@ -50,12 +55,22 @@ FSIZE = 1 << 30
 CPU_SECONDS = 4 * 3600
 """CPU time the sandbox process may use over its life, seconds (a runaway's cap; the judge's
 deadline ends a hung call long before)."""
+NPROC_BASE = 256
+NPROC_PER_CPU = 4
+"""``RLIMIT_NPROC`` of a sandbox: ``NPROC_BASE + NPROC_PER_CPU * os.cpu_count()`` tasks
+(threads count: torch's intra- and inter-op pools are one thread per core each, inductor's
+compile workers at most 32 processes), counted in its own user namespace (:func:`_nproc`)."""
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
+"""Device files the sandbox may write (besides ``/dev/nvidia*``): no new file beneath ``/dev``."""
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_CHILD_SUBREAPER = 36
+_CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
 _SYS_LANDLOCK = (444, 445, 446)  # create_ruleset, add_rule, restrict_self (x86_64 and aarch64)
 _LL_CREATE_VERSION = 1
 _LL_RULE_PATH_BENEATH = 1
@@ -71,6 +86,7 @@ _FS_WRITE = (
     | (1 << 11)  # MAKE_BLOCK
     | (1 << 12)  # MAKE_SYM
 )
+_FS_FILE_WRITE = 1 << 1  # WRITE_FILE: the only write right a rule on a file may carry
 _FS_REFER = 1 << 13  # ABI 2
 _FS_TRUNCATE = 1 << 14  # ABI 3
 _NET_TCP = (1 << 0) | (1 << 1)  # BIND_TCP, CONNECT_TCP (ABI 4)
@@ -125,12 +141,52 @@ def _rlimits(address_space: int) -> list[str]:
 
 
 def _unshare_network(libc: ctypes.CDLL) -> str:
-    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-        return f"network kept: unshare(CLONE_NEWUSER | CLONE_NEWNET): {_errno_text()}"
+    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWNS) != 0:
+        return f"network kept: unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS): {_errno_text()}"
     return ""
 
 
-def _landlock(libc: ctypes.CDLL, writable: list[str]) -> str:
+def _nproc() -> str:
+    """Cap the tasks of this process's uid in its (new) user namespace: since Linux 5.14 the
+    count is per user namespace, and the host-wide count of the uid is checked against the
+    limit in force when the namespace was made (kept as inherited), so other sandboxes of the
+    same uid do not share this budget."""
+    limit = NPROC_BASE + NPROC_PER_CPU * (os.cpu_count() or 1)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
+    except (ValueError, OSError) as exc:
+        return f"no process limit: {exc}"
+    return ""
+
+
+def _private_shm(libc: ctypes.CDLL) -> str:
+    """A tmpfs of its own over ``/dev/shm`` (in the mount namespace of its user namespace): the
+    host's shared memory files are out of sight. Nothing can be created in it (the sandbox's
+    uid has no mapping in its user namespace: EOVERFLOW; nor may Landlock), so nothing there
+    outlives the sandbox; torch on CPU does not use it."""
+    if not os.path.isdir("/dev/shm"):
+        return ""
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    if libc.mount(b"kiln-sandbox-shm", b"/dev/shm", b"tmpfs", flags, b"mode=0755,size=64k") != 0:
+        return f"the host's /dev/shm in view ({_errno_text()}), not writable"
+    return ""
+
+
+def writable_paths(home: str, shm: bool) -> tuple[list[str], list[str]]:
+    """What the sandbox may write: directories (``home``, and the host's ``/dev/shm`` when
+    ``shm``) and device files (:data:`DEVICES`, ``/dev/nvidia*``)."""
+    devices = [d for d in DEVICES if os.path.exists(d)]
+    with contextlib.suppress(OSError):
+        devices += sorted(
+            e.path for e in os.scandir("/dev") if e.name.startswith("nvidia") and not e.is_dir()
+        )
+    return [home, *(["/dev/shm"] if shm else [])], devices
+
+
+def _landlock(libc: ctypes.CDLL, writable: list[str], files: list[str] | None = None) -> str:
     create, add, restrict = _SYS_LANDLOCK
     abi = libc.syscall(create, None, 0, _LL_CREATE_VERSION)
     if abi < 1:
@@ -143,13 +199,14 @@ def _landlock(libc: ctypes.CDLL, writable: list[str]) -> str:
     if fd < 0:
         return f"no Landlock ruleset: {_errno_text()}"
     try:
-        for path in writable:
+        file_rights = fs & (_FS_FILE_WRITE | _FS_TRUNCATE)
+        for path, rights in [(p, fs) for p in writable] + [(f, file_rights) for f in files or []]:
             try:
                 parent = os.open(path, os.O_PATH | os.O_CLOEXEC)
             except OSError:
                 continue
             try:
-                rule = struct.pack("=Qi", fs, parent)
+                rule = struct.pack("=Qi", rights, parent)
                 if libc.syscall(add, fd, _LL_RULE_PATH_BENEATH, ctypes.c_char_p(rule), 0) != 0:
                     return f"Landlock rule for {path}: {_errno_text()}"
             finally:
@@ -199,11 +256,28 @@ def confine(
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         notes.append(f"no_new_privs: {_errno_text()}")
     notes += _rlimits(address_space)
+    own = False
     if network:
         refused = _unshare_network(libc)
         if refused:
             notes.append(refused)
-    refused = _landlock(libc, [home, "/dev"])
+        own = not refused
+    if own:
+        refused = _nproc()
+        hidden = _private_shm(libc)
+        refused_pids = own_pid_namespace(libc)  # forks: the server returns
+        notes += [n for n in (refused, hidden, refused_pids) if n]
+        shm = False
+    else:  # the host's namespaces
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        notes.append(
+            "no user namespace of its own: no process limit (RLIMIT_NPROC would count every "
+            "process of its uid on the host), no pid namespace (a detached process it starts "
+            "may outlive it), the host's /dev/shm writable"
+        )
+        shm = True
+    dirs, files = writable_paths(home, shm)
+    refused = _landlock(libc, dirs, files)
     if refused:
         notes.append(refused)
     return notes

@@ -1,6 +1,6 @@
 """The judge's side of the process split (rationale: docs/design/engine.md, "Sandbox"): the
-sandbox process's lifecycle (:class:`SandboxHost`) and the stand-in the gate drives instead of
-an in-process model (:class:`SandboxModel`).
+sandbox process's lifecycle (:class:`SandboxHost`); the stand-in the gate drives instead of an
+in-process model is :class:`~kiln.runtime.sandbox.model.SandboxModel`.
 
 The judge keeps the reference, the inputs and their seed, the choice of verified steps, the
 comparison, the tolerances and the timer; the sandbox gets one call's inputs at a time and
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -28,8 +29,7 @@ from typing import Any, Literal
 import torch
 
 from kiln.runtime.check import NotPlainTensor
-from kiln.runtime.op_profile import OpProfile
-from kiln.runtime.sandbox import tensors, wire
+from kiln.runtime.sandbox import processes, tensors, wire
 from kiln.runtime.sandbox.confine import sandbox_environment
 from kiln.runtime.sandbox.memory import SharedBuffer, SharedWeights, written_kib
 from kiln.runtime.sandbox.server import BOOT
@@ -43,6 +43,8 @@ READY_TIMEOUT_S = 300.0
 """Longest a sandbox may take to start (import torch, map the weights, warm up), seconds."""
 CALL_TIMEOUT_S = 600.0
 """Longest wait on one call when the experiment has no deadline, seconds."""
+DISCARD_WAIT_S = 5.0
+"""Longest wait for a killed sandbox's processes to be gone, seconds."""
 CALIBRATION_CALLS = 30
 """Empty round trips timed when a sandbox starts (their median is subtracted from timed steps)."""
 
@@ -87,6 +89,9 @@ class _Process:
     popen: subprocess.Popen[bytes]
     sock: socket.socket
     pid: int = 0
+    """The server's pid (the started process's, or its grandchild's in a pid namespace)."""
+    init: int = 0
+    """A pidfd of the pid namespace's init (-1: none, the server is the started process)."""
     round_trip_ms: float = 0.0
     ready: bool = False
     used: bool = False
@@ -212,10 +217,25 @@ class SandboxHost:
         if header.get("op") != "ready":
             self.discard()
             raise SandboxFailure("crashed", f"the sandbox failed to start: {header.get('error')}")
-        proc.pid, proc.ready = int(header.get("pid", 0)), True
+        proc.pid, proc.init = self._server_pid(proc, header.get("pid")), -1
+        if proc.pid != proc.popen.pid:
+            proc.init = os.pidfd_open(processes.parent_of(proc.pid))
+        proc.ready = True
         self.confinement = [str(n) for n in header.get("confinement", [])]
         proc.round_trip_ms = self._calibrate(proc)
         return proc
+
+    def _server_pid(self, proc: _Process, said: object) -> int:
+        """The server's pid the sandbox said at ``ready``, checked against the kernel's process
+        tree: the started process, or its grandchild under its pid namespace's init."""
+        pid = said if isinstance(said, int) else 0
+        if pid == proc.popen.pid:
+            return pid
+        init = processes.parent_of(pid) if pid > 0 else 0
+        if init <= 0 or processes.parent_of(init) != proc.popen.pid:
+            self.discard()
+            raise SandboxFailure("crashed", f"the sandbox said it is process {said!r}: it is not")
+        return pid
 
     def _calibrate(self, proc: _Process) -> float:
         tokens = torch.zeros((self.spec.batch_size, 1), dtype=torch.int64)
@@ -234,21 +254,48 @@ class SandboxHost:
 
     @property
     def pid(self) -> int:
-        """The current sandbox's process id (0: none)."""
-        return self._proc.popen.pid if self._proc else 0
+        """The current sandbox server's process id (0: none; before it is ready, the started
+        process's)."""
+        if self._proc is None:
+            return 0
+        return self._proc.pid or self._proc.popen.pid
 
     def discard(self) -> None:
-        """Kill the current sandbox (if any) and reap it; the next :meth:`ensure` starts anew."""
+        """Kill the current sandbox (if any) with every process it started, and reap it; the
+        next :meth:`ensure` starts anew. In a pid namespace killing its init kills them all;
+        without one, its session and every descendant found in ``/proc`` (module
+        :mod:`~kiln.runtime.sandbox.processes`)."""
         proc, self._proc = self._proc, None
         self._pending = False
         if proc is None:
             return
+        if proc.init > 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(proc.init, signal.SIGKILL)
+                # readable once init has exited: after the kernel killed the namespace's rest
+                select.select([proc.init], [], [], DISCARD_WAIT_S)
+            os.close(proc.init)
+        else:
+            for pid in processes.descendants(proc.popen.pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)  # its session's group
         with contextlib.suppress(ProcessLookupError):
             proc.popen.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(5.0)
+            proc.popen.wait(DISCARD_WAIT_S)
         proc.sock.close()
         self.restarts += 1
+
+    def strays(self) -> list[int]:
+        """Processes the current sandbox's candidates started that are still there (the kernel's
+        process tree: everything below the started process but the server and its init)."""
+        proc = self._proc
+        if proc is None or not proc.ready:
+            return []
+        init = processes.parent_of(proc.pid) if proc.pid != proc.popen.pid else 0
+        return [p for p in processes.descendants(proc.popen.pid) if p not in (proc.pid, init)]
 
     def close(self) -> None:
         """Stop the sandbox and remove its directory."""
@@ -342,10 +389,14 @@ class SandboxHost:
     def load(self, canonical: dict[str, Any], phases: dict[str, float], notes: list[str]) -> None:
         """Load, bind and transform a candidate in the sandbox; its phases and notes added.
 
+        From this call on the sandbox counts as having run candidate code, whatever the
+        outcome: it is put back and checked (:meth:`settle`) or replaced.
+
         Raises:
             RejectedCandidate: refused there (unknown op, support, a bad transform).
             CandidateRaised, SandboxFailure: see :meth:`call`.
         """
+        self._pending = self._proc is not None  # a load that raises leaves residue too
         reply, _ = self.call({"op": "load", "candidate": canonical})
         for name, ms in dict(reply.get("phases") or {}).items():
             phases[str(name)] = float(ms)
@@ -353,11 +404,10 @@ class SandboxHost:
             raise RejectedCandidate(str(reply["rejected"]).partition(": ")[2])
         notes.extend(str(n) for n in reply.get("notes") or [])
 
-    def unload_later(self) -> None:
-        """Mark the current candidate for :meth:`settle` (after the reply: putting the sandbox
-        back and its integrity check take ~0.1 s no verdict waits for)."""
-        if self._proc is not None:
-            self._pending = True
+    def loaded(self) -> bool:
+        """Whether a candidate was sent to the current sandbox and it has not been put back
+        (:meth:`settle`) or replaced yet."""
+        return self._pending and self._proc is not None
 
     def settle(self) -> str:
         """Put the sandbox back after its candidate, if one is pending; replace it when it is not
@@ -375,6 +425,10 @@ class SandboxHost:
             why = str(exc)
         finally:
             self._deadline = deadline
+        left = self.strays()
+        if left:
+            pids = ", ".join(map(str, left[:8]))
+            why = "; ".join(filter(None, [why, f"left {len(left)} process(es) running ({pids})"]))
         if why:
             self.discard()
             self.replaced.append(why)
@@ -386,7 +440,7 @@ class SandboxHost:
         proc = self._proc
         if proc is None or self.weights.fd < 0:
             return ""
-        kib, problem = written_kib(proc.popen.pid, self.weights.name)
+        kib, problem = written_kib(proc.pid or proc.popen.pid, self.weights.name)
         if problem:
             return problem
         if kib:
@@ -399,70 +453,3 @@ class SandboxHost:
     def used(self) -> bool:
         """Whether candidate code ran in the current sandbox."""
         return bool(self._proc and self._proc.used)
-
-
-class _Layer:
-    def __init__(self, model: SandboxModel, index: int) -> None:
-        self._model, self._index = model, index
-
-    def ffn(self, x: Tensor) -> Tensor:
-        return self._model.ffn(self._index, x)
-
-
-class _Ops:
-    def __init__(self, model: SandboxModel, layers: int) -> None:
-        self.layers = tuple(_Layer(model, i) for i in range(layers))
-
-
-class SandboxModel:
-    """What the gate drives in place of the measured model when the candidate runs in the
-    sandbox: ``decode_step``, ``prefill`` and ``ops.layers[i].ffn`` send one call's inputs and
-    return its output (a view of the shared buffer: copy before the next call).
-    """
-
-    def __init__(self, host: SandboxHost, layers: int) -> None:
-        self.host = host
-        self.ops = _Ops(self, layers)
-
-    def _run(self, op: str, tokens: Tensor, **more: Tensor) -> Tensor:
-        if self.host.device.type == "cuda":
-            torch.cuda.synchronize(self.host.device)  # the poison lands before the sandbox writes
-        header, payload = self.host._tokens_message(op, tokens, **more)
-        return self.host.output(*self.host.call(header, payload))
-
-    def decode_step(self, tokens: Tensor) -> Tensor:
-        """``[B, 1]`` int64 -> the candidate's ``[B, V]`` logits."""
-        return self._run("decode", tokens)
-
-    def prefill(self, tokens: Tensor, seq_lens: Tensor | None = None) -> Tensor:
-        """``[B, T]`` int64 prompts (``seq_lens [B]``) -> the candidate's ``[B, V]`` logits."""
-        if seq_lens is None:
-            return self._run("prefill", tokens)
-        return self._run("prefill", tokens, seq_lens=seq_lens)
-
-    def ffn(self, layer: int, x: Tensor) -> Tensor:
-        """The candidate's ``ffn`` op of ``layer`` on ``x``."""
-        data = tensors.tensor_bytes(x)
-        header = {
-            "op": "ffn",
-            "layer": layer,
-            "x": {**tensors.tensor_header(x), "nbytes": len(data)},
-        }
-        return self.host.output(*self.host.call(header, data))
-
-    def profile(self, token: Tensor) -> OpProfile:
-        """The sandbox's own per-op profile of one decode step (informational: measured in the
-        candidate's process)."""
-        header, payload = self.host._tokens_message("profile", token)
-        reply, _ = self.host.call(header, payload)
-        op_ms = {str(k): float(v) for k, v in dict(reply.get("op_ms") or {}).items()}
-        shape = {str(k): int(v) for k, v in dict(reply.get("shape") or {}).items()}
-        return OpProfile(op_ms=op_ms, shape=shape)
-
-    def fill(self) -> None:
-        """The sandbox's cache refilled as the judge fills its own."""
-        self.host.call({"op": "fill"})
-
-    def at_context(self) -> None:
-        """The sandbox's sequences back at the operating point's context."""
-        self.host.call({"op": "at_context"})

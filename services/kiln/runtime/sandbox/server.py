@@ -13,7 +13,6 @@ as text; what it reports is never trusted for a verdict.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import traceback
@@ -64,7 +63,9 @@ def main() -> None:
     except Exception as exc:
         wire.send(sock, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
         return
-    wire.send(sock, {"op": "ready", "pid": os.getpid(), "confinement": refused})
+    from kiln.runtime.sandbox.processes import host_pid
+
+    wire.send(sock, {"op": "ready", "pid": host_pid(), "confinement": refused})
     server.serve()
 
 
