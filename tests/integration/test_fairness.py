@@ -70,6 +70,8 @@ QUOTAS = QuotaSettings(
         "restart": TeamOverride(max_running=1),
     },
 )
+PUBLISH_SLACK_S = 2.0
+"""Seconds between recording a request and publishing its work on a loaded 2-core host."""
 BOOST = 1.25
 """Every candidate but the reference measures this much faster than the fake engines' model
 says, so any search result leads and is due for confirmation: these tests are about whether
@@ -317,6 +319,7 @@ async def test_twelve_compilations_of_three_teams_all_get_confirmations(stack: S
     # experiments requested later, the device began at most the one it was about to fetch and
     # one more before the confirmation (requests are recorded just before their work is
     # published; comparing request with request keeps a loaded host's publish delay out).
+    # PUBLISH_SLACK_S: how much later than its request a loaded host may publish the work.
     runs = {r.experiment_id: r for r in stack.pool.runs}
     asked_at = {
         e.stream_id.removeprefix("experiment-"): recorded_s(e)
@@ -334,7 +337,7 @@ async def test_twelve_compilations_of_three_teams_all_get_confirmations(stack: S
                 o
                 for o in stack.pool.runs
                 if o.tier == "fast"
-                and asked_at.get(o.experiment_id, 0.0) > asked
+                and asked_at.get(o.experiment_id, 0.0) > asked + PUBLISH_SLACK_S
                 and o.started_at < run.started_at
             ]
             assert len(overtaken) <= 2, report
