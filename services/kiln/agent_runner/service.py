@@ -8,10 +8,8 @@ compilations waiting (below it a Submit over the team's running limit is accepte
 PENDING: :mod:`kiln.agent_runner.admission`); PERMISSION_DENIED for cancelling another team's
 compilation; FAILED_PRECONDITION for cancelling one that has ended; OUT_OF_RANGE for a number
 beyond its field's range (:mod:`kiln.workloads.config_bounds`,
-:mod:`kiln.domain.operating_point`). Reads cross teams (List's ``team`` "*" lists every team's).
-compilation id; PERMISSION_DENIED for cancelling another team's compilation; FAILED_PRECONDITION
-for cancelling one that has ended; OUT_OF_RANGE for a number beyond its field's range
-(:mod:`kiln.workloads.config_bounds`, :mod:`kiln.domain.operating_point`).
+:mod:`kiln.domain.operating_point`); RESOURCE_EXHAUSTED for a Watch beyond the caller's open
+watches (:mod:`kiln.common.stream_limits`).
 
 Reads follow the policy's read scope (:mod:`kiln.common.policy`): a team sees its own
 compilations unless cross-team reads are on; another team's id then answers NOT_FOUND exactly as
@@ -52,6 +50,7 @@ from kiln.common.errors import (
 from kiln.common.identity import TEAM_RULE, current_call, validate_team
 from kiln.common.policy import policy_for
 from kiln.common.settings import KilnSettings
+from kiln.common.stream_limits import StreamLimiter
 from kiln.ledger.bounds import check_position, check_text
 from kiln.v1 import compiler_pb2, compiler_pb2_grpc
 
@@ -100,6 +99,7 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
 
     def __init__(self, app: CompilationHost) -> None:
         self._app = app
+        self._watches = StreamLimiter(app.settings.max_follows_per_caller, "compilation watches")
 
     def _scope(self) -> str | None:
         """The one team whose compilations the caller may read (None: every team's)."""
@@ -251,7 +251,8 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
         ``after_position`` beyond 2^63-1."""
         after = check_position("after_position", request.after_position)
         await self._check_visible(request.compilation_id)
-        async for event in watch(
-            self._app.ledger, request.compilation_id, after, self._app.closing
-        ):
-            yield event
+        with self._watches.hold(current_call()):
+            async for event in watch(
+                self._app.ledger, request.compilation_id, after, self._app.closing
+            ):
+                yield event

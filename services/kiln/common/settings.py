@@ -141,6 +141,12 @@ class KilnSettings(BaseSettings):
     poll_interval_s: float = Field(
         0.2, description="How often followers poll when no notification arrives, seconds."
     )
+    max_follows_per_caller: int = Field(
+        32,
+        ge=1,
+        description="Open follows (Ledger.ReadAll with follow, Compiler.Watch) one team or "
+        "operator may hold per service process; more are RESOURCE_EXHAUSTED.",
+    )
 
     @field_validator("subject_prefix")
     @classmethod

@@ -22,6 +22,7 @@ from kiln.common.errors import InvalidArgument, NotFound, PermissionDenied, Unav
 from kiln.common.identity import current_call
 from kiln.common.policy import policy_for
 from kiln.common.settings import KilnSettings
+from kiln.common.stream_limits import StreamLimiter
 from kiln.events import registered_types
 from kiln.ledger import convert
 from kiln.ledger.bounds import (
@@ -92,6 +93,8 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         self.settings = settings
         self.closing = asyncio.Event()
         """Set when the service drains: followers end their streams so shutdown is prompt."""
+        self.follows = StreamLimiter(settings.max_follows_per_caller, "ledger follows")
+        """Open ``ReadAll`` follows per caller (:mod:`kiln.common.stream_limits`)."""
 
     async def Append(
         self, request: ledger_pb2.AppendRequest, context: grpc.aio.ServicerContext
@@ -161,9 +164,25 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         types = _check_types(request.types)
         prefix = check_text("stream_prefix", request.stream_prefix, MAX_STREAM_ID_CHARS)
         after = check_position("after_position", request.after_position)
+        scope = _scope(self.settings)
+        if not request.follow:
+            async for event in self._read_all(request, types, prefix, after, scope):
+                yield event
+            return
+        with self.follows.hold(current_call()):
+            async for event in self._read_all(request, types, prefix, after, scope):
+                yield event
+
+    async def _read_all(
+        self,
+        request: ledger_pb2.ReadAllRequest,
+        types: list[str],
+        prefix: str,
+        after: int,
+        scope: str | None,
+    ) -> AsyncIterator[ledger_pb2.RecordedEvent]:
         remaining = request.max_count or None
         page = self.settings.read_page_size
-        scope = _scope(self.settings)
         while True:
             size = min(page, remaining) if remaining else page
             batch = await self.store.read_all(
