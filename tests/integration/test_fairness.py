@@ -70,8 +70,10 @@ QUOTAS = QuotaSettings(
         "restart": TeamOverride(max_running=1),
     },
 )
-PUBLISH_SLACK_S = 2.0
-"""Seconds between recording a request and publishing its work on a loaded 2-core host."""
+PUBLISH_SLACK_S = 4.0
+"""Seconds between recording a request and publishing its work on a loaded 2-core host (2 s was
+exceeded with other work on the host: 4 fast items requested 2+ s later ran first). A starved
+confirmation would be overtaken by dozens within the 20 s wall clock, so the check still bites."""
 BOOST = 1.25
 """Every candidate but the reference measures this much faster than the fake engines' model
 says, so any search result leads and is due for confirmation: these tests are about whether
