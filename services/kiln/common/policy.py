@@ -90,6 +90,8 @@ _RUNNER_COMPILATION = (
     "BaselineCompared",
     "BestCandidateImproved",
     "TierAgreement",
+    "MeasurementReused",
+    "IncumbentCompared",
     "CompilationCancelRequested",
     "CompilationEnded",
 )
