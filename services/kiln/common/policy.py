@@ -102,6 +102,8 @@ _RUNNER_COMPILATION = (
     "BaselineCompared",
     "BestCandidateImproved",
     "TierAgreement",
+    "MeasurementReused",
+    "IncumbentCompared",
     "CompilationCancelRequested",
     "CompilationEnded",
 )
