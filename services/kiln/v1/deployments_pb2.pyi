@@ -677,6 +677,7 @@ class TrafficRecord(_message.Message):
     HASH_IDS_FIELD_NUMBER: _builtins.int
     EXPERT_COUNTS_FIELD_NUMBER: _builtins.int
     CONTINUE_CLOCK_FIELD_NUMBER: _builtins.int
+    CLOSE_WINDOWS_FIELD_NUMBER: _builtins.int
     deployment: _builtins.str
     """The deployment's name; required on the first record of a call, ignored after."""
     arrival_s: _builtins.float
@@ -688,6 +689,10 @@ class TrafficRecord(_message.Message):
     continue_clock: _builtins.bool
     """First record only: shift this call's arrivals to start just after the last record the
     deployment has seen (replaying one trace after another).
+    """
+    close_windows: _builtins.bool
+    """First record only: when this call ends, close the deployment's open windows (the end of a
+    file: later records of those windows count as late).
     """
     @_builtins.property
     def hash_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -707,10 +712,11 @@ class TrafficRecord(_message.Message):
         hash_ids: _abc.Iterable[_builtins.int] | None = ...,
         expert_counts: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
         continue_clock: _builtins.bool = ...,
+        close_windows: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival_s", b"arrival_s", "continue_clock", b"continue_clock", "deployment", b"deployment", "expert_counts", b"expert_counts", "hash_ids", b"hash_ids", "isl", b"isl", "osl", b"osl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival_s", b"arrival_s", "close_windows", b"close_windows", "continue_clock", b"continue_clock", "deployment", b"deployment", "expert_counts", b"expert_counts", "hash_ids", b"hash_ids", "isl", b"isl", "osl", b"osl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -141,7 +141,9 @@ class TrafficFeed:
         decoded = decode_message(msg.seq or 0, msg.data or b"")
         return max((r.arrival_s for r in decoded.requests), default=None)
 
-    async def follow(self, deployment_id: str, start_sequence: int = 1) -> AsyncIterator[FeedMessage]:
+    async def follow(
+        self, deployment_id: str, start_sequence: int = 1
+    ) -> AsyncIterator[FeedMessage]:
         """The subject's messages from stream sequence ``start_sequence`` on, stored then live;
         never ends on its own (close it to drop the consumer)."""
         subject = self.subject(deployment_id)

@@ -46,13 +46,16 @@ def compilation_id_for(deployment_id: str, ordinal: int) -> str:
 
 
 def created(deployment_id: str, payload: DeploymentCreated) -> NewEvent:
-    """``DeploymentCreated`` (fixed id: a second creation of the name is a conflict)."""
-    return _event(payload, _event_id(deployment_id, "created"), deployment_id)
+    """``DeploymentCreated`` (a random id; appended to no stream only, so a second creation of
+    the name is a conflict)."""
+    return _event(payload, str(uuid.uuid4()), deployment_id)
 
 
 def started(deployment_id: str, payload: RecompilationStarted) -> NewEvent:
     """``RecompilationStarted`` (one per compilation id)."""
-    return _event(payload, _event_id(deployment_id, "started", payload.compilation_id), deployment_id)
+    return _event(
+        payload, _event_id(deployment_id, "started", payload.compilation_id), deployment_id
+    )
 
 
 def window(deployment_id: str, payload: TrafficWindowObserved) -> NewEvent:
