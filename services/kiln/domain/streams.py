@@ -4,9 +4,10 @@ Three categories exist: ``compilation-<compilation id>`` (one compilation's life
 ``experiment-<experiment id>`` (one experiment: requested, completed) and
 ``deployment-<deployment id>`` (one deployment: windows, drift, recompilations, promotions).
 The grammar every stream id follows (category ``[a-z][a-z0-9_]*``, id
-``[A-Za-z0-9_][A-Za-z0-9_-]*``) is checked by the ledger on append (:func:`kiln.events.registry.parse_stream_id`); these helpers build and split
-names, and :func:`check_id` holds an id to the stricter grammar of the ids kiln makes and accepts
-(1-128 characters, so it is also a NATS subject token). Stdlib only.
+``[A-Za-z0-9_][A-Za-z0-9_-]*``) is checked by the ledger on append
+(:func:`kiln.events.registry.parse_stream_id`); these helpers build and split names, and
+:func:`check_id` holds an id to the stricter grammar of the ids kiln makes and accepts (1-128
+characters, so it is also a NATS subject token). Stdlib only.
 """
 
 from __future__ import annotations

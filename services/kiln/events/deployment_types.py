@@ -42,7 +42,7 @@ class RecompilationStarted(EventSchema):
 
     compilation_id: str = Field(min_length=1)
     reason: RecompilationReason
-    window_index: int = Field(-1, ge=-1)
+    window_index: int = Field(default=-1, ge=-1)
     window_end_s: float = 0.0
     shape: dict[str, Any] = Field(description="The kiln.v1.TrafficShape compiled for, as JSON.")
     warm_start_compilation_ids: list[str] = Field(default_factory=list)
@@ -70,10 +70,10 @@ class TrafficWindowObserved(EventSchema):
     )
     drifted: bool = False
     triggered: bool = False
-    consecutive: int = Field(0, ge=0)
+    consecutive: int = Field(default=0, ge=0)
     reason: str = ""
     predicted_drop: float | None = None
-    resume_sequence: int = Field(1, ge=1)
+    resume_sequence: int = Field(default=1, ge=1)
 
 
 class DriftDetected(EventSchema):
@@ -103,10 +103,10 @@ class Comparison(EventSchema):
     challenger_candidate_id: str = ""
     incumbent_tokens_per_s: list[float] = Field(default_factory=list)
     challenger_tokens_per_s: list[float] = Field(default_factory=list)
-    incumbent_median: float = Field(0.0, ge=0)
-    challenger_median: float = Field(0.0, ge=0)
+    incumbent_median: float = Field(default=0.0, ge=0)
+    challenger_median: float = Field(default=0.0, ge=0)
     gain: float = 0.0
-    noise: float = Field(0.0, ge=0)
+    noise: float = Field(default=0.0, ge=0)
     challenger_better: bool = False
     reason: str = ""
     experiment_ids: list[str] = Field(default_factory=list)
@@ -124,12 +124,12 @@ class CandidatePromoted(EventSchema):
     candidate_id: str = Field(min_length=1)
     previous_candidate_id: str = ""
     reason: Literal["initial", "better"]
-    tokens_per_s: float = Field(0.0, ge=0)
-    speedup: float = Field(0.0, ge=0)
+    tokens_per_s: float = Field(default=0.0, ge=0)
+    speedup: float = Field(default=0.0, ge=0)
     shape: dict[str, Any] = Field(default_factory=dict)
-    comparison: Comparison = Field(default_factory=Comparison)
+    comparison: Comparison = Field(default_factory=lambda: Comparison())
     rebased_at_s: float | None = Field(
-        None, description="Arrival time the drift detector was rebased at (None: initial)."
+        default=None, description="Arrival time the drift detector was rebased at (None: initial)."
     )
 
 
@@ -147,9 +147,10 @@ class PromotionDeclined(EventSchema):
     reason: str = Field(min_length=1)
     compilation_failed: bool = False
     shape: dict[str, Any] = Field(default_factory=dict)
-    comparison: Comparison = Field(default_factory=Comparison)
+    comparison: Comparison = Field(default_factory=lambda: Comparison())
     rebased_at_s: float | None = Field(
-        None, description="Arrival time the drift detector was rebased at (None: not rebased)."
+        default=None,
+        description="Arrival time the drift detector was rebased at (None: not rebased).",
     )
 
 
@@ -163,7 +164,9 @@ class CandidateRolledBack(EventSchema):
     to_candidate_id: str = Field(min_length=1)
     to_compilation_id: str = Field(min_length=1)
     reason: str = ""
-    by: str = Field("", description="The principal that asked (spiffe URI), empty without TLS.")
+    by: str = Field(
+        default="", description="The principal that asked (spiffe URI), empty without TLS."
+    )
 
 
 DEPLOYMENT_TYPES = (

@@ -68,7 +68,9 @@ class ControllerHost(CompilerHost, Protocol):
     """What a controller needs of the agent runner's app."""
 
     closing: asyncio.Event
-    feed: TrafficFeed
+
+    @property
+    def feed(self) -> TrafficFeed: ...
 
     def cost_model_for(self, team: str) -> cost_model_pb2_grpc.CostModelStub: ...
 
@@ -279,10 +281,10 @@ class DeploymentController:
             except ResourceExhausted as exc:  # the team's pending queue is full: wait
                 log.warning("deployment compilation waits", error=exc.message)
                 await asyncio.sleep(SUBMIT_RETRY_S)
-            except KilnError:
+            except KilnError as exc:
                 await self._verdict(
                     cid,
-                    lambda: PromotionDeclined(
+                    lambda why=exc.message: PromotionDeclined(  # type: ignore[misc]
                         compilation_id=cid,
                         incumbent_candidate_id=str(started.get("incumbent_candidate_id") or ""),
                         reason=f"the compilation could not be submitted: {why}",

@@ -80,9 +80,10 @@ class ThroughputPredictor:
         )
         value: float | None = None
         try:
-            reply = await self._stub(self._team).Plan(
+            call: Any = self._stub(self._team).Plan(
                 cost_model_pb2.PlanRequest(workload=workload, max_plans=1), timeout=10
             )
+            reply = await call
             if reply.plans and reply.plans[0].throughput_tokens_per_s > 0:
                 value = float(reply.plans[0].throughput_tokens_per_s)
         except Exception as exc:  # the trigger is optional: no prediction, no trigger

@@ -69,7 +69,9 @@ class DeploymentsHost(Protocol):
     settings: KilnSettings
     closing: asyncio.Event
     deployments: DeploymentControllers
-    feed: TrafficFeed
+
+    @property
+    def feed(self) -> TrafficFeed: ...
 
 
 class DeploymentsServicer(deployments_pb2_grpc.DeploymentsServicer):
