@@ -1,8 +1,10 @@
 """Promotion with proof: what an ended compilation of a deployment decides.
 
 - The initial compilation: its confirmed winner (``Compilation.best``, full tier) becomes the
-  active candidate (``CandidatePromoted``, reason ``initial``); none -> ``PromotionDeclined``
-  with ``compilation_failed`` (the deployment has failed).
+  active candidate (``CandidatePromoted``, reason ``initial``); when it succeeded but nothing
+  beat the reference forward, the reference candidate is promoted (it is what serves); a
+  failed or cancelled one -> ``PromotionDeclined`` with ``compilation_failed`` (the deployment
+  has failed).
 - A recompilation: its ``IncumbentComparison`` (Contract 2: the active candidate and the winner
   measured side by side on the full tier at the new shape) decides. Promoted only when the
   challenger is better beyond noise (``challenger_better``) and its gain is at least the
@@ -20,6 +22,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.domain.deployment import DeploymentState
 from kiln.events.deployment_types import CandidatePromoted, Comparison, PromotionDeclined
 from kiln.v1 import compiler_pb2
@@ -66,6 +69,20 @@ def decide(
     status = _STATUS.get(compilation.status, "ended")
     no_winner = best is None or not best.candidate.candidate_id
     if started["reason"] == "initial":
+        if no_winner and compilation.status == compiler_pb2.COMPILATION_STATUS_SUCCEEDED:
+            # Nothing beat the reference forward: it is what serves (measured, correct).
+            return CandidatePromoted(
+                compilation_id=cid,
+                candidate_id=REFERENCE_CANDIDATE.id,
+                reason="initial",
+                tokens_per_s=max(compilation.baseline.tokens_per_s, 0.0),
+                speedup=1.0,
+                shape=shape,
+                comparison=Comparison(
+                    challenger_candidate_id=REFERENCE_CANDIDATE.id,
+                    reason="no candidate beat the reference forward; the reference serves",
+                ),
+            )
         if no_winner:
             why = compilation.reason or "no candidate was confirmed on the full tier"
             return PromotionDeclined(
