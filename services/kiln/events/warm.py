@@ -74,7 +74,9 @@ class MeasurementReused(EventSchema):
     tier: Literal["fast", "full"] = "fast"
     reuse_key: str = Field(min_length=1, description="The operating-point key both share.")
     result: dict[str, Any] = Field(description="The original ExperimentCompleted payload.")
-    source_completed_at: str = Field(default="", description="When the original completed (ISO 8601, UTC).")
+    source_completed_at: str = Field(
+        default="", description="When the original completed (ISO 8601, UTC)."
+    )
 
 
 class IncumbentCompared(EventSchema):
