@@ -39,14 +39,14 @@ MAX_SOURCES = 16
 MAX_NEARBY = 8
 MAX_MEASURED_PER_SOURCE = 24
 MAX_SEEDS = 64
-_CANDIDATE_ID = re.compile(r"^[0-9a-f]{64}$")
+_CANDIDATE_ID = re.compile(r"^[0-9a-f]{24}$")
 
 
 def check_candidate_id(value: str, field: str = "incumbent_candidate_id") -> str:
-    """``value`` if it can be a candidate id (64 lower-case hex digits); InvalidArgument else."""
+    """``value`` if it can be a candidate id (24 lower-case hex digits); InvalidArgument else."""
     if not _CANDIDATE_ID.match(value):
         raise InvalidArgument(
-            f"{field} {quote(value, 80)} is not a candidate id (64 lower-case hex digits, the "
+            f"{field} {quote(value, 80)} is not a candidate id (24 lower-case hex digits of the "
             "SHA-256 of the candidate's content)"
         )
     return value

@@ -38,9 +38,9 @@ class Seed(EventSchema):
     experiment_id: str = Field(min_length=1)
     workload_key: str = ""
     tier: Literal["fast", "full"] = "fast"
-    tokens_per_s: float = Field(0.0, ge=0)
+    tokens_per_s: float = Field(default=0.0, ge=0)
     speedup: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description="Over the source's own reference (fast-tier baseline for ``measured``, the "
         "adjacent full-tier reference for a winner); 0 when unknown.",
@@ -74,7 +74,9 @@ class MeasurementReused(EventSchema):
     tier: Literal["fast", "full"] = "fast"
     reuse_key: str = Field(min_length=1, description="The operating-point key both share.")
     result: dict[str, Any] = Field(description="The original ExperimentCompleted payload.")
-    source_completed_at: str = Field("", description="When the original completed (ISO 8601, UTC).")
+    source_completed_at: str = Field(
+        default="", description="When the original completed (ISO 8601, UTC)."
+    )
 
 
 class IncumbentCompared(EventSchema):
@@ -90,11 +92,11 @@ class IncumbentCompared(EventSchema):
     challenger_candidate_id: str = ""
     incumbent_tokens_per_s: list[float] = Field(default_factory=list)
     challenger_tokens_per_s: list[float] = Field(default_factory=list)
-    incumbent_median: float = Field(0.0, ge=0)
-    challenger_median: float = Field(0.0, ge=0)
+    incumbent_median: float = Field(default=0.0, ge=0)
+    challenger_median: float = Field(default=0.0, ge=0)
     gain: float = 0.0
-    noise: float = Field(0.0, ge=0)
+    noise: float = Field(default=0.0, ge=0)
     challenger_better: bool = False
     reason: str = ""
     experiment_ids: list[str] = Field(default_factory=list)
-    runs: int = Field(0, ge=0, description="Runs asked for each side.")
+    runs: int = Field(default=0, ge=0, description="Runs asked for each side.")
