@@ -226,6 +226,17 @@ def table(results: dict[str, dict[str, Any]], policy: DriftPolicy) -> str:
     return "\n".join(lines)
 
 
+def _rounded(obj: Any) -> Any:
+    """``obj`` with floats to 4 decimals (the JSON's size; no figure needs more)."""
+    if isinstance(obj, float):
+        return round(obj, 4)
+    if isinstance(obj, dict):
+        return {k: _rounded(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rounded(v) for v in obj]
+    return obj
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every scenario (or those named by --only), print the table, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -256,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "scenarios": results,
         "table": text,
     }
-    args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    args.json.write_text(json.dumps(_rounded(doc), separators=(",", ":")) + "\n", encoding="utf-8")
     print(text)
     return 0
 
