@@ -11,7 +11,7 @@ The statistic, per dimension (``DIMENSIONS``; each >= 0, 0 = no change):
   Azure conversation trace reshuffles its mixture of short and long prompts (and of prompts at
   its ~4.1k-token cap) from one 10-minute window to the next, so its p50 falls x0.43 for 15
   minutes while p90 rises x1.5, or p90 falls x0.5 alone; the largest |term| reaches 0.84 and
-  their mean 0.27 with no drift, their median 0.21. A real shift moves most terms one way. Each
+  their mean 0.27 with no drift, their median 0.20. A real shift moves most terms one way. Each
   term is reported in ``observed``.
 - ``batch``, ``context``: ``|ln(new / old)|`` of the operating point's decode batch (floored at
   ``MIN_BATCH``) and context tokens (:mod:`kiln.domain.operating_point`; nats). Context comes
