@@ -99,7 +99,7 @@ def main() -> None:
             if e["type"] == "DriftDetected"
             and first is not None
             and e["detail"]["window_index"] < first["detail"]["index"]
-        ),  # fmt: skip
+        ),
         "first_drifted_window": first["detail"]["index"] if first else None,
         "drift_window": drift["detail"]["window_index"] if drift else None,
         "s_first_drifted_to_drift_detected": at(drift) - at(first) if drift and first else None,
