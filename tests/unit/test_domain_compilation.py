@@ -226,7 +226,7 @@ def test_stream_names_round_trip() -> None:
     assert streams.experiment_id_in("experiment-e-9") == "e-9"
     assert streams.compilation_id_in("experiment-e-9") is None
     assert streams.stream_suffix("x-1", "y-") is None
-    assert streams.CATEGORIES == ("compilation", "experiment")
+    assert streams.CATEGORIES == ("compilation", "experiment", "deployment")
 
 
 def test_the_domain_imports_no_service_dependency() -> None:

@@ -23,6 +23,9 @@ from nats.aio.client import Client
 from kiln.agent_runner.admission import Admission
 from kiln.agent_runner.compilation import CompilationRunner, RunnerDeps
 from kiln.agent_runner.config import RunnerConfig
+from kiln.agent_runner.deployments.feed import TrafficFeed
+from kiln.agent_runner.deployments.host import DeploymentControllers
+from kiln.agent_runner.deployments.service import DeploymentsServicer
 from kiln.agent_runner.dispatcher import ExperimentDispatcher
 from kiln.agent_runner.ledger_access import LedgerPool
 from kiln.agent_runner.quotas import QuotaSettings
@@ -38,7 +41,7 @@ from kiln.common.logging import get_logger
 from kiln.common.nats import connect, ensure_streams, owned_streams
 from kiln.common.settings import KilnSettings
 from kiln.domain.compilation import Status
-from kiln.v1 import compiler_pb2_grpc, cost_model_pb2_grpc
+from kiln.v1 import compiler_pb2, compiler_pb2_grpc, cost_model_pb2_grpc, deployments_pb2_grpc
 
 log = get_logger("kiln.agent_runner")
 
@@ -53,7 +56,7 @@ class AgentRunnerApp:
     """
 
     name = "agent-runner"
-    grpc_service_names = ("kiln.v1.Compiler",)
+    grpc_service_names = ("kiln.v1.Compiler", "kiln.v1.Deployments")
 
     def __init__(
         self,
@@ -84,6 +87,10 @@ class AgentRunnerApp:
         self._cost_channels: dict[str, grpc.aio.Channel] = {}
         self._spaces: dict[str, CandidateSpace] = {}
         self._background: list[asyncio.Task[None]] = []
+        self.compiler = CompilerServicer(self)
+        self.deployments = DeploymentControllers(self)
+        """The deployments' controllers (kiln.agent_runner.deployments)."""
+        self._feed: TrafficFeed | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, server: grpc.aio.Server) -> None:
@@ -113,11 +120,16 @@ class AgentRunnerApp:
             config=self.config,
             admission=self.admission,
         )
-        compiler_pb2_grpc.add_CompilerServicer_to_server(CompilerServicer(self), server)
+        self._feed = TrafficFeed(js, prefix)
+        compiler_pb2_grpc.add_CompilerServicer_to_server(self.compiler, server)
+        deployments_pb2_grpc.add_DeploymentsServicer_to_server(DeploymentsServicer(self), server)
         if self.usage is not None:
             self._background.append(asyncio.create_task(self._follow_usage(), name="kiln-ar-usage"))
         self._background.append(asyncio.create_task(self._resume(), name="kiln-ar-resume"))
         self._background.append(asyncio.create_task(self._warm_up(), name="kiln-ar-warm-up"))
+        self._background.append(
+            asyncio.create_task(self._resume_deployments(), name="kiln-ar-deployments")
+        )
 
     async def is_ready(self) -> bool:
         """True while NATS is connected."""
@@ -131,6 +143,7 @@ class AgentRunnerApp:
         """Stop the runners (their compilations stay open for the next process), the follower
         and the connections."""
         self.closing.set()
+        await self.deployments.stop()
         tasks = [*self._background, *self._tasks.values()]
         await asyncio.gather(*(cancel_and_wait(t) for t in tasks))
         if self._dispatcher is not None:
@@ -209,6 +222,29 @@ class AgentRunnerApp:
                 )
                 self.start_runner(state, resumed=True)
         self.resumed.set()
+
+    async def _resume_deployments(self) -> None:
+        """Start the deployments' controllers once the open compilations run again (a
+        controller waits for its recompilation's runner)."""
+        await self.resumed.wait()
+        await self.deployments.resume_all()
+
+    @property
+    def feed(self) -> TrafficFeed:
+        """The deployments' traffic feed (after start)."""
+        assert self._feed is not None, "start() first"
+        return self._feed
+
+    async def submit_compilation(
+        self, team: str, request: compiler_pb2.SubmitRequest
+    ) -> compiler_pb2.Compilation:
+        """``Compiler.Submit`` for ``team`` from inside the process (a deployment's
+        compilations; the caller sets the call identity)."""
+        return await self.compiler.Submit(request, None)
+
+    def cost_model_for(self, team: str) -> cost_model_pb2_grpc.CostModelStub:
+        """The cost model's stub for ``team``'s calls."""
+        return self._cost_model(team)
 
     async def _follow_usage(self) -> None:
         """Read the teams' device time from the ledger and follow it (see ``TeamUsage.run``)."""

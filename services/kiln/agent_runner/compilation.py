@@ -39,6 +39,7 @@ from kiln.agent_runner.config import RunnerConfig
 from kiln.agent_runner.dispatcher import ExperimentDispatcher
 from kiln.agent_runner.errors import Failure
 from kiln.agent_runner.experiment import Requested
+from kiln.agent_runner.incumbent import IncumbentComparison
 from kiln.agent_runner.judge import (
     BASELINE_AGENT,
     CONFIRM_TIER,
@@ -53,6 +54,8 @@ from kiln.agent_runner.ledger_access import LedgerPool
 from kiln.agent_runner.outage import ride_out
 from kiln.agent_runner.planning import choose_plan
 from kiln.agent_runner.resume import orphan_claims
+from kiln.agent_runner.reuse import ReuseIndex
+from kiln.agent_runner.seeding import measure_seeds
 from kiln.agent_runner.space import CandidateSpace
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.stream import CompilationStream
@@ -98,13 +101,22 @@ class CompilationRunner:
         """Set once a cancel is known (the baselines, measured after the search, stop on it)."""
         self._stream = CompilationStream(state, deps.ledger.client(state.team), self._stopped)
         workload_json = workload_to_json(state.workload)
-        # first: it takes the baseline comparisons out of state.experiments
+        # first: they take the baseline comparisons and incumbent runs out of state.experiments
         self._compares = BaselineComparisons(state, deps.dispatcher, workload_json, self._cancelled)
-        self._experiments = ExperimentTracker(state, deps.dispatcher, deps.config, workload_json)
+        cfg = deps.config
+        self._incumbent = IncumbentComparison(
+            state,
+            deps.dispatcher,
+            workload_json,
+            self._cancelled,
+            runs=cfg.incumbent_runs,
+            margin=cfg.incumbent_margin,
+        )
+        self._experiments = ExperimentTracker(state, deps.dispatcher, cfg, workload_json)
         in_flight = len(self._experiments.in_flight)
-        self._budget = ExperimentBudget(
+        self._budget = ExperimentBudget(  # reused measurements are outside the budget
             limit=state.max_experiments,
-            completed=len(state.experiments) - in_flight,
+            completed=sum(state.own(r) for r in state.experiments.values()) - in_flight,
             in_flight=in_flight,
         )
         admission, team = deps.admission, state.team
@@ -126,6 +138,7 @@ class CompilationRunner:
             max_in_flight=admission.limits(team).max_in_flight,
             work_slot=partial(admission.work_slot, team),
             quota=partial(admission.device_time_spent, team),
+            reuse=ReuseIndex(deps.ledger, state, cfg.reuse_max_age_s).lookup,
         )
         """What the agents measure with."""
         self.agents_measured: dict[str, int] = {}
@@ -178,15 +191,16 @@ class CompilationRunner:
         if st.cancel_reason is not None:
             status, reason = "cancelled", st.cancel_reason
         else:
-            if self._compares.records:  # restarted while the baselines were measured
+            if self._compares.records or self._incumbent.started:  # restarted after the search
                 status, reason = "succeeded", "the search had ended before a restart"
             elif not await self._admitted():
                 status, reason = "cancelled", st.cancel_reason or "cancel requested"
             else:
                 status, reason = await self._search_until_stopped()
-            if status == "succeeded" and st.baselines:
+            if status == "succeeded" and (st.baselines or self._incumbent.wanted):
                 why = f"the search ended ({reason}) before an engine answered"
                 await self._settle(why, compares=False)
+                await self._incumbent.run(self._stream.append, self._experiments.shielded)
                 await self._compares.run(self._stream.append, self._experiments.shielded)
                 if st.cancel_reason is not None:
                     status, reason = "cancelled", st.cancel_reason
@@ -310,6 +324,8 @@ class CompilationRunner:
             events.append(event)
         if status == "succeeded" and agreement is not None:
             reason = f"{reason}; {agreement_text(*agreement)}"
+        if self._incumbent.wanted:  # never ends without the comparison, made or not
+            events.append(self._incumbent.not_made(f"the compilation {status} first: {reason}"))
         events.append(records.ended(self.compilation_id, status, reason))
         await self._stream.append(*events)
         log.info("compilation ended", compilation=self.compilation_id, status=status, reason=reason)
@@ -324,6 +340,7 @@ class CompilationRunner:
             await self.lab.complete(req, completed)
         if compares:
             await self._compares.close_pending(why)
+            await self._incumbent.close_pending(why)
 
     # ------------------------------------------------------------------ the search
     async def _search(self) -> None:
@@ -345,12 +362,14 @@ class CompilationRunner:
         confirming = asyncio.create_task(
             self.lab.confirmations.run(in_flight), name=f"kiln-confirm-{st.compilation_id}"
         )
-        # Tasks, so that the wall clock can stop the agents and leave the confirmations running
-        # (a cancelled one is a CancelledError among the results).
-        self._agent_tasks = [
-            asyncio.create_task(c) for c in (*(agent.run(self.lab) for agent in agents), *extra)
-        ]
         try:
+            # the warm start's seeds first, then the agents (kiln.agent_runner.seeding)
+            await measure_seeds(self.lab, self._deps.config.warm_measure)
+            # Tasks, so that the wall clock can stop the agents and leave the confirmations
+            # running (a cancelled one is a CancelledError among the results).
+            self._agent_tasks = [
+                asyncio.create_task(c) for c in (*(agent.run(self.lab) for agent in agents), *extra)
+            ]
             results = await asyncio.gather(*self._agent_tasks, return_exceptions=True)
             self.lab.confirmations.agents_done()
             await asyncio.wait({confirming})

@@ -29,6 +29,13 @@ class RunnerConfig:
         confirm_grace_s: how long past its wall-clock budget a compilation waits for a
             confirmation under way or due (its agents stopped): one that waited for a device is
             still run, within this bound.
+        warm_measure: seeds of a warm start measured before the agents propose (the rest are
+            the optuna study's prior trials: :mod:`kiln.agent_runner.seeding`).
+        reuse_max_age_s: how old an earlier measurement may be to answer a search-tier
+            experiment (:mod:`kiln.agent_runner.reuse`); 0 turns reuse off.
+        incumbent_runs, incumbent_margin: full-tier runs of each side of the incumbent
+            comparison and the least gain that counts beyond noise
+            (:mod:`kiln.agent_runner.incumbent`).
     """
 
     experiment_deadline_s: float = 300.0
@@ -41,6 +48,10 @@ class RunnerConfig:
     cancel_wait_s: float = 10.0
     resume_retry_s: float = 2.0
     confirm_grace_s: float = 300.0
+    warm_measure: int = 4
+    reuse_max_age_s: float = 24 * 3600.0
+    incumbent_runs: int = 3
+    incumbent_margin: float = 0.02
 
     def search_deadline_s(self, wall_seconds: float) -> float:
         """:attr:`search_share` of ``wall_seconds`` within [:attr:`search_min_deadline_s`,

@@ -157,13 +157,14 @@ def judgement(state: CompilationState, req: Requested, completed: Completed) -> 
 
 
 def with_progress(event: NewEvent, state: CompilationState, completed: Completed) -> NewEvent:
-    """``event`` with ``elapsed_s`` since submission, ``experiments`` completed at or before
-    ``completed``'s position and their engine time ``device_s``: a function of the state.
+    """``event`` with ``elapsed_s`` since submission, ``experiments`` of this compilation
+    completed at or before ``completed``'s position and their engine time ``device_s``: a
+    function of the state.
     """
-    done = [
+    done = [  # measured here: a reused measurement took no experiment and no device time
         r.completed
         for r in state.experiments.values()
-        if r.completed is not None and r.completed.position <= completed.position
+        if r.completed is not None and r.completed.position <= completed.position and state.own(r)
     ]
     device_ms = sum(device_ms_of(c.result.model_dump()) for c in done)
     data = dict(event.data) if isinstance(event.data, dict) else {}

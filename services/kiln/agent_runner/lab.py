@@ -5,9 +5,11 @@ limits (the compilation's ``max_in_flight``, then its team's ``work_slot``), is 
 completed once through the tracker and judged one at a time; ``BaselineMeasured`` and
 ``BestCandidateImproved`` are appended to the compilation's stream. Every search-tier judgement
 feeds :attr:`CompilationLab.results`, the agents' only source of results. Once ``stop`` is set,
-no slot is given; once :attr:`CompilationLab.search_stop` is set (the wall clock ran out) or
-``quota`` names a reason (the team's device time is spent), agents get none but confirmations
-still do.
+no slot is given; a candidate an earlier measurement answers (``reuse``,
+:mod:`kiln.agent_runner.reuse`) is recorded as ``MeasurementReused``, judged like a result and
+gives its slot back (no device time, outside the budget). Once
+:attr:`CompilationLab.search_stop` is set (the wall clock ran out) or ``quota`` names a reason
+(the team's device time is spent), agents get none but confirmations still do.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from kiln.agent_runner import records
 from kiln.agent_runner.agents import Outcome
 from kiln.agent_runner.budget import ExperimentBudget
 from kiln.agent_runner.confirmations import Confirmations
@@ -33,6 +36,7 @@ from kiln.agent_runner.tracker import ExperimentTracker
 from kiln.board import Board
 from kiln.common.logging import get_logger
 from kiln.domain.candidate import Candidate
+from kiln.events.warm import MeasurementReused
 from kiln.ledger.model import NewEvent
 from kiln.runtime.support import ModelNotSupported
 from kiln.v1 import common_pb2
@@ -61,6 +65,7 @@ class CompilationLab:
         max_in_flight: int = 0,
         work_slot: Callable[[], AbstractAsyncContextManager[None]] | None = None,
         quota: Callable[[], str | None] | None = None,
+        reuse: Callable[[Candidate, str], Awaitable[MeasurementReused | None]] | None = None,
     ) -> None:
         self.state, self.experiments, self.budget = state, experiments, budget
         self._dispatcher, self._board, self._space_of = dispatcher, board, space
@@ -68,6 +73,10 @@ class CompilationLab:
         self._in_flight = asyncio.Semaphore(max_in_flight) if max_in_flight else None
         self._work_slot = work_slot or contextlib.nullcontext
         self._quota = quota
+        self._reuse = reuse
+        self.prior_trials: list[tuple[Candidate, float]] = []
+        """Candidates measured elsewhere and their tokens/s as predicted for this compilation
+        (:mod:`kiln.agent_runner.seeding`): ranking information for the optuna study."""
         self.search_stop = asyncio.Event()
         """Set when the agents must stop (the wall clock ran out) while confirmations finish."""
         self.quota_reason: str | None = None
@@ -173,6 +182,9 @@ class CompilationLab:
                 self.release()
                 return None
             self.experiments.requested.add(candidate.id)
+            reused = await self._reused(candidate, agent)
+            if reused is not None:
+                return reused
             with self.confirmations.searching():
                 requesting = self.experiments.spawn(
                     self.experiments.request(candidate, agent, SEARCH_TIER, profile=profile)
@@ -196,6 +208,28 @@ class CompilationLab:
         finally:
             if not kept:
                 await limits.aclose()
+
+    async def _reused(self, candidate: Candidate, agent: str) -> Outcome | None:
+        """Answer ``candidate`` from an earlier measurement if one is valid here: append
+        ``MeasurementReused`` (the state folds it into an experiment record), give the slot
+        back and judge it; None to measure it."""
+        if self._reuse is None:
+            return None
+        try:
+            found = await self._reuse(candidate, agent)
+            if found is None:
+                return None
+            event = records.measurement_reused(self.compilation_id, found)
+            await self.experiments.shielded(self._append(event))
+        except BaseException:
+            self.experiments.requested.discard(candidate.id)
+            self.release()
+            raise
+        self.release()
+        rec = self.state.experiments[found.experiment_id]
+        assert rec.completed is not None
+        log.info("measurement reused", candidate=candidate.id, experiment=found.experiment_id)
+        return await self.judge(rec.requested, rec.completed)
 
     async def _keep_until_settled(
         self, requesting: asyncio.Task[Requested], limits: contextlib.AsyncExitStack

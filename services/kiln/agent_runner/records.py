@@ -27,9 +27,14 @@ from kiln.events.types import (
     EndStatus,
     ExperimentCompleted,
     ExperimentRequested,
+    Incumbent,
+    IncumbentCompared,
+    MeasurementReused,
+    Seed,
     Tier,
     TierAgreement,
     TierPoint,
+    WarmStartRequest,
 )
 from kiln.ledger.model import NewEvent
 
@@ -90,8 +95,12 @@ def submitted(
     max_experiments: int,
     agents: list[str],
     baselines: list[str] | None = None,
+    warm_start: WarmStartRequest | None = None,
+    seeds: list[Seed] | None = None,
+    incumbent: Incumbent | None = None,
 ) -> NewEvent:
-    """``CompilationSubmitted`` (a random event id: a second submission is a conflict)."""
+    """``CompilationSubmitted`` (a random event id: a second submission is a conflict) with the
+    resolved warm start and incumbent (:mod:`kiln.agent_runner.warm_start`)."""
     payload = CompilationSubmitted(
         workload_key=workload_key,
         model_name=model_name,
@@ -100,6 +109,9 @@ def submitted(
         budget=Budget(wall_seconds=wall_seconds, max_experiments=max_experiments),
         agents=agents,
         baselines=list(baselines or []),
+        warm_start=warm_start,
+        seeds=list(seeds or []),
+        incumbent=incumbent,
     )
     return _event(payload, str(uuid.uuid4()), compilation_id)
 
@@ -232,3 +244,14 @@ def experiment_unanswered(
 def baseline_compared(compilation_id: str, payload: BaselineCompared) -> NewEvent:
     """``BaselineCompared`` (one per compilation and baseline name)."""
     return _event(payload, _event_id(compilation_id, "compared", payload.name), compilation_id)
+
+
+def measurement_reused(compilation_id: str, payload: MeasurementReused) -> NewEvent:
+    """``MeasurementReused`` (one per compilation and candidate on a tier)."""
+    event_id = _event_id(compilation_id, "reused", payload.tier, payload.candidate_id)
+    return _event(payload, event_id, compilation_id)
+
+
+def incumbent_compared(compilation_id: str, payload: IncumbentCompared) -> NewEvent:
+    """``IncumbentCompared`` (one per compilation)."""
+    return _event(payload, _event_id(compilation_id, "incumbent"), compilation_id)

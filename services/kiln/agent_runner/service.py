@@ -1,11 +1,13 @@
 """The ``kiln.v1.Compiler`` servicer: Submit, Watch, Get, List, Cancel.
 
 Appends are made as the caller's team. Bad input is refused before anything is appended:
-INVALID_ARGUMENT for a missing or malformed workload, budget, agent, baseline or compilation id;
-NOT_FOUND for unknown hardware, weights directory or compilation; ALREADY_EXISTS for a reused
-compilation id; RESOURCE_EXHAUSTED for a Submit while the team has its ``max_pending``
-compilations waiting (below it a Submit over the team's running limit is accepted and waits as
-PENDING: :mod:`kiln.agent_runner.admission`); PERMISSION_DENIED for cancelling another team's
+INVALID_ARGUMENT for a missing or malformed workload, budget, agent, baseline, compilation id or
+incumbent candidate id; NOT_FOUND for unknown hardware, weights directory or compilation, a warm
+start's source compilation or an incumbent candidate the caller's team never measured
+(:mod:`kiln.agent_runner.warm_start`); ALREADY_EXISTS for a reused compilation id;
+RESOURCE_EXHAUSTED for a Submit while the team has its ``max_pending`` compilations waiting
+(below it a Submit over the team's running limit is accepted and waits as PENDING:
+:mod:`kiln.agent_runner.admission`); PERMISSION_DENIED for cancelling another team's
 compilation; FAILED_PRECONDITION for cancelling one that has ended; OUT_OF_RANGE for a number
 beyond its field's range (:mod:`kiln.workloads.config_bounds`,
 :mod:`kiln.domain.operating_point`); RESOURCE_EXHAUSTED for a Watch beyond the caller's open
@@ -37,6 +39,7 @@ from kiln.agent_runner.ledger_access import LedgerPool, retry_unavailable
 from kiln.agent_runner.lookup import compilation_events, compilation_snapshot
 from kiln.agent_runner.snapshot import NAME_BY_STATUS, Snapshot, from_row
 from kiln.agent_runner.state import CompilationState
+from kiln.agent_runner.warm_start import resolve_incumbent, resolve_warm_start
 from kiln.agent_runner.watch import watch
 from kiln.agent_runner.workload import validate_workload
 from kiln.common.errors import (
@@ -128,6 +131,16 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
         records.check_compilation_id(cid)
         app, stream = self._app, records.compilation_stream(cid)
         app.admission.check_submit(team)
+        scope = self._scope()
+        warm, seeds = await resolve_warm_start(
+            app.ledger,
+            request.warm_start,
+            team=team,
+            scope=scope,
+            workload=valid.to_json(),
+            hardware=valid.hardware,
+        )
+        incumbent = await resolve_incumbent(app.ledger, request.incumbent_candidate_id, scope=scope)
         if not app.reserve_id(cid):
             raise AlreadyExists(f"compilation {cid!r} exists already")
         try:
@@ -141,6 +154,9 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
                 max_experiments=budget.max_experiments,
                 agents=agents,
                 baselines=baselines,
+                warm_start=warm,
+                seeds=seeds,
+                incumbent=incumbent,
             )
             client = app.ledger.client(team)
             try:

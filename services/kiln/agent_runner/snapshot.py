@@ -85,6 +85,24 @@ def candidate_from(candidate_id: str, d: dict[str, Any]) -> common_pb2.Candidate
     )
 
 
+def incumbent_from(d: dict[str, Any]) -> compiler_pb2.IncumbentComparison:
+    """An ``IncumbentCompared`` payload as the message."""
+    return compiler_pb2.IncumbentComparison(
+        incumbent_candidate_id=str(d.get("incumbent_candidate_id", "")),
+        challenger_candidate_id=str(d.get("challenger_candidate_id", "")),
+        incumbent_tokens_per_s=[float(x) for x in d.get("incumbent_tokens_per_s", [])],
+        challenger_tokens_per_s=[float(x) for x in d.get("challenger_tokens_per_s", [])],
+        incumbent_median=float(d.get("incumbent_median", 0.0)),
+        challenger_median=float(d.get("challenger_median", 0.0)),
+        gain=float(d.get("gain", 0.0)),
+        noise=float(d.get("noise", 0.0)),
+        challenger_better=bool(d.get("challenger_better", False)),
+        reason=str(d.get("reason", "")),
+        experiment_ids=[str(x) for x in d.get("experiment_ids", [])],
+        compared=bool(d.get("compared", False)),
+    )
+
+
 def detail_of(event: ledger_pb2.RecordedEvent) -> Struct:
     """An event's payload as a Struct (numbers become doubles)."""
     detail = Struct()
@@ -155,9 +173,12 @@ class Snapshot:
         elif t == "BestCandidateImproved" and comp.best is not None:
             self._set_best(comp.best, event)
             self._add_progress(dict(ev.data), event)
+        elif t == "IncumbentCompared" and comp.incumbent_compared is not None:
+            m.incumbent.CopyFrom(incumbent_from(comp.incumbent_compared))
         elif t in EXPERIMENT_TYPES:
             self.learn(event)
             self.count_usage(event)
+        m.experiments_reused = comp.reused
         m.status = STATUS_BY_NAME[comp.status]
         m.reason = comp.reason
         m.experiments_done, m.failures = comp.experiments_done, comp.failures

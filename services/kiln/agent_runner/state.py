@@ -7,10 +7,10 @@ runner appends or finds on a conflict, so after a restart the same fold gives th
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from kiln.agent_runner.experiment import domain_event
+from kiln.agent_runner.experiment import domain_event, recorded_at
 from kiln.agent_runner.workload import workload_from_json
 from kiln.domain.compilation import (
     CANCEL_DEFAULT_REASON,
@@ -21,6 +21,7 @@ from kiln.domain.compilation import (
     Event,
 )
 from kiln.domain.experiment import ExperimentRecord, fold_experiment
+from kiln.domain.reuse import REUSED, reused_record
 from kiln.v1 import common_pb2, ledger_pb2
 
 __all__ = ["Baseline", "Best", "CompilationState", "ExperimentRecord"]
@@ -100,12 +101,32 @@ class CompilationState:
 
     # ------------------------------------------------------------------ folding
     def apply(self, event: ledger_pb2.RecordedEvent) -> None:
-        """Fold one later event of the stream (versions already folded are ignored)."""
-        self.compilation.apply(domain_event(event))
+        """Fold one later event of the stream (versions already folded are ignored); a
+        ``MeasurementReused`` also adds its record to :attr:`experiments`."""
+        if self.compilation.apply(domain_event(event)) and event.type == REUSED:
+            self._reused(domain_event(event).data, event.position, recorded_at(event))
 
-    def apply_data(self, event_type: str, d: dict[str, Any], version: int) -> None:
-        """Fold an event given by type, payload and stream version (e.g. one just appended)."""
-        self.compilation.apply(Event(event_type, d, self.compilation.stream_id, version))
+    def apply_data(
+        self,
+        event_type: str,
+        d: dict[str, Any],
+        version: int,
+        position: int = 0,
+        at: datetime | None = None,
+    ) -> None:
+        """Fold an event given by type, payload, stream version and, when known, its global
+        position and time (e.g. one just appended)."""
+        event = Event(event_type, d, self.compilation.stream_id, version, position, at)
+        if self.compilation.apply(event) and event_type == REUSED:
+            self._reused(d, position, at or datetime.now(UTC))
+
+    def _reused(self, d: Any, position: int, at: datetime) -> None:
+        rec = reused_record(d, position, at, self.team)
+        self.experiments.setdefault(rec.requested.experiment_id, rec)
+
+    def own(self, rec: ExperimentRecord) -> bool:
+        """Whether an experiment was measured for this compilation (not a reused one)."""
+        return rec.requested.compilation_id == self.compilation_id
 
     def apply_experiment(self, event: ledger_pb2.RecordedEvent) -> None:
         """Fold one of this compilation's ``ExperimentRequested`` / ``ExperimentCompleted`` into

@@ -62,9 +62,10 @@ class CompilationStream:
                     await self.sync()
                 else:
                     first = result.stream_version - len(events) + 1
+                    positions = list(result.positions) + [0] * len(events)
                     for i, event in enumerate(events):
                         assert isinstance(event.data, dict)
-                        st.apply_data(event.type, event.data, first + i)
+                        st.apply_data(event.type, event.data, first + i, positions[i])
                 return
         types = ", ".join(e.type for e in events)
         raise KilnError(f"cannot append {types} to {self._stream}: conflicts keep coming")

@@ -16,8 +16,10 @@ from kiln.cli.render import console
 
 def export(
     ctx: typer.Context,
-    compilation_id: Annotated[str, typer.Argument(help="The compilation's id.")],
     out: Annotated[Path, typer.Option("--out", help="Directory to write (new or empty).")],
+    compilation_id: Annotated[
+        str, typer.Argument(help="The compilation's id (or --deployment).")
+    ] = "",
     candidate: Annotated[
         str | None,
         typer.Option(
@@ -25,14 +27,23 @@ def export(
             help="A candidate id confirmed on the full tier (default: the compilation's best).",
         ),
     ] = None,
+    deployment: Annotated[
+        str | None,
+        typer.Option("--deployment", help="Export this deployment's active candidate."),
+    ] = None,
 ) -> None:
-    """Export a compilation's winner as a standalone artifact directory."""
+    """Export a compilation's winner (or a deployment's active candidate) as a standalone
+    artifact directory."""
     from kiln.cli.context import settings_for
     from kiln.cli.ledger import run_with_ledger
     from kiln.engine_pool.settings import EngineSettings
     from kiln.export.from_ledger import ExportError, export_compilation
     from kiln.export.signing import SigningKeyError, deployment_key, key_id
 
+    if deployment:
+        compilation_id, candidate = _active_of(ctx, deployment)
+    elif not compilation_id:
+        raise CliError("name a compilation id, or --deployment NAME")
     try:  # the engine limits of this environment (KILN_ENGINE_*), as a pool here would use
         limits = EngineSettings().limits()
     except ValueError as exc:
@@ -59,3 +70,17 @@ def export(
         markup=False,
         highlight=False,
     )
+
+
+def _active_of(ctx: typer.Context, name: str) -> tuple[str, str]:
+    """(compilation id, candidate id) of the deployment's active candidate."""
+    import asyncio
+
+    from kiln.cli.deployments import call
+    from kiln.v1 import deployments_pb2
+
+    d = asyncio.run(call(ctx, "Get", deployments_pb2.GetDeploymentRequest(name=name)))
+    assert isinstance(d, deployments_pb2.Deployment)
+    if not d.active_candidate_id:
+        raise CliError(f"deployment {name!r} has no active candidate yet")
+    return d.active_compilation_id, d.active_candidate_id

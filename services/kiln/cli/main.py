@@ -8,7 +8,17 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import compilations, credentials, health, ledger, migrate, serve, up
+from kiln.cli import (
+    compilations,
+    credentials,
+    deployments,
+    health,
+    ledger,
+    migrate,
+    serve,
+    traffic,
+    up,
+)
 from kiln.cli.compile import compile as compile_command
 from kiln.cli.context import CliState
 from kiln.cli.errors import KilnGroup
@@ -52,6 +62,8 @@ app.command()(health.health)
 app.command("compile")(compile_command)
 app.command("export")(export_command)
 app.add_typer(compilations.app, name="compilations")
+app.add_typer(deployments.app, name="deployments")
+app.add_typer(traffic.app, name="traffic")
 app.add_typer(ledger.app, name="ledger")
 app.add_typer(credentials.app, name="credentials")
 

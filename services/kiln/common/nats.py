@@ -8,6 +8,8 @@ Subjects (``prefix`` is ``settings.subject_prefix``):
   (``{PREFIX}_BOARD``).
 - ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}``: experiments waiting for an
   engine (work-queue stream ``{PREFIX}_WORK``; see :mod:`kiln.common.work`).
+- ``{prefix}.traffic.{deployment_id}``: observed requests of one deployment (stream
+  ``{PREFIX}_TRAFFIC``; :mod:`kiln.agent_runner.deployments.feed`).
 - ``$KV.{prefix}_engines.>``: the engine pools' registry (key-value bucket ``{prefix}_engines``).
 
 Each stream has one owner, the service that creates and updates it (:data:`STREAM_OWNERS`);
@@ -92,6 +94,16 @@ def board_stream_name(prefix: str) -> str:
 def work_stream_name(prefix: str) -> str:
     """The JetStream work-queue stream of experiments to run, e.g. ``KILN_WORK``."""
     return _check_prefix(prefix).upper() + "_WORK"
+
+
+def traffic_stream_name(prefix: str) -> str:
+    """The JetStream stream of observed traffic, e.g. ``KILN_TRAFFIC``."""
+    return _check_prefix(prefix).upper() + "_TRAFFIC"
+
+
+def traffic_subject(prefix: str, deployment_id: str) -> str:
+    """``{prefix}.traffic.{deployment_id}``; InvalidArgument on a bad prefix or id."""
+    return f"{_check_prefix(prefix)}.traffic.{check_id('deployment id', deployment_id)}"
 
 
 WORK_TIERS: Final = ("fast", "full")
@@ -299,6 +311,24 @@ def work_stream_config(prefix: str) -> StreamConfig:
     )
 
 
+TRAFFIC_MAX_AGE_S: Final = 7 * 24 * 3600.0
+"""How long observed traffic records stay in the traffic stream, seconds (a restarted
+controller re-reads the records of its open windows from there)."""
+
+
+def traffic_stream_config(prefix: str) -> StreamConfig:
+    """Config of the traffic stream: file storage, limits retention, records kept a week."""
+    config = _file_stream(
+        traffic_stream_name(prefix),
+        "kiln observed traffic: one subject per deployment",
+        f"{_check_prefix(prefix)}.traffic.>",
+        RetentionPolicy.LIMITS,
+        EVENTS_DUPLICATE_WINDOW_S,
+    )
+    config.max_age = TRAFFIC_MAX_AGE_S
+    return config
+
+
 _STREAM_NAME_IN_USE = 10058  # JSStreamNameExistErr: same name, different config
 _SUBJECTS_OVERLAP = 10065  # JSStreamSubjectOverlapErr
 
@@ -322,13 +352,14 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     log.info("nats.stream_updated", stream=config.name)
 
 
-StreamKind = Literal["events", "board", "work"]
-STREAM_KINDS: Final[tuple[StreamKind, ...]] = ("events", "board", "work")
+StreamKind = Literal["events", "board", "work", "traffic"]
+STREAM_KINDS: Final[tuple[StreamKind, ...]] = ("events", "board", "work", "traffic")
 
 STREAM_OWNERS: Final[dict[StreamKind, str]] = {
     "events": "ledger",  # the outbox publisher fills it
     "board": "agent-runner",  # its agents post and read the board
     "work": "agent-runner",  # it publishes the experiments engine pools take
+    "traffic": "agent-runner",  # its deployments' traffic feed (ObserveTraffic) and controllers
 }
 """The service that creates and updates each stream; the engine pool owns its registry bucket
 (:func:`registry_bucket`). Nobody deletes a stream."""
@@ -336,7 +367,12 @@ STREAM_OWNERS: Final[dict[StreamKind, str]] = {
 
 def stream_name(prefix: str, kind: StreamKind) -> str:
     """The stream of ``kind`` under ``prefix``, e.g. ``KILN_WORK``."""
-    names = {"events": events_stream_name, "board": board_stream_name, "work": work_stream_name}
+    names = {
+        "events": events_stream_name,
+        "board": board_stream_name,
+        "work": work_stream_name,
+        "traffic": traffic_stream_name,
+    }
     return names[kind](prefix)
 
 
@@ -377,6 +413,7 @@ async def ensure_streams(
         ),
         "board": lambda: board_stream_config(prefix, duplicate_window_s=board_duplicate_window_s),
         "work": lambda: work_stream_config(prefix),
+        "traffic": lambda: traffic_stream_config(prefix),
     }
     for kind in kinds:
         await _ensure_stream(js, configs[kind]())
@@ -413,7 +450,8 @@ async def wait_for_streams(
 
 async def delete_streams(js: JetStreamContext, prefix: str) -> None:
     """Delete the streams of ``prefix`` if present (tests)."""
-    for name in (events_stream_name(prefix), board_stream_name(prefix), work_stream_name(prefix)):
+    for kind in STREAM_KINDS:
+        name = stream_name(prefix, kind)
         try:
             await js.delete_stream(name)
         except nats.js.errors.NotFoundError:

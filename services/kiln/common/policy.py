@@ -7,6 +7,12 @@ events to which streams, and whether teams read each other's records (docs/desig
 
     cross_team_reads = true                       # teams read every team's records (audit)
     [rpc]                                         # merged over DEFAULT_RPC, method by method
+    "kiln.v1.Deployments/Create": ("team",),
+    "kiln.v1.Deployments/ObserveTraffic": ("team",),
+    "kiln.v1.Deployments/Rollback": ("team", "operator"),
+    "kiln.v1.Deployments/Get": ANY,
+    "kiln.v1.Deployments/List": ANY,
+    "kiln.v1.Deployments/Watch": ANY,
     "kiln.v1.EnginePool/RunExperiment" = ["service", "operator", "team"]
     [[append]]                                    # when given, replaces DEFAULT_APPEND whole
     service = "engine-pool"
@@ -44,6 +50,12 @@ DEFAULT_RPC: dict[str, tuple[PrincipalKind, ...]] = {
     "kiln.v1.Compiler/Get": ANY,
     "kiln.v1.Compiler/Watch": ANY,
     "kiln.v1.Compiler/List": ANY,
+    "kiln.v1.Deployments/Create": ("team",),
+    "kiln.v1.Deployments/ObserveTraffic": ("team",),
+    "kiln.v1.Deployments/Rollback": ("team", "operator"),
+    "kiln.v1.Deployments/Get": ANY,
+    "kiln.v1.Deployments/List": ANY,
+    "kiln.v1.Deployments/Watch": ANY,
     "kiln.v1.EnginePool/RunExperiment": ("service", "operator"),
     "kiln.v1.EnginePool/ListEngines": ANY,
     "kiln.v1.CostModel/Plan": ANY,
@@ -90,8 +102,20 @@ _RUNNER_COMPILATION = (
     "BaselineCompared",
     "BestCandidateImproved",
     "TierAgreement",
+    "MeasurementReused",
+    "IncumbentCompared",
     "CompilationCancelRequested",
     "CompilationEnded",
+)
+
+_RUNNER_DEPLOYMENT = (
+    "DeploymentCreated",
+    "RecompilationStarted",
+    "TrafficWindowObserved",
+    "DriftDetected",
+    "CandidatePromoted",
+    "PromotionDeclined",
+    "CandidateRolledBack",
 )
 
 DEFAULT_APPEND: tuple[AppendRule, ...] = (
@@ -106,6 +130,8 @@ DEFAULT_APPEND: tuple[AppendRule, ...] = (
         types=("ExperimentCompleted",),
         statuses=("timed_out", "cancelled"),
     ),
+    # The runner records deployments (kiln.agent_runner.deployments: controller and servicer).
+    AppendRule(service="agent-runner", category="deployment", types=_RUNNER_DEPLOYMENT),
     # Measurements come from the engine pool only (engine_pool.delivery).
     AppendRule(service="engine-pool", category="experiment", types=("ExperimentCompleted",)),
 )

@@ -35,6 +35,8 @@ COMPILATION_TYPES = (
     "BaselineCompared",
     "BestCandidateImproved",
     "TierAgreement",
+    "MeasurementReused",
+    "IncumbentCompared",
     "CompilationCancelRequested",
     "CompilationEnded",
 )
@@ -124,6 +126,9 @@ class Compilation:
             ``BaselineMeasured``), None before; the wall-clock budget runs from here.
         tier_agreement: (n, rho). compared: baseline names recorded.
         cancel_reason: the cancel request's reason (None: no request; may be "").
+        seeds: the warm start's resolved seeds (``Seed`` payloads, best first); incumbent: the
+            resolved incumbent (``Incumbent`` payload) or None; incumbent_compared: the
+            ``IncumbentCompared`` payload once recorded; reused: ``MeasurementReused`` events.
     """
 
     compilation_id: str
@@ -149,6 +154,10 @@ class Compilation:
     tier_agreement: tuple[int, float | None] | None = None
     compared: set[str] = field(default_factory=set)
     cancel_reason: str | None = None
+    seeds: list[dict[str, Any]] = field(default_factory=list)
+    incumbent: dict[str, Any] | None = None
+    incumbent_compared: dict[str, Any] | None = None
+    reused: int = 0
     end_reason: str = ""
     experiments_done: int = 0
     failures: int = 0
@@ -180,6 +189,8 @@ class Compilation:
             submitted_position=event.position,
             agents=list(d.get("agents", [])),
             baselines=list(d.get("baselines", [])),
+            seeds=[dict(x) for x in d.get("seeds") or []],
+            incumbent=dict(d["incumbent"]) if d.get("incumbent") else None,
             version=event.version,
             position=event.position,
             updated_at=event.recorded_at,
@@ -266,6 +277,10 @@ class Compilation:
             )
         elif t == "BaselineCompared":
             self.compared.add(str(d["name"]))
+        elif t == "MeasurementReused":
+            self.reused += 1
+        elif t == "IncumbentCompared":
+            self.incumbent_compared = dict(d)
         elif t == "TierAgreement":
             rho = d.get("rho")
             self.tier_agreement = (int(d["n"]), None if rho is None else float(rho))

@@ -1,11 +1,13 @@
 """Ledger stream names, defined once: ``<category>-<id>``.
 
-Two categories exist: ``compilation-<compilation id>`` (one compilation's life) and
-``experiment-<experiment id>`` (one experiment: requested, completed). The grammar every stream
-id follows (category ``[a-z][a-z0-9_]*``, id ``[A-Za-z0-9_][A-Za-z0-9_-]*``) is checked by the
-ledger on append (:func:`kiln.events.registry.parse_stream_id`); these helpers build and split
-names, and :func:`check_id` holds an id to the stricter grammar of the ids kiln makes and accepts
-(1-128 characters, so it is also a NATS subject token). Stdlib only.
+Three categories exist: ``compilation-<compilation id>`` (one compilation's life),
+``experiment-<experiment id>`` (one experiment: requested, completed) and
+``deployment-<deployment id>`` (one deployment: windows, drift, recompilations, promotions).
+The grammar every stream id follows (category ``[a-z][a-z0-9_]*``, id
+``[A-Za-z0-9_][A-Za-z0-9_-]*``) is checked by the ledger on append
+(:func:`kiln.events.registry.parse_stream_id`); these helpers build and split names, and
+:func:`check_id` holds an id to the stricter grammar of the ids kiln makes and accepts (1-128
+characters, so it is also a NATS subject token). Stdlib only.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import re
 
 COMPILATION = "compilation"
 EXPERIMENT = "experiment"
-CATEGORIES = (COMPILATION, EXPERIMENT)
+DEPLOYMENT = "deployment"
+CATEGORIES = (COMPILATION, EXPERIMENT, DEPLOYMENT)
 """Every stream category the ledger holds."""
 
 COMPILATION_PREFIX = COMPILATION + "-"
 EXPERIMENT_PREFIX = EXPERIMENT + "-"
+DEPLOYMENT_PREFIX = DEPLOYMENT + "-"
 
 
 def compilation_stream(compilation_id: str) -> str:
@@ -29,6 +33,11 @@ def compilation_stream(compilation_id: str) -> str:
 def experiment_stream(experiment_id: str) -> str:
     """``experiment-<experiment_id>``."""
     return EXPERIMENT_PREFIX + experiment_id
+
+
+def deployment_stream(deployment_id: str) -> str:
+    """``deployment-<deployment_id>`` (the id: :func:`kiln.domain.deployment.deployment_id`)."""
+    return DEPLOYMENT_PREFIX + deployment_id
 
 
 def stream_suffix(stream_id: str, prefix: str) -> str | None:

@@ -74,6 +74,7 @@ def permissions(prefix: str) -> dict[str, Permissions]:
     events = kn.events_stream_name(prefix)
     board = kn.board_stream_name(prefix)
     work = kn.work_stream_name(prefix)
+    traffic = kn.traffic_stream_name(prefix)
     bucket = kn.registry_bucket(prefix)
     registry = f"KV_{bucket}"
     table: dict[str, tuple[list[str], list[str]]] = {
@@ -87,7 +88,8 @@ def permissions(prefix: str) -> dict[str, Permissions]:
             ],
             [],
         ),
-        # Publishes work items; posts, claims and reads the board.
+        # Publishes work items; posts, claims and reads the board; publishes the traffic its
+        # ObserveTraffic receives and reads it back for its deployments' controllers.
         "agent-runner": (
             [
                 f"{prefix}.work.experiments.>",
@@ -97,6 +99,10 @@ def permissions(prefix: str) -> dict[str, Permissions]:
                 *_owner(board),
                 *_reader(board),
                 f"{_JS}.STREAM.MSG.GET.{board}",
+                f"{prefix}.traffic.>",
+                *_owner(traffic),
+                *_reader(traffic),
+                f"{_JS}.STREAM.MSG.GET.{traffic}",
             ],
             [],
         ),
@@ -131,6 +137,18 @@ def permissions(prefix: str) -> dict[str, Permissions]:
         )
         for user, (pub, sub) in table.items()
     }
+
+
+def traffic_publisher(prefix: str, deployment_id: str) -> Permissions:
+    """What a serving system needs to feed one deployment's observed traffic straight into NATS
+    (a user an operator adds beside :data:`NATS_USERS`): publish on
+    ``{prefix}.traffic.{deployment_id}`` (a core publish lands in the traffic stream; a
+    JetStream publish also wants its reply inbox). docs/design/deployments.md, "Traffic feed".
+    """
+    return Permissions(
+        publish=(kn.traffic_subject(prefix, deployment_id),),
+        subscribe=("_INBOX.>",),
+    )
 
 
 NO_DELETE: Final = (

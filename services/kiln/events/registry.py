@@ -53,7 +53,8 @@ S = TypeVar("S", bound=EventSchema)
 
 
 def _ensure_loaded() -> None:
-    import kiln.events.types  # noqa: F401  (defining the classes registers them)
+    import kiln.events.deployment_types
+    import kiln.events.types  # noqa: F401
 
 
 def registered_types() -> dict[str, list[int]]:

@@ -10,6 +10,13 @@ from typing import Any, Literal
 from pydantic import Field
 
 from kiln.events.schema import EventSchema
+from kiln.events.warm import (  # noqa: F401  (registers MeasurementReused, IncumbentCompared)
+    Incumbent,
+    IncumbentCompared,
+    MeasurementReused,
+    Seed,
+    WarmStartRequest,
+)
 
 Tier = Literal["fast", "full"]
 ExperimentStatus = Literal["ok", "incorrect", "crashed", "timed_out", "rejected", "cancelled"]
@@ -58,6 +65,19 @@ class CompilationSubmitted(EventSchema):
         default_factory=list,
         description="Baselines of kiln.baselines to measure beside the search "
         "(hf_eager, hf_static, hf_compile, gpt_fast); empty = none.",
+    )
+    warm_start: WarmStartRequest | None = Field(
+        default=None, description="The warm start as submitted (None: a cold start)."
+    )
+    seeds: list[Seed] = Field(
+        default_factory=list,
+        description="The warm start resolved at submission: candidates measured first, best "
+        "first, each with its source compilation and experiment.",
+    )
+    incumbent: Incumbent | None = Field(
+        default=None,
+        description="The incumbent resolved at submission (its full content), measured side "
+        "by side with the winner after the search (IncumbentCompared).",
     )
 
 

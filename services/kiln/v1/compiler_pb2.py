@@ -27,35 +27,39 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kiln.v1 import common_pb2 as kiln_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kiln/v1/compiler.proto\x12\x07kiln.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14kiln/v1/common.proto\"\x90\x01\n\rSubmitRequest\x12\x16\n\x0e\x63ompilation_id\x18\x01 \x01(\t\x12#\n\x08workload\x18\x02 \x01(\x0b\x32\x11.kiln.v1.Workload\x12\x1f\n\x06\x62udget\x18\x03 \x01(\x0b\x32\x0f.kiln.v1.Budget\x12\x0e\n\x06\x61gents\x18\x04 \x03(\t\x12\x11\n\tbaselines\x18\n \x03(\t\"\x8b\x04\n\x0b\x43ompilation\x12\x16\n\x0e\x63ompilation_id\x18\x01 \x01(\t\x12\x0c\n\x04team\x18\x02 \x01(\t\x12#\n\x08workload\x18\x03 \x01(\x0b\x32\x11.kiln.v1.Workload\x12\x1f\n\x06\x62udget\x18\x04 \x01(\x0b\x32\x0f.kiln.v1.Budget\x12*\n\x06status\x18\x05 \x01(\x0e\x32\x1a.kiln.v1.CompilationStatus\x12&\n\x04plan\x18\x06 \x01(\x0b\x32\x18.kiln.v1.ParallelismPlan\x12&\n\x08\x62\x61seline\x18\x07 \x01(\x0b\x32\x14.kiln.v1.Measurement\x12$\n\x04\x62\x65st\x18\x08 \x01(\x0b\x32\x16.kiln.v1.BestCandidate\x12\x18\n\x10\x65xperiments_done\x18\t \x01(\r\x12\x10\n\x08\x66\x61ilures\x18\n \x01(\r\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\r \x01(\t\x12(\n\x0b\x61gent_usage\x18\x14 \x03(\x0b\x32\x13.kiln.v1.AgentUsage\x12(\n\x08progress\x18\x15 \x03(\x0b\x32\x16.kiln.v1.ProgressPoint\"\x7f\n\nAgentUsage\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x13\n\x0b\x65xperiments\x18\x02 \x01(\r\x12\n\n\x02ok\x18\x03 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\r\x12\x16\n\x0e\x64\x65vice_seconds\x18\x05 \x01(\x01\x12\x19\n\x11\x62\x65st_tokens_per_s\x18\x06 \x01(\x01\"\x9d\x01\n\rProgressPoint\x12\x11\n\telapsed_s\x18\x01 \x01(\x01\x12\x13\n\x0b\x65xperiments\x18\x02 \x01(\r\x12\x10\n\x08\x64\x65vice_s\x18\x03 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x0f\n\x07speedup\x18\x05 \x01(\x01\x12\x14\n\x0c\x63\x61ndidate_id\x18\x06 \x01(\t\x12\x15\n\rexperiment_id\x18\x07 \x01(\t\"\xcc\x01\n\x10\x43ompilationEvent\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x16\n\x0e\x63ompilation_id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12/\n\x0brecorded_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\'\n\x06\x64\x65tail\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x08snapshot\x18\x06 \x01(\x0b\x32\x14.kiln.v1.Compilation\">\n\x0cWatchRequest\x12\x16\n\x0e\x63ompilation_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_position\x18\x02 \x01(\x04\"$\n\nGetRequest\x12\x16\n\x0e\x63ompilation_id\x18\x01 \x01(\t\"j\n\x0bListRequest\x12\x0c\n\x04team\x18\x01 \x01(\t\x12*\n\x06status\x18\x02 \x01(\x0e\x32\x1a.kiln.v1.CompilationStatus\x12\r\n\x05limit\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"S\n\x0cListResponse\x12*\n\x0c\x63ompilations\x18\x01 \x03(\x0b\x32\x14.kiln.v1.Compilation\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"7\n\rCancelRequest\x12\x16\n\x0e\x63ompilation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t*\xda\x01\n\x11\x43ompilationStatus\x12\"\n\x1e\x43OMPILATION_STATUS_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43OMPILATION_STATUS_PENDING\x10\x01\x12\x1e\n\x1a\x43OMPILATION_STATUS_RUNNING\x10\x02\x12 \n\x1c\x43OMPILATION_STATUS_SUCCEEDED\x10\x03\x12 \n\x1c\x43OMPILATION_STATUS_CANCELLED\x10\x04\x12\x1d\n\x19\x43OMPILATION_STATUS_FAILED\x10\x05\x32\x9e\x02\n\x08\x43ompiler\x12\x36\n\x06Submit\x12\x16.kiln.v1.SubmitRequest\x1a\x14.kiln.v1.Compilation\x12;\n\x05Watch\x12\x15.kiln.v1.WatchRequest\x1a\x19.kiln.v1.CompilationEvent0\x01\x12\x30\n\x03Get\x12\x13.kiln.v1.GetRequest\x1a\x14.kiln.v1.Compilation\x12\x33\n\x04List\x12\x14.kiln.v1.ListRequest\x1a\x15.kiln.v1.ListResponse\x12\x36\n\x06\x43\x61ncel\x12\x16.kiln.v1.CancelRequest\x1a\x14.kiln.v1.Compilationb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kiln/v1/compiler.proto\x12\x07kiln.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14kiln/v1/common.proto\"\xd8\x01\n\rSubmitRequest\x12\x16\n\x0e\x63ompilation_id\x18\x01 \x01(\t\x12#\n\x08workload\x18\x02 \x01(\x0b\x32\x11.kiln.v1.Workload\x12\x1f\n\x06\x62udget\x18\x03 \x01(\x0b\x32\x0f.kiln.v1.Budget\x12\x0e\n\x06\x61gents\x18\x04 \x03(\t\x12\x11\n\tbaselines\x18\n \x03(\t\x12&\n\nwarm_start\x18\x0b \x01(\x0b\x32\x12.kiln.v1.WarmStart\x12\x1e\n\x16incumbent_candidate_id\x18\x0c \x01(\t\"4\n\tWarmStart\x12\x17\n\x0f\x63ompilation_ids\x18\x01 \x03(\t\x12\x0e\n\x06nearby\x18\x02 \x01(\x08\"\xbe\x02\n\x13IncumbentComparison\x12\x1e\n\x16incumbent_candidate_id\x18\x01 \x01(\t\x12\x1f\n\x17\x63hallenger_candidate_id\x18\x02 \x01(\t\x12\x1e\n\x16incumbent_tokens_per_s\x18\x03 \x03(\x01\x12\x1f\n\x17\x63hallenger_tokens_per_s\x18\x04 \x03(\x01\x12\x18\n\x10incumbent_median\x18\x05 \x01(\x01\x12\x19\n\x11\x63hallenger_median\x18\x06 \x01(\x01\x12\x0c\n\x04gain\x18\x07 \x01(\x01\x12\r\n\x05noise\x18\x08 \x01(\x01\x12\x19\n\x11\x63hallenger_better\x18\t \x01(\x08\x12\x0e\n\x06reason\x18\n \x01(\t\x12\x16\n\x0e\x65xperiment_ids\x18\x0b \x03(\t\x12\x10\n\x08\x63ompared\x18\x0c \x01(\x08\"\xd8\x04\n\x0b\x43ompilation\x12\x16\n\x0e\x63ompilation_id\x18\x01 \x01(\t\x12\x0c\n\x04team\x18\x02 \x01(\t\x12#\n\x08workload\x18\x03 \x01(\x0b\x32\x11.kiln.v1.Workload\x12\x1f\n\x06\x62udget\x18\x04 \x01(\x0b\x32\x0f.kiln.v1.Budget\x12*\n\x06status\x18\x05 \x01(\x0e\x32\x1a.kiln.v1.CompilationStatus\x12&\n\x04plan\x18\x06 \x01(\x0b\x32\x18.kiln.v1.ParallelismPlan\x12&\n\x08\x62\x61seline\x18\x07 \x01(\x0b\x32\x14.kiln.v1.Measurement\x12$\n\x04\x62\x65st\x18\x08 \x01(\x0b\x32\x16.kiln.v1.BestCandidate\x12\x18\n\x10\x65xperiments_done\x18\t \x01(\r\x12\x10\n\x08\x66\x61ilures\x18\n \x01(\r\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\r \x01(\t\x12(\n\x0b\x61gent_usage\x18\x14 \x03(\x0b\x32\x13.kiln.v1.AgentUsage\x12(\n\x08progress\x18\x15 \x03(\x0b\x32\x16.kiln.v1.ProgressPoint\x12/\n\tincumbent\x18\x16 \x01(\x0b\x32\x1c.kiln.v1.IncumbentComparison\x12\x1a\n\x12\x65xperiments_reused\x18\x17 \x01(\r\"\x7f\n\nAgentUsage\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x13\n\x0b\x65xperiments\x18\x02 \x01(\r\x12\n\n\x02ok\x18\x03 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\r\x12\x16\n\x0e\x64\x65vice_seconds\x18\x05 \x01(\x01\x12\x19\n\x11\x62\x65st_tokens_per_s\x18\x06 \x01(\x01\"\x9d\x01\n\rProgressPoint\x12\x11\n\telapsed_s\x18\x01 \x01(\x01\x12\x13\n\x0b\x65xperiments\x18\x02 \x01(\r\x12\x10\n\x08\x64\x65vice_s\x18\x03 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x0f\n\x07speedup\x18\x05 \x01(\x01\x12\x14\n\x0c\x63\x61ndidate_id\x18\x06 \x01(\t\x12\x15\n\rexperiment_id\x18\x07 \x01(\t\"\xcc\x01\n\x10\x43ompilationEvent\x12\x10\n\x08position\x18\x01 \x01(\x04\x12\x16\n\x0e\x63ompilation_id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12/\n\x0brecorded_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\'\n\x06\x64\x65tail\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x08snapshot\x18\x06 \x01(\x0b\x32\x14.kiln.v1.Compilation\">\n\x0cWatchRequest\x12\x16\n\x0e\x63ompilation_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_position\x18\x02 \x01(\x04\"$\n\nGetRequest\x12\x16\n\x0e\x63ompilation_id\x18\x01 \x01(\t\"j\n\x0bListRequest\x12\x0c\n\x04team\x18\x01 \x01(\t\x12*\n\x06status\x18\x02 \x01(\x0e\x32\x1a.kiln.v1.CompilationStatus\x12\r\n\x05limit\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"S\n\x0cListResponse\x12*\n\x0c\x63ompilations\x18\x01 \x03(\x0b\x32\x14.kiln.v1.Compilation\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"7\n\rCancelRequest\x12\x16\n\x0e\x63ompilation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t*\xda\x01\n\x11\x43ompilationStatus\x12\"\n\x1e\x43OMPILATION_STATUS_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43OMPILATION_STATUS_PENDING\x10\x01\x12\x1e\n\x1a\x43OMPILATION_STATUS_RUNNING\x10\x02\x12 \n\x1c\x43OMPILATION_STATUS_SUCCEEDED\x10\x03\x12 \n\x1c\x43OMPILATION_STATUS_CANCELLED\x10\x04\x12\x1d\n\x19\x43OMPILATION_STATUS_FAILED\x10\x05\x32\x9e\x02\n\x08\x43ompiler\x12\x36\n\x06Submit\x12\x16.kiln.v1.SubmitRequest\x1a\x14.kiln.v1.Compilation\x12;\n\x05Watch\x12\x15.kiln.v1.WatchRequest\x1a\x19.kiln.v1.CompilationEvent0\x01\x12\x30\n\x03Get\x12\x13.kiln.v1.GetRequest\x1a\x14.kiln.v1.Compilation\x12\x33\n\x04List\x12\x14.kiln.v1.ListRequest\x1a\x15.kiln.v1.ListResponse\x12\x36\n\x06\x43\x61ncel\x12\x16.kiln.v1.CancelRequest\x1a\x14.kiln.v1.Compilationb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kiln.v1.compiler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMPILATIONSTATUS']._serialized_start=1642
-  _globals['_COMPILATIONSTATUS']._serialized_end=1860
+  _globals['_COMPILATIONSTATUS']._serialized_start=2166
+  _globals['_COMPILATIONSTATUS']._serialized_end=2384
   _globals['_SUBMITREQUEST']._serialized_start=121
-  _globals['_SUBMITREQUEST']._serialized_end=265
-  _globals['_COMPILATION']._serialized_start=268
-  _globals['_COMPILATION']._serialized_end=791
-  _globals['_AGENTUSAGE']._serialized_start=793
-  _globals['_AGENTUSAGE']._serialized_end=920
-  _globals['_PROGRESSPOINT']._serialized_start=923
-  _globals['_PROGRESSPOINT']._serialized_end=1080
-  _globals['_COMPILATIONEVENT']._serialized_start=1083
-  _globals['_COMPILATIONEVENT']._serialized_end=1287
-  _globals['_WATCHREQUEST']._serialized_start=1289
-  _globals['_WATCHREQUEST']._serialized_end=1351
-  _globals['_GETREQUEST']._serialized_start=1353
-  _globals['_GETREQUEST']._serialized_end=1389
-  _globals['_LISTREQUEST']._serialized_start=1391
-  _globals['_LISTREQUEST']._serialized_end=1497
-  _globals['_LISTRESPONSE']._serialized_start=1499
-  _globals['_LISTRESPONSE']._serialized_end=1582
-  _globals['_CANCELREQUEST']._serialized_start=1584
-  _globals['_CANCELREQUEST']._serialized_end=1639
-  _globals['_COMPILER']._serialized_start=1863
-  _globals['_COMPILER']._serialized_end=2149
+  _globals['_SUBMITREQUEST']._serialized_end=337
+  _globals['_WARMSTART']._serialized_start=339
+  _globals['_WARMSTART']._serialized_end=391
+  _globals['_INCUMBENTCOMPARISON']._serialized_start=394
+  _globals['_INCUMBENTCOMPARISON']._serialized_end=712
+  _globals['_COMPILATION']._serialized_start=715
+  _globals['_COMPILATION']._serialized_end=1315
+  _globals['_AGENTUSAGE']._serialized_start=1317
+  _globals['_AGENTUSAGE']._serialized_end=1444
+  _globals['_PROGRESSPOINT']._serialized_start=1447
+  _globals['_PROGRESSPOINT']._serialized_end=1604
+  _globals['_COMPILATIONEVENT']._serialized_start=1607
+  _globals['_COMPILATIONEVENT']._serialized_end=1811
+  _globals['_WATCHREQUEST']._serialized_start=1813
+  _globals['_WATCHREQUEST']._serialized_end=1875
+  _globals['_GETREQUEST']._serialized_start=1877
+  _globals['_GETREQUEST']._serialized_end=1913
+  _globals['_LISTREQUEST']._serialized_start=1915
+  _globals['_LISTREQUEST']._serialized_end=2021
+  _globals['_LISTRESPONSE']._serialized_start=2023
+  _globals['_LISTRESPONSE']._serialized_end=2106
+  _globals['_CANCELREQUEST']._serialized_start=2108
+  _globals['_CANCELREQUEST']._serialized_end=2163
+  _globals['_COMPILER']._serialized_start=2387
+  _globals['_COMPILER']._serialized_end=2673
 # @@protoc_insertion_point(module_scope)

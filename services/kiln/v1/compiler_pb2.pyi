@@ -54,8 +54,15 @@ class SubmitRequest(_message.Message):
     BUDGET_FIELD_NUMBER: _builtins.int
     AGENTS_FIELD_NUMBER: _builtins.int
     BASELINES_FIELD_NUMBER: _builtins.int
+    WARM_START_FIELD_NUMBER: _builtins.int
+    INCUMBENT_CANDIDATE_ID_FIELD_NUMBER: _builtins.int
     compilation_id: _builtins.str
     """Optional client-chosen id; empty means the server assigns one."""
+    incumbent_candidate_id: _builtins.str
+    """A candidate (by id, from the team's history) measured side by side with this compilation's
+    winner on the full tier after the search; the verdict is the IncumbentCompared event.
+    NOT_FOUND when no experiment of the team's measured it.
+    """
     @_builtins.property
     def workload(self) -> _common_pb2.Workload: ...
     @_builtins.property
@@ -72,6 +79,12 @@ class SubmitRequest(_message.Message):
         "none" means none.
         """
 
+    @_builtins.property
+    def warm_start(self) -> Global___WarmStart:
+        """Seed this compilation from history (the caller's team's records only; another team's
+        compilation id is NOT_FOUND as an unknown one is, unless cross-team reads are on).
+        """
+
     def __init__(
         self,
         *,
@@ -80,14 +93,112 @@ class SubmitRequest(_message.Message):
         budget: _common_pb2.Budget | None = ...,
         agents: _abc.Iterable[_builtins.str] | None = ...,
         baselines: _abc.Iterable[_builtins.str] | None = ...,
+        warm_start: Global___WarmStart | None = ...,
+        incumbent_candidate_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "workload", b"workload"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "warm_start", b"warm_start", "workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "baselines", b"baselines", "budget", b"budget", "compilation_id", b"compilation_id", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "baselines", b"baselines", "budget", b"budget", "compilation_id", b"compilation_id", "incumbent_candidate_id", b"incumbent_candidate_id", "warm_start", b"warm_start", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubmitRequest: _TypeAlias = SubmitRequest  # noqa: Y015
+
+@_typing.final
+class WarmStart(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPILATION_IDS_FIELD_NUMBER: _builtins.int
+    NEARBY_FIELD_NUMBER: _builtins.int
+    nearby: _builtins.bool
+    """Also seed with the best candidates of nearby workloads (same model and hardware)."""
+    @_builtins.property
+    def compilation_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Earlier compilations whose winners and measured candidates seed the agents and the optuna
+        study.
+        """
+
+    def __init__(
+        self,
+        *,
+        compilation_ids: _abc.Iterable[_builtins.str] | None = ...,
+        nearby: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compilation_ids", b"compilation_ids", "nearby", b"nearby"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WarmStart: _TypeAlias = WarmStart  # noqa: Y015
+
+@_typing.final
+class IncumbentComparison(_message.Message):
+    """The incumbent and this compilation's winner measured side by side on the full tier
+    (kiln.agent_runner.incumbent): runs interleaved I C I C ..., one tokens/s per run.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCUMBENT_CANDIDATE_ID_FIELD_NUMBER: _builtins.int
+    CHALLENGER_CANDIDATE_ID_FIELD_NUMBER: _builtins.int
+    INCUMBENT_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    CHALLENGER_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    INCUMBENT_MEDIAN_FIELD_NUMBER: _builtins.int
+    CHALLENGER_MEDIAN_FIELD_NUMBER: _builtins.int
+    GAIN_FIELD_NUMBER: _builtins.int
+    NOISE_FIELD_NUMBER: _builtins.int
+    CHALLENGER_BETTER_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    EXPERIMENT_IDS_FIELD_NUMBER: _builtins.int
+    COMPARED_FIELD_NUMBER: _builtins.int
+    incumbent_candidate_id: _builtins.str
+    challenger_candidate_id: _builtins.str
+    incumbent_median: _builtins.float
+    challenger_median: _builtins.float
+    gain: _builtins.float
+    """challenger_median / incumbent_median - 1"""
+    noise: _builtins.float
+    """the spread the decision allowed for (documented)"""
+    challenger_better: _builtins.bool
+    """better beyond noise"""
+    reason: _builtins.str
+    """one line"""
+    compared: _builtins.bool
+    """False when no comparison was made (no correct winner, the winner is the incumbent, the
+    runs failed): ``reason`` says why.
+    """
+    @_builtins.property
+    def incumbent_tokens_per_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """one per full-tier run, in run order"""
+
+    @_builtins.property
+    def challenger_tokens_per_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def experiment_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        incumbent_candidate_id: _builtins.str = ...,
+        challenger_candidate_id: _builtins.str = ...,
+        incumbent_tokens_per_s: _abc.Iterable[_builtins.float] | None = ...,
+        challenger_tokens_per_s: _abc.Iterable[_builtins.float] | None = ...,
+        incumbent_median: _builtins.float = ...,
+        challenger_median: _builtins.float = ...,
+        gain: _builtins.float = ...,
+        noise: _builtins.float = ...,
+        challenger_better: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        experiment_ids: _abc.Iterable[_builtins.str] | None = ...,
+        compared: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["challenger_better", b"challenger_better", "challenger_candidate_id", b"challenger_candidate_id", "challenger_median", b"challenger_median", "challenger_tokens_per_s", b"challenger_tokens_per_s", "compared", b"compared", "experiment_ids", b"experiment_ids", "gain", b"gain", "incumbent_candidate_id", b"incumbent_candidate_id", "incumbent_median", b"incumbent_median", "incumbent_tokens_per_s", b"incumbent_tokens_per_s", "noise", b"noise", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IncumbentComparison: _TypeAlias = IncumbentComparison  # noqa: Y015
 
 @_typing.final
 class Compilation(_message.Message):
@@ -108,6 +219,8 @@ class Compilation(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     AGENT_USAGE_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
+    INCUMBENT_FIELD_NUMBER: _builtins.int
+    EXPERIMENTS_REUSED_FIELD_NUMBER: _builtins.int
     compilation_id: _builtins.str
     team: _builtins.str
     status: Global___CompilationStatus.ValueType
@@ -115,6 +228,10 @@ class Compilation(_message.Message):
     failures: _builtins.int
     reason: _builtins.str
     """Why it ended, for CANCELLED and FAILED."""
+    experiments_reused: _builtins.int
+    """Search results answered from an earlier measurement at the same operating point
+    (MeasurementReused: no device time, outside the experiment budget).
+    """
     @_builtins.property
     def workload(self) -> _common_pb2.Workload: ...
     @_builtins.property
@@ -137,6 +254,12 @@ class Compilation(_message.Message):
     def progress(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProgressPoint]:
         """The best-so-far over time, one point per BestCandidateImproved, oldest first."""
 
+    @_builtins.property
+    def incumbent(self) -> Global___IncumbentComparison:
+        """The side-by-side comparison with SubmitRequest.incumbent_candidate_id (empty until
+        IncumbentCompared is recorded, and for a compilation without an incumbent).
+        """
+
     def __init__(
         self,
         *,
@@ -155,10 +278,12 @@ class Compilation(_message.Message):
         reason: _builtins.str = ...,
         agent_usage: _abc.Iterable[Global___AgentUsage] | None = ...,
         progress: _abc.Iterable[Global___ProgressPoint] | None = ...,
+        incumbent: Global___IncumbentComparison | None = ...,
+        experiments_reused: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "best", b"best", "budget", b"budget", "created_at", b"created_at", "plan", b"plan", "updated_at", b"updated_at", "workload", b"workload"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "best", b"best", "budget", b"budget", "created_at", b"created_at", "incumbent", b"incumbent", "plan", b"plan", "updated_at", b"updated_at", "workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_usage", b"agent_usage", "baseline", b"baseline", "best", b"best", "budget", b"budget", "compilation_id", b"compilation_id", "created_at", b"created_at", "experiments_done", b"experiments_done", "failures", b"failures", "plan", b"plan", "progress", b"progress", "reason", b"reason", "status", b"status", "team", b"team", "updated_at", b"updated_at", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_usage", b"agent_usage", "baseline", b"baseline", "best", b"best", "budget", b"budget", "compilation_id", b"compilation_id", "created_at", b"created_at", "experiments_done", b"experiments_done", "experiments_reused", b"experiments_reused", "failures", b"failures", "incumbent", b"incumbent", "plan", b"plan", "progress", b"progress", "reason", b"reason", "status", b"status", "team", b"team", "updated_at", b"updated_at", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,18 +2,22 @@
 
 Each dimension is one categorical parameter; the study maximizes tokens/s, an incorrect or
 failed candidate being a FAIL trial. Results of the compilation this agent did not ask for
-become completed trials. A sampled point that is the reference, claimed, tried or excluded is
-told FAIL (user attr ``skipped``) and TPE asked again, at most :attr:`OptunaAgent.max_asks`
-times; then the first free point is enqueued. The study is in memory unless
-``KILN_OPTUNA_STORAGE`` names a database (docs/design/layers.md). Proposals run in a worker
-thread, since optuna's storage calls block.
+become completed trials. A warm-started compilation's prior trials (``lab.prior_trials``:
+candidates measured by earlier compilations, valued at the tokens/s predicted here,
+:mod:`kiln.agent_runner.seeding`) are added once as completed trials (user attr ``prior``), so
+the study continues from them; they do not make a point taken, so TPE may ask for one to be
+measured here, and that fresh result becomes a trial of its own. A sampled point that is the
+reference, claimed, tried or excluded is told FAIL (user attr ``skipped``) and TPE asked again,
+at most :attr:`OptunaAgent.max_asks` times; then the first free point is enqueued. The study is
+in memory unless ``KILN_OPTUNA_STORAGE`` names a database (docs/design/layers.md). Proposals run
+in a worker thread, since optuna's storage calls block.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import optuna
@@ -124,12 +128,15 @@ class OptunaAgent(Agent):
         """Candidate id -> trial number asked and not told yet."""
         self._known: set[str] = set()
         """Candidate ids whose trial is finished in the study."""
+        self._priors: set[str] = set()
+        """Candidate ids told to the study as prior trials."""
 
     # ------------------------------------------------------------------ the loop's hooks
     async def next_proposal(self, view: BoardView, lab: Lab) -> Proposal | None:
         """:meth:`propose` in a worker thread, on a copy of the view (optuna blocks)."""
         cid, claimed, results = view.compilation_id, set(view.claimed), dict(view.results)
-        return await asyncio.to_thread(self._propose, cid, claimed, results, lab.space)
+        priors = list(getattr(lab, "prior_trials", ()))
+        return await asyncio.to_thread(self._propose, cid, claimed, results, lab.space, priors)
 
     def propose(self, view: BoardView, space: CandidateSpace) -> Proposal | None:
         """Fold the view's new results into the study, then ask TPE for a free point; raises
@@ -157,6 +164,9 @@ class OptunaAgent(Agent):
                 cid = t.user_attrs.get("candidate_id")
                 if not cid:
                     continue
+                if t.user_attrs.get("prior"):
+                    self._priors.add(cid)
+                    continue
                 if t.state == TrialState.RUNNING:
                     self._pending[cid] = t.number
                 else:
@@ -172,11 +182,13 @@ class OptunaAgent(Agent):
         claimed: set[str],
         results: Mapping[str, Seen],
         space: CandidateSpace,
+        priors: Sequence[tuple[Candidate, float]] = (),
     ) -> Proposal | None:
         study = self._open(compilation_id)
         dists: dict[str, BaseDistribution] = {
             d.name: CategoricalDistribution(d.values) for d in space.dims
         }
+        self._tell_priors(study, priors, space, dists)
         self._fold(study, results, space, dists)
         for cid in [c for c in self._pending if c not in claimed and c not in self.tried]:
             study.tell(self._pending.pop(cid), state=TrialState.FAIL)  # asked, never claimed
@@ -210,6 +222,27 @@ class OptunaAgent(Agent):
         done = len(self._known)
         why = f"optuna {how} (seed {self.seed}), trial {trial.number}, {done} results modelled"
         return Proposal(candidate, why)
+
+    def _tell_priors(
+        self,
+        study: optuna.Study,
+        priors: Sequence[tuple[Candidate, float]],
+        space: CandidateSpace,
+        dists: dict[str, BaseDistribution],
+    ) -> None:
+        """Add the prior trials not added yet (see the module docs)."""
+        for candidate, value in priors:
+            if candidate.id in self._priors or not space.contains(candidate) or value <= 0:
+                continue
+            self._priors.add(candidate.id)
+            study.add_trial(
+                create_trial(
+                    params=space.assignment(candidate),
+                    distributions=dists,
+                    value=value,
+                    user_attrs={"candidate_id": candidate.id, "prior": True},
+                )
+            )
 
     def _fold(
         self,
