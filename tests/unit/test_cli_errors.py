@@ -88,7 +88,7 @@ def test_subscribe_without_nats_is_one_line(tmp_path: Path) -> None:
     [
         (("--stream", "compilation"), ("invalid stream id 'compilation'",)),
         (("--category", "Experiment"), ("invalid category 'Experiment'",)),
-        (("--category", "deployment"), ("unknown category 'deployment'", "experiment")),
+        (("--category", "widget"), ("unknown category 'widget'", "experiment")),
         (("--type", "ExperimentComplete"), ("unknown event type", "ExperimentCompleted")),
         (("--stream", "experiment-1", "--category", "compilation"), ("not in category",)),
         (("--category", "compilation", "--type", "ExperimentCompleted"), ("'experiment-*'",)),
