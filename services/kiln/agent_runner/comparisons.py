@@ -19,7 +19,7 @@ from kiln.agent_runner.dispatcher import ExperimentDispatcher
 from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.judge import CONFIRM_TIER, compared_event
 from kiln.agent_runner.state import CompilationState, ExperimentRecord
-from kiln.agent_runner.tasks import cancel_and_wait
+from kiln.agent_runner.tasks import unless_set
 from kiln.common.errors import InvalidArgument
 from kiln.common.logging import get_logger
 from kiln.domain.baselines import compare_agent, default_baselines, parse_names
@@ -97,7 +97,9 @@ class BaselineComparisons:
                     rec = self.records[name] = ExperimentRecord(req)
                 elif rec.completed is None:
                     await dispatcher.adopt(rec.requested, self._workload_json)
-                completed = rec.completed or await self._unless_cancelled(rec.requested)
+                completed = rec.completed or await unless_set(
+                    self._dispatcher.wait(rec.requested), self._cancelled
+                )
                 if completed is None:
                     return
                 self._completed(rec.requested, completed)
@@ -122,19 +124,6 @@ class BaselineComparisons:
         self._dispatcher.forget(req.experiment_id)
         self.records[req.baseline] = ExperimentRecord(req, completed)
         self.state.compilation.count(req.experiment_id, completed.result.status)
-
-    async def _unless_cancelled(self, req: Requested) -> Completed | None:
-        """The experiment's completion, or None once the compilation is cancelled first."""
-        answer = asyncio.ensure_future(self._dispatcher.wait(req))
-        cancel = asyncio.ensure_future(self._cancelled.wait())
-        try:
-            await asyncio.wait({answer, cancel}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            await cancel_and_wait(cancel)
-        if answer.done():
-            return answer.result()
-        await cancel_and_wait(answer)
-        return None
 
     async def _request(self, name: str) -> Requested:
         """Record and queue baseline ``name``'s experiment (the ledger or NATS being away is

@@ -32,7 +32,7 @@ from kiln.agent_runner.dispatcher import ExperimentDispatcher
 from kiln.agent_runner.experiment import Completed, Requested
 from kiln.agent_runner.judge import CONFIRM_TIER
 from kiln.agent_runner.state import CompilationState, ExperimentRecord
-from kiln.agent_runner.tasks import cancel_and_wait
+from kiln.agent_runner.tasks import unless_set
 from kiln.common.logging import get_logger
 from kiln.domain.candidate import Candidate
 from kiln.events.warm import IncumbentCompared
@@ -180,7 +180,9 @@ class IncumbentComparison:
                 req = await shielded(self._request(candidate))
                 rec = ExperimentRecord(req)
                 self.records.append(rec)
-            completed = rec.completed or await self._unless_cancelled(rec.requested)
+            completed = rec.completed or await unless_set(
+                self._dispatcher.wait(rec.requested), self._cancelled
+            )
             if completed is None:
                 return
             self._completed(k, rec.requested, completed)
@@ -228,18 +230,6 @@ class IncumbentComparison:
         self._dispatcher.forget(req.experiment_id)
         self.records[k] = ExperimentRecord(req, completed)
         self.state.compilation.count(req.experiment_id, completed.result.status)
-
-    async def _unless_cancelled(self, req: Requested) -> Completed | None:
-        answer = asyncio.ensure_future(self._dispatcher.wait(req))
-        cancel = asyncio.ensure_future(self._cancelled.wait())
-        try:
-            await asyncio.wait({answer, cancel}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            await cancel_and_wait(cancel)
-        if answer.done():
-            return answer.result()
-        await cancel_and_wait(answer)
-        return None
 
     async def _request(self, candidate: Candidate) -> Requested:
         st = self.state

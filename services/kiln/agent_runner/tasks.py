@@ -9,7 +9,10 @@ message and reply, so a single ``task.cancel()`` of a task reading NATS may not 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def cancel_and_wait(task: asyncio.Task[Any], retry_s: float = 1.0) -> None:
@@ -20,3 +23,17 @@ async def cancel_and_wait(task: asyncio.Task[Any], retry_s: float = 1.0) -> None
         await asyncio.wait({task}, timeout=retry_s)
     if not task.cancelled():
         task.exception()  # mark retrieved
+
+
+async def unless_set(awaitable: Awaitable[T], event: asyncio.Event) -> T | None:
+    """``awaitable``'s result, or None (``awaitable`` cancelled) once ``event`` is set first."""
+    answer = asyncio.ensure_future(awaitable)
+    stop = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({answer, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait(stop)
+    if answer.done():
+        return answer.result()
+    await cancel_and_wait(answer)
+    return None
