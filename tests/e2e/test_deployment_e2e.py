@@ -12,6 +12,7 @@ import asyncio
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,11 @@ import psycopg
 import pytest
 
 from kiln.common.client import team_channel
+from kiln.common.settings import KilnSettings
 from kiln.domain.deployment import deployment_id
 from kiln.ledger.db import libpq_dsn
 from kiln.v1 import common_pb2, deployments_pb2, deployments_pb2_grpc
+from tests.databases import scratch_database
 
 from ..pki import team_tls
 from .test_compile_e2e import TRACE, Deployment, _submit_request, deployment, tiny_llama
@@ -32,6 +35,16 @@ __all__ = ["deployment"]  # the fixture, shared with the compile e2e
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 WINDOW_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def settings(settings: KilnSettings, postgres_server_url: str) -> Iterator[KilnSettings]:
+    """The session's settings on a database of this module's own: the agent runners of later
+    tests on this worker must not resume the deployment (its controller) or its compilations."""
+    with scratch_database(postgres_server_url) as url:
+        yield settings.model_copy(update={"database_url": url})
+
+
 SLICE_S = 480.0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
@@ -80,6 +81,8 @@ class FakeEngine:
         deadlines: experiment id -> (tier, its work's ``deadline_s``), as taken.
         running: while cleared, every worker holds off (work stays queued).
         full_running: while cleared, the full-tier worker holds off.
+        hold_full_when: awaited with each full-tier item as it is taken; True clears
+            ``full_running`` at once, so that item and the full tier's next stay held.
     """
 
     def __init__(self, nats_url: str, prefix: str, ledger_addr: str, workers: int = 2) -> None:
@@ -92,6 +95,7 @@ class FakeEngine:
         self.running.set()
         self.full_running = asyncio.Event()
         self.full_running.set()
+        self.hold_full_when: Callable[[ExperimentWork], Awaitable[bool]] | None = None
         self._nc: Client | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._clients: dict[str, LedgerClient] = {}
@@ -123,12 +127,16 @@ class FakeEngine:
             except nats.errors.TimeoutError:
                 continue
             for msg in msgs:
+                work = ExperimentWork.from_json(msg.data)
+                hold = self.hold_full_when
+                if gate is not None and hold is not None and await hold(work):
+                    gate.clear()
                 # A fetch already waiting when a gate closed must not run its work: hold it
                 # (in progress) until the gate opens again.
                 while not (self.running.is_set() and (gate is None or gate.is_set())):
                     await msg.in_progress()
                     await asyncio.sleep(0.1)
-                await self._handle(ExperimentWork.from_json(msg.data))
+                await self._handle(work)
                 await msg.ack()
 
     async def _handle(self, work: ExperimentWork) -> None:

@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from kiln.common.client import team_channel
+from kiln.common.work import ExperimentWork
 from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.v1 import common_pb2, compiler_pb2, compiler_pb2_grpc, ledger_pb2
 
@@ -267,6 +268,18 @@ async def test_the_incumbent_comparison_resumes_after_a_restart(stack: Stack) ->
     )
     await asyncio.sleep(1.0)  # the experiments projection follows the ledger within moments
     stack.engine.delay_s = 0.3
+    held = asyncio.Event()
+
+    async def first_incumbent_run(work: ExperimentWork) -> bool:
+        """Hold the full tier at the first incumbent run (a loaded host polls too late)."""
+        if held.is_set():
+            return False
+        asked = (await stack.ledger.read_stream(f"experiment-{work.experiment_id}"))[0]
+        if json.loads(asked.data)["agent"] == "incumbent":
+            held.set()
+        return held.is_set()
+
+    stack.engine.hold_full_when = first_incumbent_run
     addr, first = await stack.start_runner()
     try:
         async with team_channel(addr, TEAM) as channel:
@@ -281,14 +294,10 @@ async def test_the_incumbent_comparison_resumes_after_a_restart(stack: Stack) ->
                 warm_start=compiler_pb2.WarmStart(compilation_ids=[source]),
             )
             cid = (await stub.Submit(request, timeout=30)).compilation_id
-            for _ in range(600):
-                before = await _story(stack.ledger, cid)
-                if any(r["agent"] == "incumbent" for r in _data(before, "ExperimentRequested")):
-                    break
-                await asyncio.sleep(0.05)
-            stack.engine.full_running.clear()  # the next incumbent runs stay queued
+            await asyncio.wait_for(held.wait(), 60)  # the next incumbent runs stay queued
             await asyncio.sleep(0.5)
     finally:
+        stack.engine.hold_full_when = None
         await _stop(first)
     before = await _story(stack.ledger, cid)
     runs_before = [
