@@ -121,6 +121,14 @@ def candidates(device: str) -> list[tuple[str, Candidate]]:
                 "attention=sdpa + cuda_graph",
                 Candidate.make({"attention": "sdpa"}, transforms=graph),
             ),
+            (  # the second code module: the sandbox (started by the first) is warm
+                "code module: rms_norm=handwritten + cuda_graph",
+                Candidate.make(
+                    {"rms_norm": "handwritten"},
+                    code_modules=[HANDWRITTEN_RMS_NORM],
+                    transforms=graph,
+                ),
+            ),
         ]
     return out
 

@@ -16,6 +16,7 @@ import torch
 from kiln.domain.candidate import Candidate, Transform
 from kiln.engine_pool.process import EngineProcess
 from kiln.engine_pool.settings import EngineSettings
+from kiln.runtime.device_fault import SANDBOX_FAULT
 from kiln.runtime.engine import Engine
 from kiln.runtime.request import RunRequest
 from kiln.runtime.spec import EngineSpec
@@ -93,7 +94,7 @@ def test_kv_cache_is_sized_from_free_memory() -> None:
     assert any("batch lowered" in note for note in fitted.notes)
 
 
-def test_a_device_side_assert_fails_the_experiment_and_the_engine_restarts() -> None:
+def test_a_device_side_assert_in_the_sandbox_replaces_the_sandbox_not_the_engine() -> None:
     bad = module(
         "gpu_oob",
         """
@@ -122,4 +123,5 @@ def gpu_oob(tokens, *, weight):
 
     status, error, after = asyncio.run(scenario())
     assert status == "crashed", error
+    assert error.startswith(SANDBOX_FAULT), error  # the judge's context is intact
     assert after == "ok"

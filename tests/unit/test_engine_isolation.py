@@ -17,6 +17,7 @@ from kiln.domain.candidate import Candidate
 from kiln.engine_pool.devices import Device
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.process import is_device_fault
+from kiln.runtime.device_fault import SANDBOX_FAULT
 
 from .engine_testing import (
     EXIT_AT_LOAD,
@@ -144,13 +145,19 @@ async def test_a_raising_candidate_crashes_without_a_restart(pool: EnginePool) -
     assert m.status == "ok", m.error
 
 
-async def test_a_device_fault_restarts_the_engine(pool: EnginePool) -> None:
+async def test_a_device_fault_in_the_sandbox_replaces_the_sandbox_not_the_engine(
+    pool: EnginePool,
+) -> None:
+    """The sandbox's CUDA context is its own: the judge's stays usable, so only the sandbox
+    goes (a fault in the judge's own process restarts the engine: is_device_fault below)."""
     before = pool.engines()[0].restarts
     cand = Candidate.make({"mlp": "cuda_fault"}, code_modules=[CUDA_FAULT_MLP])
     m = await pool.measure(job(cand))
     assert m.status == "crashed" and "CUDA error" in m.error
-    assert "device fault: engine restarted" in m.notes
-    assert pool.engines()[0].restarts == before + 1
+    assert m.error.startswith(SANDBOX_FAULT)
+    assert "device fault in the candidate's sandbox: sandbox replaced" in m.notes
+    assert "device fault: engine restarted" not in m.notes
+    assert pool.engines()[0].restarts == before
     m = await pool.measure(job(Candidate()))
     assert m.status == "ok", m.error
 
@@ -171,6 +178,7 @@ def test_device_faults_are_recognised() -> None:
     assert is_device_fault("bind: RuntimeError: CUDA error: device-side assert triggered")
     assert is_device_fault("measure: torch.AcceleratorError: CUDA error: unspecified launch")
     assert not is_device_fault("check: RuntimeError: kaboom from a candidate")
+    assert not is_device_fault(f"{SANDBOX_FAULT}: check: RuntimeError: CUDA error: an illegal")
 
 
 async def test_devices_are_separate_engine_processes_that_fail_alone() -> None:

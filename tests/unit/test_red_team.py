@@ -25,6 +25,7 @@ import torch
 
 from kiln.domain.candidate import Candidate
 from kiln.runtime.check import TimedOutputs
+from kiln.runtime.device_fault import SANDBOX_FAULT
 from kiln.runtime.dispatch_watch import DispatchTables
 from kiln.runtime.engine import Engine
 from kiln.runtime.integrity import HarnessFingerprint
@@ -77,6 +78,20 @@ def test_every_cheat_is_rejected(
     """Against the sandboxed engine: INCORRECT with :attr:`Cheat.sandboxed` in the error, or,
     for a disarmed cheat, ok without having played its trick."""
     engine: Engine = request.getfixturevalue(ENGINE_OF[cheat.dtype])
+    _judge_sandboxed(engine, cheat, monkeypatch, _run)
+
+
+def _judge_sandboxed(
+    engine: Engine,
+    cheat: red_team.Cheat,
+    monkeypatch: pytest.MonkeyPatch,
+    run_on: Callable[..., Measurement],
+) -> None:
+    """``cheat`` run :attr:`Cheat.runs` times on the sandboxed ``engine`` (through ``run_on``):
+    each INCORRECT with its reason, or ok without playing for a disarmed one; the reference is
+    measured correctly after it and the weights are intact. On CUDA a device fault in the
+    sandbox (a write to the weights it maps read-only) is a rejection too: CRASHED, the
+    sandbox replaced, the judge's context intact."""
     loaded = spy_on_loads(monkeypatch)
     with putting_back(engine) as restart:
         for run in range(cheat.runs):
@@ -84,7 +99,7 @@ def test_every_cheat_is_rejected(
             if engine._sandbox is not None:
                 engine._sandbox.last_report = {}
             steps = cheat.timed_steps
-            m = _run(engine, cheat.candidate, repeats=steps, min_repeats=min(steps, 5))
+            m = run_on(engine, cheat.candidate, repeats=steps, min_repeats=min(steps, 5))
             trick = played(loaded, engine)
             if cheat.disarmed:
                 assert m.status == "ok", (m.status, m.error)
@@ -95,6 +110,9 @@ def test_every_cheat_is_rejected(
             if m.status == "ok":  # a cheat by chance that happened not to cheat: again
                 assert cheat.runs > 1 or cheat.needs, f"{cheat.name}: ok without playing its trick"
                 continue
+            if m.status == "crashed" and m.error.startswith(SANDBOX_FAULT):
+                assert engine.device.type == "cuda", m.error
+                continue
             assert m.status == "incorrect" and not m.correct, (m.status, m.error)
             assert m.timing is None and m.tokens_per_s == 0.0
             for text in cheat.sandboxed:
@@ -103,7 +121,7 @@ def test_every_cheat_is_rejected(
                 restart()  # weights changed in place are what only a restart puts back
         # Whatever else it did is undone (by the engine): it measures the reference correctly
         # next.
-        after = _run(engine, Candidate())
+        after = run_on(engine, Candidate())
         assert after.status == "ok", after.error
         assert DecoderModel._layer.__name__ == "_layer" and time.perf_counter is PERF_COUNTER
         assert "decode_step" not in engine.model.__dict__
@@ -225,30 +243,41 @@ def test_every_timed_step_can_be_verified_and_costs_one_reference_step(engine: E
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(scope="module")
-def cuda_engine() -> Iterator[Engine]:
+def _cuda_engine(dtype: str, engine_id: str) -> Engine:
     from kiln.engine_pool.settings import EngineSettings
 
-    workload = tiny_workload(batch=4, context=64, dtype="bfloat16")
+    workload = tiny_workload(batch=4, context=64, dtype=dtype)
     workload["model"]["config_json"] = json.dumps({**TINY_LLAMA, "vocab_size": VOCAB})
     limits = EngineSettings(device="cuda:0").limits()
-    yield Engine(EngineSpec.from_workload(workload, "fast", limits), engine_id="red-team-cuda")
+    return Engine(EngineSpec.from_workload(workload, "fast", limits), engine_id=engine_id)
+
+
+@pytest.fixture(scope="module")
+def cuda_engine() -> Iterator[Engine]:
+    yield _cuda_engine("bfloat16", "red-team-cuda")
+
+
+@pytest.fixture(scope="module")
+def cuda_f32_engine() -> Iterator[Engine]:
+    yield _cuda_engine("float32", "red-team-cuda-f32")
+
+
+CUDA_ENGINE_OF = {"float32": "cuda_f32_engine", "bfloat16": "cuda_engine"}
 
 
 def _run_cuda(engine: Engine, candidate: Candidate, **kw: int) -> Measurement:
-    request = RunRequest("red-team", candidate, warmup=2, repeats=30, min_repeats=10, **kw)
-    return engine.run(request)
+    kw = {"warmup": 2, "repeats": 30, "min_repeats": 10, **kw}
+    return engine.run(RunRequest("red-team", candidate, **kw))
 
 
 @cuda
-@pytest.mark.parametrize("cheat", red_team.cheats("cuda"), ids=lambda c: c.name)
-def test_every_cheat_is_rejected_on_cuda(cuda_engine: Engine, cheat: red_team.Cheat) -> None:
-    m = _run_cuda(cuda_engine, cheat.candidate)
-    assert m.status == "incorrect", (m.status, m.error)
-    for text in cheat.caught:
-        assert text in m.error, (text, m.error)
-    after = _run_cuda(cuda_engine, Candidate())
-    assert after.status == "ok", after.error
+@pytest.mark.parametrize("cheat", [cheat_param(c) for c in red_team.cheats("cuda")])
+def test_every_cheat_is_rejected_on_cuda(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, cheat: red_team.Cheat
+) -> None:
+    """The CPU test's judgement on sandboxed CUDA engines (weights shared over CUDA IPC)."""
+    engine: Engine = request.getfixturevalue(CUDA_ENGINE_OF[cheat.dtype])
+    _judge_sandboxed(engine, cheat, monkeypatch, _run_cuda)
 
 
 @cuda

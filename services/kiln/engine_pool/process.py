@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import structlog
 
 from kiln.engine_pool.worker import worker_main
+from kiln.runtime.device_fault import is_device_fault
 from kiln.runtime.measurement import Measurement, MemoryUsage
 from kiln.runtime.request import FAILED, READY, RUN, STOP, RunRequest
 from kiln.runtime.spec import EngineSpec
@@ -49,28 +50,8 @@ IPC_MARGIN_S = 1.0
 POLL_SLICE_S = 0.25
 """Longest single wait on the pipe (keeps cancellation prompt), seconds."""
 
-DEVICE_FAULT_MARKERS = (
-    "CUDA error",
-    "CUDA_ERROR_",
-    "CUBLAS_STATUS_",
-    "CUDNN_STATUS_",
-    "cuDNN error",
-    "device-side assert",
-    "AcceleratorError",
-    "an illegal memory access",
-    "unspecified launch failure",
-)
-"""Error texts after which a CUDA context cannot be trusted (sticky errors): the process is
-replaced.
-"""
-
 _TIMEOUT = object()
 _EOF = object()
-
-
-def is_device_fault(error: str) -> bool:
-    """Whether a crash's error text is a device fault (:data:`DEVICE_FAULT_MARKERS`)."""
-    return any(marker in error for marker in DEVICE_FAULT_MARKERS)
 
 
 class EngineStartError(RuntimeError):

@@ -149,4 +149,7 @@ def serve(conn: Connection, engine: Any, external_measure: ExternalMeasure | Non
             return
         if measurement.restart_engine:
             return
-        engine.after_reply()
+        problem = engine.after_reply()
+        if problem:  # the pool starts a new engine for the next request
+            print(f"engine restarts: {problem}", file=sys.stderr, flush=True)
+            return

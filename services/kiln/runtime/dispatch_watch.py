@@ -8,7 +8,8 @@ which a dropped library's finalizer edits by name) and names the op and key of e
 added or replaced since. Shape-only keys (``Meta``) are left out: they compute no values, and
 torch registers them lazily.
 
-Cost: one dump of some 3,100 ops, about 50 ms on a 2-core VM.
+Cost: one dump of some 3,100 ops, about 60 ms on a 2-core VM (the dispatcher's printing; ops
+whose dump is unchanged are compared as strings).
 """
 
 from __future__ import annotations
@@ -22,23 +23,26 @@ SHAPE_ONLY_KEYS = frozenset({"Meta"})
 """Dispatch keys whose kernels compute shapes only."""
 
 
-def _tables() -> dict[str, frozenset[str]]:
-    """``aten`` op name -> the lines of its dispatcher dump that name an active computing
-    kernel (``KEY: registered at FILE:LINE ...``; a kernel a newer one overrides is inactive)."""
+def _dumps() -> dict[str, str]:
+    """``aten`` op name -> the dispatcher's dump of its kernels, as printed."""
     dump = torch._C._dispatch_dump
-    out: dict[str, frozenset[str]] = {}
-    for name in torch._C._dispatch_get_all_op_names():
-        if not name.startswith("aten::"):
-            continue
-        lines = frozenset(
-            line
-            for line in dump(name).splitlines()
-            if ": registered at " in line
-            and "(inactive)" not in line.split(":", 1)[0]
-            and line.split(":", 1)[0] not in SHAPE_ONLY_KEYS
-        )
-        out[name] = lines
-    return out
+    return {
+        name: dump(name)
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("aten::")
+    }
+
+
+def _computing(dump: str) -> frozenset[str]:
+    """The lines of one op's dump that name an active computing kernel (``KEY: registered at
+    FILE:LINE ...``; a kernel a newer one overrides is inactive)."""
+    return frozenset(
+        line
+        for line in dump.splitlines()
+        if ": registered at " in line
+        and "(inactive)" not in line.split(":", 1)[0]
+        and line.split(":", 1)[0] not in SHAPE_ONLY_KEYS
+    )
 
 
 def _key(line: str) -> str:
@@ -49,14 +53,15 @@ def _where(line: str) -> str:
     return line.split(": registered at ", 1)[1].split(" :: ", 1)[0]
 
 
-def _diff(
-    before: dict[str, frozenset[str]], now: dict[str, frozenset[str]]
-) -> list[tuple[str, str, str]]:
+def _diff(before: dict[str, str], now: dict[str, str]) -> list[tuple[str, str, str]]:
     out: set[tuple[str, str, str]] = set()
-    for name, lines in now.items():
+    for name, dump in now.items():
         old = before.get(name)
-        if old is not None and lines != old:
-            out.update((name, _key(line), _where(line)) for line in lines - old)
+        if old is None or dump == old:  # the common case: one string comparison an op
+            continue
+        lines, old_lines = _computing(dump), _computing(old)
+        if lines != old_lines:
+            out.update((name, _key(line), _where(line)) for line in lines - old_lines)
     return sorted(out)
 
 
@@ -69,18 +74,19 @@ def _lines(changed: list[tuple[str, str, str]]) -> list[str]:
 
 @dataclass
 class DispatchTables:
-    """The computing kernels of every ``aten`` op at one moment (:meth:`take`)."""
+    """The kernels of every ``aten`` op at one moment (:meth:`take`): each op's dump as the
+    dispatcher prints it; only an op whose dump differs is parsed for its computing kernels."""
 
-    tables: dict[str, frozenset[str]] = field(default_factory=dict)
+    tables: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
     def take() -> DispatchTables:
-        return DispatchTables(_tables())
+        return DispatchTables(_dumps())
 
     def changed(self) -> list[tuple[str, str, str]]:
         """``(op, dispatch key, where the new kernel was registered)`` for each kernel added or
         replaced since :meth:`take`, sorted."""
-        return _diff(self.tables, _tables())
+        return _diff(self.tables, _dumps())
 
     def changes(self) -> list[str]:
         """One line per changed kernel (empty: none)."""
@@ -88,7 +94,7 @@ class DispatchTables:
 
     def advance(self) -> list[str]:
         """Make the present tables the recorded ones; returns what had changed (one dump)."""
-        now = _tables()
+        now = _dumps()
         changed = _diff(self.tables, now) if self.tables else []
         self.tables = now
         return _lines(changed)

@@ -26,6 +26,7 @@ from kiln.domain.candidate import Candidate
 from kiln.ops import registry
 from kiln.ops.registry import REFERENCE
 from kiln.runtime.attributes import AttributeSnapshot
+from kiln.runtime.device_fault import SANDBOX_FAULT, is_device_fault
 from kiln.runtime.device_memory import (
     activation_bytes_per_sequence,
     fit_batch,
@@ -95,6 +96,7 @@ class Engine(Gate):
     """
 
     _fingerprint: HarnessFingerprint | None = None
+    _dispatch_unchecked = False
     """The pristine engine's fingerprint, taken before its first candidate loads."""
 
     def __init__(self, spec: EngineSpec, engine_id: str = "", *, sandbox: bool = True) -> None:
@@ -253,7 +255,15 @@ class Engine(Gate):
         incorrect, ok; one that crashed or timed out has replaced its sandbox already): weights
         written there make it INCORRECT and the sandbox is replaced; otherwise it is put back
         after the reply (:meth:`SandboxHost.settle`: replaced unless clean)."""
-        if host is None or not host.loaded():
+        if host is None:
+            return result
+        if result.status == "crashed" and is_device_fault(result.error):
+            # the fault is in the sandbox's own CUDA context (sticky there), not the judge's
+            host.discard()
+            result.error = f"{SANDBOX_FAULT}: {result.error}"
+            result.notes.append("device fault in the candidate's sandbox: sandbox replaced")
+            return result
+        if not host.loaded():
             return result
         written = host.weights_written()
         if written:
@@ -335,10 +345,11 @@ class Engine(Gate):
             self._fill_cache()  # the warm prefills wrote the first slots of the measured cache
         self.timer.sync()
 
-    def after_reply(self) -> None:
+    def after_reply(self) -> str:
         """Work the next experiment needs but the last result need not wait for: a full garbage
-        collection after a candidate that loaded code modules or compiled. The worker calls it once
-        the result is sent.
+        collection after a candidate that loaded code modules or compiled, and (sandboxed
+        engines) the dispatcher check of the recipe just measured. The worker calls it once the
+        result is sent. Returns why the engine must restart ("" when it need not).
         """
         if self._sandbox is not None:
             self._sandbox.settle()
@@ -348,6 +359,17 @@ class Engine(Gate):
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+        if not (self._dispatch_unchecked and self._fingerprint is not None):
+            return ""
+        self._dispatch_unchecked = False
+        dispatch = self._fingerprint.dispatch
+        changed = dispatch.changes()
+        if not changed:
+            return ""
+        left = dispatch.restore()
+        return f"a recipe changed dispatcher kernels: {'; '.join(changed[:4])}" + (
+            f" (still replaced: {'; '.join(left[:2])})" if left else ""
+        )
 
     def memory(self) -> MemoryUsage:
         """Bytes held: base weights, both KV caches, and workspace (CUDA: the peak allocated since
@@ -477,18 +499,22 @@ class Engine(Gate):
             return self._gate(candidate, request, phases, notes, applied, base, model, [])
         between = tolerance_changes()
         restore_tolerances()
+        # Sandboxed, only recipes (library code) run here: the dispatcher is checked after the
+        # reply (after_reply), not on the result's path.
+        scan = not self._sandboxed
         fingerprint = self._fingerprint
         if fingerprint is None:
             fingerprint = self._fingerprint = HarnessFingerprint.take(self._watched())
         else:
-            between += fingerprint.refresh(self._watched())
+            between += fingerprint.refresh(self._watched(), dispatch=scan)
+        self._dispatch_unchecked = not scan
         if between:
             notes.append(f"changed since the last experiment: {'; '.join(between[:4])}")
         model = AttributeSnapshot("engine.model", self.model, True, ignore=MODEL_BINDING).take()
         state = AttributeSnapshot("engine._state", self._state, True).take()
         tampered: list[str] = []
         result = self._gate(candidate, request, phases, notes, applied, base, model, tampered)
-        tampered += fingerprint.changes()
+        tampered += fingerprint.changes(dispatch=scan)
         tampered += model.changes()
         tampered += state.changes()
         tampered += tolerance_changes()

@@ -195,10 +195,14 @@ class HarnessFingerprint:
         return fingerprint
 
     def refresh(
-        self, instances: Iterable[tuple[str, object, tuple[str, ...] | None]] = ()
+        self,
+        instances: Iterable[tuple[str, object, tuple[str, ...] | None]] = (),
+        *,
+        dispatch: bool = True,
     ) -> list[str]:
         """Make the present state the recorded one (re-taking only what changed, adding modules
-        imported since); returns what had changed.
+        imported since); returns what had changed. ``dispatch=False`` leaves the dispatcher's
+        tables (the costly part) as recorded: :attr:`dispatch` is then checked by its owner.
         """
         changed: list[str] = []
         kept = {id(space.owner): space for space in self.namespaces}
@@ -221,18 +225,20 @@ class HarnessFingerprint:
             spaces.append(space)
         if self.flags:
             changed += self._global_changes(dispatch=False)
-        changed += self.dispatch.advance()
+        if dispatch:
+            changed += self.dispatch.advance()
         self.namespaces = spaces
         self.flags = [(f, f.get()) for f in _global_flags()]
         self.modes = _mode_depths()
         return changed
 
-    def changes(self) -> list[str]:
-        """What differs from when it was taken, one line each (empty: nothing)."""
+    def changes(self, *, dispatch: bool = True) -> list[str]:
+        """What differs from when it was taken, one line each (empty: nothing);
+        ``dispatch=False``: the dispatcher's tables left out (see :meth:`refresh`)."""
         out: list[str] = []
         for space in self.namespaces:
             out.extend(space.changes())
-        return out + self._global_changes()
+        return out + self._global_changes(dispatch=dispatch)
 
     def _global_changes(self, dispatch: bool = True) -> list[str]:
         out: list[str] = []

@@ -175,15 +175,22 @@ def _private_shm(libc: ctypes.CDLL) -> str:
     return ""
 
 
+OWN_TASKS = "/proc/self/task"
+"""The sandbox's own threads in ``/proc`` (resolved when the rule is made): CUDA names the
+threads it starts by writing their ``comm`` there, and fails to initialise (error 304) when it
+cannot. What is written there changes only the sandbox's own process."""
+
+
 def writable_paths(home: str, shm: bool) -> tuple[list[str], list[str]]:
-    """What the sandbox may write: directories (``home``, and the host's ``/dev/shm`` when
-    ``shm``) and device files (:data:`DEVICES`, ``/dev/nvidia*``)."""
+    """What the sandbox may write: directories (``home``, its own threads' ``/proc`` entries
+    (:data:`OWN_TASKS`), and the host's ``/dev/shm`` when ``shm``) and device files
+    (:data:`DEVICES`, ``/dev/nvidia*``)."""
     devices = [d for d in DEVICES if os.path.exists(d)]
     with contextlib.suppress(OSError):
         devices += sorted(
             e.path for e in os.scandir("/dev") if e.name.startswith("nvidia") and not e.is_dir()
         )
-    return [home, *(["/dev/shm"] if shm else [])], devices
+    return [home, OWN_TASKS, *(["/dev/shm"] if shm else [])], devices
 
 
 def _landlock(libc: ctypes.CDLL, writable: list[str], files: list[str] | None = None) -> str:

@@ -186,10 +186,10 @@ class SandboxHost:
                 "weights": self.weights.manifest,
                 "weights_fd": self.weights.fd,
                 "weights_bytes": self.weights.nbytes,
-                "out": {"fd": self.out.fd, "nbytes": self.out.nbytes, "ipc": self.out.ipc},
+                "out": {"fd": self.out.fd, "nbytes": self.out.nbytes},
                 "address_space": self.address_space,
                 "user": None if self.user is None else {"uid": self.user.uid, "gid": self.user.gid},
-                # CUDA IPC may need the host's namespaces; TCP is still refused (Landlock)
+                # CUDA may need the host's namespaces; TCP is still refused (Landlock)
                 "unshare_network": self.device.type != "cuda",
             },
         )
@@ -438,7 +438,7 @@ class SandboxHost:
         """Why the judge must treat the sandbox's weights as changed ("" if unchanged): on CPU, the
         kernel's count of pages the sandbox copied from its private mapping of the weights."""
         proc = self._proc
-        if proc is None or self.weights.fd < 0:
+        if proc is None or self.weights.cuda:  # CUDA: mapped read-only there
             return ""
         kib, problem = written_kib(proc.pid or proc.popen.pid, self.weights.name)
         if problem:

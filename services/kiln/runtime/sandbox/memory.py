@@ -4,16 +4,16 @@
   shared and read-write, then seals against writes through any later mapping or ``write``
   (``F_SEAL_FUTURE_WRITE``, size sealed too). The sandbox maps it private and copy-on-write
   (:func:`map_weights`): a write there lands in the sandbox's own pages and never in the judge's;
-  :func:`written_kib` reads from ``/proc/<pid>/smaps`` whether it wrote any. CUDA: each weight's
-  storage is exported as a CUDA IPC handle and opened by the sandbox (writable: the judge checks
-  weights by content, :mod:`kiln.runtime.state_guard`).
-- The output buffer (:class:`SharedBuffer`): bytes both sides map shared (CPU: a memfd; CUDA: a
-  device allocation exported by IPC), where the sandbox writes each call's output.
+  :func:`written_kib` reads from ``/proc/<pid>/smaps`` whether it wrote any. CUDA: a copy of
+  the weights in device memory exported as a file descriptor (:mod:`.cuda_vmm`), which the
+  sandbox maps read-only; the judge's own weights are never in the sandbox's reach (they cost
+  their size once more on the device, on the first code-module candidate).
+- The output buffer (:class:`SharedBuffer`): bytes both sides map shared and writable (CPU: a
+  memfd; CUDA: exported device memory), where the sandbox writes each call's output.
 """
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import mmap
 import os
@@ -43,15 +43,8 @@ def _unique(store: WeightStore) -> list[tuple[list[str], Tensor]]:
     return list(seen.values())
 
 
-def _cuda_handle(storage: torch.UntypedStorage) -> list[Any]:
-    """A CUDA storage's IPC handle as JSON-able values (bytes base64-encoded)."""
-    parts = storage._share_cuda_()
-    return [{"b64": base64.b64encode(p).decode()} if isinstance(p, bytes) else p for p in parts]
-
-
-def _open_cuda(handle: list[Any]) -> torch.UntypedStorage:
-    args = [base64.b64decode(p["b64"]) if isinstance(p, dict) else p for p in handle]
-    return torch.UntypedStorage._new_shared_cuda(*args)
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 class SharedWeights:
@@ -61,8 +54,9 @@ class SharedWeights:
     them sees the new storage; data pointers change, so build this before recording any).
 
     Attributes:
-        manifest: one entry per distinct tensor: ``names``, ``dtype``, ``shape``, and ``offset``
-            (CPU) or ``ipc`` (CUDA). fd: the sealed memfd (CPU), else -1. nbytes: its size.
+        manifest: one entry per distinct tensor: ``names``, ``dtype``, ``shape``, ``offset``.
+        fd: the sealed memfd (CPU) or the exported device memory (CUDA). nbytes: its size.
+        cuda: whether the weights are on a CUDA device (then a copy, :mod:`.cuda_vmm`).
         name: the memfd's name (``kiln-weights-<random>``: how ``/proc/<pid>/smaps`` names it).
     """
 
@@ -73,21 +67,26 @@ class SharedWeights:
         self.nbytes = 0
         self.name = f"kiln-weights-{secrets.token_hex(6)}"
         self._map: mmap.mmap | None = None
+        self._memory: Any = None
         devices = {t.device.type for _, t in tensors}
-        if devices == {"cuda"}:
-            for names, t in tensors:
-                if not t.is_contiguous() or t.storage_offset():
-                    raise ValueError(f"{names[0]}: only contiguous whole-storage weights share")
-                entry = {"names": names, **_meta(t), "ipc": _cuda_handle(t.untyped_storage())}
-                self.manifest.append(entry)
-            return
-        if devices - {"cpu"}:
+        if len(devices) > 1 or devices - {"cpu", "cuda"}:
             raise ValueError(f"weights on {sorted(devices)}: one device type expected")
+        self.cuda = devices == {"cuda"}
         offset = 0
         for names, t in tensors:
             self.manifest.append({"names": names, **_meta(t), "offset": offset})
             offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         self.nbytes = max(offset, ALIGN)
+        if self.cuda:
+            from kiln.runtime.sandbox.cuda_vmm import DeviceMemory
+
+            memory = self._memory = DeviceMemory.create(self.nbytes, _index(tensors[0][1].device))
+            self.fd, self.nbytes = memory.fd, memory.nbytes
+            with torch.no_grad():
+                for entry, (_, t) in zip(self.manifest, tensors, strict=True):
+                    _view(memory.tensor, entry).copy_(t)  # the judge keeps its own weights
+            torch.cuda.synchronize(tensors[0][1].device)
+            return
         self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, self.nbytes)
         self._map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED)
@@ -115,31 +114,28 @@ def _view(base: Tensor, entry: dict[str, Any]) -> Tensor:
 
 
 def map_weights(
-    manifest: Iterable[dict[str, Any]], fd: int, nbytes: int, *, tied: bool
+    manifest: Iterable[dict[str, Any]], fd: int, nbytes: int, *, device: torch.device
 ) -> tuple[WeightStore, object]:
     """The sandbox's side: a :class:`WeightStore` over the judge's weights (CPU: the memfd mapped
-    private, copy-on-write; CUDA: the IPC handles opened). Returns the store and the mapping,
-    which must outlive it.
+    private, copy-on-write; CUDA: the exported copy mapped read-only). Returns the store and
+    the mapping, which must outlive it.
     """
     tensors: dict[str, Tensor] = {}
-    keep: object = None
     entries = list(manifest)
-    if entries and "ipc" in entries[0]:
-        for entry in entries:
-            storage = _open_cuda(entry["ipc"])
-            dtype = DTYPES[entry["dtype"]]
-            t = torch.empty(0, dtype=dtype, device=storage.device)
-            t.set_(storage, 0, entry["shape"])  # type: ignore[call-overload]
-            for name in entry["names"]:
-                tensors[name] = t
-        return WeightStore(tensors, tied=False), keep
-    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    base = torch.frombuffer(mapping, dtype=torch.uint8)
+    mapping: Any
+    if device.type == "cuda":
+        from kiln.runtime.sandbox.cuda_vmm import DeviceMemory
+
+        mapping = DeviceMemory.open(fd, nbytes, _index(device), writable=False)
+        base = mapping.tensor
+    else:
+        flags, prot = mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
+        mapping = mmap.mmap(fd, nbytes, flags=flags, prot=prot)
+        base = torch.frombuffer(mapping, dtype=torch.uint8)
     for entry in entries:
         t = _view(base, entry)
-        for name in entry["names"]:
+        for name in entry["names"]:  # the manifest names tied tensors together
             tensors[name] = t
-    del tied  # the manifest already names tied tensors together
     return WeightStore(tensors), mapping
 
 
@@ -148,17 +144,18 @@ class SharedBuffer:
     a tensor out of its start.
 
     Attributes:
-        fd: the memfd (CPU), else -1. ipc: the IPC handle (CUDA), else None.
+        fd: the memfd (CPU) or the exported device memory (CUDA, :mod:`.cuda_vmm`).
     """
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-        self.fd = -1
-        self.ipc: list[Any] | None = None
         self._map: mmap.mmap | None = None
+        self._memory: Any = None
         if device.type == "cuda":
-            self.base = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-            self.ipc = _cuda_handle(self.base.untyped_storage())
+            from kiln.runtime.sandbox.cuda_vmm import DeviceMemory
+
+            memory = self._memory = DeviceMemory.create(self.nbytes, _index(device))
+            self.fd, self.nbytes, self.base = memory.fd, memory.nbytes, memory.tensor
             return
         self.fd = os.memfd_create("kiln-sandbox-out", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.nbytes)
@@ -166,13 +163,12 @@ class SharedBuffer:
         self.base = torch.frombuffer(self._map, dtype=torch.uint8)
 
     @staticmethod
-    def open(fd: int, nbytes: int, ipc: list[Any] | None) -> Tensor:
-        """The sandbox's side: the buffer's bytes as a uint8 tensor."""
-        if ipc is not None:
-            storage = _open_cuda(ipc)
-            t = torch.empty(0, dtype=torch.uint8, device=storage.device)
-            t.set_(storage)
-            return t
+    def open(fd: int, nbytes: int, device: torch.device) -> Tensor:
+        """The sandbox's side: the buffer's bytes as a uint8 tensor (writable)."""
+        if device.type == "cuda":
+            from kiln.runtime.sandbox.cuda_vmm import DeviceMemory
+
+            return DeviceMemory.open(fd, nbytes, _index(device), writable=True).tensor
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         return torch.frombuffer(mapping, dtype=torch.uint8)
 

@@ -96,11 +96,14 @@ class _Server:
         self.dtype = getattr(torch, spec.dtype)
         config = spec.model_config().with_layers(spec.layers)
         store, self._mapping = map_weights(
-            hello["weights"], int(hello["weights_fd"]), int(hello["weights_bytes"]), tied=False
+            hello["weights"],
+            int(hello["weights_fd"]),
+            int(hello["weights_bytes"]),
+            device=self.device,
         )
         self.weights = store
         out = hello["out"]
-        self.out = SharedBuffer.open(int(out["fd"]), int(out["nbytes"]), out.get("ipc"))
+        self.out = SharedBuffer.open(int(out["fd"]), int(out["nbytes"]), self.device)
         cache = StaticKVCache.for_config(
             config,
             max_batch=spec.batch_size,
