@@ -111,11 +111,10 @@ def gpu_oob(tokens, *, weight):
             await proc.wait_ready()
             cand = Candidate.make({"embedding": "gpu_oob"}, code_modules=[bad])
             req = RunRequest("oob", cand, warmup=1, repeats=5)
-            m = await proc.run(req, deadline_s=120, candidate_id=cand.id)
+            m = await proc.run(req, deadline_s=120)
             ok = await proc.run(
                 RunRequest("after", Candidate(), warmup=1, repeats=5),
                 deadline_s=300,
-                candidate_id=Candidate().id,
             )
             return m.status, m.error, ok.status
         finally:

@@ -46,7 +46,8 @@ async def test_first_experiment_builds_the_engine_in_a_clean_process(pool: Engin
     (engine,) = pool.engines()
     assert engine.state == "ready" and engine.experiments_run == 1
     assert engine.cold_start_s > 0 and engine.memory.weights_bytes > 0
-    assert engine.engine_id == m.engine_id and engine.engine_id.endswith(f"/cpu@{pool.pool_id}")
+    assert engine.engine_id == m.engine_id
+    assert engine.engine_id.endswith(f"/{engine.device}@{pool.pool_id}")  # cuda:0 on a GPU host
     assert pool.pool_id.startswith("test-host-")
     (process,) = pool.processes()
     assert process.info["service_modules"] == []  # no grpc, nats, sqlalchemy in the engine

@@ -243,13 +243,14 @@ def test_every_timed_step_can_be_verified_and_costs_one_reference_step(engine: E
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _cuda_engine(dtype: str, engine_id: str) -> Engine:
+def _cuda_engine(dtype: str, engine_id: str, *, sandbox: bool = True) -> Engine:
     from kiln.engine_pool.settings import EngineSettings
 
     workload = tiny_workload(batch=4, context=64, dtype=dtype)
     workload["model"]["config_json"] = json.dumps({**TINY_LLAMA, "vocab_size": VOCAB})
     limits = EngineSettings(device="cuda:0").limits()
-    return Engine(EngineSpec.from_workload(workload, "fast", limits), engine_id=engine_id)
+    spec = EngineSpec.from_workload(workload, "fast", limits)
+    return Engine(spec, engine_id=engine_id, sandbox=sandbox)
 
 
 @pytest.fixture(scope="module")
@@ -292,10 +293,12 @@ def test_honest_candidates_pass_on_cuda(
 
 
 @cuda
-def test_the_cuda_timer_counts_work_left_on_a_side_stream(cuda_engine: Engine) -> None:
-    """Unverified, the side-stream cheat passes, but its time is counted: every timed step
-    includes the ~1 ms the side stream spends (an event timer on the current stream would
-    report the step without it)."""
+def test_the_cuda_timer_counts_work_left_on_a_side_stream() -> None:
+    """In the judge's process (where recipes run) and unverified, the side-stream cheat passes,
+    but its time is counted: every timed step includes the ~1 ms the side stream spends (an
+    event timer on the current stream would report the step without it). In the sandbox the
+    output's copy to the shared buffer runs before the side stream ends: the check fails it."""
+    cuda_engine = _cuda_engine("bfloat16", "red-team-cuda-in-process", sandbox=False)
     (cheat,) = [c for c in red_team.CHEATS if c.name == "side_stream"]
     honest = _run_cuda(cuda_engine, Candidate())
     m = _run_cuda(cuda_engine, cheat.candidate, verify_timed_steps=0)
