@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kiln.domain.candidate import Candidate
-from kiln.ops.registry import register
+from kiln.ops.registry import register, unregister
 from kiln.runtime.dispatch_watch import DispatchTables
 from kiln.runtime.engine import Engine
 from kiln.runtime.measurement import Measurement
@@ -27,7 +27,6 @@ _ARMED: list[bool] = []
 """Non-empty: the next call leaks (the engine warms every built-in implementation at build)."""
 
 
-@register("lm_head", "leaks_a_kernel", replace=True)
 def leaks_a_kernel(x: torch.Tensor, *, weight: torch.Tensor) -> torch.Tensor:
     """An honest LM head with a library bug: its first call registers a CPU kernel for
     ``aten::erfinv`` (an op the reference never calls), as a careless library might."""
@@ -40,10 +39,16 @@ def leaks_a_kernel(x: torch.Tensor, *, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(autouse=True)
 def _no_leak_left() -> Iterator[None]:
-    yield
-    _ARMED.clear()
-    while _LEAKED:
-        _LEAKED.pop()._destroy()
+    """``leaks_a_kernel`` registered for this test only (the registry is the process's: other
+    tests on this worker count its implementations)."""
+    register("lm_head", "leaks_a_kernel", replace=True)(leaks_a_kernel)
+    try:
+        yield
+    finally:
+        unregister("lm_head", "leaks_a_kernel")
+        _ARMED.clear()
+        while _LEAKED:
+            _LEAKED.pop()._destroy()
 
 
 def _engine(sandbox: bool) -> Engine:

@@ -7,7 +7,6 @@ import json
 import math
 import random
 import statistics
-import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -162,10 +161,10 @@ def test_azure_fractional_seconds_are_kept() -> None:
 
 
 @needs_traces
-def test_biggest_trace_reads_quickly() -> None:
-    start = time.perf_counter()
-    TrafficShape.from_trace(read_trace(TRACES / "mooncake_fast25_conversation.jsonl"))
-    assert time.perf_counter() - start < 2.0
+def test_biggest_trace_reads_into_a_shape() -> None:
+    trace = read_trace(TRACES / "mooncake_fast25_conversation.jsonl")
+    shape = TrafficShape.from_trace(trace)
+    assert len(trace.requests) > 1000 and shape.batch_size >= 1 and shape.context_len > 0
 
 
 @needs_traces
