@@ -73,21 +73,34 @@ async def _source(stack: Stack) -> tuple[str, list[ledger_pb2.RecordedEvent]]:
     pytest.fail("no source compilation found a winner")
 
 
-async def test_bad_warm_starts_and_incumbents_get_the_right_status(stack: Stack) -> None:
-    stack.engine.delay_s = 0.01
+async def _rival_candidate(stack: Stack) -> tuple[str, str]:
+    """Another team's compilation and a candidate that only it measured."""
     async with team_channel(stack.settings.agent_runner_addr, OTHER_TEAM) as channel:
         rival = compiler_pb2_grpc.CompilerStub(channel)
-        theirs = await _compile(rival, _request(stack, 30.0, 3, agents=["random"]))
-    their_id = theirs[0].compilation_id
-    their_story = await _story(stack.ledger, their_id, theirs[0].position - 1)
-    await asyncio.sleep(1.0)  # the experiments projection follows the ledger within moments
-    their_candidate = ""
-    for r in _data(their_story, "ExperimentRequested"):  # one only they measured
-        rows = await stack.ledger.query("experiments", {"candidate_id": r["candidate_id"]})
-        if rows and {row["compilation_id"] for row in rows} == {their_id}:
-            their_candidate = r["candidate_id"]
-            break
-    assert their_candidate
+        for _ in range(3):  # the random agent may draw only candidates others measured too
+            theirs = await _compile(rival, _request(stack, 30.0, 4, agents=["random"]))
+            their_id = theirs[0].compilation_id
+            story = await _story(stack.ledger, their_id, theirs[0].position - 1)
+            requested = [r["candidate_id"] for r in _data(story, "ExperimentRequested")]
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 30.0  # the experiments projection follows the ledger
+            while loop.time() < until:
+                rows = {
+                    c: await stack.ledger.query("experiments", {"candidate_id": c})
+                    for c in requested
+                }
+                if all(rows.values()):
+                    break
+                await asyncio.sleep(0.2)
+            for c, found in rows.items():
+                if found and {row["compilation_id"] for row in found} == {their_id}:
+                    return their_id, c
+    pytest.fail("no candidate measured by the other team only")
+
+
+async def test_bad_warm_starts_and_incumbents_get_the_right_status(stack: Stack) -> None:
+    stack.engine.delay_s = 0.01
+    their_id, their_candidate = await _rival_candidate(stack)
     ws = compiler_pb2.WarmStart
     cases: list[tuple[dict[str, Any], grpc.StatusCode, str]] = [
         ({"warm_start": ws(compilation_ids=["no such!"])}, grpc.StatusCode.INVALID_ARGUMENT, ""),

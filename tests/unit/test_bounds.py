@@ -4,6 +4,7 @@ arguments (the services' hostile-input behaviour is tests/integration/test_hosti
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -128,8 +129,7 @@ def test_plan_request_ranges() -> None:
 @pytest.mark.skipif(not MODELS.is_dir(), reason="../shared/data/models is absent")
 def test_planning_stops_at_its_deadline() -> None:
     cfg = parse_config(json.loads((MODELS / "deepseek-v3.json").read_text()), "deepseek-v3")
-    started = time.monotonic()
-    with pytest.raises(PlanDeadlineExceeded, match="candidate plans for 65536 devices"):
+    with pytest.raises(PlanDeadlineExceeded, match="candidate plans for 65536 devices") as info:
         plan_workload(
             cfg,
             get_hardware("h200"),
@@ -137,7 +137,10 @@ def test_planning_stops_at_its_deadline() -> None:
             MAX_DEVICES,
             deadline=time.monotonic() + 0.5,
         )
-    assert time.monotonic() - started < 2.0
+    # it stopped part-way (the whole enumeration takes ~10x the deadline here); a wall-clock
+    # bound would measure the CI host's load, not the planner
+    done = re.search(r"costed (\d+) of (\d+)", str(info.value))
+    assert done is not None and int(done.group(1)) < int(done.group(2))
 
 
 def test_ledger_arguments() -> None:
