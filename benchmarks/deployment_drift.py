@@ -1,10 +1,12 @@
 """Scenario measurement for issue 15: a deployment on the CPU over a drifting real-trace replay
-(Azure conversation, then Azure code), timed from the first drifted window to DriftDetected and
-to the verdict (CandidatePromoted or PromotionDeclined).
+(Azure conversation then Azure code, or ``--order code-conv`` the other way), timed from the
+first drifted window to DriftDetected and to the verdict (CandidatePromoted or
+PromotionDeclined).
 
 Needs a running kiln (`kiln up`); uses the CLI and the Deployments API as the CLI's team:
 
-    python benchmarks/deployment_drift.py --model CONFIG [--speed 600] [--budget 3m]
+    python benchmarks/deployment_drift.py --model CONFIG [--order conv-code] [--speed 600]
+        [--budget 3m]
         [--out benchmarks/results/deployment_drift.json]
 
 Times are wall-clock seconds between the events' ledger timestamps (`recorded_at`); the window
@@ -15,13 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("KILN_SHARED_DATA", ROOT.parent / "shared" / "data")) / "traces"
 
 
 def kiln(*args: str) -> str:
@@ -55,6 +59,7 @@ def history(name: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
+    ap.add_argument("--order", choices=("conv-code", "code-conv"), default="conv-code")
     ap.add_argument("--speed", default="600")
     ap.add_argument("--budget", default="3m")
     ap.add_argument("--window", default="10m")
@@ -62,16 +67,18 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/deployment_drift.json")
     a = ap.parse_args()
     name = f"drift-{uuid.uuid4().hex[:6]}"
-    conv, code = DATA / "azure_llm_2023_conv.csv", DATA / "azure_llm_2023_code.csv"
-    kiln("deployments", "create", name, "--model", a.model, "--traffic", str(conv),
+    first, then = DATA / "azure_llm_2023_conv.csv", DATA / "azure_llm_2023_code.csv"
+    if a.order == "code-conv":
+        first, then = then, first
+    kiln("deployments", "create", name, "--model", a.model, "--traffic", str(first),
          "--hardware", "cpu", "--budget", a.budget, "--window", a.window)  # fmt: skip
     deadline = time.monotonic() + a.timeout_s
     while not any(e["type"] == "CandidatePromoted" for e in history(name)):
         if time.monotonic() > deadline:
             raise SystemExit("no initial promotion")
         time.sleep(5)
-    kiln("traffic", "observe", name, str(conv), "--speed", a.speed)
-    kiln("traffic", "observe", name, str(code), "--speed", a.speed, "--close")
+    kiln("traffic", "observe", name, str(first), "--speed", a.speed)
+    kiln("traffic", "observe", name, str(then), "--speed", a.speed, "--close")
     verdicts = ("CandidatePromoted", "PromotionDeclined")
     while True:
         events = history(name)
@@ -92,8 +99,9 @@ def main() -> None:
     result = {
         "command": " ".join(sys.argv),
         "deployment": name,
+        "order": a.order,
         "windows": len(windows),
-        "false_triggers_before_code": sum(
+        "false_triggers_before_change": sum(
             1
             for e in events
             if e["type"] == "DriftDetected"
@@ -106,6 +114,7 @@ def main() -> None:
         "s_first_drifted_to_verdict": at(verdict) - at(first) if verdict and first else None,
         "verdict": verdict["type"] if verdict else None,
         "verdict_summary": verdict["summary"] if verdict else None,
+        "verdict_detail": verdict["detail"] if verdict else None,
     }
     print(json.dumps(result, indent=2))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -2,36 +2,39 @@
 
 Brings kiln up on the embedded default in a scratch state directory (free ports, so it does not
 meet another kiln on this machine), then, with a tiny Llama-3.2 config (the e2e tests' one) and
-the same budget for each:
+the same budget for each, for each repeat (fresh teams, so no repeat seeds or reuses another):
 
-1. ``old``: a compilation at the old shape (the Azure code trace: batch 2 on a CPU engine),
-   team ``bench-warm``;
-2. ``cold``: a cold compilation at the new shape (the Azure conversation trace: batch 8), team
-   ``bench-cold`` -- another team, so it can neither reuse nor be reused by the warm one;
+1. ``old``: a compilation at the scenario's old shape, team ``bench-warm-R``;
+2. ``cold``: a cold compilation at the new shape, team ``bench-cold-R`` -- another team, so it
+   can neither reuse nor be reused by the warm one;
 3. ``warm``: the same new shape warm-started from ``old`` (``WarmStart.compilation_ids``), team
-   ``bench-warm``.
+   ``bench-warm-R``. Cold and warm alternate their order by repeat.
+
+Scenarios (``--scenario``): ``code-to-conv`` (Azure code, batch 2 on a CPU engine, then Azure
+conversation, batch 8), ``conv-to-code``, ``conv-isl-1.8`` (Azure conversation, then the same
+trace with every prompt 1.8x as long).
 
 Figure: the time (seconds from submission, and experiments) the warm compilation needs to reach
 the cold one's final best speedup (``BestCandidateImproved.speedup``, full tier over the
 reference measured next to it) within ``--tolerance`` (default 3 %: the full tier's run-to-run
 noise on a shared CPU), over the time the cold one needed for its own final best; goal <= 30 %.
-Prints a table last and writes ``benchmarks/results/warm_start.json`` (with the command).
+Each run's experiments (agent, tier, candidate, outcome) are kept in the JSON. Prints a table
+last and writes ``--out`` (default ``benchmarks/results/warm_start.json``, with the command).
 
-    python benchmarks/warm_start.py [--budget-s 120] [--max-experiments 20] [--tolerance 0.03]
-
-(Code then conversation: in the other order, on 2026-12-02 with 180 s budgets, nothing beat the
-reference at the code trace's batch 2 on the full tier, cold or warm, so there was no final
-best to reach.)
+    python benchmarks/warm_start.py [--scenario code-to-conv] [--repeats 1] [--budget-s 120]
+        [--max-experiments 20] [--tolerance 0.03] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import json
 import os
 import shlex
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -41,10 +44,34 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("KILN_SHARED_DATA", ROOT.parent / "shared" / "data"))
 LLAMA = DATA / "models" / "llama-3.2-1b.json"
-OLD_TRACE = DATA / "traces" / "azure_llm_2023_code.csv"
-NEW_TRACE = DATA / "traces" / "azure_llm_2023_conv.csv"
+TRACES = DATA / "traces"
+SCENARIOS = {
+    # name: (old trace, new trace, ISL factor applied to the new trace)
+    "code-to-conv": ("azure_llm_2023_code.csv", "azure_llm_2023_conv.csv", 1.0),
+    "conv-to-code": ("azure_llm_2023_conv.csv", "azure_llm_2023_code.csv", 1.0),
+    "conv-isl-1.8": ("azure_llm_2023_conv.csv", "azure_llm_2023_conv.csv", 1.8),
+}
 RESULT = ROOT / "benchmarks" / "results" / "warm_start.json"
-TEAMS = ("bench-warm", "bench-cold")
+
+
+def _teams(repeat: int) -> tuple[str, str]:
+    """(warm team, cold team) of one repeat: fresh teams, so no repeat reuses or seeds from
+    another (nearby seeds and reuse are per team)."""
+    return f"bench-warm-{repeat}", f"bench-cold-{repeat}"
+
+
+def _scaled_trace(trace: Path, factor: float, out: Path) -> Path:
+    """An Azure-format copy of ``trace`` with every prompt length x ``factor``."""
+    if factor == 1.0:
+        return trace
+    rows = list(csv.DictReader(trace.open(newline="")))
+    path = out / f"{trace.stem}-isl-x{factor:g}.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        for row in rows:
+            w.writerow({**row, "ContextTokens": round(int(row["ContextTokens"]) * factor)})
+    return path
 
 
 def _free_port() -> int:
@@ -102,8 +129,10 @@ async def _compile(settings: Any, team: str, request: Any) -> dict[str, Any]:
             cid = submitted.compilation_id
             print(f"  {team}: {cid} submitted", file=sys.stderr, flush=True)
             last = None
+            log: list[dict[str, Any]] = []
             async for event in stub.Watch(compiler_pb2.WatchRequest(compilation_id=cid)):
                 last = event
+                _log_event(log, event)
                 if event.type == "CompilationEnded":
                     break
     assert last is not None
@@ -126,7 +155,43 @@ async def _compile(settings: Any, team: str, request: Any) -> dict[str, Any]:
             }
             for p in snap.progress
         ],
+        "experiments": log,
     }
+
+
+def _log_event(log: list[dict[str, Any]], event: Any) -> None:
+    """Append one Watch event to a compact experiment log: what was proposed (by which agent, at
+    which tier), its outcome, the reference, reuses and each new best."""
+    from google.protobuf.json_format import MessageToDict
+
+    from kiln.cli.compile_view import describe_candidate
+
+    d = MessageToDict(event.detail) if event.HasField("detail") else {}
+    at = None
+    if event.HasField("snapshot") and event.snapshot.HasField("created_at"):
+        since = event.recorded_at.ToDatetime() - event.snapshot.created_at.ToDatetime()
+        at = round(since.total_seconds(), 1)
+    if event.type == "ExperimentRequested":
+        log.append(
+            {
+                "at_s": at,
+                "agent": d.get("agent", ""),
+                "tier": d.get("tier", ""),
+                "candidate": describe_candidate(d.get("candidate")),
+                "candidate_id": d.get("candidate_id", ""),
+            }
+        )
+    elif event.type == "ExperimentCompleted":
+        for row in reversed(log):
+            if row.get("candidate_id") == d.get("candidate_id") and "status" not in row:
+                row["status"] = d.get("status", "")
+                row["tokens_per_s"] = round(float(d.get("tokens_per_s", 0.0) or 0.0), 1)
+                if d.get("status") != "ok":
+                    row["error"] = str(d.get("error", ""))[:120]
+                break
+    elif event.type in ("MeasurementReused", "BaselineMeasured", "BestCandidateImproved"):
+        keep = ("candidate_id", "tokens_per_s", "speedup", "tier", "agent")
+        log.append({"at_s": at, "event": event.type, **{k: d[k] for k in keep if k in d}})
 
 
 def _reach(progress: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
@@ -134,7 +199,11 @@ def _reach(progress: list[dict[str, Any]], target: float) -> dict[str, Any] | No
     return next((p for p in progress if p["speedup"] >= target), None)
 
 
-async def _compilations(settings: Any, old: Any, new: Any, budget: Any) -> dict[str, Any]:
+async def _compilations(
+    settings: Any, old: Any, new: Any, budget: Any, repeat: int
+) -> dict[str, Any]:
+    """One repeat: ``old``, then ``cold`` and ``warm`` at the new shape (their order alternates
+    by repeat, so a drift of the machine falls on both alike)."""
     from kiln.v1 import compiler_pb2
 
     def req(workload: Any, **kw: Any) -> Any:
@@ -142,11 +211,35 @@ async def _compilations(settings: Any, old: Any, new: Any, budget: Any) -> dict[
             workload=workload, budget=budget, baselines=["none"], **kw
         )
 
-    runs = {"old": await _compile(settings, TEAMS[0], req(old))}
-    runs["cold"] = await _compile(settings, TEAMS[1], req(new))
+    warm_team, cold_team = _teams(repeat)
+    runs = {"old": await _compile(settings, warm_team, req(old))}
     warm_start = compiler_pb2.WarmStart(compilation_ids=[runs["old"]["compilation_id"]])
-    runs["warm"] = await _compile(settings, TEAMS[0], req(new, warm_start=warm_start))
+    for name in ("cold", "warm") if repeat % 2 == 0 else ("warm", "cold"):
+        if name == "cold":
+            runs["cold"] = await _compile(settings, cold_team, req(new))
+        else:
+            runs["warm"] = await _compile(settings, warm_team, req(new, warm_start=warm_start))
     return runs
+
+
+def _figures(runs: dict[str, Any], tolerance: float) -> dict[str, Any]:
+    """When cold reached its final best, when warm reached it (within ``tolerance``), the ratio."""
+    cold, warm = runs["cold"], runs["warm"]
+    cold_best = cold["best_speedup"]
+    cold_point = _reach(cold["progress"], cold_best) if cold_best > 0 else None
+    warm_point = _reach(warm["progress"], cold_best * (1 - tolerance)) if cold_best > 0 else None
+    ratio = (
+        warm_point["elapsed_s"] / cold_point["elapsed_s"]
+        if warm_point and cold_point and cold_point["elapsed_s"] > 0
+        else None
+    )
+    return {
+        "cold_final_speedup": cold_best,
+        "warm_final_speedup": warm["best_speedup"],
+        "cold_reached": cold_point,
+        "warm_reached": warm_point,
+        "time_ratio": ratio,
+    }
 
 
 def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -156,83 +249,80 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from kiln.embedded.supervisor import Supervisor
     from kiln.v1 import common_pb2
 
+    old_name, new_name, isl_factor = SCENARIOS[args.scenario]
     _environment(workdir / "state")
     settings = load_settings()
-    ensure_deployment(settings.pki_path, SERVICE_NAMES, teams=TEAMS)
+    teams = tuple(t for r in range(args.repeats) for t in _teams(r))
+    ensure_deployment(settings.pki_path, SERVICE_NAMES, teams=teams)
     config = _tiny_config(workdir)
-    old = build_workload(config, OLD_TRACE, "cpu")
-    new = build_workload(config, NEW_TRACE, "cpu")
+    old = build_workload(config, TRACES / old_name, "cpu")
+    new = build_workload(config, _scaled_trace(TRACES / new_name, isl_factor, workdir), "cpu")
     budget = common_pb2.Budget(wall_seconds=args.budget_s, max_experiments=args.max_experiments)
     supervisor = Supervisor(settings)
     print("starting kiln (embedded) ...", file=sys.stderr, flush=True)
     supervisor.up(start_services=True)
+    repeats = []
     try:
         started = time.monotonic()
-        runs = asyncio.run(_compilations(settings, old, new, budget))
+        for r in range(args.repeats):
+            runs = asyncio.run(_compilations(settings, old, new, budget, r))
+            repeats.append({"runs": runs, **_figures(runs, args.tolerance)})
+            print(f"  repeat {r}: {_row(r, repeats[-1])}", file=sys.stderr, flush=True)
         wall = time.monotonic() - started
     finally:
         supervisor.down()
-    cold, warm = runs["cold"], runs["warm"]
-    cold_best = cold["best_speedup"]
-    cold_point = _reach(cold["progress"], cold_best) if cold_best > 0 else None
-    target = cold_best * (1 - args.tolerance)
-    warm_point = _reach(warm["progress"], target) if cold_best > 0 else None
-    warm_strict = _reach(warm["progress"], cold_best) if cold_best > 0 else None
-    ratio = (
-        warm_point["elapsed_s"] / cold_point["elapsed_s"]
-        if warm_point and cold_point and cold_point["elapsed_s"] > 0
-        else None
-    )
+    ratios = [x["time_ratio"] for x in repeats if x["time_ratio"] is not None]
     return {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "model": "tiny llama-3.2 (hidden 256, 4 layers, vocab 2048; tests/e2e)",
-        "old_shape": OLD_TRACE.name,
-        "new_shape": NEW_TRACE.name,
+        "scenario": args.scenario,
+        "old_shape": old_name,
+        "new_shape": new_name + (f" with ISL x{isl_factor:g}" if isl_factor != 1.0 else ""),
+        "old_traffic": _traffic(old),
+        "new_traffic": _traffic(new),
         "budget": {"wall_seconds": args.budget_s, "max_experiments": args.max_experiments},
         "tolerance": args.tolerance,
-        "runs": runs,
-        "cold_final_speedup": cold_best,
-        "cold_reached": cold_point,
-        "warm_reached": warm_point,
-        "warm_reached_strict": warm_strict,
-        "time_ratio": ratio,
+        "repeats": repeats,
+        "cold_found_a_best": sum(1 for x in repeats if x["cold_final_speedup"] > 0),
+        "warm_reached_cold": len(ratios),
+        "median_time_ratio": statistics.median(ratios) if ratios else None,
         "goal": "time_ratio <= 0.30",
         "wall_s": wall,
     }
 
 
-def _table(result: dict[str, Any]) -> str:
+def _traffic(workload: Any) -> dict[str, Any]:
+    t = workload.traffic
+    return {"batch_size": t.batch_size, "context_len": t.context_len}
+
+
+def _row(r: int, x: dict[str, Any]) -> str:
     def cell(point: dict[str, Any] | None) -> str:
         if point is None:
             return "not reached"
         return f"{point['elapsed_s']:.1f} s / {point['experiments']} exp"
 
-    rows = [
-        ("run", "final speedup", "reaches cold's final best", "experiments", "reused"),
-        ("-" * 5, "-" * 13, "-" * 25, "-" * 11, "-" * 6),
-    ]
-    for name in ("old", "cold", "warm"):
-        r = result["runs"][name]
-        reached = {
-            "old": "(old shape)",
-            "cold": cell(result["cold_reached"]),
-            "warm": cell(result["warm_reached"]),
-        }[name]
-        rows.append(
-            (
-                name,
-                f"{r['best_speedup']:.3f}x",
-                reached,
-                str(r["experiments_done"]),
-                str(r["experiments_reused"]),
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    ratio = result["time_ratio"]
-    lines.append(
-        f"warm / cold time to the cold final best (within {result['tolerance']:.0%}): "
+    ratio = x["time_ratio"]
+    return (
+        f"{r:>6}  {x['cold_final_speedup']:>5.2f}x  {cell(x['cold_reached']):>16}  "
+        f"{x['warm_final_speedup']:>5.2f}x  {cell(x['warm_reached']):>16}  "
         + (f"{ratio:.0%}" if ratio is not None else "n/a")
+    )
+
+
+def _table(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['scenario']}: {result['old_shape']} {result['old_traffic']} -> "
+        f"{result['new_shape']} {result['new_traffic']}",
+        "repeat   cold   cold reached it    warm   warm reached it   warm/cold",
+    ]
+    lines += [_row(r, x) for r, x in enumerate(result["repeats"])]
+    median = result["median_time_ratio"]
+    lines.append(
+        f"warm reached cold's final best (within {result['tolerance']:.0%}) in "
+        f"{result['warm_reached_cold']} of {result['cold_found_a_best']} repeats where cold "
+        "found one; median warm/cold time "
+        + (f"{median:.0%}" if median is not None else "n/a")
         + " (goal <= 30 %)"
     )
     return "\n".join(lines)
@@ -240,14 +330,17 @@ def _table(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="code-to-conv")
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--budget-s", type=float, default=120.0, help="wall seconds per run")
     parser.add_argument("--max-experiments", type=int, default=20)
     parser.add_argument("--tolerance", type=float, default=0.03)
+    parser.add_argument("--out", type=Path, default=RESULT)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kiln-warm-bench-") as tmp:
         result = _run(args, Path(tmp))
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(_table(result))
 
 

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from kiln.agent_runner.incumbent import decide
-from kiln.agent_runner.seeding import prior_trials, seed_candidates
+from kiln.agent_runner.seeding import first_measured, prior_trials, seed_candidates
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate, Transform
 from kiln.domain.reuse import agrees, reuse_key, reused_record
 from kiln.events.types import ExperimentCompleted
@@ -89,8 +89,37 @@ def test_seeds_beyond_those_measured_become_prior_trials_at_this_scale() -> None
         {"candidate_id": REFERENCE_CANDIDATE.id, "candidate": REFERENCE_CANDIDATE.canonical()},
     ]
     assert [c.id for c, _ in seed_candidates(seeds)] == [SDPA.id, THREADS.id]
-    assert prior_trials(seeds, 1, 200.0) == [(THREADS, pytest.approx(240.0))]
-    assert prior_trials(seeds, 0, 0.0) == []  # no reference measured here yet
+    assert prior_trials(seeds, [SDPA], 200.0) == [(THREADS, pytest.approx(240.0))]
+    assert prior_trials(seeds, [], 0.0) == []  # no reference measured here yet
+
+
+def _seed(candidate: Candidate, source: str, speedup: float, lost: bool = False) -> dict:
+    return {
+        "candidate_id": candidate.id,
+        "candidate": candidate.canonical(),
+        "source": source,
+        "speedup": speedup,
+        "lost_on_full_tier": lost,
+    }
+
+
+def test_only_proven_seeds_are_measured_first() -> None:
+    compiled = Candidate.make(transforms=[Transform.of("torch_compile", mode="default")])
+    fused = Candidate.make({"mlp": "fused_gate_up"})
+    seeds = [
+        _seed(SDPA, "winner", 0.9),  # a winner is proven whatever its number
+        _seed(compiled, "measured", 1.8, lost=True),  # confirmed by its source and wanting
+        _seed(fused, "measured", 0.95),  # slower than its own reference
+        _seed(THREADS, "measured", 1.3),
+    ]
+    assert first_measured(seeds, 4) == [SDPA, THREADS]
+    assert first_measured(seeds, 1) == [SDPA]
+    # an engine's refusal passes over a seed to the next proven one
+    assert first_measured(seeds, 1, lambda c: "no" if c == SDPA else None) == [THREADS]
+    # a source with no winner and nothing that held up costs no experiment; all inform TPE
+    nothing = seeds[1:3]
+    assert first_measured(nothing, 4) == []
+    assert [c for c, _ in prior_trials(nothing, [], 100.0)] == [compiled, fused]
 
 
 def test_a_reused_measurement_folds_into_the_original_experiment() -> None:

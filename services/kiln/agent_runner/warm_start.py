@@ -12,7 +12,9 @@ of the same model config and dtype on the same hardware (most recent first, at m
 Seeds, in order, without repeats and never the reference: the winner (last
 ``BestCandidateImproved``) of each named compilation, the nearby winners, then the named
 compilations' other correct search-tier measurements by their speedup over their own baseline
-(at most :data:`MAX_MEASURED_PER_SOURCE` each); :data:`MAX_SEEDS` in all. A seed's
+(at most :data:`MAX_MEASURED_PER_SOURCE` each, marked ``lost_on_full_tier`` when their
+compilation confirmed them on the full tier and they did not become its best);
+:data:`MAX_SEEDS` in all. A seed's
 ``tokens_per_s`` and ``speedup`` are the source's numbers at the source's operating point.
 """
 
@@ -39,6 +41,7 @@ MAX_SOURCES = 16
 MAX_NEARBY = 8
 MAX_MEASURED_PER_SOURCE = 24
 MAX_SEEDS = 64
+BEST = "BestCandidateImproved"
 _CANDIDATE_ID = re.compile(r"^[0-9a-f]{24}$")
 
 
@@ -90,7 +93,7 @@ async def _winner(
     ledger: LedgerPool, cid: str, events: list[ledger_pb2.RecordedEvent], source: str
 ) -> Seed | None:
     """The compilation's last ``BestCandidateImproved`` as a seed, or None."""
-    best = _last(events, "BestCandidateImproved")
+    best = _last(events, BEST)
     if best is None:
         return None
     rec = await _experiment(ledger, str(best["experiment_id"]))
@@ -130,6 +133,12 @@ async def _measured(
         and r.completed.result.tokens_per_s > 0
     ]
     good.sort(key=lambda r: -r.completed.result.tokens_per_s if r.completed else 0.0)
+    best = {str(event_data(e).get("candidate_id")) for e in events if e.type == BEST}
+    lost = {
+        r.requested.candidate.id
+        for r in exps.values()
+        if r.requested.tier != SEARCH_TIER and not r.requested.baseline and r.completed
+    } - best
     workload_key = str(event_data(events[0]).get("workload_key", ""))
     return [
         Seed(
@@ -142,6 +151,7 @@ async def _measured(
             tier="fast",
             tokens_per_s=r.completed.result.tokens_per_s,
             speedup=r.completed.result.tokens_per_s / base_tps if base_tps > 0 else 0.0,
+            lost_on_full_tier=r.requested.candidate.id in lost,
         )
         for r in good[:MAX_MEASURED_PER_SOURCE]
         if r.completed is not None

@@ -45,6 +45,11 @@ class Seed(EventSchema):
         description="Over the source's own reference (fast-tier baseline for ``measured``, the "
         "adjacent full-tier reference for a winner); 0 when unknown.",
     )
+    lost_on_full_tier: bool = Field(
+        default=False,
+        description="The source measured it on the full tier and it did not become the "
+        "source's best (a ``measured`` seed its own compilation confirmed and found wanting).",
+    )
 
 
 class Incumbent(EventSchema):
