@@ -74,9 +74,12 @@ async def test_plan_ranks_llama_1b_on_one_h200(stub: cost_model_pb2_grpc.CostMod
     (plan,) = reply.plans
     assert (plan.tp, plan.ep, plan.dp, plan.pp, plan.dcp, plan.batch_size) == (1, 1, 1, 1, 1, 1)
     assert plan.feasible and plan.estimate_tier == "roofline"
-    # 2,471,628,800 B of weights + 32,768 B of KV at 4.26 TB/s.
-    assert plan.tpot_ms == pytest.approx(0.5802, abs=1e-4)
-    assert plan.throughput_tokens_per_s == pytest.approx(1723.5, abs=0.5)
+    # 2,471,628,800 B of weights + 32,768 B of KV at 4.26 TB/s, + 132 kernels × 4 us.
+    assert plan.tpot_ms == pytest.approx(0.5802 + 0.528, abs=1e-4)
+    assert plan.throughput_tokens_per_s == pytest.approx(902.4, abs=0.5)
+    assert plan.throughput_per_device == pytest.approx(plan.throughput_tokens_per_s)
+    assert plan.meets_targets and plan.pareto_optimal
+    assert "TPOT ≤ 50 ms" in reply.objective
     assert plan.memory_bytes_per_device > 2_471_628_800
     assert "4.26" in reply.hardware_source and "H200" in reply.hardware_source
 
@@ -96,7 +99,9 @@ async def test_plan_prunes_with_reasons_and_honours_max_plans(
         timeout=10,
     )
     assert len(node.plans) == 3 and all(p.feasible for p in node.plans)
-    assert node.plans[0].ep == 8
+    assert node.plans[0].tp * node.plans[0].dp * node.plans[0].pp == 8
+    per_gpu = [p.throughput_per_device for p in node.plans]
+    assert per_gpu == sorted(per_gpu, reverse=True)
 
 
 async def test_explain_shows_every_term(stub: cost_model_pb2_grpc.CostModelStub) -> None:
@@ -119,6 +124,37 @@ async def test_explain_shows_every_term(stub: cost_model_pb2_grpc.CostModelStub)
         timeout=10,
     )
     assert not bad.plan.feasible and "heads: 24" in bad.plan.infeasible_reason
+
+
+async def test_targets_rank_the_plans_and_bad_ones_are_invalid_argument(
+    stub: cost_model_pb2_grpc.CostModelStub,
+) -> None:
+    wl = _workload("llama-3.1-8b")
+    loose = await stub.Plan(cost_model_pb2.PlanRequest(workload=wl), timeout=10)
+    assert loose.plans[0].tp == 1  # 8B at batch 1 meets 50 ms on one GPU: the most per GPU
+    tight = cost_model_pb2.ServingTargets(tpot_ms=3.0)
+    strict = await stub.Plan(cost_model_pb2.PlanRequest(workload=wl, targets=tight), timeout=10)
+    first = strict.plans[0]
+    assert first.meets_targets and first.tpot_ms <= 3.0 and first.tp > 1
+    assert any(not p.meets_targets for p in strict.plans)
+    assert "TPOT ≤ 3 ms" in strict.objective
+    frontier = [p for p in strict.plans if p.pareto_optimal]
+    assert frontier and min(p.tpot_ms for p in frontier) == min(p.tpot_ms for p in strict.plans)
+
+    one = common_pb2.ParallelismPlan(tp=1)
+    explained = await stub.Explain(
+        cost_model_pb2.ExplainRequest(workload=wl, plan=one, targets=tight), timeout=10
+    )
+    assert not explained.plan.meets_targets and "targets: missed by" in explained.text
+
+    for bad in (
+        cost_model_pb2.ServingTargets(tpot_ms=-1.0),
+        cost_model_pb2.ServingTargets(ttft_ms=float("inf")),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Plan(cost_model_pb2.PlanRequest(workload=wl, targets=bad), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "targets." in (err.value.details() or "")
 
 
 async def test_defaults_without_traffic(stub: cost_model_pb2_grpc.CostModelStub) -> None:

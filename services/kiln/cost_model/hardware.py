@@ -22,6 +22,16 @@ _NCCL_LATENCY = (
     "NCCL's low-latency (LL) protocol at a few KiB (nccl-tests all_reduce_perf, 8 GPUs); the "
     "microbenchmark tier will measure it"
 )
+_PEER_LATENCY = (
+    "assumption: +1.5 us per further rank (a one-shot all-reduce reads each peer over "
+    "NVLink; 8 ranks: 15.5 us in all), until the microbenchmark tier measures collectives"
+)
+_KERNEL_OVERHEAD = (
+    "derived from kiln's H200 measurement of Llama-3.2-1B at batch 1 (RESULTS.md, issue 10: "
+    "0.986 ms a step at tp=1, CUDA graphs, fused decode): 0.40 ms beyond the 2.47 GB of "
+    "weights at 4.26 TB/s, ~4 us a kernel for a step of ~100 kernels; an assumption for other "
+    "steps until the microbenchmark tier measures launch and graph overhead"
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,10 @@ class Hardware:
         max_devices_per_node: devices in one NVLink domain, the default device count.
         achievable_bandwidth_fraction: of peak, for a streaming read.
         collective_latency_s: fixed cost of one small collective or send.
+        collective_latency_per_peer_s: added per further rank of a collective (a one-shot
+            all-reduce reads every peer's buffer).
+        kernel_overhead_s: fixed cost of one kernel of a decode step beyond its bytes and
+            FLOPs (launch, ramp-up, tail).
     """
 
     name: str
@@ -48,6 +62,8 @@ class Hardware:
     max_devices_per_node: int
     achievable_bandwidth_fraction: float = 1.0
     collective_latency_s: float = 0.0
+    collective_latency_per_peer_s: float = 0.0
+    kernel_overhead_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -115,6 +131,8 @@ CATALOGUE: dict[str, Hardware] = {
         max_devices_per_node=8,
         achievable_bandwidth_fraction=0.89,
         collective_latency_s=5e-6,
+        collective_latency_per_peer_s=1.5e-6,
+        kernel_overhead_s=4e-6,
         sources={
             "memory_bytes": f"{_H100_SHEET}: 80 GB HBM3",
             "memory_bandwidth_bytes_per_s": f"{_H100_SHEET}: 3.35 TB/s",
@@ -126,6 +144,8 @@ CATALOGUE: dict[str, Hardware] = {
                 "assumption: the H200's measured 4.26/4.8 (same Hopper memory system)"
             ),
             "collective_latency_s": _NCCL_LATENCY,
+            "collective_latency_per_peer_s": _PEER_LATENCY,
+            "kernel_overhead_s": _KERNEL_OVERHEAD,
         },
     ),
     "h200": Hardware(
@@ -140,6 +160,8 @@ CATALOGUE: dict[str, Hardware] = {
         max_devices_per_node=8,
         achievable_bandwidth_fraction=4.26 / 4.8,
         collective_latency_s=5e-6,
+        collective_latency_per_peer_s=1.5e-6,
+        kernel_overhead_s=4e-6,
         sources={
             "memory_bytes": f"{_H200_SHEET}: 141 GB HBM3e",
             "memory_bandwidth_bytes_per_s": f"{_H200_SHEET}: 4.8 TB/s",
@@ -152,6 +174,8 @@ CATALOGUE: dict[str, Hardware] = {
                 "4.26 / 4.8 = 0.8875"
             ),
             "collective_latency_s": _NCCL_LATENCY,
+            "collective_latency_per_peer_s": _PEER_LATENCY,
+            "kernel_overhead_s": _KERNEL_OVERHEAD,
         },
     ),
     "b200": Hardware(
@@ -166,6 +190,8 @@ CATALOGUE: dict[str, Hardware] = {
         max_devices_per_node=8,
         achievable_bandwidth_fraction=0.89,
         collective_latency_s=5e-6,
+        collective_latency_per_peer_s=1.5e-6,
+        kernel_overhead_s=4e-6,
         sources={
             "memory_bytes": f"{_B200_SHEET}: 1,440 GB HBM3e per 8 GPUs = 180 GB each",
             "memory_bandwidth_bytes_per_s": f"{_B200_SHEET}: 64 TB/s per 8 GPUs = 8 TB/s each",
@@ -184,6 +210,8 @@ CATALOGUE: dict[str, Hardware] = {
                 "assumption: the H200's measured 4.26/4.8 ≈ 0.89 until a B200 is measured"
             ),
             "collective_latency_s": _NCCL_LATENCY,
+            "collective_latency_per_peer_s": _PEER_LATENCY,
+            "kernel_overhead_s": _KERNEL_OVERHEAD,
         },
     ),
 }

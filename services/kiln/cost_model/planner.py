@@ -11,8 +11,8 @@ within a node), ``interconnect``, ``memory`` (more than ``MEMORY_FRACTION`` of a
 Deadline: :func:`plan_workload` given a ``deadline`` (``time.monotonic()`` value) checks it between
 plans and raises :class:`PlanDeadlineExceeded` once it has passed.
 
-Objective: batch <= ``LATENCY_BOUND_BATCH`` ranks by TPOT, ties to fewer devices; larger
-batches by output tokens/s per occupied device, then total tokens/s, then TPOT.
+Objective: :mod:`kiln.cost_model.objective` -- tokens/s per GPU under TTFT and TPOT targets;
+the result also names the plans on the tokens/s-per-GPU vs TPOT Pareto frontier.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass, replace
 
 from kiln.cost_model.hardware import Hardware
+from kiln.cost_model.objective import DEFAULT_TARGETS, ServingTargets, frontier, rank
 from kiln.cost_model.roofline import Estimate, estimate
 from kiln.cost_model.sharding import Parallelism, kv_heads_for_sharding, kv_replication
 from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.config import ModelConfig
 
 MEMORY_FRACTION = 0.9
-LATENCY_BOUND_BATCH = 4
 ESTIMATE_TIER = "roofline"
 
 
@@ -149,27 +149,18 @@ def evaluate(
     return est, "; ".join(reasons)
 
 
-def is_latency_bound(point: OperatingPoint) -> bool:
-    """True when the batch is small enough (≤ ``LATENCY_BOUND_BATCH``) to rank by TPOT."""
-    return point.batch_size <= LATENCY_BOUND_BATCH
-
-
-def objective(point: OperatingPoint) -> str:
-    """The ranking objective at ``point``, in words."""
-    if is_latency_bound(point):
-        return f"latency-bound (batch ≤ {LATENCY_BOUND_BATCH}): lowest TPOT, then fewest devices"
-    return "throughput-bound: most output tokens/s per device, then most tokens/s, then TPOT"
-
-
 @dataclass(frozen=True)
 class PlanResult:
-    """Feasible estimates best first, pruned ones with reasons, the objective, and ``batch_note``
-    (why the batch planned for is below the traffic's, "" if not).
+    """Feasible estimates best first, pruned ones with reasons, the objective in words, the
+    ``targets`` ranked by, the labels of the feasible plans on the Pareto ``frontier``, and
+    ``batch_note`` (why the batch planned for is below the traffic's, "" if not).
     """
 
     feasible: list[Estimate]
     pruned: list[tuple[Estimate, str]]
     objective: str
+    targets: ServingTargets = DEFAULT_TARGETS
+    frontier: frozenset[str] = frozenset()
     batch_note: str = ""
 
 
@@ -181,17 +172,20 @@ def plan_workload(
     weight_dtype: str = "bfloat16",
     act_dtype: str = "bfloat16",
     deadline: float | None = None,
+    targets: ServingTargets | None = None,
 ) -> PlanResult:
     """Cost every candidate plan on ``num_devices`` (default the node's) at ``point`` and rank
-    the feasible ones; when plans fail on memory alone, the batch is halved until one fits, with
-    a ``batch_note``. PlanDeadlineExceeded once ``time.monotonic()`` passes ``deadline``.
+    the feasible ones under ``targets`` (default :class:`ServingTargets`); when plans fail on
+    memory alone, the batch is halved until one fits, with a ``batch_note``.
+    PlanDeadlineExceeded once ``time.monotonic()`` passes ``deadline``.
     """
-    result = _plan_at(cfg, hw, point, num_devices, weight_dtype, act_dtype, deadline)
+    goal = targets or DEFAULT_TARGETS
+    result = _plan_at(cfg, hw, point, num_devices, weight_dtype, act_dtype, deadline, goal)
     batch = point.batch_size
     while not result.feasible and batch > 1 and _memory_only(result):
         batch //= 2
         smaller = replace(point, batch_size=batch)
-        lowered = _plan_at(cfg, hw, smaller, num_devices, weight_dtype, act_dtype, deadline)
+        lowered = _plan_at(cfg, hw, smaller, num_devices, weight_dtype, act_dtype, deadline, goal)
         if lowered.feasible:
             note = (
                 f"batch lowered from {point.batch_size} to {batch}: the KV cache of "
@@ -214,6 +208,7 @@ def _plan_at(
     weight_dtype: str,
     act_dtype: str,
     deadline: float | None = None,
+    targets: ServingTargets = DEFAULT_TARGETS,
 ) -> PlanResult:
     n = num_devices or hw.max_devices_per_node
     feasible: list[Estimate] = []
@@ -230,15 +225,6 @@ def _plan_at(
             pruned.append((est, reason))
         else:
             feasible.append(est)
-    if is_latency_bound(point):
-        feasible.sort(key=lambda e: (e.tpot_ms, e.plan.devices, e.plan.label()))
-    else:
-        feasible.sort(
-            key=lambda e: (
-                -e.throughput_per_device,
-                -e.throughput_tokens_per_s,
-                e.tpot_ms,
-                e.plan.label(),
-            )
-        )
-    return PlanResult(feasible, pruned, objective(point))
+    return PlanResult(
+        rank(feasible, targets), pruned, targets.describe(), targets, frontier(feasible)
+    )

@@ -3,15 +3,19 @@
 Pure functions of a model config, hardware and plan; every number is a :class:`Term` for
 ``Explain``. The model (Williams et al., CACM 2009; Pope et al., MLSys 2023):
 
-- Decode step (B sequences of a DP replica): ``max(bytes / achievable bandwidth, FLOPs / dense
-  rate) + comm``. Bytes: the weights a step touches (embedding: B rows; MoE: experts routed to)
-  plus the KV of B x context tokens. FLOPs: 2 per weight per token plus attention.
-- Communication: ring all-reduce ``bytes x 2(n-1)/n / link + latency``; TP two all-reduces of
-  B x hidden per layer; EP all-to-all of B x top_k x hidden per MoE layer; DCP one all-reduce
-  per layer; PP B x hidden between stages.
+- DP replicas share the traffic: of the B sequences in flight each replica decodes
+  ``b = ceil(B / dp)``.
+- Decode step (b sequences of one replica): ``max(bytes / achievable bandwidth, FLOPs / dense
+  rate) + kernels x kernel overhead + comm``. Bytes: the weights a step touches (embedding: b
+  rows; MoE: experts routed to) plus the KV of b x context tokens. FLOPs: 2 per weight per
+  token plus attention. Kernels: :data:`DENSE_LAYER_KERNELS` a dense layer,
+  :data:`MOE_LAYER_KERNELS` a MoE layer, :data:`STEP_KERNELS` a step.
+- Communication: ring all-reduce ``bytes x 2(n-1)/n / link + latency + (n-1) x per-peer
+  latency``; TP two all-reduces of b x hidden per layer; EP all-to-all of b x top_k x hidden
+  per MoE layer; DCP one all-reduce per layer; PP b x hidden between stages.
 - Pipeline: one micro-batch, so latency is the whole model plus (pp-1) sends; no bubbles.
 - TTFT: one ISL prompt alone, compute against reading the weights once plus communication.
-- Throughput = ``dp x B / TPOT`` output tokens/s.
+- Throughput = ``B / TPOT`` output tokens/s; per device ``B / TPOT / (tp x pp x dp)``.
 
 MLA: decode in the absorbed form, prefill expanded. FP8 block scales are not counted.
 """
@@ -35,6 +39,16 @@ from kiln.cost_model.sharding import (
 )
 from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.config import DTYPE_BYTES, ModelConfig
+
+DENSE_LAYER_KERNELS = 8
+"""Kernels of a dense decoder layer's decode step: input norm, QKV, RoPE and cache write,
+attention, output projection, residual norm, gate/up with activation, down (vLLM's CUDA-graph
+path fuses about this far)."""
+MOE_LAYER_KERNELS = 12
+"""A MoE layer: the dense layer's attention half, router, top-k, token sort, two grouped expert
+GEMMs, activation and combine."""
+STEP_KERNELS = 4
+"""Once a step: embedding, final norm, LM head, sampling."""
 
 PREFILL_CHUNK_TOKENS = 8192
 """Largest prefill the workspace estimate provisions for at once, tokens (an assumption in line with
@@ -145,9 +159,10 @@ class Term:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A plan's roofline estimate at an operating point: bytes per device (weights, KV of B x
-    context tokens, workspace; on the most loaded device), ``tpot_ms``, ``ttft_ms`` (one ISL
-    prompt), ``throughput_tokens_per_s`` (dp x B / TPOT) and every intermediate :class:`Term`.
+    """A plan's roofline estimate at an operating point: bytes per device (weights, KV of b x
+    context tokens of its replica, workspace; on the most loaded device), ``tpot_ms``, ``ttft_ms``
+    (one ISL prompt), ``throughput_tokens_per_s`` (B / TPOT) and every intermediate
+    :class:`Term`.
     """
 
     plan: Parallelism
@@ -172,8 +187,8 @@ class Estimate:
 
     @property
     def throughput_per_device(self) -> float:
-        """Output tokens/s per occupied device: B / TPOT / (tp × pp) (dp cancels exactly)."""
-        return self.point.batch_size / (self.tpot_ms / 1e3) / (self.plan.tp * self.plan.pp)
+        """Output tokens/s per occupied device: B / TPOT / (tp × pp × dp)."""
+        return self.point.batch_size / (self.tpot_ms / 1e3) / self.plan.devices
 
     def term(self, name: str) -> Term:
         """The term called ``name`` (KeyError if absent)."""
@@ -204,7 +219,19 @@ def collective_s(hw: Hardware, nbytes: float, ranks: int, ring: bool = True) -> 
     if hw.interconnect_bandwidth_bytes_per_s <= 0:
         return float("inf")
     factor = 2 * (ranks - 1) / ranks if ring else 1.0
-    return nbytes * factor / hw.interconnect_bandwidth_bytes_per_s + hw.collective_latency_s
+    latency = hw.collective_latency_s + (ranks - 1) * hw.collective_latency_per_peer_s
+    return nbytes * factor / hw.interconnect_bandwidth_bytes_per_s + latency
+
+
+def replica_batch(batch: int, dp: int) -> int:
+    """Sequences one of ``dp`` replicas decodes when they share ``batch``: ceil(batch / dp)."""
+    return max(1, -(-batch // max(1, dp)))
+
+
+def step_kernels(cfg: ModelConfig) -> int:
+    """Kernels of one forward step (see the module docs)."""
+    n_dense, n_moe = layer_counts(cfg)
+    return n_dense * DENSE_LAYER_KERNELS + n_moe * MOE_LAYER_KERNELS + STEP_KERNELS
 
 
 def _attention_dims(cfg: ModelConfig, decode: bool) -> tuple[int, int]:
@@ -296,7 +323,8 @@ def _pass(
         tp_s * 1e3,
         "ms",
         f"2 per layer × ({tokens}·h·{ab} B × 2(tp−1)/tp / link + "
-        f"{hw.collective_latency_s * 1e6:g} us) {link}",
+        f"{hw.collective_latency_s * 1e6:g} us + (tp−1) × "
+        f"{hw.collective_latency_per_peer_s * 1e6:g} us) {link}",
     )
     t.add(
         f"{phase}.ep_alltoall_ms",
@@ -306,14 +334,24 @@ def _pass(
     )
     t.add(f"{phase}.dcp_merge_ms", dcp_s * 1e3, "ms", "1 all-reduce of tokens·h per layer")
     t.add(f"{phase}.pp_send_ms", pp_s * 1e3, "ms", "(pp−1) sends of tokens·h between stages")
-    return max(mem_s, cmp_s) / 1e3 + tp_s + ep_s + dcp_s + pp_s
+    kernels = step_kernels(cfg)
+    launch_s = kernels * hw.kernel_overhead_s
+    t.add(
+        f"{phase}.kernel_overhead_ms",
+        launch_s * 1e3,
+        "ms",
+        f"{kernels} kernels ({n_dense} dense layers × {DENSE_LAYER_KERNELS} + {n_moe} MoE "
+        f"layers × {MOE_LAYER_KERNELS} + {STEP_KERNELS}) × {hw.kernel_overhead_s * 1e6:g} us",
+    )
+    return max(mem_s, cmp_s) / 1e3 + launch_s + tp_s + ep_s + dcp_s + pp_s
 
 
 def workspace_bytes(
     cfg: ModelConfig, plan: Parallelism, point: OperatingPoint, adtype: str
 ) -> float:
     """Activation and logits workspace on one device, bytes (an estimate):
-    ``min(ISL, 8192) x widest per-token activations of a layer x act bytes + B x V/tp x 4``.
+    ``min(ISL, 8192) x widest per-token activations of a layer x act bytes + b x V/tp x 4``
+    (b: the replica's batch).
     """
     h, ab = cfg.hidden_size, DTYPE_BYTES[adtype]
     chunk = min(point.isl, PREFILL_CHUNK_TOKENS)
@@ -322,7 +360,7 @@ def workspace_bytes(
     if cfg.moe is not None:
         m = cfg.moe
         ffn = max(ffn, m.top_k * (h + 2 * m.intermediate_size / plan.expert_tp))
-    logits = point.batch_size * cfg.vocab_size / plan.tp * 4
+    logits = replica_batch(point.batch_size, plan.dp) * cfg.vocab_size / plan.tp * 4
     return chunk * (3 * h + qkv + ffn) * ab + logits
 
 
@@ -340,6 +378,14 @@ def estimate(
     """
     t = _Terms()
     B, ctx, isl = point.batch_size, point.context_len, point.isl
+    b = int(
+        t.add(
+            "decode.replica_batch",
+            replica_batch(B, plan.dp),
+            "sequences",
+            f"ceil(B / dp) = ceil({B} / {plan.dp}): the DP replicas share the traffic",
+        )
+    )
     wb = DTYPE_BYTES[weight_dtype]
     weights = t.add(
         "memory.weights_per_device",
@@ -351,9 +397,9 @@ def estimate(
     )
     kv = t.add(
         "memory.kv_per_device",
-        kv_bytes_per_device(cfg, plan, B * ctx, act_dtype),
+        kv_bytes_per_device(cfg, plan, b * ctx, act_dtype),
         "bytes",
-        f"B × context = {B} × {ctx} tokens × {cfg.kv_bytes_per_token(act_dtype)} B/token × "
+        f"b × context = {b} × {ctx} tokens × {cfg.kv_bytes_per_token(act_dtype)} B/token × "
         f"(stage layers / L) / (min(tp, kv heads) × dcp = {kv_shards(cfg, plan)})",
     )
     work = t.add(
@@ -367,17 +413,17 @@ def estimate(
 
     heads_per_rank = cfg.num_attention_heads / plan.tp
     dqk, dv = _attention_dims(cfg, decode=True)
-    decode_attn = B * ctx * cfg.num_hidden_layers * heads_per_rank * 2 * (dqk + dv) / plan.dcp
-    kv_read = decode_kv_bytes(B, ctx, cfg.kv_bytes_per_token(act_dtype) / kv_shards(cfg, plan))
+    decode_attn = b * ctx * cfg.num_hidden_layers * heads_per_rank * 2 * (dqk + dv) / plan.dcp
+    kv_read = decode_kv_bytes(b, ctx, cfg.kv_bytes_per_token(act_dtype) / kv_shards(cfg, plan))
     tpot_s = _pass(
         t,
         "decode",
         cfg,
         hw,
         plan,
-        tokens=B,
-        logit_tokens=B,
-        ep_tokens=B * plan.replicas_per_ep_group,
+        tokens=b,
+        logit_tokens=b,
+        ep_tokens=b * plan.replicas_per_ep_group,
         skew=point.expert_load_skew,
         attention_flops=decode_attn,
         kv_bytes=kv_read,
@@ -385,7 +431,7 @@ def estimate(
         adtype=act_dtype,
     )
     tpot_ms = t.add("tpot_ms", tpot_s * 1e3, "ms", "max(memory, compute) + communication")
-    tps = t.add("throughput_tokens_per_s", plan.dp * B / tpot_s, "tokens/s", "dp × B / TPOT")
+    tps = t.add("throughput_tokens_per_s", B / tpot_s, "tokens/s", "B / TPOT (all replicas)")
 
     dqk, dv = _attention_dims(cfg, decode=False)
     prefill_attn = cfg.num_hidden_layers * isl * isl * heads_per_rank * (dqk + dv)

@@ -10,7 +10,11 @@
   float32 weights).
 - The operating point is :meth:`kiln.domain.operating_point.OperatingPoint.from_traffic` of
   ``workload.traffic``, no engine caps; a malformed field is INVALID_ARGUMENT, one above its
-  limit OUT_OF_RANGE. Plans' ``batch_size`` shows the B used; Explain lists every default applied.
+  limit OUT_OF_RANGE. Plans' ``batch_size`` shows the B used (sequences in flight over all DP
+  replicas); Explain lists every default applied.
+- ``targets`` (TPOT, TTFT ms; 0: the default, :mod:`kiln.cost_model.objective`): negative or
+  non-finite is INVALID_ARGUMENT. Plans are ranked by output tokens/s per GPU among those meeting
+  them; each plan says whether it meets them and whether it is on the Pareto frontier.
 - Plan runs the planner in a worker thread (``PLAN_WORKERS`` at once), so the event loop (health
   checks included) keeps answering; planning that passes ``PLAN_DEADLINE_S`` from the request's
   arrival ends with DEADLINE_EXCEEDED. Explain costs one plan, inline.
@@ -30,12 +34,12 @@ from google.protobuf import json_format
 from kiln.common.errors import DeadlineExceeded, InvalidArgument, OutOfRange, quote
 from kiln.cost_model.bounds import check_devices, check_plan_degrees
 from kiln.cost_model.hardware import Hardware, get_hardware
+from kiln.cost_model.objective import ServingTargets
 from kiln.cost_model.planner import (
     ESTIMATE_TIER,
     PlanDeadlineExceeded,
     PlanResult,
     evaluate,
-    objective,
     plan_workload,
 )
 from kiln.cost_model.roofline import Estimate
@@ -115,7 +119,22 @@ def _hardware(workload: common_pb2.Workload) -> tuple[Hardware, int]:
     return hw, check_devices(workload.hardware.num_devices) or hw.max_devices_per_node
 
 
-def to_proto(est: Estimate, reason: str = "", note: str = "") -> common_pb2.ParallelismPlan:
+def targets_of(msg: cost_model_pb2.ServingTargets) -> ServingTargets:
+    """The request's targets (defaults for 0); InvalidArgument for a negative or non-finite one."""
+    try:
+        return ServingTargets.of(msg.tpot_ms, msg.ttft_ms)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def to_proto(
+    est: Estimate,
+    reason: str = "",
+    note: str = "",
+    *,
+    targets: ServingTargets | None = None,
+    pareto: bool = False,
+) -> common_pb2.ParallelismPlan:
     """The wire form of an estimate (memory rounded to whole bytes); ``note`` says why its
     operating point departs from the workload's."""
     p = est.plan
@@ -134,10 +153,15 @@ def to_proto(est: Estimate, reason: str = "", note: str = "") -> common_pb2.Para
         feasible=not reason,
         infeasible_reason=reason,
         note=note,
+        pareto_optimal=pareto,
+        meets_targets=targets is not None and not reason and targets.miss(est) == 0,
+        throughput_per_device=est.throughput_per_device,
     )
 
 
-def explain_text(est: Estimate, reason: str, notes: list[str], hw: Hardware) -> str:
+def explain_text(
+    est: Estimate, reason: str, notes: list[str], hw: Hardware, targets: ServingTargets
+) -> str:
     """A readable account of an estimate: verdict, headline numbers, then every term."""
     p, pt = est.plan, est.point
     lines = [
@@ -145,9 +169,10 @@ def explain_text(est: Estimate, reason: str, notes: list[str], hw: Hardware) -> 
         f"OSL={pt.osl} context={pt.context_len} (tier {ESTIMATE_TIER})",
         f"verdict: {'infeasible: ' + reason if reason else 'feasible'}",
         f"TPOT {est.tpot_ms:.4g} ms, TTFT {est.ttft_ms:.4g} ms, "
-        f"{est.throughput_tokens_per_s:.4g} tokens/s, "
-        f"{est.memory_bytes_per_device / 1e9:.3g} GB per device",
-        f"objective: {objective(pt)}",
+        f"{est.throughput_tokens_per_s:.4g} tokens/s ({est.throughput_per_device:.4g} per "
+        f"GPU), {est.memory_bytes_per_device / 1e9:.3g} GB per device",
+        f"targets: {'met' if targets.miss(est) == 0 else f'missed by {targets.miss(est):.0%}'}"
+        f"; objective: {targets.describe()}",
         *(f"default: {n}" for n in notes),
         "terms:",
         *(f"  {t.name} = {t.value:.6g} {t.unit}  [{t.source}]" for t in est.terms),
@@ -169,7 +194,13 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         self._planners.shutdown(wait=False, cancel_futures=True)
 
     async def _plan(
-        self, cfg: ModelConfig, hw: Hardware, point: OperatingPoint, n: int, dtypes: tuple[str, str]
+        self,
+        cfg: ModelConfig,
+        hw: Hardware,
+        point: OperatingPoint,
+        n: int,
+        dtypes: tuple[str, str],
+        targets: ServingTargets,
     ) -> PlanResult:
         """``plan_workload`` in a planner thread, within ``plan_deadline_s`` from now."""
         deadline = time.monotonic() + self.plan_deadline_s
@@ -177,7 +208,7 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         def run() -> PlanResult:
             if time.monotonic() > deadline:
                 raise PlanDeadlineExceeded("waited for a planner thread past the deadline")
-            return plan_workload(cfg, hw, point, n, *dtypes, deadline=deadline)
+            return plan_workload(cfg, hw, point, n, *dtypes, deadline=deadline, targets=targets)
 
         loop = asyncio.get_running_loop()
         try:  # the thread stops itself at the deadline; the outer bound is a backstop
@@ -199,7 +230,8 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         hw, n = _hardware(wl)
         wdtype, adtype = dtypes(wl.model, cfg)
         point, notes = operating_point(wl)
-        result = await self._plan(cfg, hw, point, n, (wdtype, adtype))
+        targets = targets_of(request.targets)
+        result = await self._plan(cfg, hw, point, n, (wdtype, adtype), targets)
         feasible = result.feasible[: request.max_plans or None]
         log.info(
             "planned",
@@ -212,9 +244,18 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
             batch_note=result.batch_note or None,
         )
         return cost_model_pb2.PlanResponse(
-            plans=[to_proto(e, note=result.batch_note) for e in feasible],
+            plans=[
+                to_proto(
+                    e,
+                    note=result.batch_note,
+                    targets=targets,
+                    pareto=e.plan.label() in result.frontier,
+                )
+                for e in feasible
+            ],
             pruned=[to_proto(e, reason) for e, reason in result.pruned],
             hardware_source=hw.source_summary(),
+            objective=result.objective,
         )
 
     async def Explain(
@@ -235,13 +276,14 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         plan = Parallelism(
             tp=rp.tp or 1, ep=rp.ep or 1, dp=rp.dp or 1, pp=rp.pp or 1, dcp=rp.dcp or 1
         )
+        targets = targets_of(request.targets)
         est, reason = evaluate(cfg, hw, point, plan, n, wdtype, adtype)
         terms = [
             cost_model_pb2.Term(name=t.name, value=t.value, unit=t.unit, source=t.source)
             for t in est.terms
         ]
         return cost_model_pb2.ExplainResponse(
-            plan=to_proto(est, reason),
+            plan=to_proto(est, reason, targets=targets),
             terms=terms,
-            text=explain_text(est, reason, notes, hw),
+            text=explain_text(est, reason, notes, hw, targets),
         )

@@ -718,6 +718,9 @@ class ParallelismPlan(_message.Message):
     FEASIBLE_FIELD_NUMBER: _builtins.int
     INFEASIBLE_REASON_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
+    PARETO_OPTIMAL_FIELD_NUMBER: _builtins.int
+    MEETS_TARGETS_FIELD_NUMBER: _builtins.int
+    THROUGHPUT_PER_DEVICE_FIELD_NUMBER: _builtins.int
     tp: _builtins.int
     ep: _builtins.int
     dp: _builtins.int
@@ -737,6 +740,12 @@ class ParallelismPlan(_message.Message):
     """Why the plan's operating point departs from the workload's, e.g. the batch lowered until
     the KV cache fits in memory; empty when it does not.
     """
+    pareto_optimal: _builtins.bool
+    """On the output-tokens/s-per-GPU vs TPOT Pareto frontier of the feasible plans (Plan only)."""
+    meets_targets: _builtins.bool
+    """TPOT and TTFT within the request's targets."""
+    throughput_per_device: _builtins.float
+    """Output tokens/s per occupied GPU: throughput_tokens_per_s / (tp x pp x dp)."""
     def __init__(
         self,
         *,
@@ -754,10 +763,13 @@ class ParallelismPlan(_message.Message):
         feasible: _builtins.bool = ...,
         infeasible_reason: _builtins.str = ...,
         note: _builtins.str = ...,
+        pareto_optimal: _builtins.bool = ...,
+        meets_targets: _builtins.bool = ...,
+        throughput_per_device: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "dcp", b"dcp", "dp", b"dp", "ep", b"ep", "estimate_tier", b"estimate_tier", "feasible", b"feasible", "infeasible_reason", b"infeasible_reason", "memory_bytes_per_device", b"memory_bytes_per_device", "note", b"note", "pp", b"pp", "throughput_tokens_per_s", b"throughput_tokens_per_s", "tp", b"tp", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "dcp", b"dcp", "dp", b"dp", "ep", b"ep", "estimate_tier", b"estimate_tier", "feasible", b"feasible", "infeasible_reason", b"infeasible_reason", "meets_targets", b"meets_targets", "memory_bytes_per_device", b"memory_bytes_per_device", "note", b"note", "pareto_optimal", b"pareto_optimal", "pp", b"pp", "throughput_per_device", b"throughput_per_device", "throughput_tokens_per_s", b"throughput_tokens_per_s", "tp", b"tp", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,23 +25,25 @@ _sym_db = _symbol_database.Default()
 from kiln.v1 import common_pb2 as kiln_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kiln/v1/cost_model.proto\x12\x07kiln.v1\x1a\x14kiln/v1/common.proto\"E\n\x0bPlanRequest\x12#\n\x08workload\x18\x01 \x01(\x0b\x32\x11.kiln.v1.Workload\x12\x11\n\tmax_plans\x18\x02 \x01(\r\"z\n\x0cPlanResponse\x12\'\n\x05plans\x18\x01 \x03(\x0b\x32\x18.kiln.v1.ParallelismPlan\x12(\n\x06pruned\x18\x02 \x03(\x0b\x32\x18.kiln.v1.ParallelismPlan\x12\x17\n\x0fhardware_source\x18\x03 \x01(\t\"]\n\x0e\x45xplainRequest\x12#\n\x08workload\x18\x01 \x01(\x0b\x32\x11.kiln.v1.Workload\x12&\n\x04plan\x18\x02 \x01(\x0b\x32\x18.kiln.v1.ParallelismPlan\"A\n\x04Term\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0c\n\x04unit\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\"e\n\x0f\x45xplainResponse\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x18.kiln.v1.ParallelismPlan\x12\x1c\n\x05terms\x18\x02 \x03(\x0b\x32\r.kiln.v1.Term\x12\x0c\n\x04text\x18\x03 \x01(\t2~\n\tCostModel\x12\x33\n\x04Plan\x12\x14.kiln.v1.PlanRequest\x1a\x15.kiln.v1.PlanResponse\x12<\n\x07\x45xplain\x12\x17.kiln.v1.ExplainRequest\x1a\x18.kiln.v1.ExplainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kiln/v1/cost_model.proto\x12\x07kiln.v1\x1a\x14kiln/v1/common.proto\"2\n\x0eServingTargets\x12\x0f\n\x07tpot_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\"o\n\x0bPlanRequest\x12#\n\x08workload\x18\x01 \x01(\x0b\x32\x11.kiln.v1.Workload\x12\x11\n\tmax_plans\x18\x02 \x01(\r\x12(\n\x07targets\x18\x03 \x01(\x0b\x32\x17.kiln.v1.ServingTargets\"\x8d\x01\n\x0cPlanResponse\x12\'\n\x05plans\x18\x01 \x03(\x0b\x32\x18.kiln.v1.ParallelismPlan\x12(\n\x06pruned\x18\x02 \x03(\x0b\x32\x18.kiln.v1.ParallelismPlan\x12\x17\n\x0fhardware_source\x18\x03 \x01(\t\x12\x11\n\tobjective\x18\x04 \x01(\t\"\x87\x01\n\x0e\x45xplainRequest\x12#\n\x08workload\x18\x01 \x01(\x0b\x32\x11.kiln.v1.Workload\x12&\n\x04plan\x18\x02 \x01(\x0b\x32\x18.kiln.v1.ParallelismPlan\x12(\n\x07targets\x18\x03 \x01(\x0b\x32\x17.kiln.v1.ServingTargets\"A\n\x04Term\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0c\n\x04unit\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\"e\n\x0f\x45xplainResponse\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x18.kiln.v1.ParallelismPlan\x12\x1c\n\x05terms\x18\x02 \x03(\x0b\x32\r.kiln.v1.Term\x12\x0c\n\x04text\x18\x03 \x01(\t2~\n\tCostModel\x12\x33\n\x04Plan\x12\x14.kiln.v1.PlanRequest\x1a\x15.kiln.v1.PlanResponse\x12<\n\x07\x45xplain\x12\x17.kiln.v1.ExplainRequest\x1a\x18.kiln.v1.ExplainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kiln.v1.cost_model_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PLANREQUEST']._serialized_start=59
-  _globals['_PLANREQUEST']._serialized_end=128
-  _globals['_PLANRESPONSE']._serialized_start=130
-  _globals['_PLANRESPONSE']._serialized_end=252
-  _globals['_EXPLAINREQUEST']._serialized_start=254
-  _globals['_EXPLAINREQUEST']._serialized_end=347
-  _globals['_TERM']._serialized_start=349
-  _globals['_TERM']._serialized_end=414
-  _globals['_EXPLAINRESPONSE']._serialized_start=416
-  _globals['_EXPLAINRESPONSE']._serialized_end=517
-  _globals['_COSTMODEL']._serialized_start=519
-  _globals['_COSTMODEL']._serialized_end=645
+  _globals['_SERVINGTARGETS']._serialized_start=59
+  _globals['_SERVINGTARGETS']._serialized_end=109
+  _globals['_PLANREQUEST']._serialized_start=111
+  _globals['_PLANREQUEST']._serialized_end=222
+  _globals['_PLANRESPONSE']._serialized_start=225
+  _globals['_PLANRESPONSE']._serialized_end=366
+  _globals['_EXPLAINREQUEST']._serialized_start=369
+  _globals['_EXPLAINREQUEST']._serialized_end=504
+  _globals['_TERM']._serialized_start=506
+  _globals['_TERM']._serialized_end=571
+  _globals['_EXPLAINRESPONSE']._serialized_start=573
+  _globals['_EXPLAINRESPONSE']._serialized_end=674
+  _globals['_COSTMODEL']._serialized_start=676
+  _globals['_COSTMODEL']._serialized_end=802
 # @@protoc_insertion_point(module_scope)

@@ -20,24 +20,54 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ServingTargets(_message.Message):
+    """Latency targets a plan must meet, ms; 0 takes kiln's default (TPOT 50 ms, TTFT 2,000 ms)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TPOT_MS_FIELD_NUMBER: _builtins.int
+    TTFT_MS_FIELD_NUMBER: _builtins.int
+    tpot_ms: _builtins.float
+    ttft_ms: _builtins.float
+    def __init__(
+        self,
+        *,
+        tpot_ms: _builtins.float = ...,
+        ttft_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServingTargets: _TypeAlias = ServingTargets  # noqa: Y015
+
+@_typing.final
 class PlanRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKLOAD_FIELD_NUMBER: _builtins.int
     MAX_PLANS_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
     max_plans: _builtins.int
     """0 = all feasible plans."""
     @_builtins.property
     def workload(self) -> _common_pb2.Workload: ...
+    @_builtins.property
+    def targets(self) -> Global___ServingTargets:
+        """Plans are ranked by output tokens/s per GPU among those meeting these targets."""
+
     def __init__(
         self,
         *,
         workload: _common_pb2.Workload | None = ...,
         max_plans: _builtins.int = ...,
+        targets: Global___ServingTargets | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["workload", b"workload"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["targets", b"targets", "workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_plans", b"max_plans", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_plans", b"max_plans", "targets", b"targets", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -50,11 +80,16 @@ class PlanResponse(_message.Message):
     PLANS_FIELD_NUMBER: _builtins.int
     PRUNED_FIELD_NUMBER: _builtins.int
     HARDWARE_SOURCE_FIELD_NUMBER: _builtins.int
+    OBJECTIVE_FIELD_NUMBER: _builtins.int
     hardware_source: _builtins.str
     """Where the hardware figures come from."""
+    objective: _builtins.str
+    """The ranking objective in words, with the targets applied."""
     @_builtins.property
     def plans(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ParallelismPlan]:
-        """Feasible plans, best first."""
+        """Feasible plans, best first: those meeting the targets by output tokens/s per GPU, then
+        those missing one, the smallest miss first.
+        """
 
     @_builtins.property
     def pruned(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ParallelismPlan]:
@@ -66,10 +101,11 @@ class PlanResponse(_message.Message):
         plans: _abc.Iterable[_common_pb2.ParallelismPlan] | None = ...,
         pruned: _abc.Iterable[_common_pb2.ParallelismPlan] | None = ...,
         hardware_source: _builtins.str = ...,
+        objective: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hardware_source", b"hardware_source", "plans", b"plans", "pruned", b"pruned"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hardware_source", b"hardware_source", "objective", b"objective", "plans", b"plans", "pruned", b"pruned"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -81,19 +117,29 @@ class ExplainRequest(_message.Message):
 
     WORKLOAD_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def workload(self) -> _common_pb2.Workload: ...
     @_builtins.property
-    def plan(self) -> _common_pb2.ParallelismPlan: ...
+    def plan(self) -> _common_pb2.ParallelismPlan:
+        """tp/ep/dp/pp/dcp (0 reads as 1) and batch_size: the sequences in flight over all DP
+        replicas (0: the workload's), shared by the replicas.
+        """
+
+    @_builtins.property
+    def targets(self) -> Global___ServingTargets:
+        """Whether the plan meets them is in the answer's plan (meets_targets)."""
+
     def __init__(
         self,
         *,
         workload: _common_pb2.Workload | None = ...,
         plan: _common_pb2.ParallelismPlan | None = ...,
+        targets: Global___ServingTargets | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "workload", b"workload"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "targets", b"targets", "workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "targets", b"targets", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

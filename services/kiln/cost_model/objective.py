@@ -1,0 +1,80 @@
+"""What the planner optimises: output tokens/s per GPU under the user's TTFT and TPOT targets,
+and the interactivity-vs-throughput Pareto frontier of the feasible plans.
+
+Ranking (best first): plans meeting both targets before those that miss; among those meeting
+them, most output tokens/s per occupied device, then lowest TPOT, then fewest devices; among
+those missing, the smallest miss (``max(TPOT / target, TTFT / target) - 1``) first. A plan is
+on the *frontier* when no other feasible plan has at least its tokens/s per device and at most
+its TPOT, one of them strictly.
+
+Targets of 0 (unset) take :data:`DEFAULT_TPOT_MS` and :data:`DEFAULT_TTFT_MS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kiln.cost_model.roofline import Estimate
+
+DEFAULT_TPOT_MS = 50.0
+"""kiln's default TPOT target, ms: 20 output tokens/s per user, faster than people read."""
+DEFAULT_TTFT_MS = 2000.0
+"""kiln's default TTFT target, ms."""
+
+
+@dataclass(frozen=True)
+class ServingTargets:
+    """Latency targets a plan must meet, ms (each > 0)."""
+
+    tpot_ms: float = DEFAULT_TPOT_MS
+    ttft_ms: float = DEFAULT_TTFT_MS
+
+    @classmethod
+    def of(cls, tpot_ms: float = 0.0, ttft_ms: float = 0.0) -> ServingTargets:
+        """Targets from wire values, 0 meaning the default; ValueError for negative or
+        non-finite ones."""
+        for name, v in (("tpot_ms", tpot_ms), ("ttft_ms", ttft_ms)):
+            if not v >= 0 or v == float("inf"):
+                raise ValueError(f"targets.{name} {v!r} must be a finite number >= 0 (0: default)")
+        return cls(tpot_ms or DEFAULT_TPOT_MS, ttft_ms or DEFAULT_TTFT_MS)
+
+    def miss(self, est: Estimate) -> float:
+        """How far ``est`` misses the targets: 0 when it meets both, else the larger relative
+        excess (0.5 = 50 % over a target)."""
+        return max(0.0, est.tpot_ms / self.tpot_ms - 1.0, est.ttft_ms / self.ttft_ms - 1.0)
+
+    def describe(self) -> str:
+        """The objective in words."""
+        return (
+            f"most output tokens/s per GPU with TPOT ≤ {self.tpot_ms:g} ms and TTFT ≤ "
+            f"{self.ttft_ms:g} ms, then lowest TPOT, then fewest devices (plans missing a "
+            "target after, the smallest miss first)"
+        )
+
+
+DEFAULT_TARGETS = ServingTargets()
+
+
+def rank(estimates: Sequence[Estimate], targets: ServingTargets) -> list[Estimate]:
+    """``estimates`` best first under ``targets`` (see the module docs)."""
+
+    def key(e: Estimate) -> tuple[float, float, float, int, str]:
+        miss = targets.miss(e)
+        if miss > 0:
+            return (1.0, miss, e.tpot_ms, e.plan.devices, e.plan.label())
+        return (0.0, -e.throughput_per_device, e.tpot_ms, e.plan.devices, e.plan.label())
+
+    return sorted(estimates, key=key)
+
+
+def frontier(estimates: Sequence[Estimate]) -> frozenset[str]:
+    """Labels of the plans on the tokens/s-per-device vs TPOT Pareto frontier."""
+    ordered = sorted(estimates, key=lambda e: (e.tpot_ms, -e.throughput_per_device))
+    out: set[str] = set()
+    best = float("-inf")
+    for e in ordered:
+        if e.throughput_per_device > best:
+            out.add(e.plan.label())
+            best = e.throughput_per_device
+    return frozenset(out)
