@@ -233,12 +233,16 @@ def _figures(runs: dict[str, Any], tolerance: float) -> dict[str, Any]:
         if warm_point and cold_point and cold_point["elapsed_s"] > 0
         else None
     )
+    warm_best = warm["best_speedup"]
+    cold_to_warm = _reach(cold["progress"], warm_best * (1 - tolerance)) if warm_best > 0 else None
     return {
         "cold_final_speedup": cold_best,
-        "warm_final_speedup": warm["best_speedup"],
+        "warm_final_speedup": warm_best,
         "cold_reached": cold_point,
         "warm_reached": warm_point,
         "time_ratio": ratio,
+        "cold_reached_warm_final": cold_to_warm,
+        "final_ratio": warm_best / cold_best if cold_best > 0 and warm_best > 0 else None,
     }
 
 
@@ -272,6 +276,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     finally:
         supervisor.down()
     ratios = [x["time_ratio"] for x in repeats if x["time_ratio"] is not None]
+    finals = [x["final_ratio"] for x in repeats if x["final_ratio"] is not None]
     return {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "model": "tiny llama-3.2 (hidden 256, 4 layers, vocab 2048; tests/e2e)",
@@ -286,6 +291,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "cold_found_a_best": sum(1 for x in repeats if x["cold_final_speedup"] > 0),
         "warm_reached_cold": len(ratios),
         "median_time_ratio": statistics.median(ratios) if ratios else None,
+        "median_final_ratio": statistics.median(finals) if finals else None,
         "goal": "time_ratio <= 0.30",
         "wall_s": wall,
     }
@@ -306,7 +312,8 @@ def _row(r: int, x: dict[str, Any]) -> str:
     return (
         f"{r:>6}  {x['cold_final_speedup']:>5.2f}x  {cell(x['cold_reached']):>16}  "
         f"{x['warm_final_speedup']:>5.2f}x  {cell(x['warm_reached']):>16}  "
-        + (f"{ratio:.0%}" if ratio is not None else "n/a")
+        + (f"{ratio:>9.0%}" if ratio is not None else f"{'n/a':>9}")
+        + f"  {cell(x.get('cold_reached_warm_final')):>16}"
     )
 
 
@@ -314,7 +321,7 @@ def _table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['scenario']}: {result['old_shape']} {result['old_traffic']} -> "
         f"{result['new_shape']} {result['new_traffic']}",
-        "repeat   cold   cold reached it    warm   warm reached it   warm/cold",
+        "repeat   cold   cold reached it    warm   warm reached it  warm/cold  cold reached warm",
     ]
     lines += [_row(r, x) for r, x in enumerate(result["repeats"])]
     median = result["median_time_ratio"]
@@ -323,7 +330,8 @@ def _table(result: dict[str, Any]) -> str:
         f"{result['warm_reached_cold']} of {result['cold_found_a_best']} repeats where cold "
         "found one; median warm/cold time "
         + (f"{median:.0%}" if median is not None else "n/a")
-        + " (goal <= 30 %)"
+        + " (goal <= 30 %); median warm/cold final best "
+        + (f"{result['median_final_ratio']:.2f}x" if result["median_final_ratio"] else "n/a")
     )
     return "\n".join(lines)
 
