@@ -343,3 +343,25 @@ def test_targets_must_be_finite_and_not_negative() -> None:
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="targets"):
             ServingTargets.of(bad, 0.0)
+
+
+@needs_models
+def test_memory_counts_the_graph_pool_and_the_reserved_bytes() -> None:
+    cfg = model("llama-3.1-8b")
+    small = estimate(cfg, H200, OperatingPoint(batch_size=1, isl=512), Parallelism())
+    big = estimate(cfg, H200, OperatingPoint(batch_size=64, isl=512), Parallelism())
+    pool1 = small.term("memory.cuda_graph_pool_per_device").value
+    # b × (3·4096 + (32 + 2·8)·128 + 2·14336) activations × 2 B + b × 128,256 × 4 B of logits
+    assert pool1 == (3 * 4096 + 48 * 128 + 2 * 14336) * 2 + 128_256 * 4
+    assert big.term("memory.cuda_graph_pool_per_device").value == pytest.approx(64 * pool1)
+    assert small.term("memory.reserved_per_device").value == 1.5e9
+    parts = ("weights", "kv", "workspace", "cuda_graph_pool", "reserved")
+    total = sum(small.term(f"memory.{p}_per_device").value for p in parts)
+    assert small.memory_bytes_per_device == pytest.approx(total)
+    assert small.term("memory.per_device").value == pytest.approx(total)
+    assert (
+        estimate(cfg, get_hardware("cpu"), OperatingPoint(batch_size=1), Parallelism())
+        .term("memory.reserved_per_device")
+        .value
+        == 0
+    )

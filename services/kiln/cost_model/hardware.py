@@ -26,6 +26,11 @@ _PEER_LATENCY = (
     "assumption: +1.5 us per further rank (a one-shot all-reduce reads each peer over "
     "NVLink; 8 ranks: 15.5 us in all), until the microbenchmark tier measures collectives"
 )
+_RESERVED = (
+    "assumption: 1.5 GB a GPU for the CUDA context (~0.5 GB), cuBLAS/cuDNN workspaces and "
+    "NCCL buffers, until the microbenchmark tier reads it from the device after an engine's "
+    "warm-up"
+)
 _KERNEL_OVERHEAD = (
     "derived from kiln's H200 measurement of Llama-3.2-1B at batch 1 (RESULTS.md, issue 10: "
     "0.986 ms a step at tp=1, CUDA graphs, fused decode): 0.40 ms beyond the 2.47 GB of "
@@ -49,6 +54,8 @@ class Hardware:
             all-reduce reads every peer's buffer).
         kernel_overhead_s: fixed cost of one kernel of a decode step beyond its bytes and
             FLOPs (launch, ramp-up, tail).
+        reserved_bytes: device memory no plan can use (driver context, library workspaces,
+            communication buffers).
     """
 
     name: str
@@ -64,6 +71,7 @@ class Hardware:
     collective_latency_s: float = 0.0
     collective_latency_per_peer_s: float = 0.0
     kernel_overhead_s: float = 0.0
+    reserved_bytes: int = 0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -133,6 +141,7 @@ CATALOGUE: dict[str, Hardware] = {
         collective_latency_s=5e-6,
         collective_latency_per_peer_s=1.5e-6,
         kernel_overhead_s=4e-6,
+        reserved_bytes=1_500_000_000,
         sources={
             "memory_bytes": f"{_H100_SHEET}: 80 GB HBM3",
             "memory_bandwidth_bytes_per_s": f"{_H100_SHEET}: 3.35 TB/s",
@@ -146,6 +155,7 @@ CATALOGUE: dict[str, Hardware] = {
             "collective_latency_s": _NCCL_LATENCY,
             "collective_latency_per_peer_s": _PEER_LATENCY,
             "kernel_overhead_s": _KERNEL_OVERHEAD,
+            "reserved_bytes": _RESERVED,
         },
     ),
     "h200": Hardware(
@@ -162,6 +172,7 @@ CATALOGUE: dict[str, Hardware] = {
         collective_latency_s=5e-6,
         collective_latency_per_peer_s=1.5e-6,
         kernel_overhead_s=4e-6,
+        reserved_bytes=1_500_000_000,
         sources={
             "memory_bytes": f"{_H200_SHEET}: 141 GB HBM3e",
             "memory_bandwidth_bytes_per_s": f"{_H200_SHEET}: 4.8 TB/s",
@@ -176,6 +187,7 @@ CATALOGUE: dict[str, Hardware] = {
             "collective_latency_s": _NCCL_LATENCY,
             "collective_latency_per_peer_s": _PEER_LATENCY,
             "kernel_overhead_s": _KERNEL_OVERHEAD,
+            "reserved_bytes": _RESERVED,
         },
     ),
     "b200": Hardware(
@@ -192,6 +204,7 @@ CATALOGUE: dict[str, Hardware] = {
         collective_latency_s=5e-6,
         collective_latency_per_peer_s=1.5e-6,
         kernel_overhead_s=4e-6,
+        reserved_bytes=1_500_000_000,
         sources={
             "memory_bytes": f"{_B200_SHEET}: 1,440 GB HBM3e per 8 GPUs = 180 GB each",
             "memory_bandwidth_bytes_per_s": f"{_B200_SHEET}: 64 TB/s per 8 GPUs = 8 TB/s each",
@@ -212,6 +225,7 @@ CATALOGUE: dict[str, Hardware] = {
             "collective_latency_s": _NCCL_LATENCY,
             "collective_latency_per_peer_s": _PEER_LATENCY,
             "kernel_overhead_s": _KERNEL_OVERHEAD,
+            "reserved_bytes": _RESERVED,
         },
     ),
 }

@@ -122,7 +122,8 @@ def memory_reason(est: Estimate, hw: Hardware) -> str | None:
     return (
         f"memory: needs {est.memory_bytes_per_device / g:.1f} GB per device (weights "
         f"{est.weight_bytes_per_device / g:.1f} + KV {est.kv_bytes_per_device / g:.1f} + "
-        f"workspace {est.workspace_bytes_per_device / g:.1f}) > {MEMORY_FRACTION:g} × "
+        f"workspace {est.workspace_bytes_per_device / g:.1f} + graph pool and reserved "
+        f"{est.overhead_bytes_per_device / g:.1f}) > {MEMORY_FRACTION:g} × "
         f"{hw.memory_bytes / g:g} GB = {limit / g:.1f} GB"
     )
 

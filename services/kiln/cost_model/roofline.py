@@ -175,14 +175,18 @@ class Estimate:
     ttft_ms: float
     throughput_tokens_per_s: float
     terms: tuple[Term, ...]
+    overhead_bytes_per_device: float = 0.0
+    """The CUDA-graph pool and the device's reserved bytes (context, libraries, NCCL)."""
 
     @property
     def memory_bytes_per_device(self) -> float:
-        """Weights + KV cache + workspace on the most loaded device, bytes."""
+        """Weights + KV cache + workspace + CUDA-graph pool + reserved on the most loaded
+        device, bytes."""
         return (
             self.weight_bytes_per_device
             + self.kv_bytes_per_device
             + self.workspace_bytes_per_device
+            + self.overhead_bytes_per_device
         )
 
     @property
@@ -353,15 +357,32 @@ def workspace_bytes(
     ``min(ISL, 8192) x widest per-token activations of a layer x act bytes + b x V/tp x 4``
     (b: the replica's batch).
     """
-    h, ab = cfg.hidden_size, DTYPE_BYTES[adtype]
     chunk = min(point.isl, PREFILL_CHUNK_TOKENS)
+    logits = replica_batch(point.batch_size, plan.dp) * cfg.vocab_size / plan.tp * 4
+    return chunk * token_activations(cfg, plan) * DTYPE_BYTES[adtype] + logits
+
+
+def token_activations(cfg: ModelConfig, plan: Parallelism) -> float:
+    """The widest activations one token has live inside a layer on one device, elements:
+    ``3h + (heads + 2 kv heads) x head_dim / tp + FFN (2 x intermediate / tp; MoE: top_k x
+    (h + 2 x expert intermediate / expert tp) when wider)``."""
+    h = cfg.hidden_size
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim / plan.tp
     ffn = 2 * cfg.intermediate_size / plan.tp
     if cfg.moe is not None:
         m = cfg.moe
         ffn = max(ffn, m.top_k * (h + 2 * m.intermediate_size / plan.expert_tp))
-    logits = replica_batch(point.batch_size, plan.dp) * cfg.vocab_size / plan.tp * 4
-    return chunk * (3 * h + qkv + ffn) * ab + logits
+    return 3 * h + qkv + ffn
+
+
+def graph_pool_bytes(
+    cfg: ModelConfig, plan: Parallelism, point: OperatingPoint, adtype: str
+) -> float:
+    """The CUDA-graph memory pool of the decode graphs on one device, bytes: the largest
+    captured batch's (the replica's b) live activations and float32 logits, ``b x widest
+    activations x act bytes + b x V/tp x 4`` (captured graphs share one pool)."""
+    b = replica_batch(point.batch_size, plan.dp)
+    return b * token_activations(cfg, plan) * DTYPE_BYTES[adtype] + b * cfg.vocab_size / plan.tp * 4
 
 
 def estimate(
@@ -406,10 +427,27 @@ def estimate(
         "memory.workspace_per_device",
         workspace_bytes(cfg, plan, point, act_dtype),
         "bytes",
-        f"min(ISL, {PREFILL_CHUNK_TOKENS}) prefill tokens × widest activations + B × V/tp "
+        f"min(ISL, {PREFILL_CHUNK_TOKENS}) prefill tokens × widest activations + b × V/tp "
         "float32 logits",
     )
-    t.add("memory.per_device", weights + kv + work, "bytes", "weights + KV cache + workspace")
+    pool = t.add(
+        "memory.cuda_graph_pool_per_device",
+        graph_pool_bytes(cfg, plan, point, act_dtype),
+        "bytes",
+        f"decode graphs up to batch b = {b}: b × widest activations + b × V/tp float32 logits",
+    )
+    reserved = t.add(
+        "memory.reserved_per_device",
+        hw.reserved_bytes,
+        "bytes",
+        f"{hw.name}: {hw.sources.get('reserved_bytes', 'none')}",
+    )
+    t.add(
+        "memory.per_device",
+        weights + kv + work + pool + reserved,
+        "bytes",
+        "weights + KV cache + workspace + CUDA-graph pool + reserved",
+    )
 
     heads_per_rank = cfg.num_attention_heads / plan.tp
     dqk, dv = _attention_dims(cfg, decode=True)
@@ -459,6 +497,7 @@ def estimate(
         weight_bytes_per_device=weights,
         kv_bytes_per_device=kv,
         workspace_bytes_per_device=work,
+        overhead_bytes_per_device=pool + reserved,
         tpot_ms=tpot_ms,
         ttft_ms=ttft_ms,
         throughput_tokens_per_s=tps,
