@@ -74,9 +74,13 @@ async def test_plan_ranks_llama_1b_on_one_h200(stub: cost_model_pb2_grpc.CostMod
     (plan,) = reply.plans
     assert (plan.tp, plan.ep, plan.dp, plan.pp, plan.dcp, plan.batch_size) == (1, 1, 1, 1, 1, 1)
     assert plan.feasible and plan.estimate_tier == "roofline"
-    # 2,471,628,800 B of weights + 32,768 B of KV at 4.26 TB/s, + 132 kernels × 4 us.
+    # a step: 2,471,628,800 B of weights + 32,768 B of KV at 4.26 TB/s, + 132 kernels × 4 us;
+    # one user sending 1,024-token prompts for 2 tokens: a prefill step (2.085 ms of math +
+    # 0.528) for the first token, one decode step for the second
     assert plan.tpot_ms == pytest.approx(0.5802 + 0.528, abs=1e-4)
-    assert plan.throughput_tokens_per_s == pytest.approx(902.4, abs=0.5)
+    assert plan.ttft_ms == pytest.approx(2.0852 + 0.528, abs=1e-3)
+    assert plan.throughput_tokens_per_s == pytest.approx(2 / (2.6132 + 1.1082) * 1e3, rel=1e-3)
+    assert plan.tpot_p90_ms == pytest.approx(plan.tpot_ms) and plan.ttft_p90_ms > 0
     assert plan.throughput_per_device == pytest.approx(plan.throughput_tokens_per_s)
     assert plan.meets_targets and plan.pareto_optimal
     assert "TPOT ≤ 50 ms" in reply.objective

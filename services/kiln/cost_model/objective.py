@@ -1,6 +1,10 @@
 """What the planner optimises: output tokens/s per GPU under the user's TTFT and TPOT targets,
 and the interactivity-vs-throughput Pareto frontier of the feasible plans.
 
+Figures: an estimate's ``served_*`` properties -- the serving model's medians where it ran (the
+planner runs it for its best :data:`~kiln.cost_model.planner.SERVED_PLANS` plans), else the
+roofline step's.
+
 Ranking (best first): plans meeting both targets before those that miss; among those meeting
 them, most output tokens/s per occupied device, then lowest TPOT, then fewest devices; among
 those missing, the smallest miss (``max(TPOT / target, TTFT / target) - 1``) first. A plan is
@@ -42,7 +46,9 @@ class ServingTargets:
     def miss(self, est: Estimate) -> float:
         """How far ``est`` misses the targets: 0 when it meets both, else the larger relative
         excess (0.5 = 50 % over a target)."""
-        return max(0.0, est.tpot_ms / self.tpot_ms - 1.0, est.ttft_ms / self.ttft_ms - 1.0)
+        return max(
+            0.0, est.served_tpot_ms / self.tpot_ms - 1.0, est.served_ttft_ms / self.ttft_ms - 1.0
+        )
 
     def describe(self) -> str:
         """The objective in words."""
@@ -62,19 +68,19 @@ def rank(estimates: Sequence[Estimate], targets: ServingTargets) -> list[Estimat
     def key(e: Estimate) -> tuple[float, float, float, int, str]:
         miss = targets.miss(e)
         if miss > 0:
-            return (1.0, miss, e.tpot_ms, e.plan.devices, e.plan.label())
-        return (0.0, -e.throughput_per_device, e.tpot_ms, e.plan.devices, e.plan.label())
+            return (1.0, miss, e.served_tpot_ms, e.plan.devices, e.plan.label())
+        return (0.0, -e.served_per_device, e.served_tpot_ms, e.plan.devices, e.plan.label())
 
     return sorted(estimates, key=key)
 
 
 def frontier(estimates: Sequence[Estimate]) -> frozenset[str]:
     """Labels of the plans on the tokens/s-per-device vs TPOT Pareto frontier."""
-    ordered = sorted(estimates, key=lambda e: (e.tpot_ms, -e.throughput_per_device))
+    ordered = sorted(estimates, key=lambda e: (e.served_tpot_ms, -e.served_per_device))
     out: set[str] = set()
     best = float("-inf")
     for e in ordered:
-        if e.throughput_per_device > best:
+        if e.served_per_device > best:
             out.add(e.plan.label())
-            best = e.throughput_per_device
+            best = e.served_per_device
     return frozenset(out)

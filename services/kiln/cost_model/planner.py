@@ -12,7 +12,9 @@ Deadline: :func:`plan_workload` given a ``deadline`` (``time.monotonic()`` value
 plans and raises :class:`PlanDeadlineExceeded` once it has passed.
 
 Objective: :mod:`kiln.cost_model.objective` -- tokens/s per GPU under TTFT and TPOT targets;
-the result also names the plans on the tokens/s-per-GPU vs TPOT Pareto frontier.
+the result also names the plans on the tokens/s-per-GPU vs TPOT Pareto frontier. The best
+:data:`SERVED_PLANS` by the step estimate are re-ranked by the serving model
+(:mod:`kiln.cost_model.serving`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from dataclasses import dataclass, replace
 from kiln.cost_model.hardware import Hardware
 from kiln.cost_model.objective import DEFAULT_TARGETS, ServingTargets, frontier, rank
 from kiln.cost_model.roofline import Estimate, estimate
+from kiln.cost_model.serving import serve
 from kiln.cost_model.sharding import Parallelism, kv_heads_for_sharding, kv_replication
 from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.config import ModelConfig
 
 MEMORY_FRACTION = 0.9
 ESTIMATE_TIER = "roofline"
+SERVED_PLANS = 8
+"""Best plans (by the step estimate) the serving model runs for, then re-ranked by its figures."""
 
 
 class PlanDeadlineExceeded(Exception):
@@ -226,6 +231,15 @@ def _plan_at(
             pruned.append((est, reason))
         else:
             feasible.append(est)
-    return PlanResult(
-        rank(feasible, targets), pruned, targets.describe(), targets, frontier(feasible)
-    )
+    ranked = rank(feasible, targets)
+    served = [with_serving(cfg, hw, e, weight_dtype, act_dtype) for e in ranked[:SERVED_PLANS]]
+    ranked = rank(served, targets) + ranked[SERVED_PLANS:]
+    return PlanResult(ranked, pruned, targets.describe(), targets, frontier(ranked))
+
+
+def with_serving(
+    cfg: ModelConfig, hw: Hardware, est: Estimate, weight_dtype: str, act_dtype: str
+) -> Estimate:
+    """``est`` with the serving model's figures (:func:`kiln.cost_model.serving.serve`)."""
+    stats = serve(cfg, hw, est.point, est.plan, weight_dtype, act_dtype)
+    return replace(est, serving=stats)

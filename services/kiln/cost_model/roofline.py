@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kiln.cost_model.hardware import Hardware
 from kiln.cost_model.sharding import (
@@ -147,6 +148,21 @@ def held_kv_bytes_per_token(cfg: ModelConfig, dtype: str, layers: int = 0) -> in
     return cfg.kv_bytes_per_token(dtype)
 
 
+class ServingFigures(Protocol):
+    """What an estimate keeps of the serving model (``serving.ServingStats``)."""
+
+    @property
+    def tokens_per_s(self) -> float: ...
+    @property
+    def ttft_p50_ms(self) -> float: ...
+    @property
+    def ttft_p90_ms(self) -> float: ...
+    @property
+    def tpot_p50_ms(self) -> float: ...
+    @property
+    def tpot_p90_ms(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class Term:
     """One number of an estimate: its name, value, unit and the formula or source behind it."""
@@ -177,6 +193,32 @@ class Estimate:
     terms: tuple[Term, ...]
     overhead_bytes_per_device: float = 0.0
     """The CUDA-graph pool and the device's reserved bytes (context, libraries, NCCL)."""
+    serving: ServingFigures | None = None
+    """The serving model's figures (:mod:`kiln.cost_model.serving`) where it ran."""
+
+    @property
+    def served_tpot_ms(self) -> float:
+        """TPOT the plan is judged by: the serving model's median, else the step's."""
+        return self.serving.tpot_p50_ms if self.serving else self.tpot_ms
+
+    @property
+    def served_ttft_ms(self) -> float:
+        """TTFT the plan is judged by: the serving model's median, else one prompt alone."""
+        return self.serving.ttft_p50_ms if self.serving else self.ttft_ms
+
+    @property
+    def served_tokens_per_s(self) -> float:
+        """Output tokens/s of the whole plan: the serving model's replica of b users scaled to
+        the plan's B users, else B / TPOT."""
+        if self.serving:
+            b = replica_batch(self.point.batch_size, self.plan.dp)
+            return self.serving.tokens_per_s * self.point.batch_size / b
+        return self.throughput_tokens_per_s
+
+    @property
+    def served_per_device(self) -> float:
+        """:attr:`served_tokens_per_s` per occupied device."""
+        return self.served_tokens_per_s / self.plan.devices
 
     @property
     def memory_bytes_per_device(self) -> float:

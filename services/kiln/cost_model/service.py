@@ -41,8 +41,10 @@ from kiln.cost_model.planner import (
     PlanResult,
     evaluate,
     plan_workload,
+    with_serving,
 )
 from kiln.cost_model.roofline import Estimate
+from kiln.cost_model.serving import serving_terms
 from kiln.cost_model.sharding import Parallelism
 from kiln.domain.operating_point import (
     OperatingPoint,
@@ -145,9 +147,11 @@ def to_proto(
         pp=p.pp,
         dcp=p.dcp,
         batch_size=est.point.batch_size,
-        ttft_ms=est.ttft_ms,
-        tpot_ms=est.tpot_ms,
-        throughput_tokens_per_s=est.throughput_tokens_per_s,
+        ttft_ms=est.served_ttft_ms,
+        tpot_ms=est.served_tpot_ms,
+        throughput_tokens_per_s=est.served_tokens_per_s,
+        ttft_p90_ms=est.serving.ttft_p90_ms if est.serving else 0.0,
+        tpot_p90_ms=est.serving.tpot_p90_ms if est.serving else 0.0,
         memory_bytes_per_device=round(est.memory_bytes_per_device),
         estimate_tier=ESTIMATE_TIER,
         feasible=not reason,
@@ -155,7 +159,7 @@ def to_proto(
         note=note,
         pareto_optimal=pareto,
         meets_targets=targets is not None and not reason and targets.miss(est) == 0,
-        throughput_per_device=est.throughput_per_device,
+        throughput_per_device=est.served_per_device,
     )
 
 
@@ -168,17 +172,39 @@ def explain_text(
         f"{p.label()} on {p.devices} × {hw.name}, B={pt.batch_size} ISL={pt.isl} "
         f"OSL={pt.osl} context={pt.context_len} (tier {ESTIMATE_TIER})",
         f"verdict: {'infeasible: ' + reason if reason else 'feasible'}",
-        f"TPOT {est.tpot_ms:.4g} ms, TTFT {est.ttft_ms:.4g} ms, "
-        f"{est.throughput_tokens_per_s:.4g} tokens/s ({est.throughput_per_device:.4g} per "
-        f"GPU), {est.memory_bytes_per_device / 1e9:.3g} GB per device",
+        f"one step: TPOT {est.tpot_ms:.4g} ms, TTFT {est.ttft_ms:.4g} ms (one prompt alone), "
+        f"{est.throughput_tokens_per_s:.4g} tokens/s, "
+        f"{est.memory_bytes_per_device / 1e9:.3g} GB per device",
+        *_serving_lines(est),
         f"targets: {'met' if targets.miss(est) == 0 else f'missed by {targets.miss(est):.0%}'}"
         f"; objective: {targets.describe()}",
         *(f"default: {n}" for n in notes),
         "terms:",
-        *(f"  {t.name} = {t.value:.6g} {t.unit}  [{t.source}]" for t in est.terms),
+        *(
+            f"  {t.name} = {t.value:.6g} {t.unit}  [{t.source}]"
+            for t in (*est.terms, *serving_terms(est))
+        ),
         f"hardware: {hw.source_summary()}",
     ]
     return "\n".join(lines)
+
+
+def _serving_lines(est: Estimate) -> list[str]:
+    sv = est.serving
+    if sv is None:
+        return []
+    return [
+        f"serving ({pt_users(est)} users, continuous batching, chunked prefill): TTFT p50 "
+        f"{sv.ttft_p50_ms:.4g} / p90 {sv.ttft_p90_ms:.4g} ms, TPOT p50 {sv.tpot_p50_ms:.4g} / "
+        f"p90 {sv.tpot_p90_ms:.4g} ms, {est.served_tokens_per_s:.4g} tokens/s "
+        f"({est.served_per_device:.4g} per GPU)"
+    ]
+
+
+def pt_users(est: Estimate) -> str:
+    """The serving model's load in words: B users over dp replicas."""
+    p, b = est.plan, est.point.batch_size
+    return f"{b}" if p.dp == 1 else f"{b} over {p.dp} replicas"
 
 
 class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
@@ -278,9 +304,11 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         )
         targets = targets_of(request.targets)
         est, reason = evaluate(cfg, hw, point, plan, n, wdtype, adtype)
+        if not reason:
+            est = with_serving(cfg, hw, est, wdtype, adtype)
         terms = [
             cost_model_pb2.Term(name=t.name, value=t.value, unit=t.unit, source=t.source)
-            for t in est.terms
+            for t in (*est.terms, *serving_terms(est))
         ]
         return cost_model_pb2.ExplainResponse(
             plan=to_proto(est, reason, targets=targets),

@@ -721,13 +721,20 @@ class ParallelismPlan(_message.Message):
     PARETO_OPTIMAL_FIELD_NUMBER: _builtins.int
     MEETS_TARGETS_FIELD_NUMBER: _builtins.int
     THROUGHPUT_PER_DEVICE_FIELD_NUMBER: _builtins.int
+    TTFT_P90_MS_FIELD_NUMBER: _builtins.int
+    TPOT_P90_MS_FIELD_NUMBER: _builtins.int
     tp: _builtins.int
     ep: _builtins.int
     dp: _builtins.int
     pp: _builtins.int
     dcp: _builtins.int
     batch_size: _builtins.int
+    """Sequences in flight over all DP replicas."""
     ttft_ms: _builtins.float
+    """TTFT and TPOT medians and output tokens/s: the serving model's (continuous batching at
+    batch_size users, chunked prefill) where it ran (Explain; Plan's best plans: the p90 fields
+    are then set), else one decode step and one prompt alone.
+    """
     tpot_ms: _builtins.float
     throughput_tokens_per_s: _builtins.float
     memory_bytes_per_device: _builtins.int
@@ -746,6 +753,9 @@ class ParallelismPlan(_message.Message):
     """TPOT and TTFT within the request's targets."""
     throughput_per_device: _builtins.float
     """Output tokens/s per occupied GPU: throughput_tokens_per_s / (tp x pp x dp)."""
+    ttft_p90_ms: _builtins.float
+    """The serving model's 90th percentiles, ms (0 where it did not run)."""
+    tpot_p90_ms: _builtins.float
     def __init__(
         self,
         *,
@@ -766,10 +776,12 @@ class ParallelismPlan(_message.Message):
         pareto_optimal: _builtins.bool = ...,
         meets_targets: _builtins.bool = ...,
         throughput_per_device: _builtins.float = ...,
+        ttft_p90_ms: _builtins.float = ...,
+        tpot_p90_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "dcp", b"dcp", "dp", b"dp", "ep", b"ep", "estimate_tier", b"estimate_tier", "feasible", b"feasible", "infeasible_reason", b"infeasible_reason", "meets_targets", b"meets_targets", "memory_bytes_per_device", b"memory_bytes_per_device", "note", b"note", "pareto_optimal", b"pareto_optimal", "pp", b"pp", "throughput_per_device", b"throughput_per_device", "throughput_tokens_per_s", b"throughput_tokens_per_s", "tp", b"tp", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "dcp", b"dcp", "dp", b"dp", "ep", b"ep", "estimate_tier", b"estimate_tier", "feasible", b"feasible", "infeasible_reason", b"infeasible_reason", "meets_targets", b"meets_targets", "memory_bytes_per_device", b"memory_bytes_per_device", "note", b"note", "pareto_optimal", b"pareto_optimal", "pp", b"pp", "throughput_per_device", b"throughput_per_device", "throughput_tokens_per_s", b"throughput_tokens_per_s", "tp", b"tp", "tpot_ms", b"tpot_ms", "tpot_p90_ms", b"tpot_p90_ms", "ttft_ms", b"ttft_ms", "ttft_p90_ms", b"ttft_p90_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
