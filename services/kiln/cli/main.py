@@ -4,8 +4,10 @@ Every user error is one red line on stderr and a non-zero exit."""
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
+import structlog
 import typer
 
 from kiln.cli import (
@@ -23,6 +25,7 @@ from kiln.cli.compile import compile as compile_command
 from kiln.cli.context import CliState
 from kiln.cli.errors import KilnGroup
 from kiln.cli.export import export as export_command
+from kiln.cli.plan import plan as plan_command
 
 app = typer.Typer(
     name="kiln",
@@ -49,7 +52,25 @@ def main(
     ] = None,
 ) -> None:
     """kiln: continual compilation for AI inference. Start with `kiln up`."""
+    _logs_to_stderr()
     ctx.obj = CliState(team=team, ledger_addr=ledger_addr)
+
+
+class _Stderr:
+    """Whatever ``sys.stderr`` is when written to (test runners swap it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _logs_to_stderr() -> None:
+    """Unless something configured structlog already (a service in this process), send its
+    lines to stderr: stdout is the command's output (``--json`` included)."""
+    if not structlog.is_configured():
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(_Stderr()))  # type: ignore[arg-type]
 
 
 app.command()(up.up)
@@ -61,6 +82,7 @@ app.command()(migrate.migrate)
 app.command()(health.health)
 app.command("compile")(compile_command)
 app.command("export")(export_command)
+app.command("plan")(plan_command)
 app.add_typer(compilations.app, name="compilations")
 app.add_typer(deployments.app, name="deployments")
 app.add_typer(traffic.app, name="traffic")
