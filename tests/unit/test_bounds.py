@@ -135,9 +135,9 @@ def test_planning_stops_at_its_deadline() -> None:
             get_hardware("h200"),
             OperatingPoint(batch_size=1),
             MAX_DEVICES,
-            deadline=time.monotonic() + 0.5,
+            deadline=time.monotonic() + 0.05,
         )
-    # it stopped part-way (the whole enumeration takes ~10x the deadline here); a wall-clock
+    # it stopped part-way (the whole enumeration takes ~25x the deadline here); a wall-clock
     # bound would measure the CI host's load, not the planner
     done = re.search(r"costed (\d+) of (\d+)", str(info.value))
     assert done is not None and int(done.group(1)) < int(done.group(2))

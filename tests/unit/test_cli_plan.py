@@ -245,7 +245,6 @@ def test_no_feasible_plan_prints_the_reasons_then_one_error(kiln_plan: Run) -> N
     reasons = [line.strip() for line in result.stdout.splitlines()[1:] if line.startswith("  ")]
     # deepseek-v3's 671 GB of weights do not fit 4 × 80 GB, whatever the split
     assert reasons[0].startswith("memory (") and "GB per device" in reasons[0]
-    assert any(r.startswith("layers (") for r in reasons)
     assert len(set(reasons)) == len(reasons)
 
 

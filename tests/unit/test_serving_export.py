@@ -468,3 +468,15 @@ def test_model_path_is_for_engine_formats_only(tmp_path: Path) -> None:
         app, ["export", "c-123", "--out", str(tmp_path / "o"), "--model-path", "/m"]
     )
     assert result.exit_code == 1 and "--model-path applies to --format" in result.output
+
+
+def test_a_plan_with_an_fp8_kv_cache_exports_it_to_every_engine() -> None:
+    model, plan = CASES["llama-tp1"]
+    fp8 = common_pb2.ParallelismPlan()
+    fp8.CopyFrom(plan)
+    fp8.kv_cache_dtype = "float8_e4m3fn"  # the cost model's choice where a BF16 cache does not fit
+    launch = launch_of(fp8, _workload(model, fp8.batch_size))
+    assert launch.kv_cache_dtype == "fp8"
+    assert _config(render("vllm", launch))["kv-cache-dtype"] == "fp8"
+    assert _flags(render("sglang", launch)[LAUNCH_SCRIPT])["--kv-cache-dtype"] == "fp8_e4m3"
+    assert _config(render("trtllm", launch))["kv_cache_config"]["dtype"] == "fp8"

@@ -205,9 +205,15 @@ def shown_plans(
 
 
 def label(plan: common_pb2.ParallelismPlan) -> str:
-    """The plan's degrees above 1, e.g. ``tp4 ep4 dp2`` (``tp1`` for a single GPU)."""
+    """The plan's degrees above 1, e.g. ``tp4 ep4 dp2`` (``tp1`` for a single GPU), then
+    ``etpN`` (each expert split N ways) and ``kv fp8`` where they apply."""
     degrees = [(n, getattr(plan, n) or 1) for n in ("tp", "ep", "dp", "pp", "dcp")]
     parts = [f"{n}{d}" for n, d in degrees if d > 1 or n == "tp"]
+    if plan.moe_tp > 1:
+        parts.append(f"etp{plan.moe_tp}")
+    kv = plan.kv_cache_dtype
+    if kv and kv not in ("bfloat16", "auto"):
+        parts.append("kv fp8" if kv.startswith("float8") else f"kv {kv}")
     return " ".join(parts)
 
 

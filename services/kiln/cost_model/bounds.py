@@ -1,8 +1,9 @@
 """Ranges of a plan request's numbers: the device count and a plan's parallel degrees.
 
-The planner enumerates power-of-two TP x PP x DP (and EP, DCP) splits of the device count, so
-its work grows with the count; at ``MAX_DEVICES`` the largest catalogue model has ~51,000
-candidate plans, which the planner costs within ``kiln.cost_model.service.PLAN_DEADLINE_S`` or
+The planner enumerates power-of-two TP x PP x DP (and EP, DCP, MoE TP) splits of the device
+count, so its work grows with the count; at ``MAX_DEVICES`` the largest catalogue model
+(DeepSeek-V3) has 8,043 candidate plans (TP within a node, PP up to the layers; ~1.2 s on a
+2-core host), which the planner costs within ``kiln.cost_model.service.PLAN_DEADLINE_S`` or
 answers DEADLINE_EXCEEDED. Out of range: :class:`~kiln.common.errors.OutOfRange`.
 """
 
@@ -14,7 +15,7 @@ from kiln.domain.operating_point import MAX_BATCH
 MAX_DEVICES = 65_536
 """Most devices one plan may span: the largest training clusters published have ~10^5 GPUs;
 inference deployments of one model are far smaller. 2^16 keeps enumeration bounded."""
-PLAN_DEGREES = ("tp", "ep", "dp", "pp", "dcp")
+PLAN_DEGREES = ("tp", "ep", "dp", "pp", "dcp", "moe_tp")
 
 
 def check_devices(num_devices: int, field: str = "workload.hardware.num_devices") -> int:

@@ -31,6 +31,20 @@ _RESERVED = (
     "NCCL buffers, until the microbenchmark tier reads it from the device after an engine's "
     "warm-up"
 )
+_NDR = (
+    "HGX H100/H200 reference nodes: 8 ConnectX-7 NICs of 400 Gb/s InfiniBand NDR, one per GPU "
+    "(NVIDIA DGX H100/H200 user guide: 8 x single-port OSFP 400 Gb/s for the compute fabric), "
+    "i.e. 400 Gb/s = 50 GB/s per GPU and direction; an assumption for other clusters"
+)
+_NDR_B200 = (
+    "DGX B200 datasheet: 8 x single-port ConnectX-7 VPI, up to 400 Gb/s InfiniBand, one per "
+    "GPU, i.e. 50 GB/s per GPU and direction; an assumption for other clusters"
+)
+_IB_LATENCY = (
+    "assumption: ~10 us for a small message between nodes over InfiniBand NDR through one "
+    "switch (RDMA write a few us plus NCCL/DeepEP software overhead), until the microbenchmark "
+    "tier measures it"
+)
 _KERNEL_OVERHEAD = (
     "derived from kiln's H200 measurement of Llama-3.2-1B at batch 1 (RESULTS.md, issue 10: "
     "0.986 ms a step at tp=1, CUDA graphs, fused decode): 0.40 ms beyond the 2.47 GB of "
@@ -56,6 +70,11 @@ class Hardware:
             FLOPs (launch, ramp-up, tail).
         reserved_bytes: device memory no plan can use (driver context, library workspaces,
             communication buffers).
+        inter_node_bandwidth_bytes_per_s: between nodes (the scale-out network), per device and
+            direction; 0: none in the catalogue, so EP groups stay inside a node and PP sends
+            are priced at the in-node link.
+        inter_node: the scale-out network's name.
+        inter_node_latency_s: fixed cost of one small message or collective between nodes.
     """
 
     name: str
@@ -72,12 +91,20 @@ class Hardware:
     collective_latency_per_peer_s: float = 0.0
     kernel_overhead_s: float = 0.0
     reserved_bytes: int = 0
+    inter_node_bandwidth_bytes_per_s: float = 0.0
+    inter_node: str = "none"
+    inter_node_latency_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def achievable_bandwidth_bytes_per_s(self) -> float:
         """Peak memory bandwidth × ``achievable_bandwidth_fraction``, bytes/s."""
         return self.memory_bandwidth_bytes_per_s * self.achievable_bandwidth_fraction
+
+    @property
+    def has_fp8(self) -> bool:
+        """Whether the device has FP8 tensor cores (so an FP8 KV cache is worth searching)."""
+        return self.dense_fp8_flops > 0
 
     def flops_for(self, weight_dtype: str) -> float:
         """Dense FLOP/s for matmuls with ``weight_dtype`` weights: FP8 at the FP8 rate when the
@@ -142,6 +169,9 @@ CATALOGUE: dict[str, Hardware] = {
         collective_latency_per_peer_s=1.5e-6,
         kernel_overhead_s=4e-6,
         reserved_bytes=1_500_000_000,
+        inter_node_bandwidth_bytes_per_s=50 * GB,
+        inter_node="InfiniBand NDR 400 Gb/s",
+        inter_node_latency_s=10e-6,
         sources={
             "memory_bytes": f"{_H100_SHEET}: 80 GB HBM3",
             "memory_bandwidth_bytes_per_s": f"{_H100_SHEET}: 3.35 TB/s",
@@ -156,6 +186,8 @@ CATALOGUE: dict[str, Hardware] = {
             "collective_latency_per_peer_s": _PEER_LATENCY,
             "kernel_overhead_s": _KERNEL_OVERHEAD,
             "reserved_bytes": _RESERVED,
+            "inter_node_bandwidth_bytes_per_s": _NDR,
+            "inter_node_latency_s": _IB_LATENCY,
         },
     ),
     "h200": Hardware(
@@ -173,6 +205,9 @@ CATALOGUE: dict[str, Hardware] = {
         collective_latency_per_peer_s=1.5e-6,
         kernel_overhead_s=4e-6,
         reserved_bytes=1_500_000_000,
+        inter_node_bandwidth_bytes_per_s=50 * GB,
+        inter_node="InfiniBand NDR 400 Gb/s",
+        inter_node_latency_s=10e-6,
         sources={
             "memory_bytes": f"{_H200_SHEET}: 141 GB HBM3e",
             "memory_bandwidth_bytes_per_s": f"{_H200_SHEET}: 4.8 TB/s",
@@ -188,6 +223,8 @@ CATALOGUE: dict[str, Hardware] = {
             "collective_latency_per_peer_s": _PEER_LATENCY,
             "kernel_overhead_s": _KERNEL_OVERHEAD,
             "reserved_bytes": _RESERVED,
+            "inter_node_bandwidth_bytes_per_s": _NDR,
+            "inter_node_latency_s": _IB_LATENCY,
         },
     ),
     "b200": Hardware(
@@ -205,6 +242,9 @@ CATALOGUE: dict[str, Hardware] = {
         collective_latency_per_peer_s=1.5e-6,
         kernel_overhead_s=4e-6,
         reserved_bytes=1_500_000_000,
+        inter_node_bandwidth_bytes_per_s=50 * GB,
+        inter_node="InfiniBand NDR 400 Gb/s",
+        inter_node_latency_s=10e-6,
         sources={
             "memory_bytes": f"{_B200_SHEET}: 1,440 GB HBM3e per 8 GPUs = 180 GB each",
             "memory_bandwidth_bytes_per_s": f"{_B200_SHEET}: 64 TB/s per 8 GPUs = 8 TB/s each",
@@ -226,6 +266,8 @@ CATALOGUE: dict[str, Hardware] = {
             "collective_latency_per_peer_s": _PEER_LATENCY,
             "kernel_overhead_s": _KERNEL_OVERHEAD,
             "reserved_bytes": _RESERVED,
+            "inter_node_bandwidth_bytes_per_s": _NDR_B200,
+            "inter_node_latency_s": _IB_LATENCY,
         },
     ),
 }

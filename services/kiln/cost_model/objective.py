@@ -5,9 +5,12 @@ Figures: an estimate's ``served_*`` properties -- the serving model's medians wh
 planner runs it for its best :data:`~kiln.cost_model.planner.SERVED_PLANS` plans), else the
 roofline step's.
 
-Ranking (best first): plans meeting both targets before those that miss; among those meeting
-them, most output tokens/s per occupied device, then lowest TPOT, then fewest devices; among
-those missing, the smallest miss (``max(TPOT / target, TTFT / target) - 1``) first. A plan is
+Ranking (best first): plans meeting both targets before those that miss; within each, plans
+with a lossless KV cache (the activation dtype) before those with an FP8 one, which changes the
+model's outputs, so FP8 KV is the answer only where no lossless plan meets the targets (or none
+fits the batch). Among those meeting the targets, most output tokens/s per occupied device, then
+lowest TPOT, then fewest devices; among those missing, the smallest miss (``max(TPOT / target,
+TTFT / target) - 1``) first. A plan is
 on the *frontier* when no other feasible plan has at least its tokens/s per device and at most
 its TPOT, one of them strictly.
 
@@ -54,8 +57,8 @@ class ServingTargets:
         """The objective in words."""
         return (
             f"most output tokens/s per GPU with TPOT ≤ {self.tpot_ms:g} ms and TTFT ≤ "
-            f"{self.ttft_ms:g} ms, then lowest TPOT, then fewest devices (plans missing a "
-            "target after, the smallest miss first)"
+            f"{self.ttft_ms:g} ms (a lossless KV cache before an FP8 one), then lowest TPOT, "
+            "then fewest devices (plans missing a target after, the smallest miss first)"
         )
 
 
@@ -66,12 +69,23 @@ def rank(estimates: Sequence[Estimate], targets: ServingTargets) -> list[Estimat
     """``estimates`` best first under ``targets`` (see the module docs)."""
 
     def key(e: Estimate) -> tuple[float, float, float, int, str]:
-        miss = targets.miss(e)
+        miss, lossy = targets.miss(e), lossy_kv(e)
         if miss > 0:
-            return (1.0, miss, e.served_tpot_ms, e.plan.devices, e.plan.label())
-        return (0.0, -e.served_per_device, e.served_tpot_ms, e.plan.devices, e.plan.label())
+            return (3.0 if lossy else 2.0, miss, e.served_tpot_ms, e.plan.devices, e.plan.label())
+        return (
+            1.0 if lossy else 0.0,
+            -e.served_per_device,
+            e.served_tpot_ms,
+            e.plan.devices,
+            e.plan.label(),
+        )
 
     return sorted(estimates, key=key)
+
+
+def lossy_kv(est: Estimate) -> bool:
+    """Whether ``est``'s plan keeps its KV cache in FP8 (lossy against the BF16 activations)."""
+    return est.plan.kv_dtype.startswith("float8")
 
 
 def frontier(estimates: Sequence[Estimate]) -> frozenset[str]:

@@ -7,17 +7,26 @@ Pure functions of a model config, hardware and plan; every number is a :class:`T
   ``b = ceil(B / dp)``.
 - Decode step (b sequences of one replica): ``max(bytes / achievable bandwidth, FLOPs / dense
   rate) + kernels x kernel overhead + comm``. Bytes: the weights a step touches (embedding: b
-  rows; MoE: experts routed to) plus the KV of b x context tokens. FLOPs: 2 per weight per
-  token plus attention. Kernels: :data:`DENSE_LAYER_KERNELS` a dense layer,
-  :data:`MOE_LAYER_KERNELS` a MoE layer, :data:`STEP_KERNELS` a step.
+  rows; MoE: experts routed to) plus the KV of b x context tokens in the plan's KV dtype.
+  FLOPs: 2 per weight per token plus attention. Kernels: :data:`DENSE_LAYER_KERNELS` a dense
+  layer, :data:`MOE_LAYER_KERNELS` a MoE layer, :data:`STEP_KERNELS` a step.
 - Communication: ring all-reduce ``bytes x 2(n-1)/n / link + latency + (n-1) x per-peer
   latency``; TP two all-reduces of b x hidden per layer; EP all-to-all of b x top_k x hidden
-  per MoE layer; DCP one all-reduce per layer; PP b x hidden between stages.
-- Pipeline: one micro-batch, so latency is the whole model plus (pp-1) sends; no bubbles.
+  per MoE layer (:func:`all_to_all_s`: over the inter-node link for the off-node share when
+  the group spans nodes); DCP one all-reduce per layer; PP b x hidden between stages (over the
+  inter-node link where a send crosses nodes).
+- Attention DP (the MoE group spans ``r`` DP replicas): attention of the replica's b
+  sequences, experts over the group's ``b x r`` tokens; with ``moe_tp > 1`` the tokens are
+  all-gathered over the group and reduce-scattered back (one ring all-reduce of ``b x r x
+  hidden`` over the group, in place of the MoE layer's FFN all-reduce), else all-to-all.
+- Pipeline: one micro-batch through all stages plus (pp-1) sends, no bubbles; every stage is
+  charged as long as the largest, ``ceil(L / pp)`` layers (the pace of a pipelined engine), so
+  uneven stages cost ``pp x ceil(L / pp) / L`` of the layers' time.
 - TTFT: one ISL prompt alone, compute against reading the weights once plus communication.
 - Throughput = ``B / TPOT`` output tokens/s; per device ``B / TPOT / (tp x pp x dp)``.
 
-MLA: decode in the absorbed form, prefill expanded. FP8 block scales are not counted.
+MLA: decode in the absorbed form, prefill expanded. FP8 block scales (of weights or KV) are not
+counted; an FP8 KV cache is read at its own bytes and computed on as BF16.
 """
 
 from __future__ import annotations
@@ -29,10 +38,13 @@ from typing import Protocol
 
 from kiln.cost_model.hardware import Hardware
 from kiln.cost_model.sharding import (
+    LayerShard,
     Parallelism,
     expert_load,
     kv_bytes_per_device,
+    kv_dtype_name,
     kv_shards,
+    largest_stage_layers,
     layer_counts,
     layer_kinds,
     stored_weights_per_device,
@@ -255,18 +267,55 @@ class _Terms:
         return value
 
 
-def collective_s(hw: Hardware, nbytes: float, ranks: int, ring: bool = True) -> float:
+def collective_s(
+    hw: Hardware, nbytes: float, ranks: int, ring: bool = True, *, across_nodes: bool = False
+) -> float:
     """Seconds for one collective of ``nbytes`` per device over ``ranks`` (ring all-reduce, or
     ``nbytes / link + latency`` with ``ring=False``); 0 for one rank, inf without an
-    interconnect.
+    interconnect. ``across_nodes``: over the inter-node link at its latency (the in-node link
+    where the catalogue has none).
     """
     if ranks <= 1:
         return 0.0
-    if hw.interconnect_bandwidth_bytes_per_s <= 0:
+    link, latency = hw.interconnect_bandwidth_bytes_per_s, hw.collective_latency_s
+    if across_nodes and hw.inter_node_bandwidth_bytes_per_s > 0:
+        link, latency = hw.inter_node_bandwidth_bytes_per_s, hw.inter_node_latency_s
+    if link <= 0:
         return float("inf")
     factor = 2 * (ranks - 1) / ranks if ring else 1.0
-    latency = hw.collective_latency_s + (ranks - 1) * hw.collective_latency_per_peer_s
-    return nbytes * factor / hw.interconnect_bandwidth_bytes_per_s + latency
+    return nbytes * factor / link + latency + (ranks - 1) * hw.collective_latency_per_peer_s
+
+
+def all_to_all_s(hw: Hardware, nbytes: float, ranks: int) -> float:
+    """Seconds for one all-to-all over ``ranks`` in which each rank sends ``nbytes`` spread
+    evenly over the ranks (its own share stays). Inside a node: ``nbytes (n-1)/n / link +
+    latency + (n-1) x per-peer latency``. Over ``n > node`` ranks the in-node share ``(node-1)/n``
+    goes over the in-node link while the off-node share ``(n-node)/n`` goes over the inter-node
+    link, ``max`` of the two, plus the inter-node latency and the per-peer latencies; inf
+    without an inter-node link.
+    """
+    if ranks <= 1:
+        return 0.0
+    node = hw.max_devices_per_node
+    if ranks <= node:
+        return collective_s(hw, nbytes * (ranks - 1) / ranks, ranks, ring=False)
+    inter, intra = hw.inter_node_bandwidth_bytes_per_s, hw.interconnect_bandwidth_bytes_per_s
+    if inter <= 0 or intra <= 0:
+        return float("inf")
+    wire = max(nbytes * (node - 1) / ranks / intra, nbytes * (ranks - node) / ranks / inter)
+    return wire + hw.inter_node_latency_s + (ranks - 1) * hw.collective_latency_per_peer_s
+
+
+def pp_inter_node_sends(plan: Parallelism, node: int) -> int:
+    """Of the ``pp - 1`` sends between stages, those crossing nodes, ranks laid out TP first,
+    then DP, then PP (Megatron's order; a stage's tp x dp ranks together): all of them when a
+    stage fills a node, else ``tp x dp x pp / node - 1``."""
+    if plan.pp <= 1:
+        return 0
+    stage = plan.tp * plan.dp
+    if stage >= node:
+        return plan.pp - 1
+    return max(0, min(plan.pp - 1, -(-stage * plan.pp // node) - 1))
 
 
 def replica_batch(batch: int, dp: int) -> int:
@@ -305,15 +354,23 @@ def _pass(
     kv_bytes: float,
     wdtype: str,
     adtype: str,
+    kinds: tuple[LayerShard, LayerShard] | None = None,
 ) -> float:
     """Seconds of one forward over ``tokens`` on one TP group through the pipeline; records terms
-    under ``phase``.
+    under ``phase``. ``ep_tokens``: tokens the MoE group sees (attention DP: every replica's);
+    ``attention_flops`` and ``kv_bytes`` over all layers, stretched like the layers when the
+    stages are uneven; ``kinds``: :func:`layer_kinds` of the plan, when already known.
     """
-    dense_layer, moe_layer = layer_kinds(cfg, plan)
+    dense_layer, moe_layer = kinds or layer_kinds(cfg, plan)
     n_dense, n_moe = layer_counts(cfg)
+    layers = cfg.num_hidden_layers
+    # every stage charged as the largest: pp x ceil(L/pp) layer-times (L when stages are even)
+    stretch = plan.pp * largest_stage_layers(cfg, plan.pp) / layers
+    n_dense_s, n_moe_s, layers_s = n_dense * stretch, n_moe * stretch, layers * stretch
+    attention_flops, kv_bytes = attention_flops * stretch, kv_bytes * stretch
     h, wb, ab = cfg.hidden_size, DTYPE_BYTES[wdtype], DTYPE_BYTES[adtype]
     head = vocab_shard(cfg, plan.tp) + h
-    always = n_dense * dense_layer.always_read + n_moe * moe_layer.always_read + head
+    always = n_dense_s * dense_layer.always_read + n_moe_s * moe_layer.always_read + head
     expert_read = expert_flops = 0.0
     if cfg.moe is not None and n_moe:
         load = expert_load(cfg.moe, plan, ep_tokens, skew)
@@ -324,15 +381,21 @@ def _pass(
             f"{load.experts_per_rank:g} experts per EP rank × (1 − (1 − p)^T), T = "
             f"{load.tokens:g} tokens, p = min(1, min(skew, ep) × top_k / E) = {load.p_hot:.4g}",
         )
-        expert_read = n_moe * load.distinct_experts * moe_layer.routed_expert
-        expert_flops = n_moe * 2 * moe_layer.routed_expert * load.assignments
+        expert_read = n_moe_s * load.distinct_experts * moe_layer.routed_expert
+        expert_flops = n_moe_s * 2 * moe_layer.routed_expert * load.assignments
+    stages = (
+        ""
+        if stretch == 1
+        else f"; layers × pp·ceil(L/pp)/L = {plan.pp * largest_stage_layers(cfg, plan.pp)}/"
+        f"{layers}: every stage charged as the largest"
+    )
     weight_bytes = t.add(
         f"{phase}.weight_bytes_read",
         (always + expert_read) * wb,
         "bytes",
-        f"(per-device weights of all {cfg.num_hidden_layers} layers, final norm and LM head "
+        f"(per-device weights of all {layers} layers, final norm and LM head "
         f"(V·h/tp); routed experts only where touched) × {wb} B ({wdtype}); the embedding "
-        "table is not read, only B rows of it",
+        f"table is not read, only B rows of it{stages}",
     )
     kv = t.add(f"{phase}.kv_bytes", kv_bytes, "bytes", "KV cache read (decode) or written")
     bw = hw.achievable_bandwidth_bytes_per_s
@@ -355,41 +418,80 @@ def _pass(
     cmp_s = t.add(
         f"{phase}.compute_time_ms", flops / rate * 1e3, "ms", f"FLOPs / {rate:.4g} FLOP/s dense"
     )
+    node = hw.max_devices_per_node
     act = tokens * h * ab
-    tp_s = 2 * cfg.num_hidden_layers * collective_s(hw, act, plan.tp)
-    ep_s = 0.0
-    if plan.ep > 1 and cfg.moe is not None:
-        a2a = tokens * cfg.moe.top_k * h * ab * (plan.ep - 1) / plan.ep
-        ep_s = 2 * n_moe * collective_s(hw, a2a, plan.ep, ring=False)
-    dcp_s = cfg.num_hidden_layers * collective_s(hw, act, plan.dcp)
-    pp_s = (plan.pp - 1) * collective_s(hw, act, 2, ring=False) if plan.pp > 1 else 0.0
+    group = plan.expert_shards
+    gather = cfg.moe is not None and n_moe > 0 and plan.attention_dp and plan.expert_tp > 1
+    # attention DP with experts split by TP: the MoE layers' FFN all-reduce becomes the group's
+    # all-gather + reduce-scatter below
+    tp_reduces = 2 * layers_s - (n_moe_s if gather else 0.0)
+    tp_s = tp_reduces * collective_s(hw, act, plan.tp)
+    ep_s = gather_s = 0.0
+    if gather:
+        gather_s = n_moe_s * collective_s(hw, ep_tokens * h * ab, group, across_nodes=group > node)
+    elif plan.ep > 1 and cfg.moe is not None:
+        ep_s = 2 * n_moe_s * all_to_all_s(hw, tokens * cfg.moe.top_k * h * ab, plan.ep)
+    dcp_s = layers_s * collective_s(hw, act, plan.dcp)
+    cross = pp_inter_node_sends(plan, node)
+    pp_s = 0.0
+    if plan.pp > 1:
+        near = collective_s(hw, act, 2, ring=False)
+        far = collective_s(hw, act, 2, ring=False, across_nodes=True)
+        pp_s = sum(n * t for n, t in ((plan.pp - 1 - cross, near), (cross, far)) if n)
     link = f"over {hw.interconnect} at {hw.interconnect_bandwidth_bytes_per_s:.4g} B/s"
     t.add(
         f"{phase}.tp_allreduce_ms",
         tp_s * 1e3,
         "ms",
-        f"2 per layer × ({tokens}·h·{ab} B × 2(tp−1)/tp / link + "
-        f"{hw.collective_latency_s * 1e6:g} us + (tp−1) × "
-        f"{hw.collective_latency_per_peer_s * 1e6:g} us) {link}",
+        f"{tp_reduces:.10g} all-reduces (2 per layer{'; MoE layers 1' if gather else ''}) × "
+        f"({tokens}·h·{ab} B × 2(tp−1)/tp / link + {hw.collective_latency_s * 1e6:g} us + "
+        f"(tp−1) × {hw.collective_latency_per_peer_s * 1e6:g} us) {link}",
+    )
+    wide = plan.ep > node or group > node
+    inter = (
+        f"; the group spans {-(-max(plan.ep, group) // node)} nodes: off-node share over "
+        f"{hw.inter_node} at {hw.inter_node_bandwidth_bytes_per_s:.4g} B/s, "
+        f"{hw.inter_node_latency_s * 1e6:g} us"
+        if wide
+        else ""
     )
     t.add(
         f"{phase}.ep_alltoall_ms",
         ep_s * 1e3,
         "ms",
-        f"dispatch + combine per MoE layer: {tokens}·top_k·h·{ab} B × (ep−1)/ep / link + latency",
+        f"dispatch + combine per MoE layer: {tokens}·top_k·h·{ab} B × (ep−1)/ep / link + "
+        f"latency{inter if not gather else ''}",
+    )
+    t.add(
+        f"{phase}.moe_gather_ms",
+        gather_s * 1e3,
+        "ms",
+        f"attention DP with experts split by moe_tp = {plan.expert_tp}: per MoE layer an "
+        f"all-gather + reduce-scatter of the group's {ep_tokens:.10g} tokens·h·{ab} B over "
+        f"ep × moe_tp = {group} ranks (a ring all-reduce){inter if gather else ''}"
+        if gather
+        else "none: no MoE group spanning DP replicas with experts split by TP",
     )
     t.add(f"{phase}.dcp_merge_ms", dcp_s * 1e3, "ms", "1 all-reduce of tokens·h per layer")
-    t.add(f"{phase}.pp_send_ms", pp_s * 1e3, "ms", "(pp−1) sends of tokens·h between stages")
-    kernels = step_kernels(cfg)
+    t.add(
+        f"{phase}.pp_send_ms",
+        pp_s * 1e3,
+        "ms",
+        f"(pp−1) sends of tokens·h between stages, {cross} of them between nodes over "
+        f"{hw.inter_node}",
+    )
+    layer_kernels = n_dense_s * DENSE_LAYER_KERNELS + n_moe_s * MOE_LAYER_KERNELS
+    kernels = layer_kernels + STEP_KERNELS
     launch_s = kernels * hw.kernel_overhead_s
     t.add(
         f"{phase}.kernel_overhead_ms",
         launch_s * 1e3,
         "ms",
-        f"{kernels} kernels ({n_dense} dense layers × {DENSE_LAYER_KERNELS} + {n_moe} MoE "
-        f"layers × {MOE_LAYER_KERNELS} + {STEP_KERNELS}) × {hw.kernel_overhead_s * 1e6:g} us",
+        f"{kernels:.10g} kernels ({n_dense} dense layers × {DENSE_LAYER_KERNELS} + {n_moe} MoE "
+        f"layers × {MOE_LAYER_KERNELS}{' stretched' if stretch != 1 else ''} + {STEP_KERNELS}) "
+        f"× {hw.kernel_overhead_s * 1e6:g} us",
     )
-    return max(mem_s, cmp_s) / 1e3 + launch_s + tp_s + ep_s + dcp_s + pp_s
+    return max(mem_s, cmp_s) / 1e3 + launch_s + tp_s + ep_s + gather_s + dcp_s + pp_s
 
 
 def workspace_bytes(
@@ -436,11 +538,12 @@ def estimate(
     act_dtype: str = "bfloat16",
 ) -> Estimate:
     """The roofline estimate of ``plan`` for ``cfg`` on ``hw`` at ``point``; ``weight_dtype``
-    sets weight bytes and matmul rate, ``act_dtype`` activation, communication and KV bytes. ms,
-    bytes, output tokens/s.
+    sets weight bytes and matmul rate, ``act_dtype`` activation and communication bytes and
+    the KV cache's unless ``plan.kv_dtype`` sets it. ms, bytes, output tokens/s.
     """
     t = _Terms()
     B, ctx, isl = point.batch_size, point.context_len, point.isl
+    kv_dtype = plan.kv_dtype or act_dtype
     b = int(
         t.add(
             "decode.replica_batch",
@@ -449,21 +552,48 @@ def estimate(
             f"ceil(B / dp) = ceil({B} / {plan.dp}): the DP replicas share the traffic",
         )
     )
+    r = plan.replicas_per_ep_group
+    group_tokens = t.add(
+        "decode.moe_group_tokens",
+        b * r,
+        "tokens",
+        (
+            f"attention DP: the MoE group of ep × moe_tp = {plan.expert_shards} ranks spans "
+            f"{r} DP replicas; each replica's attention (weights split by tp = {plan.tp}, KV of "
+            f"its own b = {b} sequences) feeds the group's experts b × {r} tokens"
+            if plan.attention_dp
+            else f"b = {b}: the MoE group of {plan.expert_shards} ranks lies inside one replica"
+            if cfg.moe is not None
+            else f"b = {b}: a dense model, no experts"
+        ),
+    )
+    stage = largest_stage_layers(cfg, plan.pp)
+    t.add(
+        "pipeline.largest_stage_layers",
+        stage,
+        "layers",
+        f"ceil(L / pp) = ceil({cfg.num_hidden_layers} / {plan.pp}) (vLLM's split: L // pp a "
+        "stage, the remainder on the stages before the last); it sets the weights and KV per "
+        "device, and every stage of a step is charged as long",
+    )
     wb = DTYPE_BYTES[weight_dtype]
+    kinds = layer_kinds(cfg, plan)
     weights = t.add(
         "memory.weights_per_device",
-        stored_weights_per_device(cfg, plan) * wb,
+        stored_weights_per_device(cfg, plan, kinds) * wb,
         "bytes",
-        f"largest pipeline stage: layers/pp with attention and FFN split by tp, routed experts "
-        f"by max(tp, ep), embedding/LM head by tp (vocab-parallel), norms and router "
-        f"replicated; × {wb} B ({weight_dtype})",
+        f"largest pipeline stage: its layers with attention and FFN split by tp, routed "
+        f"experts by ep × moe_tp = {plan.expert_shards}, embedding (first stage) / LM head "
+        f"(last) by tp (vocab-parallel), norms and router replicated; × {wb} B ({weight_dtype})",
     )
+    kv_token = cfg.kv_bytes_per_token(kv_dtype)
     kv = t.add(
         "memory.kv_per_device",
-        kv_bytes_per_device(cfg, plan, b * ctx, act_dtype),
+        kv_bytes_per_device(cfg, plan, b * ctx, kv_dtype),
         "bytes",
-        f"b × context = {b} × {ctx} tokens × {cfg.kv_bytes_per_token(act_dtype)} B/token × "
-        f"(stage layers / L) / (min(tp, kv heads) × dcp = {kv_shards(cfg, plan)})",
+        f"b × context = {b} × {ctx} tokens × {kv_token} B/token ({kv_dtype_name(kv_dtype)}) × "
+        f"(largest stage {stage} / {cfg.num_hidden_layers} layers) / (min(tp, kv heads) × dcp = "
+        f"{kv_shards(cfg, plan)})",
     )
     work = t.add(
         "memory.workspace_per_device",
@@ -494,7 +624,7 @@ def estimate(
     heads_per_rank = cfg.num_attention_heads / plan.tp
     dqk, dv = _attention_dims(cfg, decode=True)
     decode_attn = b * ctx * cfg.num_hidden_layers * heads_per_rank * 2 * (dqk + dv) / plan.dcp
-    kv_read = decode_kv_bytes(b, ctx, cfg.kv_bytes_per_token(act_dtype) / kv_shards(cfg, plan))
+    kv_read = decode_kv_bytes(b, ctx, kv_token / kv_shards(cfg, plan))
     tpot_s = _pass(
         t,
         "decode",
@@ -503,19 +633,20 @@ def estimate(
         plan,
         tokens=b,
         logit_tokens=b,
-        ep_tokens=b * plan.replicas_per_ep_group,
+        ep_tokens=group_tokens,
         skew=point.expert_load_skew,
         attention_flops=decode_attn,
         kv_bytes=kv_read,
         wdtype=weight_dtype,
         adtype=act_dtype,
+        kinds=kinds,
     )
     tpot_ms = t.add("tpot_ms", tpot_s * 1e3, "ms", "max(memory, compute) + communication")
     tps = t.add("throughput_tokens_per_s", B / tpot_s, "tokens/s", "B / TPOT (all replicas)")
 
     dqk, dv = _attention_dims(cfg, decode=False)
     prefill_attn = cfg.num_hidden_layers * isl * isl * heads_per_rank * (dqk + dv)
-    kv_write = isl * cfg.kv_bytes_per_token(act_dtype) / kv_shards(cfg, plan)
+    kv_write = isl * kv_token / kv_shards(cfg, plan)
     ttft_s = _pass(
         t,
         "prefill",
@@ -530,6 +661,7 @@ def estimate(
         kv_bytes=kv_write,
         wdtype=weight_dtype,
         adtype=act_dtype,
+        kinds=kinds,
     )
     ttft_ms = t.add("ttft_ms", ttft_s * 1e3, "ms", "prefill of one ISL prompt, no queueing")
     return Estimate(

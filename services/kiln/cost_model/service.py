@@ -6,8 +6,10 @@
 - ``workload.hardware.name`` must name a catalogue entry (NOT_FOUND, listing them); ``num_devices``
   0 means the entry's ``max_devices_per_node``, above ``MAX_DEVICES`` is OUT_OF_RANGE.
 - Weight dtype: ``workload.model.dtype``; else FP8 when the config has an FP8
-  ``quantization_config``; else its ``torch_dtype``. Activations and KV cache are BF16 (float32 with
-  float32 weights).
+  ``quantization_config``; else its ``torch_dtype``. Activations are BF16 (float32 with float32
+  weights); the KV cache too, except where Plan picks an FP8 one (``kv_cache_dtype`` and ``note``
+  of the plan say so) or Explain's ``plan.kv_cache_dtype`` names one (a ``ModelSpec.dtype`` name
+  or ``fp8``; anything else is INVALID_ARGUMENT).
 - The operating point is :meth:`kiln.domain.operating_point.OperatingPoint.from_traffic` of
   ``workload.traffic``, no engine caps; a malformed field is INVALID_ARGUMENT, one above its
   limit OUT_OF_RANGE. Plans' ``batch_size`` shows the B used (sequences in flight over all DP
@@ -34,7 +36,7 @@ from google.protobuf import json_format
 from kiln.common.errors import DeadlineExceeded, InvalidArgument, OutOfRange, quote
 from kiln.cost_model.bounds import check_devices, check_plan_degrees
 from kiln.cost_model.hardware import Hardware, get_hardware
-from kiln.cost_model.objective import ServingTargets
+from kiln.cost_model.objective import ServingTargets, lossy_kv
 from kiln.cost_model.planner import (
     ESTIMATE_TIER,
     PlanDeadlineExceeded,
@@ -45,7 +47,7 @@ from kiln.cost_model.planner import (
 )
 from kiln.cost_model.roofline import Estimate
 from kiln.cost_model.serving import serving_terms
-from kiln.cost_model.sharding import Parallelism
+from kiln.cost_model.sharding import FP8, Parallelism
 from kiln.domain.operating_point import (
     OperatingPoint,
     OperatingPointError,
@@ -121,6 +123,19 @@ def _hardware(workload: common_pb2.Workload) -> tuple[Hardware, int]:
     return hw, check_devices(workload.hardware.num_devices) or hw.max_devices_per_node
 
 
+def kv_dtype_of(plan: common_pb2.ParallelismPlan, act_dtype: str) -> str:
+    """The KV dtype an Explain request's plan asks for: "" for the activation dtype (unset or
+    the same), else a ``DTYPE_BYTES`` name (``fp8`` is ``float8_e4m3fn``); InvalidArgument for
+    another."""
+    name = FP8 if plan.kv_cache_dtype == "fp8" else plan.kv_cache_dtype
+    if name and name not in DTYPE_BYTES:
+        raise InvalidArgument(
+            f"plan.kv_cache_dtype {quote(plan.kv_cache_dtype)} is not one of "
+            f"{', '.join(DTYPE_BYTES)}, fp8 or empty (the activation dtype)"
+        )
+    return "" if name == act_dtype else name
+
+
 def targets_of(msg: cost_model_pb2.ServingTargets) -> ServingTargets:
     """The request's targets (defaults for 0); InvalidArgument for a negative or non-finite one."""
     try:
@@ -136,9 +151,11 @@ def to_proto(
     *,
     targets: ServingTargets | None = None,
     pareto: bool = False,
+    kv_dtype: str = "bfloat16",
 ) -> common_pb2.ParallelismPlan:
     """The wire form of an estimate (memory rounded to whole bytes); ``note`` says why its
-    operating point departs from the workload's."""
+    operating point or KV cache departs from the workload's; ``kv_dtype``: the KV dtype of a
+    plan that sets none (the activations')."""
     p = est.plan
     return common_pb2.ParallelismPlan(
         tp=p.tp,
@@ -146,6 +163,8 @@ def to_proto(
         dp=p.dp,
         pp=p.pp,
         dcp=p.dcp,
+        moe_tp=p.moe_tp,
+        kv_cache_dtype=p.kv_dtype or kv_dtype,
         batch_size=est.point.batch_size,
         ttft_ms=est.served_ttft_ms,
         tpot_ms=est.served_tpot_ms,
@@ -273,13 +292,14 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
             plans=[
                 to_proto(
                     e,
-                    note=result.batch_note,
+                    note=result.note(e),
                     targets=targets,
                     pareto=e.plan.label() in result.frontier,
+                    kv_dtype=adtype,
                 )
                 for e in feasible
             ],
-            pruned=[to_proto(e, reason) for e, reason in result.pruned],
+            pruned=[to_proto(e, reason, kv_dtype=adtype) for e, reason in result.pruned],
             hardware_source=hw.source_summary(),
             objective=result.objective,
         )
@@ -290,9 +310,8 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         """Every term of one plan's estimate (degrees of 0 read as 1) and a readable text;
         OutOfRange for a degree above ``MAX_DEVICES`` or a batch above ``MAX_BATCH``."""
         wl, rp = request.workload, request.plan
-        check_plan_degrees(
-            {"tp": rp.tp, "ep": rp.ep, "dp": rp.dp, "pp": rp.pp, "dcp": rp.dcp}, rp.batch_size
-        )
+        degrees = {"tp": rp.tp, "ep": rp.ep, "dp": rp.dp, "pp": rp.pp, "dcp": rp.dcp}
+        check_plan_degrees({**degrees, "moe_tp": rp.moe_tp}, rp.batch_size)
         cfg = parse_model(wl.model)
         hw, n = _hardware(wl)
         wdtype, adtype = dtypes(wl.model, cfg)
@@ -300,7 +319,13 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         if rp.batch_size:
             point = replace(point, batch_size=rp.batch_size)
         plan = Parallelism(
-            tp=rp.tp or 1, ep=rp.ep or 1, dp=rp.dp or 1, pp=rp.pp or 1, dcp=rp.dcp or 1
+            tp=rp.tp or 1,
+            ep=rp.ep or 1,
+            dp=rp.dp or 1,
+            pp=rp.pp or 1,
+            dcp=rp.dcp or 1,
+            moe_tp=rp.moe_tp,
+            kv_dtype=kv_dtype_of(rp, adtype),
         )
         targets = targets_of(request.targets)
         est, reason = evaluate(cfg, hw, point, plan, n, wdtype, adtype)
@@ -310,8 +335,9 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
             cost_model_pb2.Term(name=t.name, value=t.value, unit=t.unit, source=t.source)
             for t in (*est.terms, *serving_terms(est))
         ]
+        lossy = "KV cache in FP8 (lossy), as asked" if lossy_kv(est) else ""
         return cost_model_pb2.ExplainResponse(
-            plan=to_proto(est, reason, targets=targets),
+            plan=to_proto(est, reason, lossy, targets=targets, kv_dtype=adtype),
             terms=terms,
             text=explain_text(est, reason, notes, hw, targets),
         )

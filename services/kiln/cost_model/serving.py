@@ -75,6 +75,7 @@ _FIXED_TERMS = (
     "kernel_overhead_ms",
     "tp_allreduce_ms",
     "ep_alltoall_ms",
+    "moe_gather_ms",
     "dcp_merge_ms",
     "pp_send_ms",
 )

@@ -4,11 +4,23 @@
 - TP splits attention by heads (k, v by ``min(tp, kv_heads)``, replicated beyond), the dense FFN
   by intermediate dim, embedding and LM head by vocabulary; norms and router are replicated. MLA
   replicates the down projections and the latent cache, splits the up projections by heads.
-- EP splits routed experts over ``max(tp, ep)`` devices (``ep < tp`` splits each expert by
-  ``tp / ep``); shared experts split by ``tp``.
-- PP: ``L / pp`` consecutive layers a stage; the embedding on the first, final norm and LM head
-  on the last (a tied head copied when ``pp > 1``).
+- The MoE group: one layer's routed experts are spread over ``ep x moe_tp`` devices, ``ep`` ways
+  by expert and ``moe_tp`` ways inside each expert. By default ``moe_tp = tp / ep`` when
+  ``ep < tp`` (each expert split inside the TP group), else 1, so the group is ``max(tp, ep)``.
+  Shared experts split by ``tp``.
+- Attention DP: when the MoE group is wider than ``tp`` it spans ``ep x moe_tp / tp`` DP
+  replicas. Attention (and the dense FFN, shared experts, embedding and head) stays per replica:
+  replicated over the replicas, split by ``tp`` inside one, each replica holding the KV cache of
+  its own ``ceil(B / dp)`` sequences; the routed experts are split over the whole group, which
+  sees every replica's tokens (SGLang ``--enable-dp-attention``, vLLM DP + EP; ``moe_tp`` above
+  the default is SGLang's MoE TP over ``tp_size = tp x dp`` and vLLM's DP without EP).
+- PP: vLLM's split (``get_pp_indices``): ``L // pp`` consecutive layers a stage, the remainder
+  one each to the stages before the last, the second-to-last first, so stages hold
+  ``ceil(L / pp)`` or ``floor(L / pp)`` layers (DeepSeek-V3's 61 over pp=2: 31 and 30); the
+  embedding on the first, final norm and LM head on the last (a tied head copied when
+  ``pp > 1``). The largest stage sets a device's weights and KV cache.
 - DP replicates the tp x pp model; DCP splits replicated KV along the sequence.
+- KV dtype: the plan's ``kv_dtype`` (an FP8 cache halves a BF16 one), else the activations'.
 
 A plan uses ``tp x pp x dp`` devices. Element counts are floats: an indivisible plan is still
 costed, then pruned.
@@ -17,19 +29,32 @@ costed, then pruned.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kiln.workloads.config import ModelConfig, MoEConfig
+
+FP8 = "float8_e4m3fn"
+"""The FP8 dtype an FP8 KV cache (and FP8 weights) use."""
 
 
 @dataclass(frozen=True)
 class Parallelism:
-    """A parallelism plan: degrees of TP, EP, DP, PP and DCP (each ≥ 1)."""
+    """A parallelism plan: degrees of TP, EP, DP, PP and DCP (each ≥ 1), the TP degree inside
+    one routed expert ``moe_tp`` (0: the default, see :attr:`expert_tp`) and the KV-cache dtype
+    ``kv_dtype`` ("": the activation dtype). ``moe_tp`` equal to the default reads as 0.
+    """
 
     tp: int = 1
     ep: int = 1
     dp: int = 1
     pp: int = 1
     dcp: int = 1
+    moe_tp: int = 0
+    kv_dtype: str = ""
+
+    def __post_init__(self) -> None:
+        if self.moe_tp and self.moe_tp == self.default_moe_tp:
+            object.__setattr__(self, "moe_tp", 0)
 
     @property
     def devices(self) -> int:
@@ -37,23 +62,45 @@ class Parallelism:
         return self.tp * self.pp * self.dp
 
     @property
-    def expert_shards(self) -> int:
-        """Devices one layer's routed experts are spread over: max(tp, ep)."""
-        return max(self.tp, self.ep)
+    def default_moe_tp(self) -> int:
+        """TP inside one expert when ``moe_tp`` is unset: tp / ep when ep < tp, else 1."""
+        return max(1, self.tp // max(1, self.ep))
 
     @property
     def expert_tp(self) -> int:
-        """TP degree inside one expert: tp / ep when ep < tp, else 1."""
-        return max(1, self.tp // self.ep)
+        """TP degree inside one routed expert: ``moe_tp``, else :attr:`default_moe_tp`."""
+        return self.moe_tp or self.default_moe_tp
+
+    @property
+    def expert_shards(self) -> int:
+        """Devices one layer's routed experts are spread over (the MoE group): ep × moe_tp, by
+        default max(tp, ep)."""
+        return self.ep * self.moe_tp if self.moe_tp else max(self.tp, self.ep)
 
     @property
     def replicas_per_ep_group(self) -> int:
-        """DP replicas whose tokens meet in one EP group: ep / tp when ep > tp, else 1."""
-        return max(1, self.ep // self.tp)
+        """DP replicas whose tokens meet in one MoE group: (ep × moe_tp) / tp, at least 1."""
+        return max(1, self.expert_shards // max(1, self.tp))
+
+    @property
+    def attention_dp(self) -> bool:
+        """Whether the MoE group spans DP replicas (attention per replica, experts over all)."""
+        return self.replicas_per_ep_group > 1
 
     def label(self) -> str:
-        """Short name, e.g. ``tp8 ep8 dp1 pp1 dcp1``."""
-        return f"tp{self.tp} ep{self.ep} dp{self.dp} pp{self.pp} dcp{self.dcp}"
+        """Short name, e.g. ``tp8 ep8 dp1 pp1 dcp1`` (``etp4`` for a ``moe_tp`` set, ``kv fp8``
+        for an FP8 KV cache)."""
+        out = f"tp{self.tp} ep{self.ep} dp{self.dp} pp{self.pp} dcp{self.dcp}"
+        if self.moe_tp:
+            out += f" etp{self.moe_tp}"
+        if self.kv_dtype:
+            out += f" kv {kv_dtype_name(self.kv_dtype)}"
+        return out
+
+
+def kv_dtype_name(dtype: str) -> str:
+    """The short name engines use for a KV dtype: ``fp8`` for FP8, else the dtype."""
+    return "fp8" if dtype.startswith("float8") else dtype
 
 
 @dataclass(frozen=True)
@@ -136,24 +183,34 @@ def vocab_shard(cfg: ModelConfig, tp: int) -> float:
 
 
 def stage_layers(cfg: ModelConfig, pp: int, stage: int) -> range:
-    """Layers of pipeline stage ``stage`` (0-based); the last takes the remainder."""
-    per = cfg.num_hidden_layers // pp
-    end = cfg.num_hidden_layers if stage == pp - 1 else (stage + 1) * per
-    return range(stage * per, end)
+    """Layers of pipeline stage ``stage`` (0-based), as vLLM's ``get_pp_indices`` splits them:
+    ``L // pp`` each, the remainder one more each on stages ``pp-1-r .. pp-2`` (r = L mod pp; the
+    last stage, which holds the head, never takes one)."""
+    return _stage_range(cfg.num_hidden_layers, pp, stage)
 
 
-def stored_weights_per_device(cfg: ModelConfig, plan: Parallelism) -> float:
-    """Weights the most loaded device stores, elements (largest stage, plus embedding or head)."""
-    dense, moe = layer_kinds(cfg, plan)
+def _stage_range(layers: int, pp: int, stage: int) -> range:
+    base, extra = divmod(layers, pp)
+    first_big = pp - 1 - extra
+    start = stage * base + max(0, stage - first_big)
+    return range(start, start + base + (1 if first_big <= stage < pp - 1 else 0))
+
+
+def largest_stage_layers(cfg: ModelConfig, pp: int) -> int:
+    """Layers of the largest pipeline stage: ``ceil(L / pp)`` (1 when pp > L)."""
+    return -(-cfg.num_hidden_layers // max(1, pp))
+
+
+def stored_weights_per_device(
+    cfg: ModelConfig, plan: Parallelism, kinds: tuple[LayerShard, LayerShard] | None = None
+) -> float:
+    """Weights the most loaded device stores, elements (largest stage, plus embedding or head);
+    ``kinds``: :func:`layer_kinds` of the plan, when already known."""
+    dense, moe = kinds or layer_kinds(cfg, plan)
+    dense_layers = cfg.moe.dense_layers if cfg.moe is not None else None
     best = 0.0
-    # With more stages than layers, every stage but the last is empty: only the first (the
-    # embedding) and the last (every layer, the head) can be the most loaded; O(1), not O(pp).
-    some = cfg.num_hidden_layers // plan.pp
-    for stage in range(plan.pp) if some else sorted({0, plan.pp - 1}):
-        layers = stage_layers(cfg, plan.pp, stage)
-        n_moe = cfg.moe_layers_in(layers)
-        total = n_moe * moe.stored + (len(layers) - n_moe) * dense.stored
-        first, last = stage == 0, stage == plan.pp - 1
+    for size, n_moe, first, last in _stage_profiles(cfg.num_hidden_layers, dense_layers, plan.pp):
+        total = n_moe * moe.stored + (size - n_moe) * dense.stored
         if first:
             total += vocab_shard(cfg, plan.tp)
         if last:
@@ -164,6 +221,22 @@ def stored_weights_per_device(cfg: ModelConfig, plan: Parallelism) -> float:
     return best
 
 
+@lru_cache(maxsize=1024)
+def _stage_profiles(
+    layers: int, dense_layers: tuple[int, ...] | None, pp: int
+) -> tuple[tuple[int, int, bool, bool], ...]:
+    """The distinct (layers, MoE layers, first, last) of the ``pp`` stages of a model of
+    ``layers`` layers whose dense ones are ``dense_layers`` (None: no MoE), so a plan costs
+    O(distinct stages), not O(pp), once the split is known."""
+    dense = frozenset(dense_layers or ())
+    out = set()
+    for stage in range(pp):
+        span = _stage_range(layers, pp, stage)
+        n_moe = 0 if dense_layers is None else sum(i not in dense for i in span)
+        out.add((len(span), n_moe, stage == 0, stage == pp - 1))
+    return tuple(sorted(out))
+
+
 def layer_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(dense layers, MoE layers) of the whole model."""
     moe = cfg.moe_layers_in(range(cfg.num_hidden_layers))
@@ -172,8 +245,14 @@ def layer_counts(cfg: ModelConfig) -> tuple[int, int]:
 
 def layer_kinds(cfg: ModelConfig, plan: Parallelism) -> tuple[LayerShard, LayerShard]:
     """(dense layer shard, MoE layer shard) on one device; the absent kind is all zeros."""
-    dense = next((i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)), None)
-    moe = next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)), None)
+    dense: int | None = 0
+    moe: int | None = None
+    if cfg.moe is not None:  # the first layer of each kind, without a walk over all layers
+        listed = cfg.moe.dense_layers
+        dense = min(listed) if listed else None
+        moe = next(i for i in range(len(listed) + 1) if cfg.is_moe_layer(i))
+        if moe >= cfg.num_hidden_layers:
+            moe = None
     empty = LayerShard(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     return (
         empty if dense is None else layer_shard(cfg, dense, plan),
@@ -199,10 +278,9 @@ def kv_shards(cfg: ModelConfig, plan: Parallelism) -> int:
 def kv_bytes_per_device(
     cfg: ModelConfig, plan: Parallelism, tokens: int, kv_dtype: str = "bfloat16"
 ) -> float:
-    """KV-cache bytes one device holds for ``tokens`` cached tokens (batch x context)."""
-    per = cfg.num_hidden_layers // plan.pp  # every stage but the last; the last the rest
-    stage = max(per, cfg.num_hidden_layers - (plan.pp - 1) * per)
-    fraction = stage / cfg.num_hidden_layers
+    """KV-cache bytes one device holds for ``tokens`` cached tokens (its replica's batch x
+    context) in ``kv_dtype``, over the largest stage's ``ceil(L / pp)`` layers."""
+    fraction = largest_stage_layers(cfg, plan.pp) / cfg.num_hidden_layers
     return tokens * cfg.kv_bytes_per_token(kv_dtype) * fraction / kv_shards(cfg, plan)
 
 

@@ -56,8 +56,8 @@ class ServingLaunch:
         max_batched_tokens: :data:`MAX_BATCHED_TOKENS`, or ``max_model_len`` when shorter, but
             never below ``max_num_seqs`` (a decode step of the full batch must fit).
         cuda_graph_sizes: decode batch sizes to capture, :func:`cuda_graph_sizes`.
-        kv_cache_dtype: "auto" (the model's dtype: the cost model prices a BF16 KV cache and the
-            workload has no KV dtype) or "fp8" (a caller's ``dataclasses.replace``).
+        kv_cache_dtype: "fp8" where the plan's ``kv_cache_dtype`` is an FP8 dtype (the cost
+            model chose an FP8 cache), else "auto" (the model's dtype).
         quantization: "fp8" for an FP8 checkpoint (``quantization_config.quant_method``) or an
             FP8 ``workload.model.dtype``; None otherwise.
         notes: the plan's own note (why its operating point departs from the workload's).
@@ -163,7 +163,7 @@ def launch_of(
         max_model_len=length,
         max_batched_tokens=max(min(MAX_BATCHED_TOKENS, length), max_seqs),
         cuda_graph_sizes=cuda_graph_sizes(max_seqs),
-        kv_cache_dtype="auto",
+        kv_cache_dtype="fp8" if plan.kv_cache_dtype.startswith("float8") else "auto",
         quantization="fp8" if fp8 else None,
         gpu_memory_fraction=GPU_MEMORY_FRACTION,
         tpot_ms=plan.tpot_ms,

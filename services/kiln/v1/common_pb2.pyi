@@ -723,6 +723,8 @@ class ParallelismPlan(_message.Message):
     THROUGHPUT_PER_DEVICE_FIELD_NUMBER: _builtins.int
     TTFT_P90_MS_FIELD_NUMBER: _builtins.int
     TPOT_P90_MS_FIELD_NUMBER: _builtins.int
+    MOE_TP_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     tp: _builtins.int
     ep: _builtins.int
     dp: _builtins.int
@@ -756,6 +758,16 @@ class ParallelismPlan(_message.Message):
     ttft_p90_ms: _builtins.float
     """The serving model's 90th percentiles, ms (0 where it did not run)."""
     tpot_p90_ms: _builtins.float
+    moe_tp: _builtins.int
+    """TP degree inside one routed expert; 0: the default (tp / ep when ep < tp, else 1). Above the
+    default the MoE group ep x moe_tp spans DP replicas: attention DP with MoE TP (SGLang
+    --enable-dp-attention without a full --ep-size, vLLM DP without expert parallelism).
+    """
+    kv_cache_dtype: _builtins.str
+    """KV-cache dtype, a ModelSpec.dtype name ("bfloat16", "float8_e4m3fn", ...); empty in a
+    request: the activation dtype. FP8 halves the KV bytes and is lossy: the planner picks it
+    only where a BF16 cache does not fit or meet the targets, and says why in note.
+    """
     def __init__(
         self,
         *,
@@ -778,10 +790,12 @@ class ParallelismPlan(_message.Message):
         throughput_per_device: _builtins.float = ...,
         ttft_p90_ms: _builtins.float = ...,
         tpot_p90_ms: _builtins.float = ...,
+        moe_tp: _builtins.int = ...,
+        kv_cache_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "dcp", b"dcp", "dp", b"dp", "ep", b"ep", "estimate_tier", b"estimate_tier", "feasible", b"feasible", "infeasible_reason", b"infeasible_reason", "meets_targets", b"meets_targets", "memory_bytes_per_device", b"memory_bytes_per_device", "note", b"note", "pareto_optimal", b"pareto_optimal", "pp", b"pp", "throughput_per_device", b"throughput_per_device", "throughput_tokens_per_s", b"throughput_tokens_per_s", "tp", b"tp", "tpot_ms", b"tpot_ms", "tpot_p90_ms", b"tpot_p90_ms", "ttft_ms", b"ttft_ms", "ttft_p90_ms", b"ttft_p90_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "dcp", b"dcp", "dp", b"dp", "ep", b"ep", "estimate_tier", b"estimate_tier", "feasible", b"feasible", "infeasible_reason", b"infeasible_reason", "kv_cache_dtype", b"kv_cache_dtype", "meets_targets", b"meets_targets", "memory_bytes_per_device", b"memory_bytes_per_device", "moe_tp", b"moe_tp", "note", b"note", "pareto_optimal", b"pareto_optimal", "pp", b"pp", "throughput_per_device", b"throughput_per_device", "throughput_tokens_per_s", b"throughput_tokens_per_s", "tp", b"tp", "tpot_ms", b"tpot_ms", "tpot_p90_ms", b"tpot_p90_ms", "ttft_ms", b"ttft_ms", "ttft_p90_ms", b"ttft_p90_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
