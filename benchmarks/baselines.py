@@ -41,7 +41,7 @@ from kiln.baselines.harness import (
 from kiln.baselines.result import BaselineResult
 from kiln.baselines.runner import run_named
 from kiln.baselines.table import bandwidth_limit
-from kiln.cost_model.roofline import weights_read_bytes
+from kiln.cost_model.step_bytes import weights_read_bytes
 from kiln.domain.baselines import BASELINE_NAMES, parse_names
 from kiln.workloads.config import DTYPE_BYTES, load_config
 

@@ -8,7 +8,7 @@ engine pool measures experiments (checked against the reference, timed, a timed 
 and prints decode tokens/s with the fraction of the memory-bandwidth limit: the engine's weights
 bytes (including the LM head) read once per step plus the KV cache of every sequence at the
 measured batch and context over the layers held
-(:func:`kiln.cost_model.roofline.decode_step_bytes`), at ``--bandwidth`` (default 4.26 TB/s,
+(:func:`kiln.cost_model.step_bytes.decode_step_bytes`), at ``--bandwidth`` (default 4.26 TB/s,
 the H200's measured device-to-device copy rate, tool library H200 notes). On CPU only the
 candidates that run there are measured.
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from engine_hot_reload import MODEL, TRACE, request_for, workload
 
-from kiln.cost_model.roofline import (
+from kiln.cost_model.step_bytes import (
     DecodeStepBytes,
     decode_step_bytes,
     held_kv_bytes_per_token,
@@ -94,7 +94,7 @@ def candidates(
 
 def step_bytes(spec: EngineSpec, weights: int, batch: int = 0, context: int = 0) -> DecodeStepBytes:
     """What one decode step of ``spec``'s engine reads: the ``weights`` bytes it holds that a
-    step reads (:func:`~kiln.cost_model.roofline.weights_read_bytes`) plus the KV cache
+    step reads (:func:`~kiln.cost_model.step_bytes.weights_read_bytes`) plus the KV cache
     (``spec.dtype``, ``spec.layers`` held) of ``batch`` sequences at ``context`` tokens
     (0: the spec's; a measurement says where it was measured)."""
     config, batch = spec.model_config(), batch or spec.batch_size

@@ -15,7 +15,7 @@ The difference between the step and the sum of the families is what the chain co
 kernels (the embedding, the cache-length update, gaps between different kernels). A step's
 "of limit" is its time over the bandwidth limit's: the weights once plus the bf16 KV cache of
 ``--batch`` sequences at ``--context`` tokens, at ``--bandwidth``
-(:func:`kiln.cost_model.roofline.decode_step_bytes`).
+(:func:`kiln.cost_model.step_bytes.decode_step_bytes`).
 
     python3 benchmarks/fused_decode_profile.py --json out.json
 """
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kiln.cost_model.roofline import decode_step_bytes, weights_read_bytes
+from kiln.cost_model.step_bytes import decode_step_bytes, weights_read_bytes
 from kiln.runtime.fused_decode import FusedDecode
 from kiln.workloads.config import load_config
 from kiln.workloads.models import build_model

@@ -1,6 +1,6 @@
 """The honest bandwidth limit (issue 10, item 6): a decode step's bytes are the weights once
 plus the KV cache of every sequence at the measured context (one definition,
-kiln.cost_model.roofline.decode_step_bytes, shared with the roofline estimate); the table's
+kiln.cost_model.step_bytes.decode_step_bytes, shared with the roofline estimate); the table's
 limit, its description and every "% of limit" use it, and old events without a context fall
 back to the weights alone and say so."""
 
@@ -15,13 +15,13 @@ from rich.console import Console
 from kiln.baselines.table import Comparison, bandwidth_limit
 from kiln.cli.compile_view import comparison_limit, comparison_table
 from kiln.cost_model.hardware import get_hardware
-from kiln.cost_model.roofline import (
+from kiln.cost_model.roofline import estimate
+from kiln.cost_model.sharding import Parallelism
+from kiln.cost_model.step_bytes import (
     decode_kv_bytes,
     decode_step_bytes,
-    estimate,
     held_kv_bytes_per_token,
 )
-from kiln.cost_model.sharding import Parallelism
 from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.domain.operating_point import OperatingPoint
 from kiln.events.registry import validate_event
@@ -232,7 +232,7 @@ def test_baseline_compared_takes_a_context_and_reads_old_events() -> None:
 
 # ------------------------------------------------------------------ MoE: the experts read
 def test_expected_experts_read_by_batch_and_skew() -> None:
-    from kiln.cost_model.roofline import expected_experts_read
+    from kiln.cost_model.step_bytes import expected_experts_read
     from kiln.workloads.traffic.experts import zipf_shares
 
     assert expected_experts_read(128, 8, 1) == pytest.approx(8.0)  # one token: its top-8
@@ -246,7 +246,7 @@ def test_expected_experts_read_by_batch_and_skew() -> None:
 def test_moe_limit_counts_only_the_experts_the_routing_reads() -> None:
     """Qwen3-30B-A3B holds 48 layers x 128 experts; at batch 1 a step reads 8 of them a layer:
     the limit's weights are the rest of the model plus those 8, not all 61 GB."""
-    from kiln.cost_model.roofline import moe_unread_expert_bytes
+    from kiln.cost_model.step_bytes import moe_unread_expert_bytes
 
     raw = {
         "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,

@@ -26,10 +26,11 @@ from pathlib import Path
 import pytest
 
 from kiln.common.errors import InvalidArgument
+from kiln.cost_model.communication import all_to_all_s
 from kiln.cost_model.hardware import get_hardware
 from kiln.cost_model.objective import ServingTargets
 from kiln.cost_model.planner import candidate_plans, plan_workload, static_reasons
-from kiln.cost_model.roofline import all_to_all_s, estimate
+from kiln.cost_model.roofline import estimate
 from kiln.cost_model.service import CostModelServicer
 from kiln.cost_model.sharding import (
     FP8,

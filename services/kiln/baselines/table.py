@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.cost_model.roofline import DecodeStepBytes, decode_step_bytes, held_kv_bytes_per_token
+from kiln.cost_model.step_bytes import DecodeStepBytes, decode_step_bytes, held_kv_bytes_per_token
 from kiln.domain.baselines import BASELINE_CANDIDATE_PREFIX, BASELINE_NAMES
 from kiln.workloads.config import DTYPE_BYTES, ModelConfig
 
@@ -212,7 +212,7 @@ def _weights_read(
     config: ModelConfig, held: int, batch: int, layers: int, dtype: str, zipf: float
 ) -> tuple[int, str]:
     """(weight bytes a step reads, what was left out) of an engine holding ``held`` bytes."""
-    from kiln.cost_model.roofline import expected_experts_read, weights_read_bytes
+    from kiln.cost_model.step_bytes import expected_experts_read, weights_read_bytes
     from kiln.workloads.traffic.experts import zipf_shares
 
     size = DTYPE_BYTES.get(dtype or config.torch_dtype, 2)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kiln.cost_model.roofline import Estimate
+from kiln.cost_model.estimate import Estimate
 
 DEFAULT_TPOT_MS = 50.0
 """kiln's default TPOT target, ms: 20 output tokens/s per user, faster than people read."""

@@ -30,9 +30,10 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
+from kiln.cost_model.estimate import Estimate
 from kiln.cost_model.hardware import Hardware
 from kiln.cost_model.objective import DEFAULT_TARGETS, ServingTargets, frontier, rank
-from kiln.cost_model.roofline import Estimate, estimate
+from kiln.cost_model.roofline import estimate
 from kiln.cost_model.serving import serve
 from kiln.cost_model.sharding import FP8, Parallelism, kv_heads_for_sharding, kv_replication
 from kiln.domain.operating_point import OperatingPoint

@@ -31,11 +31,8 @@ counted; an FP8 KV cache is read at its own bytes and computed on as BF16.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
-
+from kiln.cost_model.communication import all_to_all_s, collective_s, pp_inter_node_sends
+from kiln.cost_model.estimate import Estimate, Terms
 from kiln.cost_model.hardware import Hardware
 from kiln.cost_model.sharding import (
     LayerShard,
@@ -47,9 +44,11 @@ from kiln.cost_model.sharding import (
     largest_stage_layers,
     layer_counts,
     layer_kinds,
+    replica_batch,
     stored_weights_per_device,
     vocab_shard,
 )
+from kiln.cost_model.step_bytes import decode_kv_bytes
 from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.config import DTYPE_BYTES, ModelConfig
 
@@ -69,260 +68,6 @@ vLLM's and SGLang's chunked-prefill budgets).
 """
 
 
-@dataclass(frozen=True)
-class DecodeStepBytes:
-    """Bytes one decode step reads: ``weights`` (once per step), ``kv`` (0 when ``context`` is 0,
-    unknown) at ``batch`` and ``kv_bytes_per_token`` over the layers held.
-    """
-
-    weights: float
-    kv: float
-    batch: int
-    context: int
-    kv_bytes_per_token: float
-
-    @property
-    def total(self) -> float:
-        """``weights + kv``, bytes per decode step."""
-        return self.weights + self.kv
-
-    def limit_tokens_per_s(self, bandwidth_bytes_per_s: float) -> float:
-        """``batch x bandwidth / (weights + kv)`` tokens/s (0 when no bytes are read)."""
-        return self.batch * bandwidth_bytes_per_s / self.total if self.total > 0 else 0.0
-
-
-def decode_kv_bytes(batch: int, context: int, kv_bytes_per_token: float) -> float:
-    """``batch x context x kv_bytes_per_token``: KV-cache bytes one decode step reads."""
-    return float(batch * context * kv_bytes_per_token)
-
-
-def decode_step_bytes(
-    weights_bytes: float, batch: int, context: int, kv_bytes_per_token: float
-) -> DecodeStepBytes:
-    """The weights once plus :func:`decode_kv_bytes`; ``context`` 0 gives the weights alone."""
-    kv = decode_kv_bytes(batch, context, kv_bytes_per_token)
-    return DecodeStepBytes(float(weights_bytes), kv, batch, context, float(kv_bytes_per_token))
-
-
-def expected_experts_read(
-    num_experts: int, top_k: int, batch: int, shares: Sequence[float] | None = None
-) -> float:
-    """Expected distinct experts one MoE layer reads for ``batch`` independent tokens:
-    ``sum_e 1 - (1 - min(1, top_k x share_e)) ** batch``, shares uniform when None.
-    """
-    probs = shares if shares is not None else [1.0 / num_experts] * num_experts
-    return math.fsum(1.0 - (1.0 - min(1.0, top_k * p)) ** batch for p in probs)
-
-
-def moe_unread_expert_bytes(
-    cfg: ModelConfig,
-    dtype_bytes: int,
-    batch: int,
-    *,
-    layers: int = 0,
-    shares: Sequence[float] | None = None,
-) -> float:
-    """Bytes of routed experts a step at ``batch`` is expected not to read over the first
-    ``layers`` layers (0: all); 0 for a dense model.
-    """
-    m = cfg.moe
-    if m is None:
-        return 0.0
-    held = layers if 0 < layers < cfg.num_hidden_layers else cfg.num_hidden_layers
-    moe_layers = cfg.moe_layers_in(range(held))
-    expert = 3 * cfg.hidden_size * m.intermediate_size * dtype_bytes
-    unread = m.num_experts - expected_experts_read(m.num_experts, m.top_k, batch, shares)
-    return moe_layers * max(0.0, unread) * expert
-
-
-def weights_read_bytes(
-    cfg: ModelConfig,
-    held_bytes: float,
-    dtype_bytes: int,
-    batch: int,
-    *,
-    layers: int = 0,
-    shares: Sequence[float] | None = None,
-) -> float:
-    """Weight bytes a step at ``batch`` reads of ``held_bytes``: all but an untied embedding
-    table and the experts expected untouched (first ``layers`` layers, 0: all).
-    """
-    unread = moe_unread_expert_bytes(cfg, dtype_bytes, batch, layers=layers, shares=shares)
-    if not cfg.tie_word_embeddings:
-        unread += (cfg.vocab_size - batch) * cfg.hidden_size * dtype_bytes
-    return max(0.0, held_bytes - unread)
-
-
-def held_kv_bytes_per_token(cfg: ModelConfig, dtype: str, layers: int = 0) -> int:
-    """KV bytes of one token in ``dtype`` over the first ``layers`` layers (0 or too many: all)."""
-    if 0 < layers < cfg.num_hidden_layers:
-        cfg = cfg.with_layers(layers)
-    return cfg.kv_bytes_per_token(dtype)
-
-
-class ServingFigures(Protocol):
-    """What an estimate keeps of the serving model (``serving.ServingStats``)."""
-
-    @property
-    def tokens_per_s(self) -> float: ...
-    @property
-    def ttft_p50_ms(self) -> float: ...
-    @property
-    def ttft_p90_ms(self) -> float: ...
-    @property
-    def tpot_p50_ms(self) -> float: ...
-    @property
-    def tpot_p90_ms(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class Term:
-    """One number of an estimate: its name, value, unit and the formula or source behind it."""
-
-    name: str
-    value: float
-    unit: str
-    source: str
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """A plan's roofline estimate at an operating point: bytes per device (weights, KV of b x
-    context tokens of its replica, workspace; on the most loaded device), ``tpot_ms``, ``ttft_ms``
-    (one ISL prompt), ``throughput_tokens_per_s`` (B / TPOT) and every intermediate
-    :class:`Term`.
-    """
-
-    plan: Parallelism
-    point: OperatingPoint
-    hardware: str
-    weight_bytes_per_device: float
-    kv_bytes_per_device: float
-    workspace_bytes_per_device: float
-    tpot_ms: float
-    ttft_ms: float
-    throughput_tokens_per_s: float
-    terms: tuple[Term, ...]
-    overhead_bytes_per_device: float = 0.0
-    """The CUDA-graph pool and the device's reserved bytes (context, libraries, NCCL)."""
-    serving: ServingFigures | None = None
-    """The serving model's figures (:mod:`kiln.cost_model.serving`) where it ran."""
-
-    @property
-    def served_tpot_ms(self) -> float:
-        """TPOT the plan is judged by: the serving model's median, else the step's."""
-        return self.serving.tpot_p50_ms if self.serving else self.tpot_ms
-
-    @property
-    def served_ttft_ms(self) -> float:
-        """TTFT the plan is judged by: the serving model's median, else one prompt alone."""
-        return self.serving.ttft_p50_ms if self.serving else self.ttft_ms
-
-    @property
-    def served_tokens_per_s(self) -> float:
-        """Output tokens/s of the whole plan: the serving model's replica of b users scaled to
-        the plan's B users, else B / TPOT."""
-        if self.serving:
-            b = replica_batch(self.point.batch_size, self.plan.dp)
-            return self.serving.tokens_per_s * self.point.batch_size / b
-        return self.throughput_tokens_per_s
-
-    @property
-    def served_per_device(self) -> float:
-        """:attr:`served_tokens_per_s` per occupied device."""
-        return self.served_tokens_per_s / self.plan.devices
-
-    @property
-    def memory_bytes_per_device(self) -> float:
-        """Weights + KV cache + workspace + CUDA-graph pool + reserved on the most loaded
-        device, bytes."""
-        return (
-            self.weight_bytes_per_device
-            + self.kv_bytes_per_device
-            + self.workspace_bytes_per_device
-            + self.overhead_bytes_per_device
-        )
-
-    @property
-    def throughput_per_device(self) -> float:
-        """Output tokens/s per occupied device: B / TPOT / (tp × pp × dp)."""
-        return self.point.batch_size / (self.tpot_ms / 1e3) / self.plan.devices
-
-    def term(self, name: str) -> Term:
-        """The term called ``name`` (KeyError if absent)."""
-        for t in self.terms:
-            if t.name == name:
-                return t
-        raise KeyError(name)
-
-
-class _Terms:
-    """Collects terms in order; ``add`` returns the value."""
-
-    def __init__(self) -> None:
-        self.items: list[Term] = []
-
-    def add(self, name: str, value: float, unit: str, source: str) -> float:
-        self.items.append(Term(name, float(value), unit, source))
-        return value
-
-
-def collective_s(
-    hw: Hardware, nbytes: float, ranks: int, ring: bool = True, *, across_nodes: bool = False
-) -> float:
-    """Seconds for one collective of ``nbytes`` per device over ``ranks`` (ring all-reduce, or
-    ``nbytes / link + latency`` with ``ring=False``); 0 for one rank, inf without an
-    interconnect. ``across_nodes``: over the inter-node link at its latency (the in-node link
-    where the catalogue has none).
-    """
-    if ranks <= 1:
-        return 0.0
-    link, latency = hw.interconnect_bandwidth_bytes_per_s, hw.collective_latency_s
-    if across_nodes and hw.inter_node_bandwidth_bytes_per_s > 0:
-        link, latency = hw.inter_node_bandwidth_bytes_per_s, hw.inter_node_latency_s
-    if link <= 0:
-        return float("inf")
-    factor = 2 * (ranks - 1) / ranks if ring else 1.0
-    return nbytes * factor / link + latency + (ranks - 1) * hw.collective_latency_per_peer_s
-
-
-def all_to_all_s(hw: Hardware, nbytes: float, ranks: int) -> float:
-    """Seconds for one all-to-all over ``ranks`` in which each rank sends ``nbytes`` spread
-    evenly over the ranks (its own share stays). Inside a node: ``nbytes (n-1)/n / link +
-    latency + (n-1) x per-peer latency``. Over ``n > node`` ranks the in-node share ``(node-1)/n``
-    goes over the in-node link while the off-node share ``(n-node)/n`` goes over the inter-node
-    link, ``max`` of the two, plus the inter-node latency and the per-peer latencies; inf
-    without an inter-node link.
-    """
-    if ranks <= 1:
-        return 0.0
-    node = hw.max_devices_per_node
-    if ranks <= node:
-        return collective_s(hw, nbytes * (ranks - 1) / ranks, ranks, ring=False)
-    inter, intra = hw.inter_node_bandwidth_bytes_per_s, hw.interconnect_bandwidth_bytes_per_s
-    if inter <= 0 or intra <= 0:
-        return float("inf")
-    wire = max(nbytes * (node - 1) / ranks / intra, nbytes * (ranks - node) / ranks / inter)
-    return wire + hw.inter_node_latency_s + (ranks - 1) * hw.collective_latency_per_peer_s
-
-
-def pp_inter_node_sends(plan: Parallelism, node: int) -> int:
-    """Of the ``pp - 1`` sends between stages, those crossing nodes, ranks laid out TP first,
-    then DP, then PP (Megatron's order; a stage's tp x dp ranks together): all of them when a
-    stage fills a node, else ``tp x dp x pp / node - 1``."""
-    if plan.pp <= 1:
-        return 0
-    stage = plan.tp * plan.dp
-    if stage >= node:
-        return plan.pp - 1
-    return max(0, min(plan.pp - 1, -(-stage * plan.pp // node) - 1))
-
-
-def replica_batch(batch: int, dp: int) -> int:
-    """Sequences one of ``dp`` replicas decodes when they share ``batch``: ceil(batch / dp)."""
-    return max(1, -(-batch // max(1, dp)))
-
-
 def step_kernels(cfg: ModelConfig) -> int:
     """Kernels of one forward step (see the module docs)."""
     n_dense, n_moe = layer_counts(cfg)
@@ -340,7 +85,7 @@ def _attention_dims(cfg: ModelConfig, decode: bool) -> tuple[int, int]:
 
 
 def _pass(
-    t: _Terms,
+    t: Terms,
     phase: str,
     cfg: ModelConfig,
     hw: Hardware,
@@ -541,7 +286,7 @@ def estimate(
     sets weight bytes and matmul rate, ``act_dtype`` activation and communication bytes and
     the KV cache's unless ``plan.kv_dtype`` sets it. ms, bytes, output tokens/s.
     """
-    t = _Terms()
+    t = Terms()
     B, ctx, isl = point.batch_size, point.context_len, point.isl
     kv_dtype = plan.kv_dtype or act_dtype
     b = int(

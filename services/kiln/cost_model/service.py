@@ -35,6 +35,7 @@ from google.protobuf import json_format
 
 from kiln.common.errors import DeadlineExceeded, InvalidArgument, OutOfRange, quote
 from kiln.cost_model.bounds import check_devices, check_plan_degrees
+from kiln.cost_model.estimate import Estimate
 from kiln.cost_model.hardware import Hardware, get_hardware
 from kiln.cost_model.objective import ServingTargets, lossy_kv
 from kiln.cost_model.planner import (
@@ -45,7 +46,6 @@ from kiln.cost_model.planner import (
     plan_workload,
     with_serving,
 )
-from kiln.cost_model.roofline import Estimate
 from kiln.cost_model.serving import serving_terms
 from kiln.cost_model.sharding import FP8, Parallelism
 from kiln.domain.operating_point import (

@@ -24,9 +24,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from kiln.cost_model.estimate import Estimate, Term
 from kiln.cost_model.hardware import Hardware
-from kiln.cost_model.roofline import Estimate, Term, estimate, replica_batch
-from kiln.cost_model.sharding import Parallelism
+from kiln.cost_model.roofline import estimate
+from kiln.cost_model.sharding import Parallelism, replica_batch
 from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.config import ModelConfig
 

@@ -305,3 +305,8 @@ def expert_load(moe: MoEConfig, plan: Parallelism, tokens: float, skew: float) -
     p_hot = min(1.0, s * moe.top_k / moe.num_experts)
     distinct = n * (1.0 - (1.0 - p_hot) ** tokens)
     return ExpertLoad(tokens, n, p_hot, distinct, tokens * n * p_hot)
+
+
+def replica_batch(batch: int, dp: int) -> int:
+    """Sequences one of ``dp`` replicas decodes when they share ``batch``: ceil(batch / dp)."""
+    return max(1, -(-batch // max(1, dp)))
