@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -208,3 +210,22 @@ async def test_plan_lowers_the_batch_until_the_kv_cache_fits_and_says_so(
     assert 1 <= plan.batch_size < 32 and plan.feasible
     assert plan.note.startswith(f"batch lowered from 32 to {plan.batch_size}")
     assert plan.memory_bytes_per_device <= 0.9 * 16e9
+
+
+async def test_hostile_lengths_and_sizes_answer_quickly_and_never_internal(
+    stub: cost_model_pb2_grpc.CostModelStub,
+) -> None:
+    wl = _workload("llama-3.2-1b", devices=1)
+    wl.traffic.osl_tokens.p50 = 4_000_000  # a serving simulation bounded by its steps
+    started = time.monotonic()
+    reply = await stub.Explain(cost_model_pb2.ExplainRequest(workload=wl), timeout=30)
+    assert reply.plan.tpot_ms > 0 and reply.plan.ttft_ms > 0
+    assert time.monotonic() - started < 10  # 5 s before the bound, on an idle host
+    # a config whose memory does not fit a uint64 of bytes: reported as the largest, pruned
+    huge = json.loads((MODELS / "llama-3.1-8b.json").read_text())
+    huge.update(num_hidden_layers=4096, hidden_size=131072, intermediate_size=1048576)
+    big = _workload("llama-3.1-8b", devices=1)
+    big.model.config_json = json.dumps(huge)
+    big.model.dtype = "float32"
+    out = await stub.Explain(cost_model_pb2.ExplainRequest(workload=big), timeout=30)
+    assert not out.plan.feasible and out.plan.infeasible_reason.startswith("memory:")

@@ -480,3 +480,27 @@ def test_a_plan_with_an_fp8_kv_cache_exports_it_to_every_engine() -> None:
     assert _config(render("vllm", launch))["kv-cache-dtype"] == "fp8"
     assert _flags(render("sglang", launch)[LAUNCH_SCRIPT])["--kv-cache-dtype"] == "fp8_e4m3"
     assert _config(render("trtllm", launch))["kv_cache_config"]["dtype"] == "fp8"
+
+
+def test_attention_dp_with_experts_split_by_tp_is_exported_as_such() -> None:
+    # DeepSeek-V3 on 8 H200: attention tp4 in two DP replicas, every expert split over all 8
+    model, _ = CASES["deepseek-tp8-dcp8"]
+    plan = _plan(4, 64, dp=2)
+    plan.moe_tp = 8
+    launch = launch_of(plan, _workload(model, plan.batch_size))
+    assert launch.attention_dp and launch.moe_tp == 8 and "etp8" in launch.label
+    sglang = _flags(render("sglang", launch)[LAUNCH_SCRIPT])
+    assert sglang["--tp-size"] == "8" and sglang["--dp-size"] == "2"
+    assert "--enable-dp-attention" in sglang and "--ep-size" not in sglang  # MoE TP over 8
+    vllm_files = render("vllm", launch)
+    assert _config(vllm_files)["enable-expert-parallel"] is True
+    assert "splits each expert moe_tp=8 ways" in vllm_files[LAUNCH_SCRIPT]
+    trt_files = render("trtllm", launch)
+    assert _flags(trt_files[LAUNCH_SCRIPT])["--tp_size"] == "8"
+    assert _config(trt_files)["enable_attention_dp"] is True
+
+
+def test_a_model_path_that_reads_as_a_flag_is_refused() -> None:
+    model, plan = CASES["llama-tp1"]
+    with pytest.raises(ValueError, match="starts with '-'"):
+        launch_of(plan, _workload(model, plan.batch_size), model_path="--trust-remote-code")

@@ -173,6 +173,8 @@ async def ask(
                     dp=first.dp,
                     pp=first.pp,
                     dcp=first.dcp,
+                    moe_tp=first.moe_tp,
+                    kv_cache_dtype=first.kv_cache_dtype,
                     batch_size=first.batch_size,
                 )
                 explained = await stub.Explain(

@@ -10,9 +10,9 @@ with a lossless KV cache (the activation dtype) before those with an FP8 one, wh
 model's outputs, so FP8 KV is the answer only where no lossless plan meets the targets (or none
 fits the batch). Among those meeting the targets, most output tokens/s per occupied device, then
 lowest TPOT, then fewest devices; among those missing, the smallest miss (``max(TPOT / target,
-TTFT / target) - 1``) first. A plan is
-on the *frontier* when no other feasible plan has at least its tokens/s per device and at most
-its TPOT, one of them strictly.
+TTFT / target) - 1``) first. The planner computes the *frontier* over the plans the serving
+model ran for: a plan is on it when no other of them has at least its tokens/s per device and
+at most its TPOT, one of them strictly.
 
 Targets of 0 (unset) take :data:`DEFAULT_TPOT_MS` and :data:`DEFAULT_TTFT_MS`.
 """

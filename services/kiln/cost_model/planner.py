@@ -186,6 +186,11 @@ def evaluate(
     reasons = static_reasons(cfg, plan, hw, num_devices)
     if reasons and reasons[0].startswith("plan:"):
         raise ValueError(reasons[0])
+    if plan.dp > point.batch_size:
+        reasons.append(
+            f"replicas: dp={plan.dp} replicas for {point.batch_size} sequences in flight "
+            "(some would idle)"
+        )
     est = estimate(cfg, hw, point, plan, weight_dtype, act_dtype)
     mem = memory_reason(est, hw)
     if mem:
@@ -331,8 +336,9 @@ def _plan_at(
                 )
         else:
             del feasible[before:], pruned[kept:]
+    served_plans = [e for e in ranked if e.serving is not None]  # one measure on the frontier
     return PlanResult(
-        ranked, pruned, targets.describe(), targets, frontier(ranked), kv_notes=kv_notes
+        ranked, pruned, targets.describe(), targets, frontier(served_plans), kv_notes=kv_notes
     )
 
 

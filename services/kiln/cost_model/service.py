@@ -64,6 +64,9 @@ from kiln.workloads.config import (
 
 log = structlog.get_logger("kiln.cost_model")
 
+UINT64_MAX = 2**64 - 1
+"""memory_bytes_per_device is a uint64: a larger estimate is reported as this (and pruned)."""
+
 PLAN_DEADLINE_S = 8.0
 """Longest a Plan may compute, from its arrival (queueing included): below the agent runner's
 10 s ``plan_timeout_s``, so it hears the reason rather than its own timeout."""
@@ -171,7 +174,7 @@ def to_proto(
         throughput_tokens_per_s=est.served_tokens_per_s,
         ttft_p90_ms=est.serving.ttft_p90_ms if est.serving else 0.0,
         tpot_p90_ms=est.serving.tpot_p90_ms if est.serving else 0.0,
-        memory_bytes_per_device=round(est.memory_bytes_per_device),
+        memory_bytes_per_device=_uint64(est.memory_bytes_per_device),
         estimate_tier=ESTIMATE_TIER,
         feasible=not reason,
         infeasible_reason=reason,
@@ -195,8 +198,7 @@ def explain_text(
         f"{est.throughput_tokens_per_s:.4g} tokens/s, "
         f"{est.memory_bytes_per_device / 1e9:.3g} GB per device",
         *_serving_lines(est),
-        f"targets: {'met' if targets.miss(est) == 0 else f'missed by {targets.miss(est):.0%}'}"
-        f"; objective: {targets.describe()}",
+        f"targets: {_verdict(est, reason, targets)}; objective: {targets.describe()}",
         *(f"default: {n}" for n in notes),
         "terms:",
         *(
@@ -206,6 +208,18 @@ def explain_text(
         f"hardware: {hw.source_summary()}",
     ]
     return "\n".join(lines)
+
+
+def _uint64(value: float) -> int:
+    """``value`` rounded, at most :data:`UINT64_MAX` (also for inf and NaN)."""
+    return round(value) if 0 <= value < UINT64_MAX else UINT64_MAX
+
+
+def _verdict(est: Estimate, reason: str, targets: ServingTargets) -> str:
+    if reason:
+        return "n/a (the plan is infeasible)"
+    miss = targets.miss(est)
+    return "met" if miss == 0 else f"missed by {miss:.0%}"
 
 
 def _serving_lines(est: Estimate) -> list[str]:
@@ -263,7 +277,8 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         except (PlanDeadlineExceeded, TimeoutError) as exc:
             raise DeadlineExceeded(
                 f"planning {cfg.name} on {n} × {hw.name} did not finish within "
-                f"{self.plan_deadline_s:g} s ({exc or 'no answer'}); ask for fewer devices"
+                f"{self.plan_deadline_s:g} s ({str(exc) or 'no answer'}); ask for fewer devices or "
+                "a shorter OSL"
             ) from None
 
     async def Plan(

@@ -5,11 +5,14 @@ Load: a closed loop of ``concurrency`` users per DP replica (``ceil(B / dp)``), 
 next request (``isl`` prompt tokens, ``osl`` output tokens) when the last one finishes -- the way
 serving benchmarks drive an engine at a fixed concurrency. Scheduler (vLLM V1 / SGLang style):
 every step decodes one token for each running sequence and spends the rest of a token budget
-of ``chunk`` on prompts, first come first served, a prompt's first token coming with the step
-that finishes its prefill. Step time (the roofline of one mixed forward): ``fixed + max(decode
-memory time at n running, prefill compute time of the step's prompt tokens)``, both read off
-the plan's estimate (:func:`step_times`). The first ``concurrency`` requests (the start-up wave)
-are left out of the statistics.
+of ``chunk`` (at least the running sequences) on prompts, first come first served, a prompt's
+first token coming with the step that finishes its prefill. Step time, the roofline of one
+mixed forward: ``fixed + max(decode memory time at n running (the weights at least), decode
+math + the prompt chunks' math)``; a chunk ``[s, s + t)`` of a prompt costs its math with
+attention over the ``s`` tokens before it. All read off the plan's estimates
+(:func:`step_times`). The first ``concurrency`` requests (the start-up wave) are left out of
+the latencies, and the throughput is counted from the end of that wave to the last request's
+arrival (the drain, with no new prompts, is not the load).
 
 Figures: TTFT from a request's arrival to its first token; TPOT the mean gap between its later
 tokens; p50 and p90 over the requests measured, ms.
@@ -35,7 +38,7 @@ CHUNK_TOKENS = 8192
 """Token budget of one step (vLLM's and SGLang's usual chunked-prefill budget)."""
 MEASURED_REQUESTS = 16
 """Requests measured after the start-up wave, at least (4 x concurrency when more)."""
-MAX_STEPS = 100_000
+MAX_STEPS = 20_000
 """Steps simulated at most (the requests finished by then are the figures)."""
 
 
@@ -57,19 +60,23 @@ class ServingStats:
 
 @dataclass(frozen=True)
 class StepTimes:
-    """A replica's step time as the serving model reads it: ``fixed_ms`` (kernels and
-    communication latency), ``decode_ms(n)`` the rest of a decode step at ``n`` running and
-    ``prefill_ms(tokens)`` the rest of a prefill of ``tokens``."""
+    """A replica's step time as the serving model reads it, ms: ``fixed_ms`` (kernels and
+    communication latency), ``decode_memory_ms(n)`` and ``decode_compute_ms(n)`` of a decode
+    step at ``n`` running, and ``prompt_compute_ms(L)`` the math of a prompt's first ``L``
+    tokens (attention over them included), so that a chunk ``[s, s + t)`` costs
+    ``prompt_compute_ms(s + t) - prompt_compute_ms(s)``."""
 
     fixed_ms: float
-    decode_ms: Callable[[int], float]
-    prefill_ms: Callable[[int], float]
+    decode_memory_ms: Callable[[int], float]
+    decode_compute_ms: Callable[[int], float]
+    prompt_compute_ms: Callable[[int], float]
 
-    def step_ms(self, running: int, prompt_tokens: int) -> float:
-        """One mixed step: ``fixed + max(decode part, prefill part)``."""
-        dec = self.decode_ms(running) if running else 0.0
-        pre = self.prefill_ms(prompt_tokens) if prompt_tokens else 0.0
-        return self.fixed_ms + max(dec, pre)
+    def step_ms(self, running: int, prompt_ms: float) -> float:
+        """One mixed step, the roofline of one forward: ``fixed + max(memory of the decode
+        batch (the weights at least), its math + the prompts' math)``."""
+        memory = self.decode_memory_ms(max(1, running))
+        math_ms = (self.decode_compute_ms(running) if running else 0.0) + prompt_ms
+        return self.fixed_ms + max(memory, math_ms)
 
 
 _FIXED_TERMS = (
@@ -96,24 +103,28 @@ def step_times(
     act_dtype: str = "bfloat16",
 ) -> StepTimes:
     """Step times of one replica of ``plan`` at ``point``'s context, from roofline estimates at
-    batch sizes of powers of two (linear between them) and at prompt lengths of the chunk
-    sizes a step can carry (linear between them)."""
+    batch sizes of powers of two and prompt lengths up to ``point.isl`` (linear between
+    them)."""
     one = replace(plan, dp=1)
     top = replica_batch(point.batch_size, plan.dp)
     sizes = sorted({1, top, *(2**k for k in range(int(math.log2(max(1, top))) + 1))})
     fixed = _fixed_ms(
         estimate(cfg, hw, replace(point, batch_size=1), one, weight_dtype, act_dtype), "decode"
     )
-    dec = {}
+    memory, compute = {}, {}
     for b in sizes:
         e = estimate(cfg, hw, replace(point, batch_size=b), one, weight_dtype, act_dtype)
-        dec[b] = e.tpot_ms - _fixed_ms(e, "decode")
-    chunks = sorted({1, 64, 256, 1024, 4096, CHUNK_TOKENS})
-    pre = {}
-    for c in chunks:
-        e = estimate(cfg, hw, replace(point, batch_size=1, isl=c), one, weight_dtype, act_dtype)
-        pre[c] = e.ttft_ms - _fixed_ms(e, "prefill")
-    return StepTimes(fixed, _interpolate(dec), _interpolate(pre))
+        memory[b] = e.term("decode.memory_time_ms").value
+        compute[b] = e.term("decode.compute_time_ms").value
+    longest = max(1, point.isl)
+    lengths = sorted(
+        {1, 64, 256, 1024, 4096, longest, *(2**k for k in range(13, 25) if 2**k < longest)}
+    )
+    prompt = {}
+    for n in lengths:
+        e = estimate(cfg, hw, replace(point, batch_size=1, isl=n), one, weight_dtype, act_dtype)
+        prompt[n] = e.term("prefill.compute_time_ms").value
+    return StepTimes(fixed, _interpolate(memory), _interpolate(compute), _interpolate(prompt))
 
 
 def _interpolate(table: dict[int, float]) -> Callable[[int], float]:
@@ -135,38 +146,43 @@ def _interpolate(table: dict[int, float]) -> Callable[[int], float]:
 class _Request:
     arrival_ms: float
     prompt_left: int
+    prompt_done: int = 0
     first_ms: float = -1.0
+    first_step: int = 0
     last_ms: float = 0.0
 
 
 def simulate(
     times: StepTimes, *, concurrency: int, isl: int, osl: int, chunk: int = CHUNK_TOKENS
 ) -> ServingStats:
-    """The closed-loop serving model of the module docs for one replica (at most
-    :data:`MAX_STEPS` steps)."""
+    """The closed-loop serving model of the module docs for one replica. The step budget is
+    at least ``concurrency`` tokens (engines size it to decode every running sequence); at most
+    :data:`MAX_STEPS` steps, the figures then coming from the requests served so far."""
     users = max(1, concurrency)
-    isl, osl, chunk = max(1, isl), max(1, osl), max(1, chunk)
+    isl, osl, chunk = max(1, isl), max(1, osl), max(chunk, users)
     wanted = users + max(MEASURED_REQUESTS, 4 * users)
     now, sent, steps, running, joining, running_sum = 0.0, users, 0, 0, 0, 0
-    start_ms, start_tokens, tokens_out = -1.0, 0, 0
+    start_ms, start_tokens, end_ms, end_tokens, tokens_out = -1.0, 0, -1.0, 0, 0
     waiting: deque[_Request] = deque(_Request(0.0, isl) for _ in range(users))
     decoding: list[tuple[int, int, _Request]] = []  # (last step, arrival order, request)
     done: list[_Request] = []
-    while len(done) < wanted and not (steps >= MAX_STEPS and len(done) > users):
+    while len(done) < wanted and steps < MAX_STEPS:
         running += joining  # first token last step: decoding from this one
         joining = 0
         budget = chunk - running
-        prompt_tokens, finishing = 0, []
+        prompt_ms, finishing = 0.0, []
         for r in waiting:
             if budget <= 0:
                 break
             take = min(budget, r.prompt_left)
+            start = r.prompt_done
             r.prompt_left -= take
+            r.prompt_done += take
             budget -= take
-            prompt_tokens += take
+            prompt_ms += times.prompt_compute_ms(start + take) - times.prompt_compute_ms(start)
             if r.prompt_left == 0:
                 finishing.append(r)
-        now += times.step_ms(running, prompt_tokens)
+        now += times.step_ms(running, prompt_ms)
         steps += 1
         running_sum += running
         tokens_out += running + len(finishing)
@@ -174,6 +190,7 @@ def simulate(
         for r in finishing:
             waiting.popleft()  # first come, first served: the finishing are at the front
             r.first_ms = r.last_ms = now
+            r.first_step = steps
             if osl == 1:
                 done.append(r)
                 finished += 1
@@ -192,20 +209,46 @@ def simulate(
             if sent < wanted:  # a user whose request finished sends the next one
                 waiting.append(_Request(now, isl))
                 sent += 1
-    measured = done[users:wanted]
-    ttft = sorted(r.first_ms - r.arrival_ms for r in measured)
-    tpot = sorted((r.last_ms - r.first_ms) / (osl - 1) for r in measured) if osl > 1 else [0.0]
-    span_ms = now - start_ms if start_ms >= 0 else now
+        if end_ms < 0 and sent >= wanted:  # the last request is in: the drain is not load
+            end_ms, end_tokens = now, tokens_out
+    ttft, tpot = _latencies(done, decoding, users, wanted, osl, now, steps)
+    if start_ms < 0:
+        start_ms, start_tokens = 0.0, 0
+    if end_ms <= start_ms:
+        end_ms, end_tokens = now, tokens_out
+    span_ms = end_ms - start_ms
     return ServingStats(
-        tokens_per_s=(tokens_out - start_tokens) / (span_ms / 1e3) if span_ms > 0 else 0.0,
+        tokens_per_s=(end_tokens - start_tokens) / (span_ms / 1e3) if span_ms > 0 else 0.0,
         ttft_p50_ms=_pct(ttft, 0.5),
         ttft_p90_ms=_pct(ttft, 0.9),
         tpot_p50_ms=_pct(tpot, 0.5),
         tpot_p90_ms=_pct(tpot, 0.9),
-        requests=len(measured),
+        requests=len(ttft),
         mean_running=running_sum / max(1, steps),
         steps=steps,
     )
+
+
+def _latencies(
+    done: list[_Request],
+    decoding: list[tuple[int, int, _Request]],
+    users: int,
+    wanted: int,
+    osl: int,
+    now: float,
+    steps: int,
+) -> tuple[list[float], list[float]]:
+    """Sorted TTFTs and TPOTs: of the finished requests after the start-up wave; where the step
+    bound came first, of every request with a first token (TPOT so far for those decoding)."""
+    measured = done[users:wanted] if len(done) > users else done
+    ttft = [r.first_ms - r.arrival_ms for r in measured]
+    tpot = [(r.last_ms - r.first_ms) / (osl - 1) for r in measured] if osl > 1 else []
+    if len(done) <= users:
+        for _, _, r in decoding:
+            ttft.append(r.first_ms - r.arrival_ms)
+            if steps > r.first_step:
+                tpot.append((now - r.first_ms) / (steps - r.first_step))
+    return sorted(ttft) or [0.0], sorted(tpot) or [0.0]
 
 
 def _pct(sorted_values: list[float], q: float) -> float:

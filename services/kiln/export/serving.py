@@ -87,6 +87,7 @@ class ServingLaunch:
     estimate_tier: str
     compilation_id: str = ""
     notes: tuple[str, ...] = ()
+    moe_tp: int = 1
 
     @property
     def devices(self) -> int:
@@ -95,14 +96,16 @@ class ServingLaunch:
 
     @property
     def attention_dp(self) -> bool:
-        """Whether the plan's EP groups span DP replicas (ep > tp with dp > 1): the tokens of
-        ep / tp replicas meet in one expert group, which the engines run as attention DP."""
-        return self.has_experts and self.dp > 1 and self.ep > self.tp
+        """Whether the plan's MoE groups span DP replicas (ep x moe_tp > tp with dp > 1): the
+        tokens of several replicas meet in one expert group, which the engines run as attention
+        DP."""
+        return self.has_experts and self.dp > 1 and self.ep * self.moe_tp > self.tp
 
     @property
     def label(self) -> str:
         """The plan's degrees, e.g. ``tp4 ep4 dp2 pp1 dcp1``."""
-        return f"tp{self.tp} ep{self.ep} dp{self.dp} pp{self.pp} dcp{self.dcp}"
+        etp = f" etp{self.moe_tp}" if self.moe_tp > 1 else ""
+        return f"tp{self.tp} ep{self.ep} dp{self.dp} pp{self.pp} dcp{self.dcp}{etp}"
 
 
 def cuda_graph_sizes(max_seqs: int) -> tuple[int, ...]:
@@ -148,8 +151,12 @@ def launch_of(
     quant = raw.get("quantization_config") or {}
     fp8 = quant.get("quant_method") == "fp8" or workload.model.dtype.startswith("float8")
     per_device = plan.throughput_per_device or plan.throughput_tokens_per_s / (tp * pp * dp)
+    path = model_path or str(raw.get("_name_or_path") or "") or name
+    if path.startswith("-"):
+        raise ValueError(f"model path {path!r} starts with '-': it would read as an engine flag")
     return ServingLaunch(
-        model_path=model_path or str(raw.get("_name_or_path") or "") or name,
+        moe_tp=max(1, plan.moe_tp) if has_experts else 1,
+        model_path=path,
         model_name=name,
         hardware=workload.hardware.name,
         tp=tp,
@@ -190,7 +197,14 @@ def render(fmt: Format, launch: ServingLaunch) -> dict[str, str]:
 def _vllm(launch: ServingLaunch) -> dict[str, str]:
     """``vllm serve MODEL --config vllm.yaml``; the YAML's keys are the long option names."""
     notes = []
-    if launch.ep > 1 and launch.ep != launch.tp * launch.dp:
+    expert_parallel = launch.ep > 1 or launch.attention_dp
+    if launch.moe_tp > 1 and launch.attention_dp:
+        notes.append(
+            f"vLLM runs the MoE group as expert parallelism over all {launch.tp * launch.dp} "
+            f"TP x DP ranks (whole experts a rank) where the plan splits each expert "
+            f"moe_tp={launch.moe_tp} ways: the same expert bytes a GPU, other GEMM shapes."
+        )
+    elif launch.ep > 1 and launch.ep != launch.tp * launch.dp:
         notes.append(
             f"vLLM's expert parallelism spans every TP x DP rank ({launch.tp * launch.dp}); "
             f"the plan's ep is {launch.ep}."
@@ -202,7 +216,7 @@ def _vllm(launch: ServingLaunch) -> dict[str, str]:
     }
     if launch.dcp > 1:
         conf["decode-context-parallel-size"] = launch.dcp
-    if launch.ep > 1:
+    if expert_parallel:
         conf["enable-expert-parallel"] = True
     conf |= {
         "max-num-seqs": launch.max_num_seqs,  # per DP rank
@@ -227,7 +241,7 @@ def _sglang(launch: ServingLaunch) -> dict[str, str]:
     notes = []
     adp = launch.attention_dp
     tp_size = launch.tp * launch.dp if adp else launch.tp
-    if adp and launch.ep != tp_size:
+    if adp and launch.ep * launch.moe_tp != tp_size:
         notes.append(
             f"SGLang splits each expert over tp_size / ep_size = {tp_size // launch.ep} ranks; "
             f"the plan replicates its ep={launch.ep} expert groups instead."

@@ -362,6 +362,9 @@ def read_config_json(text: str, name: str = "model") -> Any:
         raise UnsupportedModelError(f"{name}: config_json is nested too deeply") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UnsupportedModelError(f"{name}: config_json is not valid JSON ({exc})") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        message = f"{name}: config_json has an unreadable value ({exc})"
+        raise UnsupportedModelError(message) from None
 
 
 def parse_config_json(text: str, name: str = "model") -> ModelConfig:
@@ -385,4 +388,6 @@ def load_config(path: str | Path) -> ModelConfig:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
         raise UnsupportedModelError(f"{p}: not valid JSON ({exc})") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise UnsupportedModelError(f"{p}: an unreadable value ({exc})") from None
     return parse_config(cfg, name)
