@@ -6,6 +6,7 @@ datasheets' GB as 10^9 bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kiln.common.errors import NotFound, quote
 
@@ -51,6 +52,29 @@ _KERNEL_OVERHEAD = (
     "weights at 4.26 TB/s, ~4 us a kernel for a step of ~100 kernels; an assumption for other "
     "steps until the microbenchmark tier measures launch and graph overhead"
 )
+
+_GPU_NODE: dict[str, Any] = {
+    "collective_latency_s": 5e-6,
+    "collective_latency_per_peer_s": 1.5e-6,
+    "kernel_overhead_s": 4e-6,
+    "reserved_bytes": 1_500_000_000,
+    "inter_node_bandwidth_bytes_per_s": 50 * GB,
+    "inter_node": "InfiniBand NDR 400 Gb/s",
+    "inter_node_latency_s": 10e-6,
+}
+"""What the 8-GPU NVSwitch nodes of the catalogue share, assumed alike until measured."""
+
+
+def _gpu_node_sources(inter_node: str) -> dict[str, str]:
+    """The sources of :data:`_GPU_NODE`'s figures (``inter_node``: the link's)."""
+    return {
+        "collective_latency_s": _NCCL_LATENCY,
+        "collective_latency_per_peer_s": _PEER_LATENCY,
+        "kernel_overhead_s": _KERNEL_OVERHEAD,
+        "reserved_bytes": _RESERVED,
+        "inter_node_bandwidth_bytes_per_s": inter_node,
+        "inter_node_latency_s": _IB_LATENCY,
+    }
 
 
 @dataclass(frozen=True)
@@ -165,13 +189,7 @@ CATALOGUE: dict[str, Hardware] = {
         interconnect="NVLink 4",
         max_devices_per_node=8,
         achievable_bandwidth_fraction=0.89,
-        collective_latency_s=5e-6,
-        collective_latency_per_peer_s=1.5e-6,
-        kernel_overhead_s=4e-6,
-        reserved_bytes=1_500_000_000,
-        inter_node_bandwidth_bytes_per_s=50 * GB,
-        inter_node="InfiniBand NDR 400 Gb/s",
-        inter_node_latency_s=10e-6,
+        **_GPU_NODE,
         sources={
             "memory_bytes": f"{_H100_SHEET}: 80 GB HBM3",
             "memory_bandwidth_bytes_per_s": f"{_H100_SHEET}: 3.35 TB/s",
@@ -182,12 +200,7 @@ CATALOGUE: dict[str, Hardware] = {
             "achievable_bandwidth_fraction": (
                 "assumption: the H200's measured 4.26/4.8 (same Hopper memory system)"
             ),
-            "collective_latency_s": _NCCL_LATENCY,
-            "collective_latency_per_peer_s": _PEER_LATENCY,
-            "kernel_overhead_s": _KERNEL_OVERHEAD,
-            "reserved_bytes": _RESERVED,
-            "inter_node_bandwidth_bytes_per_s": _NDR,
-            "inter_node_latency_s": _IB_LATENCY,
+            **_gpu_node_sources(_NDR),
         },
     ),
     "h200": Hardware(
@@ -201,13 +214,7 @@ CATALOGUE: dict[str, Hardware] = {
         interconnect="NVLink 4",
         max_devices_per_node=8,
         achievable_bandwidth_fraction=4.26 / 4.8,
-        collective_latency_s=5e-6,
-        collective_latency_per_peer_s=1.5e-6,
-        kernel_overhead_s=4e-6,
-        reserved_bytes=1_500_000_000,
-        inter_node_bandwidth_bytes_per_s=50 * GB,
-        inter_node="InfiniBand NDR 400 Gb/s",
-        inter_node_latency_s=10e-6,
+        **_GPU_NODE,
         sources={
             "memory_bytes": f"{_H200_SHEET}: 141 GB HBM3e",
             "memory_bandwidth_bytes_per_s": f"{_H200_SHEET}: 4.8 TB/s",
@@ -219,12 +226,7 @@ CATALOGUE: dict[str, Hardware] = {
                 "measured: ~4.26 TB/s device-to-device copy on kiln's lent H200 (kiln issue 3), "
                 "4.26 / 4.8 = 0.8875"
             ),
-            "collective_latency_s": _NCCL_LATENCY,
-            "collective_latency_per_peer_s": _PEER_LATENCY,
-            "kernel_overhead_s": _KERNEL_OVERHEAD,
-            "reserved_bytes": _RESERVED,
-            "inter_node_bandwidth_bytes_per_s": _NDR,
-            "inter_node_latency_s": _IB_LATENCY,
+            **_gpu_node_sources(_NDR),
         },
     ),
     "b200": Hardware(
@@ -238,13 +240,7 @@ CATALOGUE: dict[str, Hardware] = {
         interconnect="NVLink 5",
         max_devices_per_node=8,
         achievable_bandwidth_fraction=0.89,
-        collective_latency_s=5e-6,
-        collective_latency_per_peer_s=1.5e-6,
-        kernel_overhead_s=4e-6,
-        reserved_bytes=1_500_000_000,
-        inter_node_bandwidth_bytes_per_s=50 * GB,
-        inter_node="InfiniBand NDR 400 Gb/s",
-        inter_node_latency_s=10e-6,
+        **_GPU_NODE,
         sources={
             "memory_bytes": f"{_B200_SHEET}: 1,440 GB HBM3e per 8 GPUs = 180 GB each",
             "memory_bandwidth_bytes_per_s": f"{_B200_SHEET}: 64 TB/s per 8 GPUs = 8 TB/s each",
@@ -262,12 +258,7 @@ CATALOGUE: dict[str, Hardware] = {
             "achievable_bandwidth_fraction": (
                 "assumption: the H200's measured 4.26/4.8 ≈ 0.89 until a B200 is measured"
             ),
-            "collective_latency_s": _NCCL_LATENCY,
-            "collective_latency_per_peer_s": _PEER_LATENCY,
-            "kernel_overhead_s": _KERNEL_OVERHEAD,
-            "reserved_bytes": _RESERVED,
-            "inter_node_bandwidth_bytes_per_s": _NDR_B200,
-            "inter_node_latency_s": _IB_LATENCY,
+            **_gpu_node_sources(_NDR_B200),
         },
     ),
 }

@@ -236,7 +236,16 @@ def _pass(
         f"layers × {MOE_LAYER_KERNELS}{' stretched' if stretch != 1 else ''} + {STEP_KERNELS}) "
         f"× {hw.kernel_overhead_s * 1e6:g} us",
     )
-    return max(mem_s, cmp_s) / 1e3 + launch_s + tp_s + ep_s + gather_s + dcp_s + pp_s
+    fixed_s = (
+        t.add(
+            f"{phase}.fixed_ms",
+            (launch_s + tp_s + ep_s + gather_s + dcp_s + pp_s) * 1e3,
+            "ms",
+            "kernel overhead + communication: what overlaps neither memory nor math",
+        )
+        / 1e3
+    )
+    return max(mem_s, cmp_s) / 1e3 + fixed_s
 
 
 def workspace_bytes(

@@ -79,21 +79,6 @@ class StepTimes:
         return self.fixed_ms + max(memory, math_ms)
 
 
-_FIXED_TERMS = (
-    "kernel_overhead_ms",
-    "tp_allreduce_ms",
-    "ep_alltoall_ms",
-    "moe_gather_ms",
-    "dcp_merge_ms",
-    "pp_send_ms",
-)
-
-
-def _fixed_ms(est: Estimate, phase: str) -> float:
-    """Kernel overhead and communication of one pass (what does not overlap memory or math)."""
-    return sum(est.term(f"{phase}.{n}").value for n in _FIXED_TERMS)
-
-
 def step_times(
     cfg: ModelConfig,
     hw: Hardware,
@@ -108,9 +93,8 @@ def step_times(
     one = replace(plan, dp=1)
     top = replica_batch(point.batch_size, plan.dp)
     sizes = sorted({1, top, *(2**k for k in range(int(math.log2(max(1, top))) + 1))})
-    fixed = _fixed_ms(
-        estimate(cfg, hw, replace(point, batch_size=1), one, weight_dtype, act_dtype), "decode"
-    )
+    first = estimate(cfg, hw, replace(point, batch_size=1), one, weight_dtype, act_dtype)
+    fixed = first.term("decode.fixed_ms").value
     memory, compute = {}, {}
     for b in sizes:
         e = estimate(cfg, hw, replace(point, batch_size=b), one, weight_dtype, act_dtype)
