@@ -210,12 +210,14 @@ def test_format_vllm_writes_the_first_plans_launch(kiln_plan: Run, tmp_path: Pat
 
     again = kiln_plan(*argv, "--format", "vllm", "--out", str(out))
     assert again.exit_code == 1 and "is not an empty directory" in again.stderr
-    assert kiln_plan(*argv, "--format", "vllm").exit_code == 1  # --format needs --out
+    assert kiln_plan(*argv, "--format", "vllm").exit_code == 2  # usage: --format needs --out
 
     quiet = kiln_plan(*argv, "--json", "--format", "sglang", "--out", str(tmp_path / "sg"))
     assert quiet.exit_code == 0, quiet.output
     assert json.loads(quiet.stdout)["plans"]  # stdout is the JSON alone
-    assert quiet.stderr.strip() == f"wrote {tmp_path / 'sg' / 'launch.sh'}"
+    warning, wrote = quiet.stderr.strip().splitlines()  # no --model-path: warned on stderr
+    assert warning.startswith("warning: serving 'llama-3.1-8b', the model's name")
+    assert wrote == f"wrote {tmp_path / 'sg' / 'launch.sh'}"
 
 
 @pytest.mark.parametrize(
@@ -231,7 +233,8 @@ def test_format_vllm_writes_the_first_plans_launch(kiln_plan: Run, tmp_path: Pat
 )
 def test_bad_input_is_one_line(kiln_plan: Run, args: list[str], message: str) -> None:
     result = kiln_plan("--model", str(LLAMA_1B), *args)
-    assert result.exit_code == 1, result.output
+    usage = message.startswith("--")  # a bad combination of options exits 2, as Click does
+    assert result.exit_code == (2 if usage else 1), result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], result.output
     assert lines[0].startswith("error: ") and "Traceback" not in result.output
@@ -246,6 +249,10 @@ def test_no_feasible_plan_prints_the_reasons_then_one_error(kiln_plan: Run) -> N
     # deepseek-v3's 671 GB of weights do not fit 4 × 80 GB, whatever the split
     assert reasons[0].startswith("memory (") and "GB per device" in reasons[0]
     assert len(set(reasons)) == len(reasons)
+    answer = kiln_plan("--model", str(model), "--hardware", "h100", "--devices", "4", "--json")
+    assert answer.exit_code == 1
+    parsed = json.loads(answer.stdout)
+    assert parsed["plans"] == [] and parsed["pruned"]  # the keys are there when empty
 
 
 def test_an_unreachable_cost_model_is_one_line(

@@ -233,7 +233,7 @@ def test_launch_values_per_plan() -> None:
     llama = _launch("llama-tp1")
     assert (llama.tp, llama.ep, llama.dp, llama.max_num_seqs) == (1, 1, 1, 1)
     assert llama.cuda_graph_sizes == (1,) and llama.quantization is None
-    assert llama.max_model_len == 1800 + 400 and llama.max_batched_tokens == 2200
+    assert llama.max_model_len == 1800 + 400 and llama.max_batched_tokens == 8192  # priced
     assert llama.model_path == "llama-3.2-1b"  # no _name_or_path in the config: its name
     qwen = _launch("qwen3-moe-tp4-ep4-dp2")
     assert (qwen.tp, qwen.ep, qwen.dp, qwen.max_num_seqs) == (4, 4, 2, math.ceil(64 / 2))
@@ -360,11 +360,15 @@ def test_model_length_and_model_path() -> None:
         "{", '{"_name_or_path": "meta-llama/Llama-3.2-1B",', 1
     )
     assert launch_of(plan, named).model_path == "meta-llama/Llama-3.2-1B"
+    assert not launch_of(plan, named).model_path_guessed
+    assert launch_of(plan, _workload("llama-3.2-1b", 4)).model_path_guessed  # callers warn
     assert launch_of(plan, named, "/ckpt").model_path == "/ckpt"
     fp8 = launch_of(plan, _workload("llama-3.2-1b", 4, dtype="float8_e4m3fn"))
     assert fp8.quantization == "fp8"
     batch = launch_of(_plan(1, 300), _workload("llama-3.2-1b", 300, isl=(100, 100), osl=(20, 20)))
-    assert batch.max_batched_tokens == 1200 and batch.max_num_seqs == 300
+    assert batch.max_batched_tokens == 8192 and batch.max_num_seqs == 300
+    crowd = launch_of(_plan(1, 9000), _workload("llama-3.2-1b", 9000, isl=(100, 100)))
+    assert crowd.max_batched_tokens == 9000  # a decode step of every sequence fits
 
 
 def test_an_infeasible_plan_is_refused() -> None:
@@ -417,7 +421,9 @@ def test_export_format_writes_the_files(
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted(render(fmt, _launch("qwen3-moe-tp4-ep4-dp2")))
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == len(names) and all(line.startswith("wrote ") for line in lines)
+    warning, *wrote = lines  # no --model-path, no _name_or_path: the name, with a warning
+    assert warning.startswith("warning: serving 'qwen3-30b-a3b', the model's name")
+    assert len(wrote) == len(names) and all(line.startswith("wrote ") for line in wrote)
     assert (out / LAUNCH_SCRIPT).stat().st_mode & stat.S_IXUSR
 
 
@@ -437,7 +443,7 @@ def test_export_format_errors_are_one_line(
     _fake_get(monkeypatch, answer)
     argv = ["export", "c-123", "--out", str(tmp_path / "o"), "--format", "vllm", *args]
     result = CliRunner().invoke(app, argv)
-    assert result.exit_code == 1
+    assert result.exit_code == (2 if message.startswith("--") else 1)  # 2: bad options
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], result.output
     assert not (tmp_path / "o").exists()
@@ -467,7 +473,7 @@ def test_model_path_is_for_engine_formats_only(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         app, ["export", "c-123", "--out", str(tmp_path / "o"), "--model-path", "/m"]
     )
-    assert result.exit_code == 1 and "--model-path applies to --format" in result.output
+    assert result.exit_code == 2 and "--model-path applies to --format" in result.output
 
 
 def test_a_plan_with_an_fp8_kv_cache_exports_it_to_every_engine() -> None:

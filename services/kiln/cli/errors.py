@@ -25,6 +25,11 @@ err_console = Console(stderr=True, soft_wrap=True, highlight=False)
 """Console for errors and progress (stderr); soft wrap keeps one message on one line."""
 
 
+USAGE = 2
+"""Exit code of a bad combination of options (as Click exits for a bad option); other failures
+exit 1."""
+
+
 class CliError(Exception):
     """A user-facing failure whose message is printed as is."""
 

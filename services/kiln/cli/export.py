@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
-from kiln.cli.errors import CliError
+from kiln.cli.errors import USAGE, CliError, err_console
 from kiln.cli.render import console
 from kiln.v1 import compiler_pb2
 
 if TYPE_CHECKING:
-    from kiln.export.serving import Format
+    from kiln.export.serving import Format, ServingLaunch
 
 
 class ExportFormat(StrEnum):
@@ -74,9 +74,11 @@ def export(
     from kiln.export.signing import SigningKeyError, deployment_key, key_id
 
     if fmt is not ExportFormat.artifact and candidate:
-        raise CliError("--candidate applies to --format artifact only")
+        raise CliError("--candidate applies to --format artifact only", exit_code=USAGE)
     if fmt is ExportFormat.artifact and model_path:
-        raise CliError("--model-path applies to --format vllm, sglang or trtllm only")
+        raise CliError(
+            "--model-path applies to --format vllm, sglang or trtllm only", exit_code=USAGE
+        )
     if deployment:
         compilation_id, candidate = _active_of(ctx, deployment)
     elif not compilation_id:
@@ -140,7 +142,20 @@ def launch_files(
         launch = launch_of(compilation.plan, compilation.workload, model_path, compilation_id=cid)
     except ValueError as exc:
         raise CliError(f"compilation {cid}: {exc}") from None
+    warn_guessed_path(launch)
     return render(cast("Format", fmt.value), launch)
+
+
+def warn_guessed_path(launch: ServingLaunch) -> None:
+    """One warning line on stderr when the launch's model path is only the model's name."""
+    if launch.model_path_guessed:
+        err_console.print(
+            f"warning: serving {launch.model_path!r}, the model's name (neither --model-path nor"
+            " the config's _name_or_path gives a checkpoint): pass --model-path DIR or a hub id",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def write_launch_files(out: Path, files: dict[str, str]) -> list[Path]:

@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kiln.cli.context import service_addr, settings_for
-from kiln.cli.errors import CliError, err_console
+from kiln.cli.errors import USAGE, CliError, err_console
 from kiln.cli.render import console, print_json_lines
 from kiln.common.errors import Unavailable, from_rpc_error
 from kiln.v1 import common_pb2, cost_model_pb2, cost_model_pb2_grpc
@@ -41,6 +41,8 @@ TIMEOUT_S = 30.0
 MAX_REASONS = 5
 """Kinds of pruning reason (memory, heads, layers, ...) printed when no plan is feasible."""
 MEETS, MISSES, FRONTIER = "✓", "✗", "★"
+PLAN_WIDTH = 14
+"""Columns of the table's plan label; longer labels wrap onto more lines (80 columns in all)."""
 NOT_MODELLED = "–"
 """Shown for a p90 the serving model did not compute (the plan got one-step estimates only)."""
 
@@ -239,7 +241,7 @@ def _latency(p50: float, p90: float) -> str:
 def plans_table(plans: Sequence[common_pb2.ParallelismPlan], title: str | None = None) -> Table:
     """One row per plan, in order: degrees, GPUs, TPOT and TTFT p50 (p90) ms, output tokens/s
     (in all and per GPU), memory GB per GPU, whether it meets the targets and whether it is on
-    the Pareto frontier. Fits 80 columns (one space between columns)."""
+    the Pareto frontier. Fits 80 columns (one space between columns; a long label wraps)."""
     table = Table(
         title=title,
         title_justify="left",
@@ -248,7 +250,7 @@ def plans_table(plans: Sequence[common_pb2.ParallelismPlan], title: str | None =
         pad_edge=False,
         padding=(0, 0),
     )
-    table.add_column("plan", no_wrap=True)
+    table.add_column("plan", max_width=PLAN_WIDTH, overflow="fold")  # long MoE labels wrap
     for name in (
         "GPUs",
         "TPOT ms\np50 (p90)",
@@ -350,6 +352,8 @@ def _response_json(
     del shown.plans[:]
     shown.plans.extend(plans)
     out = MessageToDict(shown, preserving_proto_field_name=True)
+    out.setdefault("plans", [])  # present when empty: "no feasible plan" reads as plans: []
+    out.setdefault("pruned", [])
     if explanation:
         out["explain"] = explanation
     return out
@@ -420,11 +424,13 @@ def plan(
     GPUs of a kind, ranked by output tokens/s per GPU among the plans meeting the latency
     targets. Exit 1 with one line when no plan is feasible."""
     if fmt is not None and out is None:
-        raise CliError("--format needs --out DIR")
+        raise CliError("--format needs --out DIR", exit_code=USAGE)
     if fmt is None and out is not None:
-        raise CliError("--out applies to --format vllm, sglang or trtllm only")
+        raise CliError("--out applies to --format vllm, sglang or trtllm only", exit_code=USAGE)
     if fmt is None and model_path:
-        raise CliError("--model-path applies to --format vllm, sglang or trtllm only")
+        raise CliError(
+            "--model-path applies to --format vllm, sglang or trtllm only", exit_code=USAGE
+        )
     if out is not None:
         from kiln.export.artifact import ArtifactError, check_out_dir
 
@@ -495,12 +501,13 @@ def _write_launch(
 ) -> None:
     """Write ``first``'s launch files of ``fmt`` into ``out``, one line per file (on stderr with
     ``to_stderr``: stdout then holds the JSON alone)."""
-    from kiln.cli.export import write_launch_files
+    from kiln.cli.export import warn_guessed_path, write_launch_files
     from kiln.export.serving import launch_of, render
 
     try:
         launch = launch_of(first, workload, model_path)
     except ValueError as exc:
         raise CliError(f"plan {label(first)}: {exc}") from None
+    warn_guessed_path(launch)
     for path in write_launch_files(out, render(cast("Format", fmt.value), launch)):
         _say(f"wrote {path}", to_stderr=to_stderr)

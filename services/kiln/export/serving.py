@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from google.protobuf import json_format
 
+from kiln.cost_model.serving import CHUNK_TOKENS
 from kiln.domain.operating_point import OperatingPoint
 from kiln.v1 import common_pb2
 from kiln.workloads.config import parse_config_json
@@ -33,9 +34,10 @@ LAUNCH_SCRIPT = "launch.sh"
 VLLM_CONFIG = "vllm.yaml"
 TRTLLM_CONFIG = "extra-llm-api-config.yml"
 
-MAX_BATCHED_TOKENS = 8192
-"""Chunked-prefill budget per step: prompts longer than this are prefilled in chunks, so one
-long prompt does not stall the decode steps of the running batch for its whole prefill."""
+MAX_BATCHED_TOKENS = CHUNK_TOKENS
+"""Chunked-prefill budget per step, the one the serving model priced the plan with
+(:data:`kiln.cost_model.serving.CHUNK_TOKENS`): prompts longer than this are prefilled in chunks,
+so one long prompt does not stall the decode steps of the running batch for its whole prefill."""
 GPU_MEMORY_FRACTION = 0.9
 """Fraction of each GPU the engine may use for weights, activations and KV cache."""
 
@@ -53,14 +55,16 @@ class ServingLaunch:
         max_num_seqs: sequences in flight per DP replica, ``ceil(batch / dp)`` (>= 1).
         max_model_len: ISL p99 + OSL p99 (p50 where p99 is unset), at least the plan's context,
             at most the config's ``max_position_embeddings`` when it has one.
-        max_batched_tokens: :data:`MAX_BATCHED_TOKENS`, or ``max_model_len`` when shorter, but
-            never below ``max_num_seqs`` (a decode step of the full batch must fit).
+        max_batched_tokens: :data:`MAX_BATCHED_TOKENS`, never below ``max_num_seqs`` (a decode
+            step of the full batch must fit): the step budget the serving model assumed.
         cuda_graph_sizes: decode batch sizes to capture, :func:`cuda_graph_sizes`.
         kv_cache_dtype: "fp8" where the plan's ``kv_cache_dtype`` is an FP8 dtype (the cost
             model chose an FP8 cache), else "auto" (the model's dtype).
         quantization: "fp8" for an FP8 checkpoint (``quantization_config.quant_method``) or an
             FP8 ``workload.model.dtype``; None otherwise.
         notes: the plan's own note (why its operating point departs from the workload's).
+        model_path_guessed: no ``model_path`` was given and the config has no
+            ``_name_or_path``: ``model_path`` is the model's name (callers warn).
     """
 
     model_path: str
@@ -88,6 +92,7 @@ class ServingLaunch:
     compilation_id: str = ""
     notes: tuple[str, ...] = ()
     moe_tp: int = 1
+    model_path_guessed: bool = False
 
     @property
     def devices(self) -> int:
@@ -157,6 +162,7 @@ def launch_of(
     return ServingLaunch(
         moe_tp=max(1, plan.moe_tp) if has_experts else 1,
         model_path=path,
+        model_path_guessed=not (model_path or raw.get("_name_or_path")),
         model_name=name,
         hardware=workload.hardware.name,
         tp=tp,
@@ -168,7 +174,7 @@ def launch_of(
         batch_size=batch,
         max_num_seqs=max_seqs,
         max_model_len=length,
-        max_batched_tokens=max(min(MAX_BATCHED_TOKENS, length), max_seqs),
+        max_batched_tokens=max(MAX_BATCHED_TOKENS, max_seqs),
         cuda_graph_sizes=cuda_graph_sizes(max_seqs),
         kv_cache_dtype="fp8" if plan.kv_cache_dtype.startswith("float8") else "auto",
         quantization="fp8" if fp8 else None,
