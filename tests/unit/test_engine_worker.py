@@ -126,7 +126,8 @@ def test_measurement_reports_timing_memory_and_phases(engine: Engine) -> None:
     assert t.decision_ms == max(t.median_ms, t.mean_ms / 1.25)
     assert m.tokens_per_s == pytest.approx(3 / (t.decision_ms / 1e3))
     assert m.verified_steps == 7 and m.escape_probability == pytest.approx(0.8**7)
-    assert set(m.phases_ms) == {"load", "bind", "compile", "check", "measure", "verify"}
+    gate = {"load", "bind", "compile", "check", "measure", "verify"}
+    assert set(m.phases_ms) == gate | {"state_begin", "watches", "restore"}  # + the harness
     assert m.memory.weights_bytes == engine.weights.nbytes()
     assert m.memory.kv_cache_bytes > 0 and m.memory.workspace_bytes > 0
     assert m.max_abs_error <= 1e-3 * 10

@@ -358,14 +358,20 @@ class Engine(EngineSandbox):
         sandboxed = host is not None
         try:
             result = self._attempt(candidate, request, phases, notes, applied, base)
+            t = time.perf_counter()
             result = self._end_sandbox(result, base, host)
+            if sandboxed:
+                result.phases_ms["sandbox_end"] = (time.perf_counter() - t) * 1e3
         except BaseException:
             if host is not None:
                 host.discard()  # its check cannot run now: a fresh sandbox for the next one
             raise
         finally:
             self._measured = self.model
+            t = time.perf_counter()
             problem = self._restore(candidate, applied, derived_before, sandboxed)
+            restore_ms = (time.perf_counter() - t) * 1e3
+        result.phases_ms["restore"] = restore_ms
         if problem:
             result.restart_engine = True
             result.notes.append(f"engine restarts after this experiment: {problem}")
@@ -389,11 +395,14 @@ class Engine(EngineSandbox):
         (CUDA), whose attributes are watched too. The public tolerance table is watched by content
         (:func:`~kiln.runtime.state_guard.tolerance_changes`).
         """
+        t = time.perf_counter()
         self._state.begin()
+        phases["state_begin"] = (time.perf_counter() - t) * 1e3
         if self._sandbox_for(candidate, request) is not None:
             # no candidate code runs in this process: nothing here for the watches to see
             model = AttributeSnapshot("engine.model", self.model, True, ignore=MODEL_BINDING)
             return self._gate(candidate, request, phases, notes, applied, base, model, [])
+        t = time.perf_counter()
         between = tolerance_changes()
         restore_tolerances()
         # Sandboxed, only recipes (library code) run here: the dispatcher is checked after the
@@ -409,13 +418,16 @@ class Engine(EngineSandbox):
             notes.append(f"changed since the last experiment: {'; '.join(between[:4])}")
         model = AttributeSnapshot("engine.model", self.model, True, ignore=MODEL_BINDING).take()
         state = AttributeSnapshot("engine._state", self._state, True).take()
+        watches_ms = (time.perf_counter() - t) * 1e3
         tampered: list[str] = []
         result = self._gate(candidate, request, phases, notes, applied, base, model, tampered)
+        t = time.perf_counter()
         tampered += fingerprint.changes(dispatch=scan)
         tampered += model.changes()
         tampered += state.changes()
         tampered += tolerance_changes()
         strays = ThreadWatch().strays(new_threads=False)
+        result.phases_ms["watches"] = watches_ms + (time.perf_counter() - t) * 1e3
         if not tampered and not strays:
             return result
         problems = fingerprint.restore()

@@ -19,7 +19,7 @@ import ctypes
 import hashlib
 import secrets
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -154,6 +154,19 @@ def keyed_checksum(t: Tensor, words: Tensor, key: int) -> Tensor:
     return total
 
 
+def _device_checksum(device: torch.device) -> Callable[[Tensor, Tensor, int], Tensor]:
+    """The keyed checksum to run on ``device``: the one-pass Triton kernel on CUDA where Triton
+    is installed (equal bit for bit, :mod:`kiln.ops.kernels.keyed_checksum`), else
+    :func:`keyed_checksum`."""
+    from kiln.ops.kernels import runtime
+
+    if device.type == "cuda" and runtime.has_triton() and not runtime.interpreting():
+        from kiln.ops.kernels.keyed_checksum import keyed_checksum as one_pass
+
+        return one_pass
+    return keyed_checksum
+
+
 def reference_tensors(
     models: Iterable[tuple[str, DecoderModel]], store: WeightStore
 ) -> list[tuple[str, Tensor]]:
@@ -210,7 +223,8 @@ class StateGuard:
         if self.keyed:
             assert self._key is not None
             words, key = self._key
-            sums = [keyed_checksum(t, words, key + (i << 40)) for i, t in enumerate(self.tensors)]
+            checksum = _device_checksum(words.device)
+            sums = [checksum(t, words, key + (i << 40)) for i, t in enumerate(self.tensors)]
             return torch.stack(sums).cpu().tolist() if sums else []
         return list(host_digests(self.tensors))
 
