@@ -280,7 +280,8 @@ def _mooncake(path: Path, rows: list[object]) -> Path:
 
 
 def _row(ms: int, isl: int = 600, osl: int = 5) -> dict[str, object]:
-    return {"timestamp": ms, "input_length": isl, "output_length": osl, "hash_ids": [0, ms]}
+    ids = [0, ms][: -(-isl // 512)]  # one id per 512-token block
+    return {"timestamp": ms, "input_length": isl, "output_length": osl, "hash_ids": ids}
 
 
 def test_malformed_row_below_threshold_is_skipped_and_reported(tmp_path: Path) -> None:
@@ -376,7 +377,8 @@ def test_negative_tokens_in_azure_are_rejected(tmp_path: Path) -> None:
 
 
 def test_out_of_order_rows_are_sorted_and_counted(tmp_path: Path) -> None:
-    path = _mooncake(tmp_path / "m.jsonl", [_row(2000, 1), _row(0, 2), _row(1000, 3)])
+    # After the first row (rows before it are malformed: test_trace_policies.py).
+    path = _mooncake(tmp_path / "m.jsonl", [_row(0, 2), _row(2000, 1), _row(1000, 3)])
     trace = read_trace(path)
     assert trace.reordered == 1
     assert [(r.arrival_s, r.isl) for r in trace.requests] == [(0.0, 2), (1.0, 3), (2.0, 1)]

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -19,20 +19,27 @@ from kiln.cli.errors import CliError
 from kiln.cli.render import console
 from kiln.v1 import deployments_pb2
 
+if TYPE_CHECKING:
+    from kiln.workloads.traffic import Trace
+
 app = typer.Typer(help="Observed traffic of deployments.", no_args_is_help=True)
 
 
-async def _records(
-    name: str, path: Path, speed: float, scale_isl: float, cont: bool, close: bool
-) -> AsyncIterator[deployments_pb2.TrafficRecord]:
+def _read(path: Path) -> Trace:
+    """The trace at ``path``; CliError (one line) when it cannot be read."""
     from kiln.workloads.traffic import TraceError, read_trace
 
     try:
-        trace = read_trace(path)
+        return read_trace(path)
     except FileNotFoundError:
         raise CliError(f"traffic trace {path} does not exist") from None
     except (OSError, TraceError) as exc:
         raise CliError(str(exc)) from None
+
+
+async def _records(
+    name: str, trace: Trace, speed: float, scale_isl: float, cont: bool, close: bool
+) -> AsyncIterator[deployments_pb2.TrafficRecord]:
     started = time.monotonic()
     first = trace.requests[0].arrival_s if trace.requests else 0.0
     for i, r in enumerate(trace.requests):
@@ -55,7 +62,9 @@ async def _records(
 def observe(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="The deployment's name.")],
-    file: Annotated[Path, typer.Argument(help="A trace: Azure CSV or Mooncake JSONL.")],
+    file: Annotated[
+        Path, typer.Argument(help="A trace: Azure CSV, Mooncake JSONL or ServeGen file.")
+    ],
     speed: Annotated[
         float, typer.Option(min=0, help="Replay this many times faster (0: at once).")
     ] = 600.0,
@@ -70,8 +79,9 @@ def observe(
     """Send a trace's requests as the deployment's observed traffic."""
     from kiln.cli.deployments import call_stream
 
+    trace = _read(file)  # before the stream opens: an error inside it would not reach here
     response = asyncio.run(
-        call_stream(ctx, "ObserveTraffic", _records(name, file, speed, scale_isl, cont, close))
+        call_stream(ctx, "ObserveTraffic", _records(name, trace, speed, scale_isl, cont, close))
     )
     assert isinstance(response, deployments_pb2.ObserveTrafficResponse)
     console.print(

@@ -4,6 +4,17 @@ A :class:`WeightStore` maps Hugging Face names to tensors. MoE experts are held 
 layer as transformers >= 5 holds them: ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows
 first), ``mlp.experts.down_proj [E, H, I]``, router ``mlp.gate.weight [E, H]``; per-expert
 checkpoints are stacked on load.
+
+The output head against ``tie_word_embeddings`` (:func:`load_safetensors`), each case logged as a
+structlog warning and kept in :attr:`WeightStore.notes`:
+
+- config ties, the files hold an ``lm_head.weight`` equal to the embedding: tied, no warning;
+  one that differs: the files' head is used, untied (``checkpoint_head_untied``). This is what
+  transformers 5.x does (``PreTrainedModel.tie_weights``: "both are present in the checkpoints
+  with different values, so we will NOT tie them").
+- config does not tie, the files hold no ``lm_head.weight``: the head is tied to the embedding
+  (``checkpoint_head_tied``). transformers leaves that head newly (randomly) initialised
+  instead; kiln ties, since a random head would be measured as if it were the model's.
 """
 
 from __future__ import annotations
@@ -14,9 +25,12 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import structlog
 import torch
 
 from kiln.workloads.config import ModelConfig
+
+log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -33,14 +47,21 @@ class WeightError(ValueError):
 
 
 class WeightStore:
-    """Parameters by HF name, plus a cache of derived layouts; with ``tied`` and no
-    ``lm_head.weight``, that name is the embedding table.
+    """Parameters by HF name, plus a cache of derived layouts; with ``tied``, ``lm_head.weight``
+    is the embedding table. ``notes``: what the loader decided about the files (warnings).
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], *, tied: bool = False) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        tied: bool = False,
+        notes: tuple[str, ...] = (),
+    ) -> None:
         self._tensors = dict(tensors)
         if tied and EMBED in self._tensors:
             self._tensors[LM_HEAD] = self._tensors[EMBED]
+        self.notes = notes
         self._derived: dict[tuple[str, str], Any] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -255,8 +276,8 @@ def load_safetensors(
     device: torch.device | str = "cpu",
 ) -> WeightStore:
     """Read the weights ``config`` needs from ``directory``'s ``*.safetensors``, cast to
-    ``dtype`` on ``device``. WeightError: no directory or files, a tensor missing, mis-shaped or
-    in two files.
+    ``dtype`` on ``device``; the head against ``tie_word_embeddings`` as the module says.
+    WeightError: no directory or files, a tensor missing, mis-shaped or in two files.
     """
     from safetensors import safe_open
 
@@ -265,6 +286,19 @@ def load_safetensors(
         raise WeightError(f"{root}: not a directory")
     where = _index(root)
     shapes = expected_shapes(config)
+    tied = config.tie_word_embeddings
+    notes: list[str] = []
+    file_head = tied and LM_HEAD in where
+    if file_head:  # compared with the embedding once both are read
+        shapes[LM_HEAD] = shapes[EMBED]
+    elif not tied and LM_HEAD not in where and EMBED in where:
+        del shapes[LM_HEAD]
+        tied = True
+        notes.append(
+            f"{root}: config.json has tie_word_embeddings false but the files hold no "
+            f"{LM_HEAD}; the head is tied to {EMBED} (transformers would initialise it randomly)"
+        )
+        log.warning("checkpoint_head_tied", directory=str(root), model=config.name)
     plan: dict[str, list[Part]] = {}
     missing: list[str] = []
     for name, shape in shapes.items():
@@ -302,4 +336,14 @@ def load_safetensors(
                 if name not in tensors:
                     tensors[name] = torch.empty(shapes[name], dtype=dtype, device=dev)
                 tensors[name][index].copy_(handle.get_tensor(src))
-    return WeightStore(tensors, tied=config.tie_word_embeddings)
+    if file_head:
+        if torch.equal(tensors[LM_HEAD], tensors[EMBED]):
+            del tensors[LM_HEAD]
+        else:
+            tied = False
+            notes.append(
+                f"{root}: config.json has tie_word_embeddings true but the files' {LM_HEAD} "
+                f"differs from {EMBED}; the files' head is used, untied (as transformers does)"
+            )
+            log.warning("checkpoint_head_untied", directory=str(root), model=config.name)
+    return WeightStore(tensors, tied=tied, notes=tuple(notes))

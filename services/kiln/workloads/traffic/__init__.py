@@ -1,4 +1,4 @@
-"""Traffic shapes from real serving traces (Azure LLM inference CSV, Mooncake JSONL).
+"""Traffic shapes from real serving traces (Azure LLM inference CSV, Mooncake JSONL, ServeGen).
 
 ``read_trace(path)`` gives the requests; ``TrafficShape.from_trace(trace)`` their shape and the
 operating point (decode batch size, context length) engines measure at. Stdlib and structlog
@@ -15,6 +15,7 @@ from kiln.workloads.traffic.readers import (
     read_trace,
 )
 from kiln.workloads.traffic.records import Request, RowProblem, Trace
+from kiln.workloads.traffic.servegen import read_servegen_client, read_servegen_requests
 from kiln.workloads.traffic.shape import (
     TrafficShape,
     operating_batch_size,
@@ -40,6 +41,8 @@ __all__ = [
     "prefix_hit_rate",
     "read_azure_csv",
     "read_mooncake_jsonl",
+    "read_servegen_client",
+    "read_servegen_requests",
     "read_trace",
     "zipf_shares",
 ]

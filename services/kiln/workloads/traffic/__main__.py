@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
             f"(blocks seen before {block_reuse_rate(trace.requests):.4f})"
         )
         print(f"  operating point   batch {shape.batch_size}, context {shape.context_len} tokens")
-        print(f"  skipped rows      {len(trace.problems)}; reordered {trace.reordered}")
+        print(
+            f"  skipped rows      {len(trace.problems)}; reordered {trace.reordered}; "
+            f"0-output kept {trace.zero_output}"
+        )
         for note in shape.notes:
             print(f"  note: {note}")
     return status

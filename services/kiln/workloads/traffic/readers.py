@@ -1,12 +1,24 @@
-"""Readers for the public LLM-serving traces: Azure LLM inference CSV and Mooncake JSONL.
+"""Readers for the public LLM-serving traces: Azure LLM inference CSV, Mooncake JSONL and (in
+:mod:`kiln.workloads.traffic.servegen`) ServeGen's request JSONL and per-client files.
 
 - Azure: CSV with ``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps read as UTC.
-- Mooncake: JSON lines with ``timestamp`` (ms), ``input_length``, ``output_length``,
-  ``hash_ids`` (512-token prefix-block ids).
+- Mooncake: JSON lines with ``timestamp`` (ms from the trace start), ``input_length``,
+  ``output_length``, ``hash_ids`` (one id per 512-token prefix block).
 
 Malformed rows are skipped up to ``max_bad_fraction`` of the rows and at most ``max_bad_rows``,
-returned in :attr:`Trace.problems` as ``(line, reason)``; beyond that :class:`TraceError` names
-``file:line``. Rows out of time order are sorted into place and counted.
+returned in :attr:`Trace.problems` as ``(line, reason)`` with a ``trace_rows_skipped`` warning;
+beyond that :class:`TraceError` names ``file:line``. Malformed, besides unparsable fields:
+
+- a Mooncake row whose ``hash_ids`` count is not ``ceil(input_length / 512)``;
+- a row with 0 input tokens (a request has at least one prompt token);
+- a negative Mooncake timestamp, or any row earlier than the file's first row: the first row is
+  the trace's start, so one stray row cannot move the origin and stretch the span.
+
+Rows later than the first but out of order are sorted into place (counted in
+:attr:`Trace.reordered`, ``trace_rows_reordered`` warning). Rows with 0 output tokens are kept
+(prefill-only requests) and counted in :attr:`Trace.zero_output` (``trace_zero_output_rows``
+warning). A directory, or any path that is not a regular file, is a TraceError; a missing file
+is FileNotFoundError.
 """
 
 from __future__ import annotations
@@ -18,10 +30,11 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
+from kiln.workloads.traffic.prefix import MOONCAKE_BLOCK_TOKENS
 from kiln.workloads.traffic.records import Request, RowProblem, Trace
 
 log = structlog.get_logger(__name__)
@@ -33,9 +46,9 @@ AZURE_FORMAT = "azure_csv"
 MOONCAKE_FORMAT = "mooncake_jsonl"
 _SHOWN = 5
 
-# (whole epoch seconds, fraction of a second, isl, osl, hash_ids): arrival kept in two parts so
-# wall-clock timestamps near 1.7e9 s keep their 100 ns digits until the trace start is removed.
-_Row = tuple[int, float, int, int, tuple[int, ...]]
+# (whole epoch seconds, fraction of a second, isl, osl, hash_ids, line): arrival kept in two parts
+# so wall-clock timestamps near 1.7e9 s keep their 100 ns digits until the trace start is removed.
+_Row = tuple[int, float, int, int, tuple[int, ...], int]
 
 
 class TraceError(ValueError):
@@ -51,8 +64,10 @@ class TraceError(ValueError):
         self.problems = problems
 
 
-class _RowError(Exception):
-    """One row is malformed; the argument is the reason."""
+class RowError(Exception):
+    """One row is malformed; the argument is the reason (caught by the readers, never raised to
+    their callers).
+    """
 
 
 # ---------------------------------------------------------------------------- public readers
@@ -62,14 +77,24 @@ def read_trace(
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
     max_bad_rows: int = DEFAULT_MAX_BAD_ROWS,
 ) -> Trace:
-    """Read an Azure CSV or a Mooncake JSONL trace, recognised by its first line, else by suffix.
-    TraceError (unknown format, empty, too many malformed rows) or OSError.
+    """Read an Azure CSV, a Mooncake JSONL or a ServeGen file, recognised by its name
+    (ServeGen's ``chunk-<id>-trace.csv`` / ``-dataset.json``), its first line, else its suffix.
+    TraceError (a directory, unknown format, empty, too many malformed rows) or OSError.
     """
+    from kiln.workloads.traffic import servegen
+
     p = Path(path)
+    if servegen.is_client_file(p):
+        return servegen.read_servegen_client(
+            p, max_bad_fraction=max_bad_fraction, max_bad_rows=max_bad_rows
+        )
     first = _first_line(p)
     suffix = p.suffix.lower()
     if first.startswith("{"):
-        reader = read_mooncake_jsonl
+        is_servegen = servegen.is_request_line(first)
+        reader = servegen.read_servegen_requests if is_servegen else read_mooncake_jsonl
+    elif servegen.is_window_line(first):
+        reader = servegen.read_servegen_client
     elif first.split(",", 1)[0].strip().strip('"').lower() == "timestamp" or suffix == ".csv":
         reader = read_azure_csv
     elif suffix in (".jsonl", ".ndjson", ".json"):
@@ -78,8 +103,8 @@ def read_trace(
         raise TraceError(f"{p}: empty file, no requests", p)
     else:
         raise TraceError(
-            f"{p}: unknown trace format (expected an Azure LLM CSV with a TIMESTAMP header or "
-            f"a Mooncake JSONL; first line {first[:80]!r})",
+            f"{p}: unknown trace format (expected an Azure LLM CSV with a TIMESTAMP header, "
+            f"a Mooncake JSONL or a ServeGen file; first line {first[:80]!r})",
             p,
         )
     return reader(p, max_bad_fraction=max_bad_fraction, max_bad_rows=max_bad_rows)
@@ -97,7 +122,7 @@ def read_azure_csv(
     p = Path(path)
     rows: list[_Row] = []
     problems: list[RowProblem] = []
-    with p.open(encoding="utf-8", errors="replace", newline="") as f:
+    with open_trace(p, newline="") as f:
         reader = csv.reader(f)
         columns: tuple[int, int, int] | None = None
         width = 0
@@ -111,17 +136,16 @@ def read_azure_csv(
                 continue
             try:
                 if len(fields) != width:
-                    raise _RowError(f"expected {width} fields, got {len(fields)}")
+                    raise RowError(f"expected {width} fields, got {len(fields)}")
                 t, c, g = (fields[i] for i in columns)
                 whole, frac = _wall_clock(t)
-                rows.append(
-                    (whole, frac, _count(c, "ContextTokens"), _count(g, "GeneratedTokens"), ())
-                )
-            except _RowError as exc:
+                isl = nonzero_input(_count(c, "ContextTokens"), "ContextTokens")
+                rows.append((whole, frac, isl, _count(g, "GeneratedTokens"), (), line))
+            except RowError as exc:
                 problems.append(RowProblem(line, str(exc)))
                 if len(problems) > max_bad_rows:
                     break
-    return _finish(p, AZURE_FORMAT, rows, problems, max_bad_fraction, max_bad_rows)
+    return finish(p, AZURE_FORMAT, rows, problems, max_bad_fraction, max_bad_rows)
 
 
 def read_mooncake_jsonl(
@@ -131,22 +155,22 @@ def read_mooncake_jsonl(
     max_bad_rows: int = DEFAULT_MAX_BAD_ROWS,
 ) -> Trace:
     """Read a Mooncake trace (other keys ignored); TraceError: no requests or too many malformed
-    rows.
+    rows (a ``hash_ids`` count other than ``ceil(input_length / 512)`` among them).
     """
     p = Path(path)
     rows: list[_Row] = []
     problems: list[RowProblem] = []
-    with p.open(encoding="utf-8", errors="replace") as f:
+    with open_trace(p) as f:
         for line, text in enumerate(f, start=1):
             if not text.strip():
                 continue
             try:
-                rows.append(_mooncake_row(text))
-            except _RowError as exc:
+                rows.append(_mooncake_row(text, line))
+            except RowError as exc:
                 problems.append(RowProblem(line, str(exc)))
                 if len(problems) > max_bad_rows:
                     break
-    return _finish(p, MOONCAKE_FORMAT, rows, problems, max_bad_fraction, max_bad_rows)
+    return finish(p, MOONCAKE_FORMAT, rows, problems, max_bad_fraction, max_bad_rows)
 
 
 # ---------------------------------------------------------------------------- row parsing
@@ -181,7 +205,7 @@ def _wall_clock(text: str) -> tuple[int, float]:
             frac = dt.microsecond / 1e6
             dt = dt.replace(microsecond=0)
     except ValueError:
-        raise _RowError(f"unparsable time {text!r}") from None
+        raise RowError(f"unparsable time {text!r}") from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=UTC)
     return int(dt.timestamp()), frac
@@ -191,61 +215,84 @@ def _count(text: str, name: str) -> int:
     try:
         value = int(text.strip())
     except ValueError:
-        raise _RowError(f"bad number in {name}: {text!r}") from None
+        raise RowError(f"bad number in {name}: {text!r}") from None
     if value < 0:
-        raise _RowError(f"negative {name}: {value}")
+        raise RowError(f"negative {name}: {value}")
     return value
 
 
-def _json_count(obj: dict[str, Any], name: str) -> int:
+def json_count(obj: dict[str, Any], name: str) -> int:
     if name not in obj:
-        raise _RowError(f"missing field {name!r}")
+        raise RowError(f"missing field {name!r}")
     value = obj[name]
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if type(value) is not int:
-        raise _RowError(f"bad number in {name}: {value!r}")
+        raise RowError(f"bad number in {name}: {value!r}")
     if value < 0:
-        raise _RowError(f"negative {name}: {value}")
+        raise RowError(f"negative {name}: {value}")
     return value
 
 
-def _mooncake_row(text: str) -> _Row:
+def nonzero_input(isl: int, name: str) -> int:
+    """``isl``; RowError when it is 0 (a request has at least one prompt token)."""
+    if isl == 0:
+        raise RowError(f"{name} 0: a request has at least one prompt token")
+    return isl
+
+
+def arrival_parts(seconds: float) -> tuple[int, float]:
+    """(whole seconds, fraction) of a finite arrival time."""
+    whole = math.floor(seconds)
+    return whole, seconds - whole
+
+
+def _mooncake_row(text: str, line: int) -> _Row:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise _RowError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+        raise RowError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(obj, dict):
-        raise _RowError(f"expected a JSON object, got {type(obj).__name__}")
+        raise RowError(f"expected a JSON object, got {type(obj).__name__}")
     if "timestamp" not in obj:
-        raise _RowError("missing field 'timestamp'")
+        raise RowError("missing field 'timestamp'")
     ms = obj["timestamp"]
     if type(ms) not in (int, float) or not math.isfinite(ms):
-        raise _RowError(f"unparsable time {ms!r} (expected milliseconds)")
-    isl = _json_count(obj, "input_length")
-    osl = _json_count(obj, "output_length")
+        raise RowError(f"unparsable time {ms!r} (expected milliseconds)")
+    if ms < 0:
+        raise RowError(f"negative timestamp {ms} (milliseconds from the trace start)")
+    isl = nonzero_input(json_count(obj, "input_length"), "input_length")
+    osl = json_count(obj, "output_length")
     if "hash_ids" not in obj:
-        raise _RowError("missing field 'hash_ids'")
+        raise RowError("missing field 'hash_ids'")
     ids = obj["hash_ids"]
     if not isinstance(ids, list) or not all(type(h) is int for h in ids):
-        raise _RowError("hash_ids must be a list of integers")
-    whole = math.floor(ms / 1000)
-    return whole, ms / 1000 - whole, isl, osl, tuple(ids)
+        raise RowError("hash_ids must be a list of integers")
+    blocks = -(-isl // MOONCAKE_BLOCK_TOKENS)
+    if len(ids) != blocks:
+        raise RowError(
+            f"{len(ids)} hash_ids for input_length {isl} (expected ceil({isl} / "
+            f"{MOONCAKE_BLOCK_TOKENS}) = {blocks})"
+        )
+    whole, frac = arrival_parts(ms / 1000)
+    return whole, frac, isl, osl, tuple(ids), line
 
 
 # ---------------------------------------------------------------------------- assembling
-def _finish(
+def check_problems(
     path: Path,
-    fmt: str,
-    rows: list[_Row],
     problems: list[RowProblem],
+    total: int,
     max_bad_fraction: float,
     max_bad_rows: int,
-) -> Trace:
-    total = len(rows) + len(problems)
+    *,
+    stopped: bool,
+) -> None:
+    """TraceError when more of ``total`` rows are malformed than may be skipped (``stopped``:
+    reading gave up after ``max_bad_rows``); else a ``trace_rows_skipped`` warning if any were.
+    """
     allowed = min(max_bad_rows, int(max_bad_fraction * total))
     if len(problems) > allowed:
-        stopped = len(problems) > max_bad_rows
         count = f"more than {max_bad_rows}" if stopped else str(len(problems))
         of = f"the first {total} rows read" if stopped else f"{total} rows"
         raise TraceError(
@@ -254,8 +301,6 @@ def _finish(
             path,
             tuple(problems),
         )
-    if not rows:
-        raise TraceError(f"{path}: no requests in the file", path, tuple(problems))
     if problems:
         log.warning(
             "trace_rows_skipped",
@@ -264,16 +309,66 @@ def _finish(
             rows=total,
             first=[f"{path}:{p.line}: {p.reason}" for p in problems[:_SHOWN]],
         )
+
+
+def warn_zero_output(path: Path, lines: list[int], rows: int) -> int:
+    """Log ``trace_zero_output_rows`` for the rows (``lines``) kept with 0 output tokens; their
+    count.
+    """
+    if lines:
+        log.warning(
+            "trace_zero_output_rows",
+            file=str(path),
+            kept=len(lines),
+            rows=rows,
+            first=[f"{path}:{line}" for line in lines[:_SHOWN]],
+            policy="kept as prefill-only requests",
+        )
+    return len(lines)
+
+
+def finish(
+    path: Path,
+    fmt: str,
+    rows: list[_Row],
+    problems: list[RowProblem],
+    max_bad_fraction: float,
+    max_bad_rows: int,
+) -> Trace:
+    """The Trace of parsed ``rows`` (file order) and the malformed rows found: rows earlier than
+    the first row are malformed too; TraceError past the skip threshold or with no rows left.
+    """
+    stopped = len(problems) > max_bad_rows
+    total = len(rows) + len(problems)
+    if rows:
+        start, start_line = rows[0][:2], rows[0][5]
+        early = [r for r in rows if r[:2] < start]
+        for r in early:
+            before = (start[0] - r[0]) + (start[1] - r[1])
+            problems.append(
+                RowProblem(
+                    r[5],
+                    f"arrival {before:.6g} s before the first row (line {start_line}), which "
+                    "starts the trace",
+                )
+            )
+        if early:
+            rows = [r for r in rows if r[:2] >= start]
+            problems.sort(key=lambda p: p.line)
+    check_problems(path, problems, total, max_bad_fraction, max_bad_rows, stopped=stopped)
+    if not rows:
+        raise TraceError(f"{path}: no requests in the file", path, tuple(problems))
     reordered = sum(1 for a, b in pairwise(rows) if b[:2] < a[:2])
     if reordered:
         rows.sort(key=lambda r: (r[0], r[1]))
         log.warning("trace_rows_reordered", file=str(path), reordered=reordered, rows=len(rows))
+    zero_output = warn_zero_output(path, [r[5] for r in rows if r[3] == 0], len(rows))
     base_whole, base_frac = rows[0][0], rows[0][1]
     requests = tuple(
         Request((whole - base_whole) + (frac - base_frac), isl, osl, ids)
-        for whole, frac, isl, osl, ids in rows
+        for whole, frac, isl, osl, ids, _ in rows
     )
-    return Trace(path, fmt, requests, tuple(problems), reordered)
+    return Trace(path, fmt, requests, tuple(problems), reordered, zero_output)
 
 
 def _listing(path: Path, problems: list[RowProblem]) -> str:
@@ -282,8 +377,23 @@ def _listing(path: Path, problems: list[RowProblem]) -> str:
     return shown + (f"; and {more} more" if more > 0 else "")
 
 
+def open_trace(path: Path, newline: str | None = None) -> TextIO:
+    """``path`` opened as text (undecodable bytes replaced); TraceError for a directory or
+    anything else that is not a regular file, FileNotFoundError when nothing is there.
+    """
+    if path.is_dir():
+        raise TraceError(
+            f"{path}: is a directory, not a trace file (give one Azure CSV, Mooncake JSONL or "
+            "ServeGen file)",
+            path,
+        )
+    if path.exists() and not path.is_file():
+        raise TraceError(f"{path}: not a regular file, not a trace file", path)
+    return path.open(encoding="utf-8", errors="replace", newline=newline)
+
+
 def _first_line(path: Path) -> str:
     """The first non-blank line of the file (stripped), or "" when there is none."""
-    with path.open(encoding="utf-8", errors="replace") as f:
+    with open_trace(path) as f:
         lines: Iterator[str] = (line.strip() for line in f)
         return next((line for line in lines if line), "")

@@ -49,11 +49,14 @@ class Trace:
 
     Attributes:
         path: the file read.
-        format: ``"azure_csv"`` or ``"mooncake_jsonl"``.
+        format: ``"azure_csv"``, ``"mooncake_jsonl"``, ``"servegen_requests_jsonl"`` or
+            ``"servegen_client"`` (requests drawn from a ServeGen client's distributions).
         requests: the well-formed rows, sorted by arrival (stable, so ties keep file order).
-        problems: malformed rows that were skipped (fewer than the reader's threshold).
+        problems: malformed rows that were skipped (fewer than the reader's threshold), and for
+            ``servegen_client`` the windows whose drawn requests were dropped.
         reordered: rows whose arrival was earlier than the previous row's; the reader sorted
             them into place rather than rejecting them.
+        zero_output: requests kept with 0 output tokens (prefill-only).
     """
 
     path: Path
@@ -61,3 +64,4 @@ class Trace:
     requests: tuple[Request, ...]
     problems: tuple[RowProblem, ...] = ()
     reordered: int = 0
+    zero_output: int = 0
