@@ -169,6 +169,9 @@ def row(label: str, took: float, m: Measurement) -> str:
     """One table line: candidate, status, seconds to result, decode median, tokens/s, phases."""
     median = f"{m.timing.median_ms:.3f} ms" if m.timing else "-"
     phases = ", ".join(f"{k} {v:.0f}" for k, v in m.phases_ms.items())
+    # in the engine but outside its phases; then outside the engine (the pipe, the worker)
+    inside = m.device_ms - sum(m.phases_ms.values())
+    phases += f"; unphased {inside:.0f}, outside engine {took * 1e3 - m.device_ms:.0f}"
     line = (
         f"  {label:42s} {m.status:9s} {took:9.3f} s {median:>12s} {m.tokens_per_s:9.1f}  {phases}"
     )
