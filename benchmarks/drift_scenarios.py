@@ -30,6 +30,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from kiln.workloads.traffic import read_trace
 from kiln.workloads.traffic.drift import (
     DIMENSIONS,
     DriftDetector,
@@ -37,7 +38,6 @@ from kiln.workloads.traffic.drift import (
     measure_drift,
     reference_shape,
 )
-from kiln.workloads.traffic.readers import read_trace
 from kiln.workloads.traffic.records import Request
 from kiln.workloads.traffic.windows import TrafficWindow, WindowSpec, fold
 

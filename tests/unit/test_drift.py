@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.workloads.traffic import read_trace
 from kiln.workloads.traffic.drift import (
     DIMENSIONS,
     DriftDetector,
@@ -17,7 +18,6 @@ from kiln.workloads.traffic.drift import (
     measure_drift,
     reference_shape,
 )
-from kiln.workloads.traffic.readers import read_trace
 from kiln.workloads.traffic.records import Request
 from kiln.workloads.traffic.shape import TrafficShape
 from kiln.workloads.traffic.stats import Distribution

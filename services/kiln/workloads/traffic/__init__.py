@@ -8,12 +8,7 @@ only; protobuf is imported only by ``TrafficShape.to_proto``.
 from kiln.workloads.traffic.concurrency import Concurrency, ServiceModel, estimate_concurrency
 from kiln.workloads.traffic.experts import block_popularity_exponent, zipf_shares
 from kiln.workloads.traffic.prefix import block_reuse_rate, prefix_hit_rate
-from kiln.workloads.traffic.readers import (
-    TraceError,
-    read_azure_csv,
-    read_mooncake_jsonl,
-    read_trace,
-)
+from kiln.workloads.traffic.readers import TraceError, read_azure_csv, read_mooncake_jsonl
 from kiln.workloads.traffic.records import Request, RowProblem, Trace
 from kiln.workloads.traffic.servegen import read_servegen_client, read_servegen_requests
 from kiln.workloads.traffic.shape import (
@@ -22,6 +17,7 @@ from kiln.workloads.traffic.shape import (
     operating_context_len,
 )
 from kiln.workloads.traffic.stats import Distribution, percentile
+from kiln.workloads.traffic.trace_files import read_trace
 
 __all__ = [
     "Concurrency",

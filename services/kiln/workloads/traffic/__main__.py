@@ -8,9 +8,10 @@ import time
 
 from kiln.workloads.traffic.concurrency import estimate_concurrency
 from kiln.workloads.traffic.prefix import block_reuse_rate
-from kiln.workloads.traffic.readers import TraceError, read_trace
+from kiln.workloads.traffic.readers import TraceError
 from kiln.workloads.traffic.shape import DEFAULT_MAX_BATCH, TrafficShape
 from kiln.workloads.traffic.stats import Distribution
+from kiln.workloads.traffic.trace_files import read_trace
 
 
 def _dist(d: Distribution) -> str:

@@ -71,45 +71,6 @@ class RowError(Exception):
 
 
 # ---------------------------------------------------------------------------- public readers
-def read_trace(
-    path: str | Path,
-    *,
-    max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
-    max_bad_rows: int = DEFAULT_MAX_BAD_ROWS,
-) -> Trace:
-    """Read an Azure CSV, a Mooncake JSONL or a ServeGen file, recognised by its name
-    (ServeGen's ``chunk-<id>-trace.csv`` / ``-dataset.json``), its first line, else its suffix.
-    TraceError (a directory, unknown format, empty, too many malformed rows) or OSError.
-    """
-    from kiln.workloads.traffic import servegen
-
-    p = Path(path)
-    if servegen.is_client_file(p):
-        return servegen.read_servegen_client(
-            p, max_bad_fraction=max_bad_fraction, max_bad_rows=max_bad_rows
-        )
-    first = _first_line(p)
-    suffix = p.suffix.lower()
-    if first.startswith("{"):
-        is_servegen = servegen.is_request_line(first)
-        reader = servegen.read_servegen_requests if is_servegen else read_mooncake_jsonl
-    elif servegen.is_window_line(first):
-        reader = servegen.read_servegen_client
-    elif first.split(",", 1)[0].strip().strip('"').lower() == "timestamp" or suffix == ".csv":
-        reader = read_azure_csv
-    elif suffix in (".jsonl", ".ndjson", ".json"):
-        reader = read_mooncake_jsonl
-    elif not first:
-        raise TraceError(f"{p}: empty file, no requests", p)
-    else:
-        raise TraceError(
-            f"{p}: unknown trace format (expected an Azure LLM CSV with a TIMESTAMP header, "
-            f"a Mooncake JSONL or a ServeGen file; first line {first[:80]!r})",
-            p,
-        )
-    return reader(p, max_bad_fraction=max_bad_fraction, max_bad_rows=max_bad_rows)
-
-
 def read_azure_csv(
     path: str | Path,
     *,
@@ -392,7 +353,7 @@ def open_trace(path: Path, newline: str | None = None) -> TextIO:
     return path.open(encoding="utf-8", errors="replace", newline=newline)
 
 
-def _first_line(path: Path) -> str:
+def first_line(path: Path) -> str:
     """The first non-blank line of the file (stripped), or "" when there is none."""
     with open_trace(path) as f:
         lines: Iterator[str] = (line.strip() for line in f)

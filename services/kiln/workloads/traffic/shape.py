@@ -139,7 +139,7 @@ class TrafficShape:
         expert_load_skew: float = 1.0,
         block_size: int = MOONCAKE_BLOCK_TOKENS,
     ) -> TrafficShape:
-        """The shape of a trace read by :func:`~kiln.workloads.traffic.readers.read_trace`,
+        """The shape of a trace read by :func:`~kiln.workloads.traffic.trace_files.read_trace`,
         named after its file; the other arguments as :meth:`from_requests`."""
         return cls.from_requests(
             trace.requests,
