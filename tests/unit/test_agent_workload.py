@@ -68,7 +68,7 @@ def test_key_changes_with_the_workload() -> None:
             "workload.model is missing",
         ),
         (_workload({"model_type": "bert"}), InvalidArgument, "unsupported architecture 'bert'"),
-        (  # parsed fine, but no engine can build MLA attention yet: refused at submission
+        (  # parsed fine, but no engine builds a greedy MLA router yet: refused at submission
             _workload(
                 {
                     **CONFIG,
@@ -80,10 +80,11 @@ def test_key_changes_with_the_workload() -> None:
                     "qk_nope_head_dim": 8,
                     "qk_rope_head_dim": 8,
                     "v_head_dim": 8,
+                    "topk_method": "greedy",
                 }
             ),
             InvalidArgument,
-            "cannot build 'deepseek_v3': MLA attention",
+            "cannot build top-k method 'greedy'",
         ),
         (_workload({**CONFIG, "vocab_size": None}), InvalidArgument, "workload.model"),
         (_workload(batch_size=0), InvalidArgument, "batch_size must be >= 1"),

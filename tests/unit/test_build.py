@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from kiln.ops.registry import ops
+from kiln.runtime.support import MLA_OPS
 from kiln.workloads.config import load_config, parse_config
 from kiln.workloads.models import UnbuildableModelError, build_model
 from kiln.workloads.models.build import check_buildable
@@ -37,9 +39,13 @@ TINY = {
 
 
 @pytest.mark.skipif(not MODELS.is_dir(), reason="../shared/data/models is not here")
-def test_mla_models_are_refused_by_name() -> None:
-    config = load_config(MODELS / "deepseek-v3.json")
-    with pytest.raises(UnbuildableModelError, match="'deepseek_v3': MLA attention") as err:
+def test_mla_features_not_built_are_refused_by_name() -> None:
+    """DeepSeek-V3 builds (tests/unit/test_mla_model.py); a router it does not implement is
+    refused by name."""
+    raw = json.loads((MODELS / "deepseek-v3.json").read_text())
+    check_buildable(load_config(MODELS / "deepseek-v3.json"))
+    config = parse_config({**raw, "topk_method": "group_limited_greedy"}, "deepseek-v3")
+    with pytest.raises(UnbuildableModelError, match="top-k method 'group_limited_greedy'") as err:
         build_model(config, layers=1)
     assert isinstance(err.value, NotImplementedError)
     assert config.name in str(err.value)
@@ -82,7 +88,7 @@ def test_fast_tier_is_the_full_models_first_layers() -> None:
     one = build_model(config.with_layers(1), dtype=torch.float32, seed=5, max_seq_len=8)
     full = build_model(config, dtype=torch.float32, seed=5, max_seq_len=8)
     assert len(fast.ops.layers) == 1 and len(full.ops.layers) == 3
-    assert {site.op for site in full.slots.sites()} == set(ops()) - {"moe"}
+    assert {site.op for site in full.slots.sites()} == set(ops()) - {"moe", *MLA_OPS}
     tokens = torch.tensor([[1, 2, 3, 4]])
     torch.testing.assert_close(fast.prefill(tokens), one.prefill(tokens), atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"1\.\.3"):

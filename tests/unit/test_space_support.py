@@ -89,7 +89,8 @@ def _space(name: str, hardware: str) -> CandidateSpace:
 def test_the_shared_configs_are_all_here() -> None:
     assert len(CONFIGS) >= 12, CONFIGS
     assert {"llama-3.2-1b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b-v0.1"} <= set(BUILDABLE)
-    assert {"deepseek-v3", "glm-5", "gpt-oss-20b", "minimax-m2.7"}.isdisjoint(BUILDABLE)
+    assert "deepseek-v3" in BUILDABLE
+    assert {"glm-5", "gpt-oss-20b", "minimax-m2.7"}.isdisjoint(BUILDABLE)
 
 
 @pytest.mark.parametrize("name", sorted(set(CONFIGS) - set(BUILDABLE)))
@@ -130,13 +131,18 @@ def test_the_space_holds_nothing_its_engine_refuses(name: str, hardware: str) ->
 def test_moe_models_get_fused_decode_and_unused_ops_are_gone(name: str) -> None:
     config = parse_config(_raw(name), name)
     gpu = {d.name for d in _space(name, "h200").dims}
-    if config.is_moe:  # the fused chain runs expert layers through the bound moe op
+    if config.mla is not None:  # no fused chain for latent attention; dense layers call mlp
+        assert FUSED_DECODE not in gpu and not any(d.startswith(FUSED_DECODE) for d in gpu)
+        assert "MLA" in (support_for(config, "cuda").transform_reason(FUSED_DECODE) or "")
+        assert {OP_PREFIX + "moe", OP_PREFIX + "mlp", OP_PREFIX + "mla_attention"} <= gpu
+        assert OP_PREFIX + "attention" not in gpu and OP_PREFIX + "qkv_proj" not in gpu
+    elif config.is_moe:  # the fused chain runs expert layers through the bound moe op
         assert {FUSED_DECODE, FUSED_DECODE + ".block_k", OP_PREFIX + "moe"} <= gpu
         assert OP_PREFIX + "mlp" not in gpu  # every layer of these MoE configs routes
         assert support_for(config, "cuda").transform_reason(FUSED_DECODE) is None
     else:
         assert {FUSED_DECODE, FUSED_DECODE + ".block_k", OP_PREFIX + "mlp"} <= gpu
-        assert OP_PREFIX + "moe" not in gpu
+        assert OP_PREFIX + "moe" not in gpu and OP_PREFIX + "mla_attention" not in gpu
     assert CUDA_GRAPH in gpu and CUDA_GRAPH not in {d.name for d in _space(name, "cpu").dims}
 
 
@@ -190,16 +196,19 @@ def test_the_statement_says_why() -> None:
 
 def _tiny(raw: dict[str, Any]) -> dict[str, Any]:
     """``raw`` shrunk: 2 layers, hidden 64, one KV head with the same GQA ratio, same head_dim,
-    Q/K norms, tied embeddings and RoPE scaling; 4 experts of width 32, top-2."""
+    Q/K norms, tied embeddings and RoPE scaling; 4 experts of width 32, top-2 (DeepSeek-V3: in
+    2 groups, 1 kept; the first layer dense, the second MoE)."""
     heads, kv = raw["num_attention_heads"], raw.get("num_key_value_heads") or 1
     tiny = {**raw, "num_attention_heads": heads // kv, "num_key_value_heads": 1}
     tiny.update(hidden_size=64, intermediate_size=64, vocab_size=64, num_hidden_layers=2)
     tiny["head_dim"] = raw.get("head_dim") or raw["hidden_size"] // heads
     if tiny.get("rope_scaling"):
         tiny["rope_scaling"] = {**tiny["rope_scaling"], "original_max_position_embeddings": 16}
-    for key in ("num_experts", "num_local_experts"):
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if key in tiny:
             tiny.update({key: 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32})
+    if "n_group" in tiny:
+        tiny.update(n_group=2, topk_group=1, first_k_dense_replace=1)
     if "num_local_experts" in tiny:
         tiny["intermediate_size"] = 32
     return tiny

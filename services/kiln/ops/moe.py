@@ -1,5 +1,5 @@
-"""``moe``: the mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral), in an expert layer's
-``ffn`` slot (design: docs/design/kernels.md, "MoE").
+"""``moe``: the mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral, DeepSeek-V3's routed
+experts), in an expert layer's ``ffn`` slot (design: docs/design/kernels.md, "MoE").
 
 Semantics of transformers' (>= 5) sparse MoE blocks in eval mode: :func:`route`; each chosen
 expert computes ``down_e(silu(gate_e(x)) * up_e(x))`` in the model dtype, scaled by its weight
@@ -9,7 +9,10 @@ Mixtral); the scaled outputs are summed per token in the model dtype.
 Call: ``moe(x[B, T, H]) -> [B, T, H]`` in ``x.dtype``. Params: ``router_weight [E, H]``,
 ``gate_up_weight [E, 2I, H]`` (gate rows first), ``down_weight [E, H, I]``, ``top_k``,
 ``norm_topk_prob``, ``round_router_weights``, ``router_bias`` (float32 ``[E]`` or None: kiln's
-expert-load skew, :mod:`kiln.workloads.models.routing`).
+expert-load skew, :mod:`kiln.workloads.models.routing`); the router's ``scoring`` (``"softmax"``,
+or ``"sigmoid"`` with ``n_group``, ``topk_group``, ``correction_bias`` float32 ``[E]`` or None
+and ``routed_scaling_factor``: :mod:`kiln.ops.moe_routing`). DeepSeek-V3's shared expert is not
+part of this op (the layer's ``shared_ffn`` slot, an ``mlp``).
 
 Implementations keep shapes static and never synchronise with the host: ``reference`` (grouped
 by expert, summed in increasing expert id as transformers' loop), ``gathered`` (small batches),
@@ -19,10 +22,12 @@ by expert, summed in increasing expert id as transformers' loop), ``gathered`` (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.moe_routing import sigmoid_logits, sigmoid_route
 from kiln.ops.precision import widened
 from kiln.ops.registry import REFERENCE, register
 
@@ -36,12 +41,31 @@ def route(
     top_k: int,
     norm_topk_prob: bool,
     router_bias: Tensor | None = None,
+    scoring: str = "softmax",
+    n_group: int = 1,
+    topk_group: int = 1,
+    correction_bias: Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """Top-k routing: in float32 ``softmax(x @ router_weight.T + router_bias)`` (the product in
-    the model dtype), top ``top_k`` (``1..E``), renormalised to sum 1 if ``norm_topk_prob``.
+    """Top-k routing of ``x [N, H]``. ``softmax``: in float32 ``softmax(x @ router_weight.T +
+    router_bias)`` (the product in the model dtype), top ``top_k`` (``1..E``), renormalised to
+    sum 1 if ``norm_topk_prob``, in ``torch.topk`` order. ``sigmoid``:
+    :func:`kiln.ops.moe_routing.sigmoid_route` of the float32 product (plus ``router_bias``).
 
-    Returns ``(weights [N, top_k] float32, experts [N, top_k] int64)`` in ``torch.topk`` order.
+    Returns ``(weights [N, top_k] float32, experts [N, top_k] int64)`` (float64 weights for
+    float64 inputs).
+
+    Raises:
+        ValueError: an unknown ``scoring``.
     """
+    if scoring == "sigmoid":
+        return sigmoid_route(
+            sigmoid_logits(x, router_weight, router_bias), top_k=top_k, n_group=n_group,
+            topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+            correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor,
+        )  # fmt: skip
+    if scoring != "softmax":
+        raise ValueError(f"unknown router scoring {scoring!r} (softmax, sigmoid)")
     logits = widened(F.linear(x, router_weight))
     if router_bias is not None:
         logits = logits + router_bias
@@ -134,19 +158,12 @@ def grouped_linear(x: Tensor, weight: Tensor, a: Assignments) -> Tensor:
 
 
 def _routed(
-    x: Tensor,
-    router_weight: Tensor,
-    num_experts: int,
-    top_k: int,
-    norm_topk_prob: bool,
-    round_router_weights: bool,
-    router_bias: Tensor | None,
+    x: Tensor, router_weight: Tensor, num_experts: int, round_router_weights: bool, **routing: Any
 ) -> tuple[Tensor, Assignments]:
-    """``x`` flattened to ``[N, H]`` and its assignments sorted by expert."""
+    """``x`` flattened to ``[N, H]`` and its assignments sorted by expert (``routing``: the keyword
+    arguments of :func:`route`)."""
     flat = x.reshape(-1, x.shape[-1])
-    weights, experts = route(
-        flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias
-    )
+    weights, experts = route(flat, router_weight, **routing)
     if round_router_weights:
         weights = weights.to(x.dtype)
     return flat, sort_by_expert(weights, experts, num_experts)
@@ -178,13 +195,20 @@ def reference(
     norm_topk_prob: bool,
     round_router_weights: bool,
     router_bias: Tensor | None = None,
+    scoring: str = "softmax",
+    n_group: int = 1,
+    topk_group: int = 1,
+    correction_bias: Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
 ) -> Tensor:
     """Assignments sorted by expert, one grouped product per projection: ``x [B, T, H]`` ->
     ``[B, T, H]`` in ``x.dtype``.
     """
     flat, a = _routed(
-        x, router_weight, gate_up_weight.shape[0], top_k, norm_topk_prob, round_router_weights,
-        router_bias,
+        x, router_weight, gate_up_weight.shape[0], round_router_weights, top_k=top_k,
+        norm_topk_prob=norm_topk_prob, router_bias=router_bias, scoring=scoring, n_group=n_group,
+        topk_group=topk_group, correction_bias=correction_bias,
+        routed_scaling_factor=routed_scaling_factor,
     )  # fmt: skip
     gate, up = grouped_linear(flat[a.token], gate_up_weight, a).chunk(2, dim=-1)
     ys = grouped_linear(F.silu(gate) * up, down_weight, a)
@@ -202,11 +226,18 @@ def gathered(
     norm_topk_prob: bool,
     round_router_weights: bool,
     router_bias: Tensor | None = None,
+    scoring: str = "softmax",
+    n_group: int = 1,
+    topk_group: int = 1,
+    correction_bias: Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
 ) -> Tensor:
     """Each assignment times its expert's gathered weights; the contract of :func:`reference`."""
     flat, a = _routed(
-        x, router_weight, gate_up_weight.shape[0], top_k, norm_topk_prob, round_router_weights,
-        router_bias,
+        x, router_weight, gate_up_weight.shape[0], round_router_weights, top_k=top_k,
+        norm_topk_prob=norm_topk_prob, router_bias=router_bias, scoring=scoring, n_group=n_group,
+        topk_group=topk_group, correction_bias=correction_bias,
+        routed_scaling_factor=routed_scaling_factor,
     )  # fmt: skip
     gate, up = gathered_linear(flat[a.token], gate_up_weight, a.experts).chunk(2, dim=-1)
     ys = gathered_linear(F.silu(gate) * up, down_weight, a.experts)
@@ -224,6 +255,11 @@ def dense(
     norm_topk_prob: bool,
     round_router_weights: bool,
     router_bias: Tensor | None = None,
+    scoring: str = "softmax",
+    n_group: int = 1,
+    topk_group: int = 1,
+    correction_bias: Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
 ) -> Tensor:
     """Every expert on every token (E/top_k times the FLOPs, scratch ``E * N * (3I + H)``); the
     contract of :func:`reference`. Where that scratch would pass :data:`GATHER_BYTES` (a
@@ -235,12 +271,16 @@ def dense(
         return reference(
             x, router_weight=router_weight, gate_up_weight=gate_up_weight,
             down_weight=down_weight, top_k=top_k, norm_topk_prob=norm_topk_prob,
-            round_router_weights=round_router_weights, router_bias=router_bias,
+            round_router_weights=round_router_weights, router_bias=router_bias, scoring=scoring,
+            n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
+            routed_scaling_factor=routed_scaling_factor,
         )  # fmt: skip
     flat = x.reshape(-1, h)
     weights, experts = route(
-        flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias
-    )
+        flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob, router_bias=router_bias,
+        scoring=scoring, n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
+        routed_scaling_factor=routed_scaling_factor,
+    )  # fmt: skip
     if round_router_weights:
         weights = weights.to(x.dtype)
     combine = torch.zeros(flat.shape[0], n_experts, dtype=weights.dtype, device=x.device)

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from kiln.ops.moe import reference
+from kiln.ops.moe import reference, route
 from kiln.ops.registry import register
 
 Tensor = torch.Tensor
@@ -49,9 +49,15 @@ def triton_gather(
     norm_topk_prob: bool,
     round_router_weights: bool,
     router_bias: Tensor | None = None,
+    scoring: str = "softmax",
+    n_group: int = 1,
+    topk_group: int = 1,
+    correction_bias: Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
 ) -> Tensor:
-    """The fused router, then the gather-GEMV kernels; ``reference`` above :data:`MAX_ASSIGNMENTS`
-    assignments or where the kernels cannot run.
+    """The fused router (softmax scoring; a sigmoid router runs :func:`kiln.ops.moe.route`),
+    then the gather-GEMV kernels; ``reference`` above :data:`MAX_ASSIGNMENTS` assignments or
+    where the kernels cannot run.
 
     Args:
         x: ``[B, T, H]`` (model dtype); params as in :mod:`kiln.ops.moe`.
@@ -74,7 +80,25 @@ def triton_gather(
             norm_topk_prob=norm_topk_prob,
             round_router_weights=round_router_weights,
             router_bias=router_bias,
+            scoring=scoring,
+            n_group=n_group,
+            topk_group=topk_group,
+            correction_bias=correction_bias,
+            routed_scaling_factor=routed_scaling_factor,
         )
+    if scoring != "softmax":
+        weights, experts = route(
+            flat, router_weight, top_k=top_k, norm_topk_prob=norm_topk_prob,
+            router_bias=router_bias, scoring=scoring, n_group=n_group, topk_group=topk_group,
+            correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor,
+        )  # fmt: skip
+        if round_router_weights:
+            weights = weights.to(x.dtype)
+        if torch.compiler.is_compiling():
+            out = moe_gather_op(flat, experts, weights, gate_up_weight, down_weight)
+        else:
+            out = _experts(flat, experts, weights, gate_up_weight, down_weight)
+        return out.view(x.shape)
     if torch.compiler.is_compiling():
         weights, experts = moe_route_op(
             flat, router_weight, top_k, norm_topk_prob, round_router_weights, router_bias

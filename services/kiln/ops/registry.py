@@ -20,12 +20,16 @@ OPS: dict[str, str] = {
     "embedding": "tokens[B,T] int64 -> hidden[B,T,H]",
     "rms_norm": "x[...,N], residual[...,N]|None -> (normed[...,N], residual_out[...,N])",
     "qkv_proj": "x[B,T,H] -> (q[B,Hq,T,D], k[B,Hkv,T,D], v[B,Hkv,T,D])",
+    "mla_proj": "x[B,T,H] -> (q_nope[B,Hq,T,Dn], q_rope[B,Hq,T,Dr], latent[B,1,T,R], "
+    "k_rope[B,1,T,Dr]) (latent attention)",
     "rope": "q[B,Hq,T,D], k[B,Hkv,T,D], positions[B,T] int64 -> (q, k) rotated",
     "attention": "q[B,Hq,T,D], k_cache[B,Hkv,S,D], v_cache[B,Hkv,S,D], positions[B,T], "
     "seq_lens[B] -> out[B,Hq,T,D]",
+    "mla_attention": "q_nope[B,Hq,T,Dn], q_rope[B,Hq,T,Dr], latent_cache[B,1,S,R], "
+    "rope_cache[B,1,S,Dr], positions[B,T], seq_lens[B] -> out[B,Hq,T,Dv]",
     "o_proj": "attn[B,Hq,T,D] -> hidden[B,T,H]",
     "mlp": "x[B,T,H] -> [B,T,H] (gate/up/down, SiLU)",
-    "moe": "x[B,T,H] -> [B,T,H] (router top-k + SwiGLU experts)",
+    "moe": "x[B,T,H] -> [B,T,H] (router top-k, softmax or grouped sigmoid, + SwiGLU experts)",
     "lm_head": "x[...,H] -> logits[...,V] float32",
     "sampler": "logits[B,V] float32 -> tokens[B] int64",
 }

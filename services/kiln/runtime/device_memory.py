@@ -30,18 +30,26 @@ class DeviceMemoryError(RuntimeError):
 
 
 def kv_bytes_per_sequence(config: ModelConfig, layers: int, cache_len: int, elem: int) -> int:
-    """K and V bytes of one sequence of ``cache_len`` slots over ``layers`` layers."""
-    head_dim = config.head_dim
-    return 2 * layers * config.num_key_value_heads * cache_len * head_dim * elem
+    """KV-cache bytes of one sequence of ``cache_len`` slots over ``layers`` layers: K and V, or
+    for MLA the latent and rope key (:meth:`ModelConfig.kv_elements_per_layer`)."""
+    return layers * config.kv_elements_per_layer() * cache_len * elem
 
 
 def activation_bytes_per_sequence(config: ModelConfig, cache_len: int, elem: int) -> int:
     """Estimated activations of one sequence in one decode step, bytes: float32 logits,
-    hidden/MLP intermediates in the model dtype, float32 attention scores over the cache."""
+    hidden/MLP intermediates in the model dtype, float32 attention scores over the cache; for
+    MLA also one layer's per-head keys and values the reference expands from the latents (model
+    dtype and their float32 copies)."""
+    expanded = 0
+    if config.mla is not None:
+        m = config.mla
+        width = m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
+        expanded = config.num_attention_heads * cache_len * width * (elem + 4)
     return (
         config.vocab_size * 4
         + (4 * config.hidden_size + 3 * config.intermediate_size) * elem
         + 2 * config.num_attention_heads * cache_len * 4
+        + expanded
     )
 
 

@@ -172,9 +172,10 @@ def copies_of(cache: StaticKVCache, tokens: Tensor) -> int:
 
 def step_bytes(model: DecoderModel, dtype: torch.dtype = EXACT_DTYPE) -> int:
     """Bytes one more copy of ``model``'s active batch adds to a step of :func:`stacked` or
-    :func:`exact_step` in ``dtype``: one layer's K and V rows and the logits."""
+    :func:`exact_step` in ``dtype``: one layer's K and V rows (MLA: latent and rope key) and the
+    logits."""
     cache, config = model.cache, model.config
-    per_row = 2 * config.num_key_value_heads * cache.max_len * config.head_dim
+    per_row = cache.k[0][0].numel() + cache.v[0][0].numel()
     per_row += config.vocab_size
     return cache.batch * per_row * torch.empty((), dtype=dtype).element_size()
 

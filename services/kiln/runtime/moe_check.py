@@ -14,7 +14,12 @@ For a model with ``moe`` layers, :class:`RoutedCheck` changes the gate of
 
 Tie radius of a score: ``r_e = 2 u |l_e| + 2 g_H (|x| . |w_e|)``, ``u`` the model dtype's unit
 roundoff, ``g_H`` = :func:`gamma` (H) at float32 roundoff. A position is determined when every
-chosen expert's ``s - r`` lies above every other's ``s + r``. Masks and a checksum of every
+chosen expert's ``s - r`` lies above every other's ``s + r``. A sigmoid router (DeepSeek-V3,
+:mod:`kiln.ops.moe_routing`) chooses by ``sigmoid(l_e) + b_e``: radii and spreads are a quarter
+of the logits' (the sigmoid is 1/4-Lipschitz) plus float32 rounding of the sigmoid and the add;
+with expert groups, the group choice must be determined too (each group's score, its two best,
+moves by at most the sum of its two largest radii), and the top-k is then taken within the chosen
+groups. Masks and a checksum of every
 recorded input are taken before candidate code runs again; a change fails the check.
 """
 
@@ -29,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.moe import route
+from kiln.ops.moe_routing import group_scores
 from kiln.runtime.check import CheckResult, not_plain
 from kiln.workloads.models.decoder import DecoderModel
 
@@ -45,41 +51,73 @@ def gamma(n: int, u: float = ACCUMULATION_ROUNDOFF) -> float:
 
 @dataclass(frozen=True)
 class Routing:
-    """The reference's router on one MoE call: ``[N, E]`` float32 ``scores`` (``fl(x . w_e) +
-    b_e``), ``radius`` of each and ``spread`` (``||w_e o x||_2``, sensitivity to drift in ``x``);
-    ``top_k``.
+    """The reference's router on one MoE call: ``[N, E]`` float32 ``scores`` it chooses by
+    (``fl(x . w_e) + b_e``; sigmoid routers ``sigmoid(..) + correction_bias``), ``radius`` of each
+    and ``spread`` (``||w_e o x||_2``, sensitivity to drift in ``x``, in score units); ``top_k``;
+    ``n_group`` / ``topk_group`` expert groups (1 / 1: none).
     """
 
     scores: Tensor
     radius: Tensor
     spread: Tensor
     top_k: int
+    n_group: int = 1
+    topk_group: int = 1
 
 
 def routing_of(x: Tensor, params: Mapping[str, Any]) -> Routing:
     """The reference's scores and radii for ``x [..., H]`` under an ``moe`` site's params."""
     weight: Tensor = params["router_weight"]
     flat = x.reshape(-1, x.shape[-1])
-    logits = F.linear(flat, weight).float()
+    sigmoid = params.get("scoring", "softmax") == "sigmoid"
+    logits = F.linear(flat.float(), weight.float()) if sigmoid else F.linear(flat, weight).float()
     bias = params.get("router_bias")
     scores = logits + bias if isinstance(bias, Tensor) else logits
     xf, wf = flat.float(), weight.float()
     u = torch.finfo(x.dtype).eps / 2
     radius = 2 * u * logits.abs() + 2 * gamma(x.shape[-1]) * (xf.abs() @ wf.abs().T)
     spread = torch.sqrt((xf * xf) @ (wf * wf).T)
-    return Routing(scores, radius, spread, int(params["top_k"]))
+    if not sigmoid:
+        return Routing(scores, radius, spread, int(params["top_k"]))
+    scores = torch.sigmoid(scores)
+    correction = params.get("correction_bias")
+    if isinstance(correction, Tensor):
+        scores = scores + correction
+    radius = radius / 4 + 4 * ACCUMULATION_ROUNDOFF * (scores.abs() + 1)
+    return Routing(
+        scores, radius, spread / 4, int(params["top_k"]), int(params.get("n_group", 1)),
+        int(params.get("topk_group", 1)),
+    )  # fmt: skip
+
+
+def _separated(scores: Tensor, reach: Tensor, chosen: Tensor) -> Tensor:
+    """``[N]`` bool: every chosen ``scores - reach`` above every other ``scores + reach``."""
+    lowest_in = (scores - reach).masked_fill(~chosen, float("inf")).amin(-1)
+    highest_out = (scores + reach).masked_fill(chosen, float("-inf")).amax(-1)
+    return lowest_in > highest_out
 
 
 def determined(r: Routing, drift: float = 0.0) -> Tensor:
-    """``[N]`` bool: whether the top-k set is the same for every score within ``radius + drift x
-    spread``.
+    """``[N]`` bool: whether the top-k set (and the group choice) is the same for every score
+    within ``radius + drift x spread``.
     """
     reach = r.radius + drift * r.spread if drift else r.radius
-    chosen = torch.zeros_like(r.scores, dtype=torch.bool)
-    chosen.scatter_(1, torch.topk(r.scores, r.top_k, dim=-1).indices, True)
-    lowest_in = (r.scores - reach).masked_fill(~chosen, float("inf")).amin(-1)
-    highest_out = (r.scores + reach).masked_fill(chosen, float("-inf")).amax(-1)
-    return lowest_in > highest_out
+    scores, sure = r.scores, None
+    if r.n_group > 1 and r.topk_group < r.n_group:
+        n, e = scores.shape
+        groups, group_reach = group_scores(scores, r.n_group), group_scores(reach, r.n_group)
+        best = torch.zeros_like(groups, dtype=torch.bool)
+        best.scatter_(1, torch.topk(groups, r.topk_group, dim=-1).indices, True)
+        sure = _separated(groups, group_reach, best)
+        keep = best[:, :, None].expand(n, r.n_group, e // r.n_group).reshape(n, e)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    chosen = torch.zeros_like(scores, dtype=torch.bool)
+    chosen.scatter_(1, torch.topk(scores, r.top_k, dim=-1).indices, True)
+    within = _separated(scores, reach, chosen)
+    return within if sure is None else within & sure
+
+
+_ROUTER_KEYS = ("scoring", "n_group", "topk_group", "correction_bias", "routed_scaling_factor")
 
 
 def decisions(x: Tensor, params: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
@@ -92,6 +130,7 @@ def decisions(x: Tensor, params: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
         top_k=int(params["top_k"]),
         norm_topk_prob=bool(params["norm_topk_prob"]),
         router_bias=params.get("router_bias"),
+        **{k: params[k] for k in _ROUTER_KEYS if k in params},
     )
 
 

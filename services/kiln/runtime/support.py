@@ -118,13 +118,22 @@ class ModelSupport:
         return lines + [f"{c.transform} + {c.op}={c.impl}: {c.reason}" for c in self.conflicts]
 
 
+GQA_OPS = frozenset({"qkv_proj", "attention"})
+"""The attention ops of a grouped-query (not latent) model."""
+MLA_OPS = frozenset({"mla_proj", "mla_attention"})
+"""The attention ops of a latent-attention (MLA) model."""
+
+
 def unused_ops(config: ModelConfig) -> frozenset[str]:
-    """``moe`` in a dense model, ``mlp`` in a model whose every layer routes to experts."""
+    """``moe`` in a dense model, ``mlp`` in a model whose every layer routes to experts and has
+    no shared expert; the MLA ops in other models, ``qkv_proj`` and ``attention`` in MLA ones."""
+    unused = set(GQA_OPS if config.mla is not None else MLA_OPS)
+    shared = config.moe is not None and config.moe.num_shared_experts > 0
     if not config.is_moe:
-        return frozenset({"moe"})
-    if all(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
-        return frozenset({"mlp"})
-    return frozenset()
+        unused.add("moe")
+    elif not shared and all(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+        unused.add("mlp")
+    return frozenset(unused)
 
 
 def device_kind(device: str) -> str:
@@ -133,7 +142,12 @@ def device_kind(device: str) -> str:
 
 
 def _unused_reason(config: ModelConfig, op: str) -> str:
-    why = "a dense model" if op == "moe" else "every layer routes to experts"
+    if op in GQA_OPS:
+        why = "its attention is latent (MLA)"
+    elif op in MLA_OPS:
+        why = "its attention is not latent (MLA)"
+    else:
+        why = "a dense model" if op == "moe" else "every layer routes to experts"
     return f"op {op!r}: {config.name} never calls it ({why})"
 
 

@@ -1,6 +1,6 @@
 """Model architecture from a Hugging Face ``config.json``: Llama, Qwen3, Qwen3-MoE, Mixtral and
-DeepSeek-V3 (MLA), with the derived sizes engines and the cost model need. Field names follow the
-Hugging Face configs. Every number is checked against a stated range
+DeepSeek-V3 / Kimi-K2 (MLA), with the derived sizes engines and the cost model need. Field names
+follow the Hugging Face configs. Every number is checked against a stated range
 (:mod:`kiln.workloads.config_bounds`).
 """
 
@@ -19,6 +19,7 @@ from kiln.workloads.config_bounds import (
     MAX_DTYPE_CHARS,
     MAX_NAME_CHARS,
     MAX_ROPE_THETA,
+    MAX_ROUTED_SCALING,
     finite_tree,
     layer_list,
     real,
@@ -27,7 +28,10 @@ from kiln.workloads.config_bounds import (
 from kiln.workloads.config_bounds import ConfigRangeError as ConfigRangeError
 from kiln.workloads.config_bounds import UnsupportedModelError as UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2")
+DEEPSEEK_V3_TYPES = ("deepseek_v3", "kimi_k2")
+"""Model types of the DeepSeek-V3 architecture (Kimi-K2's ``config.json`` says ``kimi_k2`` and
+``DeepseekV3ForCausalLM``)."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
@@ -40,7 +44,12 @@ class MoEConfig:
     Attributes:
         norm_topk_prob: renormalise the top-k router probabilities to sum to 1.
         round_router_weights: cast the top-k weights to the model dtype before scaling
-            (Qwen3-MoE); False keeps them float32 (Mixtral).
+            (Qwen3-MoE); False keeps them float32 (Mixtral, DeepSeek-V3).
+        scoring: ``"softmax"`` (top-k of the softmax) or ``"sigmoid"`` (DeepSeek-V3's
+            ``noaux_tc``: top-k of ``sigmoid + e_score_correction_bias`` within the best
+            ``topk_group`` of ``n_group`` expert groups, weights from the un-biased sigmoid).
+        n_group, topk_group: expert groups and the groups a token may pick from (sigmoid).
+        routed_scaling_factor: multiplies the routed weights (after ``norm_topk_prob``).
         load_zipf_exponent: kiln's, not Hugging Face's: the expert-load skew engines impose on
             random-weight routers; 0 = the router's own load.
     """
@@ -52,13 +61,19 @@ class MoEConfig:
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
     round_router_weights: bool = True
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     load_zipf_exponent: float = 0.0
 
 
 @dataclass(frozen=True)
 class MLAConfig:
     """DeepSeek multi-head latent attention ranks (the cache holds ``kv_lora_rank +
-    qk_rope_head_dim`` values per token and layer).
+    qk_rope_head_dim`` values per token and layer). ``rope_interleave``: the rope dims of the
+    checkpoint's projections are interleaved pairs (transformers' ``rope_interleave``, default
+    True).
     """
 
     q_lora_rank: int | None
@@ -66,6 +81,7 @@ class MLAConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    rope_interleave: bool = True
 
 
 @dataclass(frozen=True)
@@ -186,13 +202,17 @@ class ModelConfig:
         )
         return layers + self.hidden_size + self.vocab_size * self.hidden_size
 
+    def kv_elements_per_layer(self) -> int:
+        """KV-cache elements one token occupies in one layer: K and V of every KV head, or for
+        MLA one latent and one rope key (``kv_lora_rank + qk_rope_head_dim``, no x2).
+        """
+        if self.mla is not None:
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2 * self.num_key_value_heads * self.head_dim
+
     def kv_elements_per_token(self) -> int:
         """KV-cache elements one token occupies across all layers (K and V; MLA: latent + rope)."""
-        if self.mla is not None:
-            per_layer = self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
-        else:
-            per_layer = 2 * self.num_key_value_heads * self.head_dim
-        return per_layer * self.num_hidden_layers
+        return self.kv_elements_per_layer() * self.num_hidden_layers
 
     def kv_bytes_per_token(self, dtype: str = "bfloat16") -> int:
         """KV-cache bytes per token across all layers in ``dtype``."""
@@ -252,9 +272,12 @@ def _moe(cfg: dict[str, Any], model_type: str, name: str, layers: int) -> MoECon
             norm_topk_prob=True,
             round_router_weights=False,
         )
-    if model_type == "deepseek_v3":
+    if model_type in DEEPSEEK_V3_TYPES:
+        # transformers' DeepseekV3DecoderLayer: layer i is MoE when i >= first_k_dense_replace;
+        # DeepseekV3TopkRouter: sigmoid scores, group-limited top-k, routed_scaling_factor.
         experts = whole({"num_experts": cfg.get("n_routed_experts")}, "num_experts", name)
         first_dense = whole(cfg, "first_k_dense_replace", name, 0, high=layers)
+        n_group = whole(cfg, "n_group", name, 1, high=experts)
         return MoEConfig(
             num_experts=experts,
             top_k=whole(cfg, "num_experts_per_tok", name, high=experts),
@@ -262,12 +285,19 @@ def _moe(cfg: dict[str, Any], model_type: str, name: str, layers: int) -> MoECon
             num_shared_experts=whole(cfg, "n_shared_experts", name, 0),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             dense_layers=tuple(range(first_dense)),
+            round_router_weights=False,
+            scoring="sigmoid",
+            n_group=n_group,
+            topk_group=whole(cfg, "topk_group", name, 1, high=n_group),
+            routed_scaling_factor=real(
+                cfg, "routed_scaling_factor", name, 1.0, low=0.0, high=MAX_ROUTED_SCALING
+            ),
         )
     return None
 
 
 def _mla(cfg: dict[str, Any], model_type: str, name: str) -> MLAConfig | None:
-    if model_type != "deepseek_v3":
+    if model_type not in DEEPSEEK_V3_TYPES:
         return None
     return MLAConfig(
         q_lora_rank=whole(cfg, "q_lora_rank", name) if cfg.get("q_lora_rank") else None,
@@ -275,6 +305,7 @@ def _mla(cfg: dict[str, Any], model_type: str, name: str) -> MLAConfig | None:
         qk_nope_head_dim=whole(cfg, "qk_nope_head_dim", name),
         qk_rope_head_dim=whole(cfg, "qk_rope_head_dim", name),
         v_head_dim=whole(cfg, "v_head_dim", name),
+        rope_interleave=cfg.get("rope_interleave") is not False,
     )
 
 

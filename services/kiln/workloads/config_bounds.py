@@ -49,6 +49,9 @@ LIMITS: dict[str, tuple[int, int]] = {
     # Layer indices and counts are bounded by num_hidden_layers (checked by the parser).
     "decoder_sparse_step": (1, 4096),
     "first_k_dense_replace": (0, 4096),
+    # DeepSeek-V3: 8 expert groups, 4 picked per token.
+    "n_group": (1, 4096),
+    "topk_group": (1, 4096),
     # DeepSeek-V3 MLA: q_lora_rank 1,536, kv_lora_rank 512, head dims 128 / 64.
     "q_lora_rank": (1, 65_536),
     "kv_lora_rank": (1, 65_536),
@@ -60,6 +63,8 @@ LIMITS: dict[str, tuple[int, int]] = {
 
 MAX_ROPE_THETA = 1e12
 """Largest RoPE base (Llama 3: 500,000; long-context models up to ~1e8)."""
+MAX_ROUTED_SCALING = 1e3
+"""Largest ``routed_scaling_factor`` (DeepSeek-V3: 2.5, Kimi-K2: 2.827)."""
 MAX_CONFIG_CHARS = 1 << 20
 """Longest ``config_json`` text: real configs are 1-10 KB; 1 MiB is generous."""
 MAX_NAME_CHARS = 256

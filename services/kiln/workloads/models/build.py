@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from kiln.domain.quoting import quote
-from kiln.workloads.config import ModelConfig
+from kiln.workloads.config import DEEPSEEK_V3_TYPES, ModelConfig
+from kiln.workloads.mla_weights import seeded_random_mla
 from kiln.workloads.models import routing
 from kiln.workloads.models.binding import OpBinding
 from kiln.workloads.models.decoder import DecoderModel
@@ -20,40 +21,73 @@ from kiln.workloads.models.kv_cache import StaticKVCache
 from kiln.workloads.models.rope_frequencies import SUPPORTED_ROPE_TYPES, rope_parameters
 from kiln.workloads.weights import WeightStore, load_safetensors, seeded_random
 
-BUILDABLE_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral")
+BUILDABLE_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", *DEEPSEEK_V3_TYPES)
 
 
 class UnbuildableModelError(NotImplementedError):
-    """kiln parses this config but cannot build it yet (MLA, shared experts, an unsupported
-    feature); the message says which and why."""
+    """kiln parses this config but cannot build it yet (an unsupported feature); the message
+    says which and why."""
+
+
+def _mla_refusal(config: ModelConfig) -> str | None:
+    """What of a DeepSeek-V3-architecture config kiln does not build (None: nothing)."""
+    raw, moe, mla = config.raw, config.moe, config.mla
+    assert mla is not None
+    if config.attention_bias:
+        return "MLA with projection biases"
+    if mla.qk_rope_head_dim % 2:
+        return f"an odd qk_rope_head_dim ({mla.qk_rope_head_dim})"
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        return f"router scoring {quote(raw.get('scoring_func'))} (DeepSeek-V3 scores by sigmoid)"
+    if raw.get("topk_method", "noaux_tc") != "noaux_tc":
+        return f"top-k method {quote(raw.get('topk_method'))} (built: 'noaux_tc')"
+    if raw.get("moe_layer_freq", 1) != 1:
+        return f"moe_layer_freq {quote(raw.get('moe_layer_freq'))} (built: 1)"
+    if moe is not None and moe.n_group > 1:
+        per_group, rest = divmod(moe.num_experts, moe.n_group)
+        if rest or per_group < 2:
+            return f"{moe.num_experts} experts in {moe.n_group} groups (equal groups of 2 or more)"
+        if moe.top_k > moe.topk_group * per_group:
+            return f"top-{moe.top_k} routing within {moe.topk_group} groups of {per_group}"
+    return None
 
 
 def check_buildable(config: ModelConfig) -> None:
-    """Raise :class:`UnbuildableModelError` unless ``config`` is a Llama / Qwen3 dense model or
-    a Qwen3-MoE / Mixtral model (top-k routed SwiGLU experts, no shared experts) with default or
-    Llama-3 RoPE, SiLU, no MLP bias and no sliding window. DeepSeek-V3 is refused for its MLA
-    attention (and its shared experts and grouped routing)."""
-    why = None
-    raw = config.raw
-    if config.mla is not None:
-        why = f"{config.model_type!r}: MLA attention"
-    elif config.moe is not None and config.moe.num_shared_experts:
-        why = f"{config.model_type!r}: shared experts"
-    elif config.model_type not in BUILDABLE_MODEL_TYPES:
-        why = f"model type {config.model_type!r} (buildable: {', '.join(BUILDABLE_MODEL_TYPES)})"
-    elif raw.get("mlp_bias"):
-        why = "MLP biases"
-    elif raw.get("use_sliding_window") or (
-        config.model_type == "mixtral" and raw.get("sliding_window")
-    ):
-        why = "sliding-window attention"
-    elif raw.get("hidden_act", "silu") != "silu":
-        why = f"activation {quote(raw.get('hidden_act'))}"
-    elif rope_parameters(config)["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        kind = rope_parameters(config)["rope_type"]
-        why = f"RoPE type {quote(kind)} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+    """Raise :class:`UnbuildableModelError` unless ``config`` is a Llama / Qwen3 dense model, a
+    Qwen3-MoE / Mixtral model (top-k routed SwiGLU experts, no shared experts) with default or
+    Llama-3 RoPE, or a DeepSeek-V3 / Kimi-K2 model (MLA, sigmoid ``noaux_tc`` group-limited
+    routing, shared experts, dense first layers, YaRN allowed), each with SiLU, no MLP bias and
+    no sliding window."""
+    why = _refusal(config)
     if why is not None:
         raise UnbuildableModelError(f"{config.name}: kiln cannot build {why}")
+
+
+def _refusal(config: ModelConfig) -> str | None:
+    """The first feature of ``config`` kiln does not build, or None."""
+    raw = config.raw
+    if config.mla is not None:
+        why = _mla_refusal(config)
+        if why is not None:
+            return why
+    elif config.moe is not None and config.moe.num_shared_experts:
+        return f"{config.model_type!r}: shared experts"
+    if config.model_type not in BUILDABLE_MODEL_TYPES:
+        return f"model type {config.model_type!r} (buildable: {', '.join(BUILDABLE_MODEL_TYPES)})"
+    if raw.get("mlp_bias"):
+        return "MLP biases"
+    if raw.get("use_sliding_window") or (
+        config.model_type == "mixtral" and raw.get("sliding_window")
+    ):
+        return "sliding-window attention"
+    if raw.get("hidden_act", "silu") != "silu":
+        return f"activation {quote(raw.get('hidden_act'))}"
+    kind = rope_parameters(config)["rope_type"]
+    if kind not in SUPPORTED_ROPE_TYPES:
+        return f"RoPE type {quote(kind)} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+    if kind == "yarn" and config.mla is None:  # its cos/sin factor is applied by mla_proj only
+        return "RoPE type 'yarn' outside latent attention"
+    return None
 
 
 def build_model(
@@ -87,7 +121,8 @@ def build_model(
         allow_lossy: permit lossy implementations in ``recipe``.
 
     Raises:
-        UnbuildableModelError: an architecture or feature kiln cannot build yet.
+        UnbuildableModelError: an architecture or feature kiln cannot build yet (and
+            ``weights_dir`` for a latent-attention model: its checkpoints are not read yet).
         ValueError: ``layers`` outside ``1..num_hidden_layers``.
         kiln.workloads.weights.WeightError: missing or mis-shaped weights.
         kiln.ops.registry.UnknownOpError, UnknownImplementationError: a bad recipe.
@@ -99,9 +134,15 @@ def build_model(
     calibrate = False
     if weights is None:
         if weights_dir is not None:
+            if cfg.mla is not None:
+                raise UnbuildableModelError(
+                    f"{cfg.name}: kiln cannot read latent-attention (MLA) checkpoints yet; "
+                    "build with random weights"
+                )
             weights = load_safetensors(weights_dir, cfg, dtype, device)
         else:
-            weights = seeded_random(cfg, dtype, device, seed)
+            random = seeded_random_mla if cfg.mla is not None else seeded_random
+            weights = random(cfg, dtype, device, seed)
             if skew:
                 routing.add_router_biases(weights, cfg)
                 calibrate = True

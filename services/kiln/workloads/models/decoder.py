@@ -1,9 +1,13 @@
-"""The forward pass of a decoder (Llama, Qwen3, Qwen3-MoE, Mixtral), written only in op-slot
-calls.
+"""The forward pass of a decoder (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3), written only
+in op-slot calls.
 
 Per layer: ``input_norm`` (adds the residual), ``qkv_proj``, ``q_norm``/``k_norm`` (Qwen3),
 ``rope``, KV-cache write, ``attention``, ``o_proj``, ``post_attention_norm`` (adds the residual),
-``ffn`` (``mlp``, or ``moe`` on expert layers); then ``final_norm`` and ``lm_head``.
+``ffn`` (``mlp``, or ``moe`` on expert layers) plus ``shared_ffn`` where there is one; then
+``final_norm`` and ``lm_head``. A latent-attention layer (DeepSeek-V3, transformers'
+``DeepseekV3Attention``): ``qkv_proj`` (``mla_proj``) gives the query's two parts, the latent and
+the rope key; ``rope`` rotates the rope parts; the cache stores the latent and the rope key;
+``attention`` (``mla_attention``) reads them.
 """
 
 from __future__ import annotations
@@ -64,15 +68,24 @@ class DecoderModel:
         seq_lens: Tensor,
     ) -> tuple[Tensor, Tensor]:
         x, residual = ops.input_norm(h, residual)
-        q, k, v = ops.qkv_proj(x)
-        if ops.q_norm is not None and ops.k_norm is not None:
-            q, _ = ops.q_norm(q)
-            k, _ = ops.k_norm(k)
-        q, k = ops.rope(q, k, positions)
-        k_cache, v_cache = self.cache.write(i, k, v, positions)
-        attn = ops.attention(q, k_cache, v_cache, positions, seq_lens)
+        if self.config.mla is not None:
+            q_nope, q_rope, latent, k_rope = ops.qkv_proj(x)
+            q_rope, k_rope = ops.rope(q_rope, k_rope, positions)
+            latent_cache, rope_cache = self.cache.write(i, latent, k_rope, positions)
+            attn = ops.attention(q_nope, q_rope, latent_cache, rope_cache, positions, seq_lens)
+        else:
+            q, k, v = ops.qkv_proj(x)
+            if ops.q_norm is not None and ops.k_norm is not None:
+                q, _ = ops.q_norm(q)
+                k, _ = ops.k_norm(k)
+            q, k = ops.rope(q, k, positions)
+            k_cache, v_cache = self.cache.write(i, k, v, positions)
+            attn = ops.attention(q, k_cache, v_cache, positions, seq_lens)
         x, residual = ops.post_attention_norm(ops.o_proj(attn), residual)
-        return ops.ffn(x), residual
+        out = ops.ffn(x)
+        if ops.shared_ffn is not None:
+            out = out + ops.shared_ffn(x)
+        return out, residual
 
     def forward(self, tokens: Tensor, positions: Tensor, seq_lens: Tensor) -> Tensor:
         """Final-normed hidden states ``[B, T, H]`` (model dtype) of ``tokens [B, T]`` at

@@ -1,5 +1,10 @@
 """A static KV cache: fixed-size K and V buffers per layer and each sequence's length; buffers
 never change shape or address (CUDA-graph friendly).
+
+A latent (MLA) cache is the same object with one "head": ``k[l]`` holds each token's normalised
+latent ``[B, 1, S, kv_lora_rank]`` and ``v[l]`` its rotated rope key ``[B, 1, S,
+qk_rope_head_dim]``, so a token costs ``kv_lora_rank + qk_rope_head_dim`` values per layer
+(:meth:`kiln.workloads.config.ModelConfig.kv_elements_per_layer`), no per-head K/V.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ class CacheCapacityError(ValueError):
 
 
 class StaticKVCache:
-    """Per-layer ``k[l]``, ``v[l]``: ``[max_batch, Hkv, max_len, D]`` in the model dtype, and
-    ``lengths [max_batch]`` int64, on ``device``; the active batch is the first ``batch`` rows.
+    """Per-layer ``k[l]``: ``[max_batch, Hkv, max_len, D]`` and ``v[l]``: ``[max_batch, Hkv,
+    max_len, Dv]`` (``Dv = value_dim``, default D) in the model dtype, and ``lengths
+    [max_batch]`` int64, on ``device``; the active batch is the first ``batch`` rows.
     """
 
     def __init__(
@@ -30,12 +36,14 @@ class StaticKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        value_dim: int | None = None,
     ) -> None:
         if max_batch < 1 or max_len < 1:
             raise ValueError("max_batch and max_len must be positive")
         shape = (max_batch, kv_heads, max_len, head_dim)
+        v_shape = (max_batch, kv_heads, max_len, head_dim if value_dim is None else value_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(layers)]
         self.lengths = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.max_batch = max_batch
         self.max_len = max_len
@@ -51,11 +59,23 @@ class StaticKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> StaticKVCache:
-        """A cache for every layer of ``config`` (its KV heads and head dim).
+        """A cache for every layer of ``config`` (its KV heads and head dim; for MLA the latent
+        cache of the module docstring).
 
         Raises:
             ValueError: ``max_batch`` or ``max_len`` below 1.
         """
+        if config.mla is not None:
+            return StaticKVCache(
+                layers=config.num_hidden_layers,
+                max_batch=max_batch,
+                kv_heads=1,
+                max_len=max_len,
+                head_dim=config.mla.kv_lora_rank,
+                value_dim=config.mla.qk_rope_head_dim,
+                dtype=dtype,
+                device=device,
+            )
         return StaticKVCache(
             layers=config.num_hidden_layers,
             max_batch=max_batch,
@@ -135,9 +155,9 @@ class StaticKVCache:
         self._longest += steps
 
     def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Store ``k``, ``v`` ``[B, Hkv, T, D]`` at ``positions [B, T]`` int64 of ``layer``;
-        returns views of the layer's cache for the active batch, ``(k, v)`` each ``[B, Hkv, S,
-        D]``.
+        """Store ``k [B, Hkv, T, D]``, ``v [B, Hkv, T, Dv]`` (MLA: latent and rope key) at
+        ``positions [B, T]`` int64 of ``layer``; returns views of the layer's cache for the active
+        batch, ``(k [B, Hkv, S, D], v [B, Hkv, S, Dv])``.
         """
         b = k.shape[0]
         rows = torch.arange(b, device=positions.device)[:, None]

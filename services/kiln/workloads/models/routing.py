@@ -4,19 +4,24 @@ docs/design/kernels.md, "MoE").
 With seeded random weights and ``expert_zipf_exponent`` s > 0, each MoE layer's router gets a
 float32 logit bias ``[E]`` (:func:`bias_name`) fitted so that routing loads the experts as the
 Zipf shares ``(E, top_k, s)`` permuted by (seed, layer). Checkpoint weights get no bias;
-:func:`measure_expert_load` works on any MoE model.
+:func:`measure_expert_load` works on any MoE model. Choices are the ``moe`` site's own routing
+(:func:`kiln.ops.moe.route`: softmax top-k, or DeepSeek-V3's group-limited sigmoid, where the
+bias is added to the logits before the sigmoid).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.moe import route
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.models.binding import OpBinding
 from kiln.workloads.models.decoder import DecoderModel
@@ -75,11 +80,18 @@ def load_fractions(experts: Tensor, num_experts: int) -> Tensor:
 
 
 def fit_router_bias(
-    logits: Tensor, target: Tensor, top_k: int, *, steps: int = FIT_STEPS
+    logits: Tensor,
+    target: Tensor,
+    top_k: int,
+    *,
+    steps: int = FIT_STEPS,
+    choose: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """A bias under which top-k routing of ``logits [N, E]`` float32 loads experts as ``target
     [E]`` (shares summing to 1, each at most ``1/top_k``): fixed-point steps from a Gumbel-max
-    start, the best kept. Deterministic; float32 ``[E]``, mean 0, on ``logits``' device.
+    start, the best kept. ``choose(bias)`` gives the ``[N, top_k]`` experts chosen under a bias
+    (default: top-k of ``logits + bias``). Deterministic; float32 ``[E]``, mean 0, on
+    ``logits``' device.
     """
     n, e = logits.shape
     logits = logits.float()
@@ -90,7 +102,10 @@ def fit_router_bias(
     bias = beta * (log_t - log_t.mean())
     best, best_err = bias.clone(), math.inf
     for _ in range(steps):
-        _, chosen = torch.topk(logits + bias.float(), top_k, dim=-1)
+        if choose is None:
+            _, chosen = torch.topk(logits + bias.float(), top_k, dim=-1)
+        else:
+            chosen = choose(bias.float())
         measured = load_fractions(chosen, e)
         err = float((measured - t).abs().sum()) / 2
         if err < best_err:
@@ -148,7 +163,25 @@ def _run_tapped(model: DecoderModel, tokens: Tensor, tap: Tap) -> None:
 def _router_logits(x: Tensor, params: dict[str, object]) -> Tensor:
     weight = params["router_weight"]
     assert isinstance(weight, Tensor)
-    return F.linear(x.reshape(-1, x.shape[-1]), weight).float()
+    flat = x.reshape(-1, x.shape[-1])
+    if params.get("scoring", "softmax") == "sigmoid":  # the sigmoid router's float32 product
+        return F.linear(flat.float(), weight.float())
+    return F.linear(flat, weight).float()
+
+
+def chosen_experts(x: Tensor, params: dict[str, Any], bias: Tensor | None) -> Tensor:
+    """The experts ``[N, top_k]`` int64 an ``moe`` site with ``params`` routes ``x [..., H]`` to,
+    with ``bias`` (float32 ``[E]``) as its router bias."""
+    keys = ("scoring", "n_group", "topk_group", "correction_bias", "routed_scaling_factor")
+    _, experts = route(
+        x.reshape(-1, x.shape[-1]),
+        params["router_weight"],
+        top_k=int(params["top_k"]),
+        norm_topk_prob=bool(params["norm_topk_prob"]),
+        router_bias=bias,
+        **{k: params[k] for k in keys if k in params},
+    )
+    return experts
 
 
 @torch.no_grad()
@@ -164,11 +197,8 @@ def measure_expert_load(
     measured: dict[int, tuple[float, ...]] = {}
 
     def tap(layer: int, x: Tensor, params: dict[str, object]) -> None:
-        logits = _router_logits(x, params)
         bias = params.get("router_bias")
-        if isinstance(bias, Tensor):
-            logits = logits + bias
-        _, chosen = torch.topk(logits, moe.top_k, dim=-1)
+        chosen = chosen_experts(x, params, bias if isinstance(bias, Tensor) else None)
         measured[layer] = tuple(load_fractions(chosen, moe.num_experts).tolist())
 
     _run_tapped(model, tokens, tap)
@@ -206,8 +236,11 @@ def calibrate_router_bias(model: DecoderModel, *, seed: int) -> ExpertLoadReport
         bias = params.get("router_bias")
         if not isinstance(bias, Tensor):
             raise ValueError(f"layer {layer} has no router bias to fit")
-        fitted = fit_router_bias(_router_logits(x, params), targets[layer], moe.top_k)
-        bias.copy_(fitted)
+        choose: Callable[[Tensor], Tensor] | None = None
+        if params.get("scoring", "softmax") != "softmax":
+            choose = functools.partial(chosen_experts, x, params)
+        logits = _router_logits(x, params)
+        bias.copy_(fit_router_bias(logits, targets[layer], moe.top_k, choose=choose))
 
     device = model.cache.lengths.device
     _run_tapped(model, sample_prompts(cfg, _seed("router-calibration", seed), device), tap)

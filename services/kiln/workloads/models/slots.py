@@ -3,6 +3,10 @@
 A :class:`Site` is one call site; :class:`LayerSlots` / :class:`ModelSlots` give each a role in
 the forward and hold the bound callables after binding. The only place that knows HF parameter
 names for the forward.
+
+A latent-attention (DeepSeek-V3) layer fills the same roles with other ops: ``qkv_proj`` is
+``mla_proj``, ``attention`` is ``mla_attention`` (:mod:`kiln.ops.mla`), no ``q_norm``/``k_norm``,
+and an MoE layer's shared expert is ``shared_ffn`` (an ``mlp``, added to the ``moe`` output).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
 
 from kiln.workloads.config import ModelConfig
+from kiln.workloads.mla_weights import CORRECTION_BIAS
 from kiln.workloads.models import rope_frequencies
 from kiln.workloads.weights import LM_HEAD, ROUTER_BIAS, WeightStore
 
@@ -33,7 +38,8 @@ class Site:
 @dataclass(frozen=True)
 class LayerSlots(Generic[S]):
     """One decoder layer's op slots (``q_norm``/``k_norm`` may be None; ``ffn`` is ``mlp`` or
-    ``moe``).
+    ``moe``; ``shared_ffn`` an ``mlp`` added to ``ffn``'s output, or None; MLA roles: module
+    docstring).
     """
 
     input_norm: S
@@ -45,6 +51,7 @@ class LayerSlots(Generic[S]):
     o_proj: S
     post_attention_norm: S
     ffn: S
+    shared_ffn: S | None = None
 
     def map(self, fn: Callable[[S], U]) -> LayerSlots[U]:
         """The same slots with ``fn`` applied to each filled one."""
@@ -58,6 +65,7 @@ class LayerSlots(Generic[S]):
             o_proj=fn(self.o_proj),
             post_attention_norm=fn(self.post_attention_norm),
             ffn=fn(self.ffn),
+            shared_ffn=None if self.shared_ffn is None else fn(self.shared_ffn),
         )
 
 
@@ -94,7 +102,64 @@ def _norm(store: WeightStore, name: str, eps: float) -> Site:
     return Site("rms_norm", name, {"weight": store[name + ".weight"], "eps": eps})
 
 
+LATENT_NORM_EPS = 1e-6
+"""Epsilon of MLA's ``q_a_layernorm`` and ``kv_a_layernorm``: transformers builds them with the
+RMS norm's default, not ``rms_norm_eps`` (``DeepseekV3Attention``)."""
+
+
+def _o_proj(store: WeightStore, attn: str) -> Site:
+    name = f"{attn}.o_proj"
+    return Site(
+        "o_proj", name, {"weight": store[name + ".weight"], "bias": store.get(name + ".bias")}
+    )
+
+
+def _mla_layer(
+    config: ModelConfig, store: WeightStore, i: int, rope_site: Site
+) -> LayerSlots[Site]:
+    m = config.mla
+    assert m is not None
+    p = f"model.layers.{i}"
+    attn = f"{p}.self_attn"
+    lora = bool(m.q_lora_rank)
+    proj: dict[str, Any] = {
+        "q_weight": None if lora else store[f"{attn}.q_proj.weight"],
+        "q_a_weight": store[f"{attn}.q_a_proj.weight"] if lora else None,
+        "q_a_norm": store[f"{attn}.q_a_layernorm.weight"] if lora else None,
+        "q_b_weight": store[f"{attn}.q_b_proj.weight"] if lora else None,
+        "kv_a_weight": store[f"{attn}.kv_a_proj_with_mqa.weight"],
+        "kv_a_norm": store[f"{attn}.kv_a_layernorm.weight"],
+        "num_heads": config.num_attention_heads,
+        "nope_dim": m.qk_nope_head_dim,
+        "rope_dim": m.qk_rope_head_dim,
+        "eps": LATENT_NORM_EPS,
+        "interleaved": m.rope_interleave,
+        "rope_scale": rope_frequencies.attention_factor(config),
+    }
+    attention = {
+        "kv_b_weight": store[f"{attn}.kv_b_proj.weight"],
+        "nope_dim": m.qk_nope_head_dim,
+        "v_dim": m.v_head_dim,
+        "scale": rope_frequencies.mla_softmax_scale(config),
+    }
+    eps = config.rms_norm_eps
+    return LayerSlots(
+        input_norm=_norm(store, f"{p}.input_layernorm", eps),
+        qkv_proj=Site("mla_proj", attn, proj),
+        q_norm=None,
+        k_norm=None,
+        rope=rope_site,
+        attention=Site("mla_attention", attn, attention),
+        o_proj=_o_proj(store, attn),
+        post_attention_norm=_norm(store, f"{p}.post_attention_layernorm", eps),
+        ffn=_ffn(config, store, i),
+        shared_ffn=_shared_ffn(config, store, i),
+    )
+
+
 def _layer(config: ModelConfig, store: WeightStore, i: int, rope_site: Site) -> LayerSlots[Site]:
+    if config.mla is not None:
+        return _mla_layer(config, store, i, rope_site)
     p = f"model.layers.{i}"
     attn = f"{p}.self_attn"
     qkv: dict[str, Any] = {
@@ -113,49 +178,60 @@ def _layer(config: ModelConfig, store: WeightStore, i: int, rope_site: Site) -> 
         k_norm=_norm(store, f"{attn}.k_norm", eps) if config.qk_norm else None,
         rope=rope_site,
         attention=Site("attention", attn, {"scale": config.head_dim**-0.5}),
-        o_proj=Site(
-            "o_proj",
-            f"{attn}.o_proj",
-            {"weight": store[f"{attn}.o_proj.weight"], "bias": store.get(f"{attn}.o_proj.bias")},
-        ),
+        o_proj=_o_proj(store, attn),
         post_attention_norm=_norm(store, f"{p}.post_attention_layernorm", eps),
         ffn=_ffn(config, store, i),
+    )
+
+
+def _mlp(store: WeightStore, name: str) -> Site:
+    return Site(
+        "mlp",
+        name,
+        {
+            "gate_weight": store[f"{name}.gate_proj.weight"],
+            "up_weight": store[f"{name}.up_proj.weight"],
+            "down_weight": store[f"{name}.down_proj.weight"],
+        },
     )
 
 
 def _ffn(config: ModelConfig, store: WeightStore, i: int) -> Site:
     mlp = f"model.layers.{i}.mlp"
     if config.moe is None or not config.is_moe_layer(i):
-        return Site(
-            "mlp",
-            mlp,
-            {
-                "gate_weight": store[f"{mlp}.gate_proj.weight"],
-                "up_weight": store[f"{mlp}.up_proj.weight"],
-                "down_weight": store[f"{mlp}.down_proj.weight"],
-            },
-        )
+        return _mlp(store, mlp)
     moe = config.moe
-    return Site(
-        "moe",
-        mlp,
-        {
-            "router_weight": store[f"{mlp}.gate.weight"],
-            "gate_up_weight": store[f"{mlp}.experts.gate_up_proj"],
-            "down_weight": store[f"{mlp}.experts.down_proj"],
-            "top_k": moe.top_k,
-            "norm_topk_prob": moe.norm_topk_prob,
-            "round_router_weights": moe.round_router_weights,
-            "router_bias": store.get(f"{mlp}.{ROUTER_BIAS}"),
-        },
-    )
+    params: dict[str, Any] = {
+        "router_weight": store[f"{mlp}.gate.weight"],
+        "gate_up_weight": store[f"{mlp}.experts.gate_up_proj"],
+        "down_weight": store[f"{mlp}.experts.down_proj"],
+        "top_k": moe.top_k,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "round_router_weights": moe.round_router_weights,
+        "router_bias": store.get(f"{mlp}.{ROUTER_BIAS}"),
+    }
+    if moe.scoring != "softmax":  # softmax sites keep the params every moe implementation takes
+        params.update(
+            scoring=moe.scoring,
+            n_group=moe.n_group,
+            topk_group=moe.topk_group,
+            correction_bias=store.get(f"{mlp}.{CORRECTION_BIAS}"),
+            routed_scaling_factor=moe.routed_scaling_factor,
+        )
+    return Site("moe", mlp, params)
+
+
+def _shared_ffn(config: ModelConfig, store: WeightStore, i: int) -> Site | None:
+    if config.moe is None or not config.is_moe_layer(i) or not config.moe.num_shared_experts:
+        return None
+    return _mlp(store, f"model.layers.{i}.mlp.shared_experts")
 
 
 def dense_decoder_slots(
     config: ModelConfig, store: WeightStore, *, max_positions: int
 ) -> ModelSlots[Site]:
-    """The sites of a Llama / Qwen3 / Qwen3-MoE / Mixtral decoder with ``config``'s layers;
-    ``max_positions`` bounds table-based RoPE.
+    """The sites of a Llama / Qwen3 / Qwen3-MoE / Mixtral / DeepSeek-V3 decoder with
+    ``config``'s layers; ``max_positions`` bounds table-based RoPE.
 
     Raises:
         kiln.workloads.weights.WeightError: a weight the forward needs is not in ``store``.
