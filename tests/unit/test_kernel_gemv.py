@@ -115,7 +115,17 @@ def test_config_validation(kwargs: dict[str, object]) -> None:
         G.GemvConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_default_config_fills_the_gpu_at_llama_1b_shapes() -> None:
+def test_default_config_under_the_interpreter_uses_the_fewest_programs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(GC.runtime, "interpreting", lambda: True)
+    cfg = GC.default_config(512, 64, m=8)
+    assert (cfg.block_n, cfg.block_k, cfg.split_k) == (256, 64, 1)
+    assert GC.default_config(3, 20000).block_k == 8192
+
+
+def test_default_config_fills_the_gpu_at_llama_1b_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(GC.runtime, "interpreting", lambda: False)  # the rule for a GPU
     # Small batch: the rule measured on an H200 (many programs, thin tiles, no split).
     expected = {
         (3072, 2048): (1, 2048),  # qkv

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import triton
 
+from kiln.ops.kernels import runtime
 from kiln.ops.kernels.pdl import PDL_MODES
 
 #: Streaming multiprocessors of the target (NVIDIA H200 SXM: 132 SMs), for default grid sizes.
@@ -84,13 +85,19 @@ def default_config(
     :data:`SMALL_M_PROGRAMS` programs, ``block_k = 16384 / (block_n * rows per output)`` in
     512..2048, no split (o_proj, down (1, 2048); gate_up (4, 2048); lm_head (16, 1024)). Larger
     ``m`` (not measured): ``block_n`` as above for ``2 * sms`` programs, ``block_k`` filling
-    :data:`TILE_BUDGET`, tall-K shapes split to about ``2 * sms`` programs.
+    :data:`TILE_BUDGET`, tall-K shapes split to about ``2 * sms`` programs. Under Triton's
+    interpreter (which costs per program, not per element): the fewest programs, no split.
 
     Raises:
         ValueError: ``n``, ``k`` or ``m`` not positive.
     """
     if n < 1 or k < 1 or m < 1:
         raise ValueError(f"default_config needs positive sizes, got n={n}, k={k}, m={m}")
+    if runtime.interpreting():
+        return GemvConfig(
+            block_n=min(256, triton.next_power_of_2(n)),
+            block_k=max(16, min(8192, triton.next_power_of_2(k))),
+        )
     if m <= SMALL_M:
         block_n = 16
         while block_n > 1 and triton.cdiv(n, block_n) < SMALL_M_PROGRAMS:
