@@ -204,6 +204,17 @@ def test_a_compilation_on_the_embedded_default_with_nats_users(
         "--budget", "90s", "--max-experiments", "4", "--baselines", "none",
     )  # fmt: skip
     assert "succeeded" in compiled.stdout, compiled.stdout + compiled.stderr[-2000:]
+    # Its one engine pool (told KILN_ENGINE_HARDWARE=*) serves cpu only: a GPU target is refused
+    # at Submit, never measured on the CPU (issue 17).
+    refused = kiln(
+        kiln_env, "compile", "--model", str(model), "--traffic", str(TRACE), "--hardware", "h100",
+        check=False,
+    )  # fmt: skip
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "FAILED_PRECONDITION: no engine pool serves hardware 'h100'" in refused.stderr
+    assert "serve cpu" in refused.stderr, refused.stderr
+    runner_log = (state_dir / "logs" / "agent-runner.log").read_text()
+    assert "engine pools unreadable" not in runner_log  # the registry was read, over mTLS
     followed = kiln(kiln_env, "ledger", "subscribe", "--all", "--count", "1", "--json")
     assert json.loads(followed.stdout.splitlines()[0])["sequence"] == 1
     for name in SERVICES:

@@ -5,7 +5,8 @@ experiment per device at a time, engines held per device with LRU eviction) exce
 "engine" is a record, not a process: building one sleeps ``build_s``, an experiment sleeps
 ``run_s[tier]`` and answers with :func:`tests.integration.fake_engine.throughput` (times
 ``boost`` for every candidate but the reference, so that a test can make any search find
-something to confirm). It is driven by
+something to confirm; ``full_boost``, default ``boost``, on the full tier, so that one can make
+every confirmation lose). It is driven by
 the real :class:`kiln.engine_pool.queue.WorkConsumer` and its delivery (real NATS, real ledger),
 so what a test sees is the pool's real scheduling. A mock only where the real part cannot run
 here: a dozen compilations on real torch engines would take many minutes on two cores.
@@ -20,8 +21,9 @@ from dataclasses import dataclass
 from kiln.engine_pool.devices import Device
 from kiln.engine_pool.job import Job
 from kiln.engine_pool.pool import EnginePool
+from kiln.engine_pool.process import EngineSnapshot
 from kiln.engine_pool.settings import EngineSettings
-from kiln.runtime.measurement import Measurement, Timing
+from kiln.runtime.measurement import Measurement, MemoryUsage, Timing
 
 from .fake_engine import FAKE_BATCH, FAKE_CONTEXT, throughput
 
@@ -79,9 +81,12 @@ class FakeEnginePool(EnginePool):
         run_s: dict[str, float] | None = None,
         devices: list[Device] | None = None,
         boost: float = 1.0,
+        full_boost: float | None = None,
+        pool_id: str = "fake",
     ) -> None:
-        super().__init__(settings, pool_id="fake", devices=devices)
+        super().__init__(settings, pool_id=pool_id, devices=devices)
         self.boost = boost
+        self.full_boost = boost if full_boost is None else full_boost
         self.build_s = build_s
         self.run_s = run_s or {"fast": 0.05, "full": 0.1}
         self.runs: list[Run] = []
@@ -127,7 +132,7 @@ class FakeEnginePool(EnginePool):
         self.on_change()
         tps, correct = throughput(job.candidate.canonical(), work.tier)
         if not job.candidate.is_reference:
-            tps *= self.boost
+            tps *= self.full_boost if work.tier == "full" else self.boost
         median_ms = 1000.0 * FAKE_BATCH / tps
         return Measurement(
             status="ok" if correct else "incorrect",
@@ -143,6 +148,27 @@ class FakeEnginePool(EnginePool):
             batch_size=FAKE_BATCH,
             context_len=FAKE_CONTEXT,
         )
+
+    def engines(self, model_name: str = "") -> list[EngineSnapshot]:
+        """What the registry and ListEngines report of the simulated engines."""
+        return [
+            EngineSnapshot(
+                engine_id=e.engine_id,
+                device=slot.device.name,
+                model_name="fake",
+                tier=e.spec.tier,
+                state="ready",
+                memory=MemoryUsage(),
+                experiments_run=0,
+                started_at=None,
+                cold_start_s=self.build_s,
+                restarts=0,
+                model_key=e.model_key,
+            )
+            for slot in self.slots.values()
+            for e in slot.engines.values()
+            if not model_name or model_name == "fake"
+        ]
 
     async def close(self) -> None:
         for slot in self.slots.values():

@@ -27,9 +27,11 @@ async def serve_in_task(app: object, cfg: KilnSettings) -> tuple[asyncio.Task[No
     return task, addr
 
 
-async def run_command(*argv: str, timeout_s: float = 120.0) -> tuple[int, str]:
-    """``argv`` run as a child process with this Python (``("-m", "kiln", ...)`` is the CLI);
-    its exit code and its stdout then stderr.
+async def run_command(
+    *argv: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """``argv`` run as a child process with this Python (``("-m", "kiln", ...)`` is the CLI),
+    ``env`` over this process's environment; its exit code and its stdout then stderr.
 
     A child process, not a thread of this one: the client inside would run gRPC's asyncio
     support in a second event loop beside the servers of this one, which gRPC does not support
@@ -37,7 +39,7 @@ async def run_command(*argv: str, timeout_s: float = 120.0) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         *argv,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )

@@ -230,7 +230,7 @@ async def test_payload_round_trips_as_json(store: EventStore) -> None:
     raw = json.dumps({"status": "cancelled", "reason": "budget ünïcode ✓"}).encode()
     await store.append(f"compilation-{cid}", [NewEvent("CompilationEnded", raw)], "any", team="t")
     events, _ = await store.read_stream(f"compilation-{cid}")
-    assert events[0].data == {"status": "cancelled", "reason": "budget ünïcode ✓"}
+    assert events[0].data == {"status": "cancelled", "reason": "budget ünïcode ✓", "outcome": ""}
 
 
 async def test_a_failing_append_does_not_fail_the_others_of_its_group(store: EventStore) -> None:

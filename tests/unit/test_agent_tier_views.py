@@ -69,13 +69,16 @@ def test_the_summary_shows_tiers_and_the_agreement_apart_from_the_reason() -> No
     text = _text(summary_table(snap))
     assert "succeeded (the experiment budget is spent (10 of 10 experiments))" in text
     assert "fast vs full" in text and "Spearman rho 0.80 over 5 candidates" in text
-    assert "100.0 tok/s, fast tier" in text and "full tier)" in text
+    # Beside a full-tier best the fast-tier baseline is labelled apart, never "the" baseline.
+    assert "fast-tier baseline │ 100.0 tok/s (fast tier: a few layers, not comparable" in text
+    assert "│ baseline " not in text and "full tier)" in text
     assert "1.30x over the reference measured next to it on the full tier" in text
     assert "measured at" not in text  # not recorded: no claim
     snap.best.reference.tokens_per_s = 23.1
     snap.best.measurement.batch_size, snap.best.measurement.context_len = 8, 512
     snap.workload.traffic.batch_size, snap.workload.traffic.context_len = 30, 1085
     text = _text(summary_table(snap))
+    assert "baseline           │ 23.1 tok/s (full tier, the reference measured next to" in text
     assert "on the full tier (23.1 tok/s)" in text
     assert (
         "batch 8, context 512 tokens (the engine's limits lowered the traffic's batch 30 and "
@@ -88,7 +91,7 @@ def test_the_summary_shows_tiers_and_the_agreement_apart_from_the_reason() -> No
     snap.reason = "enough"
     snap.experiments_done = 10
     text = _text(summary_table(snap))
-    assert "no candidate beat the reference on the full tier" in text
+    assert "none confirmed on the full tier" in text and "100.0 tok/s, fast tier" in text
     assert "fast vs full" not in text and "succeeded (enough)" in text
     # Failed before measuring anything (no plan, say): no claim about candidates.
     snap.experiments_done = 0

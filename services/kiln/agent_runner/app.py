@@ -28,6 +28,7 @@ from kiln.agent_runner.deployments.host import DeploymentControllers
 from kiln.agent_runner.deployments.service import DeploymentsServicer
 from kiln.agent_runner.dispatcher import ExperimentDispatcher
 from kiln.agent_runner.ledger_access import LedgerPool
+from kiln.agent_runner.pools import EnginePools
 from kiln.agent_runner.quotas import QuotaSettings
 from kiln.agent_runner.resume import load_open_states, open_compilation_ids
 from kiln.agent_runner.service import CompilerServicer
@@ -78,6 +79,10 @@ class AgentRunnerApp:
         self.resumed = asyncio.Event()
         """Set once the open compilations found at start are running again."""
         self.ledger = LedgerPool(settings.ledger_addr, settings.team)
+        self.pools = EnginePools(
+            settings.engine_pool_addr, settings.team, self.config.pools_timeout_s
+        )
+        """The engine pools' registry, read at Submit (:mod:`kiln.agent_runner.pools`)."""
         self._nc: Client | None = None
         self._deps: RunnerDeps | None = None
         self._dispatcher: ExperimentDispatcher | None = None
@@ -153,6 +158,7 @@ class AgentRunnerApp:
                 await self._nc.close()
         for ch in self._cost_channels.values():
             await ch.close(None)
+        await self.pools.close()
         await self.ledger.close()
 
     # ------------------------------------------------------------------ runners

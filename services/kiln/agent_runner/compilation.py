@@ -8,7 +8,9 @@ confirmed improvement, ``BaselineCompared`` per baseline (after the search), ``T
 
 It stays ``pending`` until its team's quotas admit it (:mod:`kiln.agent_runner.admission`); its
 wall-clock budget runs from then. It ends ``succeeded`` when a budget is spent, the team's device
-time is spent or the agents have nothing left to propose; ``cancelled`` after a cancel request;
+time is spent or the agents have nothing left to propose (with the search's outcome,
+:mod:`kiln.agent_runner.outcome`: a reason starting ``no candidate confirmed: <why>`` when it has
+no best); ``cancelled`` after a cancel request;
 ``failed`` when the cost model is unreachable or refuses, the baseline does not measure, or every
 agent fails. When the wall clock runs out while a confirmation is under way or due, the agents
 stop and the confirmation still runs, for at most ``RunnerConfig.confirm_grace_s`` (the end's
@@ -46,12 +48,12 @@ from kiln.agent_runner.judge import (
     SEARCH_TIER,
     agreement_text,
     completed_on,
-    fast_leader,
     tier_agreement,
 )
 from kiln.agent_runner.lab import CompilationLab
 from kiln.agent_runner.ledger_access import LedgerPool
 from kiln.agent_runner.outage import ride_out
+from kiln.agent_runner.outcome import NONE_CONFIRMED, outcome_of
 from kiln.agent_runner.planning import choose_plan
 from kiln.agent_runner.resume import orphan_claims
 from kiln.agent_runner.reuse import ReuseIndex
@@ -66,7 +68,7 @@ from kiln.board import Board
 from kiln.common.logging import get_logger
 from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate
 from kiln.domain.compilation import Status
-from kiln.events.types import EndStatus
+from kiln.events.types import EndStatus, Outcome
 
 log = get_logger("kiln.agent_runner.compilation")
 
@@ -262,11 +264,6 @@ class CompilationRunner:
                 return "succeeded", self._search_end_reason()
         if st.baseline is None:
             return "failed", f"{wall.end_reason()} before the baseline was measured"
-        if fast_leader(st) is None:
-            overtime = (
-                "; no candidate had beaten the baseline on the fast tier by then, so none was "
-                "confirmed"
-            )
         return "succeeded", wall.end_reason() + overtime
 
     def _search_end_reason(self) -> str:
@@ -322,13 +319,24 @@ class CompilationRunner:
             assert isinstance(event.data, dict)
             agreement = (int(event.data["n"]), event.data["rho"])
             events.append(event)
+        outcome: Outcome = ""
+        if status != "failed":
+            outcome, why = outcome_of(st)
+            if why and status == "succeeded":
+                reason = f"{NONE_CONFIRMED}{why}; {reason}"
         if status == "succeeded" and agreement is not None:
             reason = f"{reason}; {agreement_text(*agreement)}"
         if self._incumbent.wanted:  # never ends without the comparison, made or not
             events.append(self._incumbent.not_made(f"the compilation {status} first: {reason}"))
-        events.append(records.ended(self.compilation_id, status, reason))
+        events.append(records.ended(self.compilation_id, status, reason, outcome))
         await self._stream.append(*events)
-        log.info("compilation ended", compilation=self.compilation_id, status=status, reason=reason)
+        log.info(
+            "compilation ended",
+            compilation=self.compilation_id,
+            status=status,
+            outcome=outcome,
+            reason=reason,
+        )
 
     async def _settle(self, why: str, *, compares: bool = True) -> None:
         """Wait for requests and judgements under way and close the experiments still pending

@@ -25,6 +25,8 @@ class RunnerConfig:
         plan_outage_s: how long planning keeps trying a cost model that is UNAVAILABLE (one
             restarting under ``kiln supervise`` is back in seconds), past ``plan_attempts``.
         cancel_wait_s: how long ``Cancel`` waits for a local runner to record the end.
+        pools_timeout_s: how long Submit waits for the engine pools' registry
+            (:mod:`kiln.agent_runner.pools`).
         resume_retry_s: pause between resume attempts while the ledger is unreachable.
         confirm_grace_s: how long past its wall-clock budget a compilation waits for a
             confirmation under way or due (its agents stopped): one that waited for a device is
@@ -46,6 +48,7 @@ class RunnerConfig:
     plan_attempts: int = 3
     plan_outage_s: float = 60.0
     cancel_wait_s: float = 10.0
+    pools_timeout_s: float = 5.0
     resume_retry_s: float = 2.0
     confirm_grace_s: float = 300.0
     warm_measure: int = 4

@@ -30,6 +30,7 @@ from kiln.events.types import (
     Incumbent,
     IncumbentCompared,
     MeasurementReused,
+    Outcome,
     Seed,
     Tier,
     TierAgreement,
@@ -183,9 +184,9 @@ def cancel_requested(compilation_id: str, reason: str) -> NewEvent:
     return _event(payload, str(uuid.uuid4()), compilation_id)
 
 
-def ended(compilation_id: str, status: EndStatus, reason: str) -> NewEvent:
+def ended(compilation_id: str, status: EndStatus, reason: str, outcome: Outcome = "") -> NewEvent:
     """``CompilationEnded`` (one per compilation)."""
-    payload = CompilationEnded(status=status, reason=reason)
+    payload = CompilationEnded(status=status, reason=reason, outcome=outcome)
     return _event(payload, _event_id(compilation_id, "ended"), compilation_id)
 
 

@@ -4,7 +4,10 @@ Appends are made as the caller's team. Bad input is refused before anything is a
 INVALID_ARGUMENT for a missing or malformed workload, budget, agent, baseline, compilation id or
 incumbent candidate id; NOT_FOUND for unknown hardware, weights directory or compilation, a warm
 start's source compilation or an incumbent candidate the caller's team never measured
-(:mod:`kiln.agent_runner.warm_start`); ALREADY_EXISTS for a reused compilation id;
+(:mod:`kiln.agent_runner.warm_start`); FAILED_PRECONDITION for a Submit whose hardware (or
+model) no registered engine pool serves (:mod:`kiln.agent_runner.pools`; what Submit could not
+check, or a device count beyond the pools', comes back as notes: trailing metadata
+``kiln-submit-notes``, a JSON list of strings); ALREADY_EXISTS for a reused compilation id;
 RESOURCE_EXHAUSTED for a Submit while the team has its ``max_pending`` compilations waiting
 (below it a Submit over the team's running limit is accepted and waits as PENDING:
 :mod:`kiln.agent_runner.admission`); PERMISSION_DENIED for cancelling another team's
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any, Protocol
@@ -37,6 +41,7 @@ from kiln.agent_runner.compilation import CompilationRunner
 from kiln.agent_runner.config import RunnerConfig
 from kiln.agent_runner.ledger_access import LedgerPool, retry_unavailable
 from kiln.agent_runner.lookup import compilation_events, compilation_snapshot
+from kiln.agent_runner.pools import EnginePools
 from kiln.agent_runner.snapshot import NAME_BY_STATUS, Snapshot, from_row
 from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.warm_start import resolve_incumbent, resolve_warm_start
@@ -51,6 +56,7 @@ from kiln.common.errors import (
     PermissionDenied,
 )
 from kiln.common.identity import TEAM_RULE, current_call, validate_team
+from kiln.common.logging import get_logger
 from kiln.common.policy import policy_for
 from kiln.common.settings import KilnSettings
 from kiln.common.stream_limits import StreamLimiter
@@ -64,6 +70,10 @@ MAX_CANCEL_CONFLICTS = 10
 MAX_LIST_LIMIT = 1000
 MAX_REASON_CHARS = 1000
 """Longest cancel reason: a sentence or two for people reading ``compilations show``."""
+NOTES_METADATA_KEY = "kiln-submit-notes"
+"""Trailing metadata of a Submit: what the caller should know (a JSON list of strings)."""
+
+log = get_logger("kiln.agent_runner.service")
 
 
 class CompilationHost(Protocol):
@@ -74,6 +84,8 @@ class CompilationHost(Protocol):
     config: RunnerConfig
     admission: Admission
     """The teams' quotas: Submit refuses beyond the pending limit."""
+    pools: EnginePools
+    """The engine pools' registry: Submit refuses hardware no pool serves."""
     settings: KilnSettings
     """For the policy (:func:`kiln.common.policy.policy_for`)."""
     closing: asyncio.Event
@@ -141,6 +153,7 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
             hardware=valid.hardware,
         )
         incumbent = await resolve_incumbent(app.ledger, request.incumbent_candidate_id, scope=scope)
+        notes = await app.pools.check(valid.to_json(), request.workload.hardware.num_devices)
         if not app.reserve_id(cid):
             raise AlreadyExists(f"compilation {cid!r} exists already")
         try:
@@ -170,6 +183,10 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
             app.start_runner(CompilationState.from_events(events))
         finally:
             app.release_id(cid)
+        if notes:
+            log.info("compilation submitted with notes", compilation=cid, notes=notes)
+            if context is not None:  # None: submitted from inside the process (deployments)
+                context.set_trailing_metadata(((NOTES_METADATA_KEY, json.dumps(notes)),))
         snap = Snapshot(cid)
         snap.apply(events[0])
         return snap.message

@@ -181,6 +181,7 @@ class Snapshot:
         m.experiments_reused = comp.reused
         m.status = STATUS_BY_NAME[comp.status]
         m.reason = comp.reason
+        m.outcome = comp.outcome
         m.experiments_done, m.failures = comp.experiments_done, comp.failures
         m.updated_at.CopyFrom(event.recorded_at)
 

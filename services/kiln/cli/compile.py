@@ -1,4 +1,11 @@
-"""``kiln compile``: submit a compilation over gRPC and watch it to the end."""
+"""``kiln compile``: submit a compilation over gRPC and watch it to the end.
+
+The Submit's notes (``kiln-submit-notes``: e.g. more devices asked for than the engine pools
+have) are printed as ``warning:`` lines. Ctrl-C (with ``--one-shot`` too, before kiln is brought
+down) asks for the compilation's cancel, which the ledger records (so no later ``kiln up``
+resumes it), prints one line saying so and exits 130; a Ctrl-C during the Submit lets the Submit
+finish first, so that what it recorded is cancelled.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +14,30 @@ import contextlib
 import dataclasses
 import json
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, NoReturn
 
 import grpc
 import typer
 from google.protobuf.json_format import MessageToDict
 from rich.live import Live
+from rich.text import Text
 
 from kiln.baselines.table import Comparison
 from kiln.cli.budget import parse_duration_s
-from kiln.cli.compile_view import ENDED, CompileView, comparison_table, summary_table
+from kiln.cli.compile_view import (
+    ENDED,
+    STATUS_NAMES,
+    CompileView,
+    comparison_table,
+    summary_table,
+)
 from kiln.cli.context import service_addr, settings_for
 from kiln.cli.errors import CliError, err_console
 from kiln.cli.render import console
-from kiln.common.errors import Unavailable, from_rpc_error
+from kiln.common.errors import FailedPrecondition, NotFound, Unavailable, from_rpc_error
 from kiln.common.settings import KilnSettings
 from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.v1 import common_pb2, compiler_pb2, compiler_pb2_grpc
@@ -32,6 +47,11 @@ EXIT_BY_STATUS = {
     compiler_pb2.COMPILATION_STATUS_FAILED: 1,
     compiler_pb2.COMPILATION_STATUS_CANCELLED: 3,
 }
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
+SUBMIT_NOTES_KEY = "kiln-submit-notes"
+"""Trailing metadata of Submit: notes for the caller (kiln.agent_runner.service)."""
+CANCEL_REASON = "cancelled with Ctrl-C on `kiln compile`"
 
 
 def build_request(
@@ -101,10 +121,17 @@ async def submit_and_watch(
     addr = service_addr(settings, "agent-runner")
     async with team_channel(addr, settings.team) as channel:
         stub = compiler_pb2_grpc.CompilerStub(channel)
+        submit = asyncio.ensure_future(_submit(stub, request))
         try:
-            compilation = await stub.Submit(request, timeout=60)
+            compilation, notes = await asyncio.shield(submit)
+        except asyncio.CancelledError:  # Ctrl-C: let the Submit end, so its record is cancelled
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(submit, 60)
+            raise
         except grpc.RpcError as err:
             raise _rpc_error(err, addr) from None
+        for note in notes:
+            err_console.print(Text(f"warning: {note}", style="yellow"))
         if detach:
             return compilation
         view = CompileView(compilation.compilation_id, request.budget.wall_seconds)
@@ -128,6 +155,64 @@ async def submit_and_watch(
             watch.cancel()
         assert view.snapshot is not None
         return view.snapshot
+
+
+async def _submit(
+    stub: compiler_pb2_grpc.CompilerStub, request: compiler_pb2.SubmitRequest
+) -> tuple[compiler_pb2.Compilation, list[str]]:
+    """Submit; the compilation and the Submit's notes."""
+    call: Any = stub.Submit(request, timeout=60)
+    compilation = await call
+    trailing = dict(await call.trailing_metadata() or ())
+    try:
+        notes = json.loads(trailing.get(SUBMIT_NOTES_KEY) or "[]")
+    except ValueError:
+        notes = []
+    return compilation, [str(n) for n in notes] if isinstance(notes, list) else []
+
+
+async def cancel_compilation(settings: KilnSettings, compilation_id: str) -> str:
+    """Ask for ``compilation_id``'s cancel (Ctrl-C) and wait for the answer (the runner
+    records the end within its ``cancel_wait_s``); the one line to print."""
+    from kiln.common.client import team_channel
+
+    addr = service_addr(settings, "agent-runner")
+    request = compiler_pb2.CancelRequest(compilation_id=compilation_id, reason=CANCEL_REASON)
+    async with team_channel(addr, settings.team) as channel:
+        try:
+            snap = await compiler_pb2_grpc.CompilerStub(channel).Cancel(request, timeout=30)
+        except grpc.RpcError as err:
+            exc = from_rpc_error(err)
+            if isinstance(exc, NotFound):
+                return f"interrupted before compilation {compilation_id} was recorded: nothing ran"
+            if isinstance(exc, FailedPrecondition):
+                return f"interrupted; {exc.message}"
+            return (
+                f"interrupted, but the cancel of compilation {compilation_id} failed "
+                f"({exc.code.name}: {exc.message}); stop it with "
+                f"`kiln compilations cancel {compilation_id}`"
+            )
+    if snap.status == compiler_pb2.COMPILATION_STATUS_CANCELLED:
+        return f"cancelled compilation {compilation_id} (Ctrl-C)"
+    return (
+        f"cancel of compilation {compilation_id} recorded (Ctrl-C); it is still "
+        f"{STATUS_NAMES.get(snap.status, '?')} and stops shortly"
+    )
+
+
+def _interrupted(settings: KilnSettings, compilation_id: str) -> NoReturn:
+    """After Ctrl-C: cancel the compilation, say so in one line, exit 130."""
+    try:
+        line = asyncio.run(cancel_compilation(settings, compilation_id))
+    except KeyboardInterrupt:
+        line = (
+            f"interrupted again: compilation {compilation_id} may still run; stop it with "
+            f"`kiln compilations cancel {compilation_id}`"
+        )
+    except Exception as exc:  # e.g. no certificate: still one line, still 130
+        line = f"interrupted, but the cancel of compilation {compilation_id} failed: {exc}"
+    err_console.print(line, markup=False, highlight=False)
+    raise typer.Exit(EXIT_INTERRUPTED)
 
 
 @contextlib.contextmanager
@@ -213,7 +298,7 @@ def compile(
 ) -> None:
     """Compile a model for a traffic shape on a hardware target: agents propose forward-pass
     variants, engines measure them, the fastest correct one wins. Exit 0 when it succeeded, 1
-    when it failed, 3 when it was cancelled."""
+    when it failed, 3 when it was cancelled, 130 on Ctrl-C (which cancels it)."""
     try:
         budget_s = parse_duration_s(budget)
     except ValueError as exc:
@@ -230,10 +315,15 @@ def compile(
         batch=batch,
         baselines=_baseline_names(baselines),
     )
+    # Chosen here, so that a Ctrl-C at any point can name what to cancel.
+    request.compilation_id = request.compilation_id or uuid.uuid4().hex
     settings = settings_for(ctx)
     with _one_shot(settings, enabled=one_shot):
         comparison = Comparison(REFERENCE_CANDIDATE.id)
-        final = asyncio.run(submit_and_watch(settings, request, detach, as_json, comparison))
+        try:
+            final = asyncio.run(submit_and_watch(settings, request, detach, as_json, comparison))
+        except KeyboardInterrupt:
+            _interrupted(settings, request.compilation_id)  # before a one-shot's `kiln down`
     if detach:
         console.print(
             f"submitted {final.compilation_id}; see it with "

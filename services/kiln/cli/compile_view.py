@@ -13,6 +13,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kiln.baselines.table import BandwidthLimit, Comparison
+from kiln.cli.compile_notes import baseline_rows, summary_warnings
+from kiln.cli.compile_notes import tier_text as _tier
+from kiln.cli.compile_notes import tps as _tps
 from kiln.v1 import common_pb2, compiler_pb2
 from kiln.workloads.config import ModelConfig
 
@@ -44,10 +47,6 @@ def describe_candidate(candidate: Any) -> str:
         return "?"
 
 
-def _tps(value: float) -> str:
-    return f"{value:,.1f} tok/s" if value else "-"
-
-
 def tier_agreement_text(detail: dict[str, Any]) -> str:
     """A ``TierAgreement`` payload as one line (its ``n`` may arrive as a float from a
     Struct)."""
@@ -55,11 +54,6 @@ def tier_agreement_text(detail: dict[str, Any]) -> str:
 
     rho = detail.get("rho")
     return agreement_text(int(detail.get("n", 0) or 0), None if rho is None else float(rho))
-
-
-def _tier(m: Any) -> str:
-    name = {common_pb2.TIER_FAST: "fast", common_pb2.TIER_FULL: "full"}.get(m.tier)
-    return f", {name} tier" if name else ""
 
 
 @dataclass
@@ -147,13 +141,10 @@ class CompileView:
         head = Text(f"compilation {self.compilation_id}  ·  {clock}", style="bold")
         parts: list[RenderableType] = [head]
         if snap is not None:
-            best = snap.best.measurement.tokens_per_s if snap.HasField("best") else 0.0
-            speedup = snap.best.speedup if snap.HasField("best") else 0.0
             parts.append(
                 Text(
                     f"{STATUS_NAMES.get(snap.status, '?')}  ·  experiments {snap.experiments_done}"
-                    f" (failures {snap.failures})  ·  baseline {_tps(snap.baseline.tokens_per_s)}"
-                    f"  ·  best {_tps(best)}" + (f" ({speedup:.2f}x)" if speedup else "")
+                    f" (failures {snap.failures})  ·  {_progress_figures(snap)}"
                 )
             )
             if snap.HasField("best"):
@@ -167,6 +158,26 @@ class CompileView:
             parts.append(table)
         parts.extend(Text(line, style="dim") for line in self.recent)
         return Group(*parts)
+
+
+def _progress_figures(snap: compiler_pb2.Compilation) -> str:
+    """The live line's figures, each beside its own tier's reference: ``baseline 141.0 tok/s
+    (fast)``, then ``best 56.0 tok/s (full, 1.33x its reference 42.1 tok/s)``."""
+    text = f"baseline {_tps(snap.baseline.tokens_per_s)}" + (
+        " (fast)" if snap.baseline.tier == common_pb2.TIER_FAST else ""
+    )
+    if not snap.HasField("best"):
+        return text + "  ·  best -"
+    best = snap.best
+    tier = {common_pb2.TIER_FAST: "fast", common_pb2.TIER_FULL: "full"}.get(best.measurement.tier)
+    ref = best.reference.tokens_per_s
+    against = f" its reference {_tps(ref)}" if ref > 0 else ""
+    inner = ", ".join(
+        x for x in (tier, f"{best.speedup:.2f}x{against}" if best.speedup else "") if x
+    )
+    return f"{text}  ·  best {_tps(best.measurement.tokens_per_s)}" + (
+        f" ({inner})" if inner else ""
+    )
 
 
 def usage_text(u: compiler_pb2.AgentUsage) -> str:
@@ -218,19 +229,28 @@ def operating_point_text(m: common_pb2.Measurement, traffic: common_pb2.TrafficS
 
 
 def summary_table(snap: compiler_pb2.Compilation) -> Table:
-    """The end-of-compilation table: baseline, best, speedup, how well the fast tier ranked
-    candidates as the full tier did (the end of a succeeded compilation's reason), experiments,
-    failures, time to 95 % of the final best, each agent's spending, plan."""
+    """The end-of-compilation table: status (saying when no candidate was confirmed), baseline
+    (beside a full-tier best, the full-tier reference measured next to it; the fast-tier one
+    apart), best, speedup, how well the fast tier ranked candidates as the full tier did (the
+    end of a succeeded compilation's reason), experiments, failures, time to 95 % of the final
+    best, each agent's spending, plan, and warnings
+    (:func:`kiln.cli.compile_notes.summary_warnings`)."""
     table = Table(
         title=f"compilation {snap.compilation_id}", title_justify="left", show_header=False
     )
     table.add_column("", style="bold")
     table.add_column("")
-    from kiln.domain.judging import AGREEMENT_PREFIX
+    from kiln.domain.judging import AGREEMENT_PREFIX, NONE_CONFIRMED
 
     reason, cut, tiers = snap.reason.partition(f"; {AGREEMENT_PREFIX}")
-    table.add_row("status", STATUS_NAMES.get(snap.status, "?") + (f" ({reason})" if reason else ""))
-    table.add_row("baseline", _tps(snap.baseline.tokens_per_s) + _tier(snap.baseline))
+    status = STATUS_NAMES.get(snap.status, "?")
+    unconfirmed = ""
+    if reason.startswith(NONE_CONFIRMED):
+        unconfirmed, _, reason = reason.removeprefix(NONE_CONFIRMED).partition("; ")
+        status += ", but no candidate was confirmed"
+    table.add_row("status", status + (f" ({reason})" if reason else ""))
+    for label, text in baseline_rows(snap):
+        table.add_row(label, text)
     if snap.HasField("best"):
         m = snap.best.measurement
         table.add_row(
@@ -249,8 +269,10 @@ def summary_table(snap: compiler_pb2.Compilation) -> Table:
             table.add_row("measured at", point)
     elif snap.experiments_done == 0:
         table.add_row("best", "none: nothing was measured")
+    elif unconfirmed:
+        table.add_row("best", f"none: {unconfirmed}")
     else:
-        table.add_row("best", "no candidate beat the reference on the full tier")
+        table.add_row("best", "none confirmed on the full tier")
     if cut:
         table.add_row("fast vs full", tiers)
     table.add_row("experiments", str(snap.experiments_done))
@@ -268,6 +290,8 @@ def summary_table(snap: compiler_pb2.Compilation) -> Table:
             f"predicted TPOT {p.tpot_ms:.2f} ms, TTFT {p.ttft_ms:.1f} ms ({p.estimate_tier})"
             + (f"; {p.note}" if p.note else ""),
         )
+    for warning in summary_warnings(snap):
+        table.add_row(Text("warning", style="bold yellow"), warning)
     return table
 
 

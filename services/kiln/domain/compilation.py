@@ -159,6 +159,9 @@ class Compilation:
     incumbent_compared: dict[str, Any] | None = None
     reused: int = 0
     end_reason: str = ""
+    outcome: str = ""
+    """What the search came to (``CompilationEnded.outcome``; "" before the end and in older
+    events)."""
     experiments_done: int = 0
     failures: int = 0
     counted: set[str] = field(default_factory=set)
@@ -288,6 +291,7 @@ class Compilation:
             self.cancel_reason = str(d.get("reason", ""))
         elif t == "CompilationEnded":
             self._end(str(d["status"]), str(d.get("reason", "")))
+            self.outcome = str(d.get("outcome") or "")
 
     def _start(self, at: datetime | None) -> None:
         if self.status == Status.PENDING:

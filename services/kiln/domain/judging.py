@@ -72,6 +72,9 @@ def speedup(
 
 AGREEMENT_PREFIX = "fast vs full tier: "
 """How :func:`agreement_text` starts (a succeeded compilation's reason ends with it)."""
+NONE_CONFIRMED = "no candidate confirmed: "
+"""How the reason of a compilation that succeeded without a best begins: ``NONE_CONFIRMED +
+why + "; " + why it ended`` (:mod:`kiln.agent_runner.outcome`)."""
 
 
 def agreement_text(n: int, rho: float | None) -> str:

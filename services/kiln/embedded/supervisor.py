@@ -151,8 +151,8 @@ class Supervisor:
                 **{addr_env_var(name): svc.addr for name, svc in self.services.items()},
             },
         )
-        # The embedded deployment has one engine pool: it measures every target hardware
-        # (a workload for h200 runs on this host's devices, noted as a stand-in) unless told.
+        # The embedded deployment has one engine pool: it takes work for every kind its own
+        # devices have (never one hardware's work on another: Submit refuses a kind no pool has).
         env.setdefault("KILN_ENGINE_HARDWARE", "*")
         return env
 

@@ -45,6 +45,8 @@ class EnginePoolApp:
         external_measure: what the engines measure baseline requests with (injected by the
             composition root, ``kiln serve engine-pool``); None: a baseline request is
             FAILED_PRECONDITION.
+        pool: the engines (default: an :class:`EnginePool` of ``engine_settings`` and
+            ``external_measure``), e.g. one whose engines are simulated in tests.
 
     Raises:
         kiln.engine_pool.devices.DeviceError: bad ``KILN_ENGINE_DEVICES``.
@@ -59,9 +61,10 @@ class EnginePoolApp:
         engine_settings: EngineSettings | None = None,
         *,
         external_measure: ExternalMeasure | None = None,
+        pool: EnginePool | None = None,
     ) -> None:
         self.settings = settings
-        self.pool = EnginePool(
+        self.pool = pool or EnginePool(
             engine_settings or EngineSettings(), external_measure=external_measure
         )
         self.engine_settings = self.pool.settings

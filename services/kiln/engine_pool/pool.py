@@ -132,12 +132,22 @@ class EnginePool:
                 f"device {device!r} is not one of this pool's: {', '.join(self.slots)}"
             ) from None
 
-    def choose_slot(self, work: ExperimentWork) -> DeviceSlot:
+    def choose_slot(self, work: ExperimentWork, kind: str = "") -> DeviceSlot:
         """The device a RunExperiment call runs on: idle and holding the model, else idle, else
-        holding it, else the fewest waiting (first on ties).
+        holding it, else the fewest waiting (first on ties); among the devices of ``kind`` when
+        given.
+
+        Raises:
+            FailedPrecondition: no device of this pool is of ``kind``.
         """
         tier, key = work.tier, work.model_key
-        slots = list(self.slots.values())
+        slots = [s for s in self.slots.values() if not kind or s.device.kind == kind]
+        if not slots:
+            have = ", ".join(f"{s.device.name} ({s.device.kind})" for s in self.slots.values())
+            raise FailedPrecondition(
+                f"this engine pool has no {kind!r} device (it has {have}): it measures a "
+                "workload only on devices of the workload's hardware"
+            )
         return min(
             slots,
             key=lambda s: (s.busy, not s.holds(tier, key), s.waiting, slots.index(s)),

@@ -5,11 +5,11 @@ Every pool consumes each exact subject
 ``{prefix}.work.experiments.{device_kind}.{tier}.{model_key}`` through one shared durable pull
 consumer (:func:`durable_name`). Subjects are found by scanning the stream every
 ``KILN_ENGINE_DISCOVER_S`` and by a core subscription to ``{prefix}.work.experiments.>``; a pool
-serves those whose kind one of its devices takes (the device's own, or ``KILN_ENGINE_HARDWARE``,
-``*`` any) and whose model ``KILN_ENGINE_MODELS`` allows (default all). One worker per device
-fetches one message at a time while the device is free, in :meth:`WorkConsumer.order` (the rule:
-:mod:`kiln.engine_pool.schedule`); :mod:`kiln.engine_pool.delivery` takes each to its ack, nak or
-term.
+serves those whose kind is one of its devices' own kinds (narrowed by ``KILN_ENGINE_HARDWARE``;
+a device never takes another kind's work) and whose model ``KILN_ENGINE_MODELS`` allows (default
+all). One worker per device fetches one message at a time while the device is free, in
+:meth:`WorkConsumer.order` (the rule: :mod:`kiln.engine_pool.schedule`);
+:mod:`kiln.engine_pool.delivery` takes each to its ack, nak or term.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class WorkConsumer:
         self._unbound: set[str] = set()
         self._hardware = _csv(engine_settings.hardware)
         self._models = set(_csv(engine_settings.models))
+        self._warn_unserved()
 
     @property
     def handled(self) -> int:
@@ -125,17 +126,19 @@ class WorkConsumer:
 
     # ------------------------------------------------------------------ what is served
     def kinds_for(self, slot: DeviceSlot) -> list[str]:
-        """Device kinds whose work ``slot`` takes: ``KILN_ENGINE_HARDWARE`` when set (``*`` = any),
-        else the device's kind.
+        """The device kinds whose work ``slot`` takes: its device's own kind when
+        ``KILN_ENGINE_HARDWARE`` allows it (empty or ``*``: every kind), else none. A device never
+        takes another kind's work: an h100 workload is never measured on a CPU.
         """
-        return self._hardware or [slot.device.kind]
+        kind = slot.device.kind
+        if not self._hardware or ANY in self._hardware or kind in self._hardware:
+            return [kind]
+        return []
 
     @property
     def hardware(self) -> list[str]:
-        """Device kinds this pool takes work for (``*`` = any), for the registry."""
-        if self._hardware:
-            return list(self._hardware)
-        return sorted({slot.device.kind for slot in self.pool.slots.values()})
+        """Device kinds this pool takes work for (sorted), for the registry."""
+        return sorted({kind for slot in self.pool.slots.values() for kind in self.kinds_for(slot)})
 
     @property
     def models(self) -> list[str]:
@@ -151,12 +154,23 @@ class WorkConsumer:
         """Whether some device of this pool takes work of ``kind`` on ``model_key``."""
         if self._models and model_key not in self._models:
             return False
-        kinds = self.hardware
-        return ANY in kinds or kind in kinds
+        return kind in self.hardware
 
     def _slot_serves(self, slot: DeviceSlot, lane: Lane) -> bool:
-        kinds = self.kinds_for(slot)
-        return ANY in kinds or lane.kind in kinds
+        return lane.kind in self.kinds_for(slot)
+
+    def _warn_unserved(self) -> None:
+        """Log the ``KILN_ENGINE_HARDWARE`` kinds that no device here has (ignored)."""
+        own = {slot.device.kind for slot in self.pool.slots.values()}
+        ignored = sorted(set(self._hardware) - own - {ANY})
+        if ignored:
+            log.warning(
+                "work.hardware_ignored",
+                ignored=ignored,
+                devices=sorted(own),
+                why="a pool takes work only for its own devices' kinds "
+                "(KILN_ENGINE_DEVICE_KIND names a GPU's kind)",
+            )
 
     # ------------------------------------------------------------------ wiring
     def consumer_config(self, subject: str) -> ConsumerConfig:

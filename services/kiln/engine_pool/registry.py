@@ -58,8 +58,8 @@ class PoolRecord:
 
     Attributes:
         ttl_s: seconds after ``heartbeat_at`` at which the record expires.
-        hardware, models: device kinds (``*`` = any) and model keys (empty = all) it takes work
-            for.
+        hardware, models: device kinds (its devices' own; ``*`` from an older kiln: any) and
+            model keys (empty = all) it takes work for.
         subjects: the work subjects it consumes now.
         local: this process's own record (never serialized).
     """

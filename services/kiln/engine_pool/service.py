@@ -8,7 +8,9 @@ an unknown dtype, missing weights; ``deadline_s`` outside ``0..3600`` (0 =
 ``KILN_ENGINE_DEFAULT_DEADLINE_S``); a ``baseline`` not in
 :data:`kiln.domain.baselines.BASELINE_NAMES` (a known one is measured instead of the candidate;
 FAILED_PRECONDITION when the pool was given no external measure); a malformed candidate
-(``malformed candidate: ...``). An unspecified tier means fast.
+(``malformed candidate: ...``); FAILED_PRECONDITION for a workload whose ``hardware.name`` is
+not the kind of any device of this pool (a pool never measures one hardware's work on another;
+no name: any device). An unspecified tier means fast.
 Clamps and defaults applied to the traffic shape come back as trailing metadata
 ``kiln-engine-notes`` (a JSON list of strings).
 
@@ -31,7 +33,7 @@ from pydantic import ValidationError
 
 from kiln.common.errors import InvalidArgument
 from kiln.common.identity import current_call
-from kiln.common.work import ExperimentWork
+from kiln.common.work import ExperimentWork, device_kind
 from kiln.domain.baselines import BASELINE_NAMES
 from kiln.domain.candidate import Candidate
 from kiln.domain.quoting import quote
@@ -246,7 +248,9 @@ class EnginePoolServicer(engine_pool_pb2_grpc.EnginePoolServicer):
     ) -> common_pb2.Measurement:
         """Measure one candidate (see the module docstring)."""
         job = job_from_request(request, current_call().team, self.settings.default_deadline_s)
-        measurement = await self.pool.measure(job)
+        kind = device_kind(job.work.workload) if request.experiment.workload.hardware.name else ""
+        slot = self.pool.choose_slot(job.work, kind)  # never on another hardware kind
+        measurement = await self.pool.measure(job, slot.device.name)
         context.set_trailing_metadata(((NOTES_METADATA_KEY, json.dumps(measurement.notes)),))
         return measurement_to_proto(measurement)
 

@@ -177,8 +177,9 @@ class EngineSettings(BaseSettings):
     hardware: str = Field(
         default="",
         description="Hardware kinds (workload.hardware.name) whose queued experiments this "
-        "pool takes, comma-separated: empty = its devices' own kinds; '*' = any (measure other "
-        "targets here as a stand-in).",
+        "pool takes, comma-separated, among its devices' own kinds: empty or '*' = every kind "
+        "its devices have. A kind none of its devices has is ignored (logged): a pool never "
+        "measures one hardware's work on another (KILN_ENGINE_DEVICE_KIND names a GPU's kind).",
     )
     models: str = Field(
         default="",

@@ -35,6 +35,9 @@ def is_failure(status: str) -> bool:
 
 
 EndStatus = Literal["succeeded", "cancelled", "failed"]
+Outcome = Literal["", "confirmed", "none_beat_the_baseline", "unconfirmed", "lost_on_full_tier"]
+"""What a compilation's search came to (:mod:`kiln.agent_runner.outcome`); "" for a failed
+compilation and in events recorded before the field existed."""
 
 
 MAX_WALL_SECONDS = 30 * 24 * 3600.0
@@ -213,6 +216,12 @@ class CompilationEnded(EventSchema):
 
     status: EndStatus
     reason: str = ""
+    outcome: Outcome = Field(
+        default="",
+        description="What the search came to: confirmed (a best), none_beat_the_baseline, "
+        "unconfirmed (a fast-tier winner never measured correct on the full tier), "
+        "lost_on_full_tier; empty for a failed compilation and in older events.",
+    )
 
 
 class ExperimentRequested(EventSchema):

@@ -221,16 +221,25 @@ class Compilation(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     INCUMBENT_FIELD_NUMBER: _builtins.int
     EXPERIMENTS_REUSED_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
     compilation_id: _builtins.str
     team: _builtins.str
     status: Global___CompilationStatus.ValueType
     experiments_done: _builtins.int
     failures: _builtins.int
     reason: _builtins.str
-    """Why it ended, for CANCELLED and FAILED."""
+    """Why it ended (for SUCCEEDED too: the budget spent, and what was not confirmed)."""
     experiments_reused: _builtins.int
     """Search results answered from an earlier measurement at the same operating point
     (MeasurementReused: no device time, outside the experiment budget).
+    """
+    outcome: _builtins.str
+    """What the search came to, once ended (CompilationEnded.outcome): "confirmed" (a best was
+    confirmed on the full tier), "none_beat_the_baseline", "unconfirmed" (a fast-tier winner
+    never measured correct on the full tier) or "lost_on_full_tier"; empty while it runs, for a
+    failed compilation, for one ended before kiln recorded it, and in List's summaries. A
+    compilation that succeeded without a best says why in `reason` ("no candidate confirmed:
+    ...").
     """
     @_builtins.property
     def workload(self) -> _common_pb2.Workload: ...
@@ -280,10 +289,11 @@ class Compilation(_message.Message):
         progress: _abc.Iterable[Global___ProgressPoint] | None = ...,
         incumbent: Global___IncumbentComparison | None = ...,
         experiments_reused: _builtins.int = ...,
+        outcome: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "best", b"best", "budget", b"budget", "created_at", b"created_at", "incumbent", b"incumbent", "plan", b"plan", "updated_at", b"updated_at", "workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_usage", b"agent_usage", "baseline", b"baseline", "best", b"best", "budget", b"budget", "compilation_id", b"compilation_id", "created_at", b"created_at", "experiments_done", b"experiments_done", "experiments_reused", b"experiments_reused", "failures", b"failures", "incumbent", b"incumbent", "plan", b"plan", "progress", b"progress", "reason", b"reason", "status", b"status", "team", b"team", "updated_at", b"updated_at", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_usage", b"agent_usage", "baseline", b"baseline", "best", b"best", "budget", b"budget", "compilation_id", b"compilation_id", "created_at", b"created_at", "experiments_done", b"experiments_done", "experiments_reused", b"experiments_reused", "failures", b"failures", "incumbent", b"incumbent", "outcome", b"outcome", "plan", b"plan", "progress", b"progress", "reason", b"reason", "status", b"status", "team", b"team", "updated_at", b"updated_at", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

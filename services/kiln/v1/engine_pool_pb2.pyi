@@ -214,7 +214,9 @@ class PoolInfo(_message.Message):
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceInfo]: ...
     @_builtins.property
     def hardware(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Hardware kinds whose queued experiments it takes ("*" = any)."""
+        """Hardware kinds whose queued experiments it takes: its devices' own kinds ("*", from an
+        older kiln: any kind).
+        """
 
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
