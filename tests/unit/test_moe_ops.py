@@ -248,6 +248,22 @@ def test_gathered_products_run_in_chunks_that_bound_the_scratch(
     torch.testing.assert_close(chunked, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_over_many_tokens_runs_in_chunks_to_the_same_values(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    from kiln.ops import moe
+
+    torch.manual_seed(6)
+    p = moe_params(6, 24, 40, 2, dtype)
+    x = randn(3, 7, 24, dtype=dtype)
+    whole = moe.reference(x, **p)
+    monkeypatch.setattr(moe, "CHUNK_TOKENS", 4)  # 21 tokens: 6 chunks, the last of one token
+    chunked = moe.reference(x, **p)
+    assert chunked.shape == x.shape and chunked.dtype == dtype
+    torch.testing.assert_close(chunked, whole, atol=0, rtol=0)
+
+
 def test_dense_runs_the_reference_where_its_scratch_would_pass_the_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -65,6 +65,20 @@ def test_reference_is_causal_attention_over_each_sequence(group: int) -> None:
         torch.testing.assert_close(out[b : b + 1, :, :n], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("budget", [1, 3 * 4 * CACHE_LEN * 2, 3 * 4 * CACHE_LEN * 5])
+def test_reference_in_query_chunks_equals_one_pass(
+    monkeypatch: pytest.MonkeyPatch, budget: int
+) -> None:
+    """Past its scores budget the reference attends in query chunks (1, 2 and 5 queries here) to
+    the same values, padded queries included."""
+    torch.manual_seed(budget)
+    q, k, v, positions, seq_lens = _case(3, 7, 4, torch.float32)
+    whole = attention.reference(q, k, v, positions, seq_lens, scale=HEAD_DIM**-0.5)
+    monkeypatch.setattr(attention, "SCORES_BUDGET", budget)
+    chunked = attention.reference(q, k, v, positions, seq_lens, scale=HEAD_DIM**-0.5)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
+
+
 def test_decode_sees_exactly_the_valid_slots() -> None:
     """T=1 at position p: slots 0..p count, later slots (stale data) do not."""
     torch.manual_seed(1)

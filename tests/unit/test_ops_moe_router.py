@@ -31,9 +31,11 @@ def _route(x, w, top_k, norm, rounded, bias):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize(("experts", "top_k"), [(8, 2), (60, 4), (128, 8)])
+@pytest.mark.parametrize(
+    ("experts", "top_k", "per_program"), [(8, 2, None), (60, 4, 16), (128, 8, 4)]
+)
 def test_fused_router_routes_as_route(
-    dtype: torch.dtype, family: str, experts: int, top_k: int
+    dtype: torch.dtype, family: str, experts: int, top_k: int, per_program: int | None
 ) -> None:
     from kiln.ops.kernels.moe_router import moe_router
 
@@ -44,8 +46,9 @@ def test_fused_router_routes_as_route(
     w = randn(experts, hidden, dtype=dtype, scale=0.3)
     bias = torch.linspace(1.0, -1.0, experts) if biased else None
     weights, ids = moe_router(
-        x, w, top_k=top_k, norm_topk_prob=norm, round_weights=rounded, router_bias=bias
-    )
+        x, w, top_k=top_k, norm_topk_prob=norm, round_weights=rounded, router_bias=bias,
+        experts_per_program=per_program,
+    )  # fmt: skip
     want_w, want_ids = _route(x, w, top_k, norm, rounded, bias)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     assert weights.shape == ids.shape == (n, top_k)
@@ -86,6 +89,7 @@ def test_ties_go_to_the_lower_expert_id() -> None:
         ((3, 8), (4, 9), {}, "must be"),
         ((3, 8), (4, 8), {"top_k": 5}, "top_k"),
         ((3, 8), (4, 8), {"router_bias": torch.zeros(3)}, "router_bias"),
+        ((3, 8), (4, 8), {"experts_per_program": 3}, "power of two"),
     ],
 )
 def test_bad_arguments_are_refused(x, w, kwargs, message) -> None:  # type: ignore[no-untyped-def]

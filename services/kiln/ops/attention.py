@@ -25,6 +25,11 @@ def cache_mask(positions: Tensor, seq_lens: Tensor, cache_len: int) -> Tensor:
     return (causal & valid)[:, None]
 
 
+SCORES_BUDGET = 1 << 28
+"""Most float32 scores (1 GiB) the reference holds at once: a longer prompt is attended in query
+chunks (a batch of 34 Mooncake prompts of 7,084 tokens would otherwise need 203 GiB)."""
+
+
 @register("attention", "reference")
 def reference(
     q: Tensor,
@@ -35,7 +40,8 @@ def reference(
     *,
     scale: float,
 ) -> Tensor:
-    """Explicit ``softmax(q k^T * scale + mask) v`` in float32 (float64 for float64 ``q``).
+    """Explicit ``softmax(q k^T * scale + mask) v`` in float32 (float64 for float64 ``q``), over
+    query chunks of at most :data:`SCORES_BUDGET` scores.
 
     Args:
         q: ``[B, Hq, T, D]`` (model dtype).
@@ -44,6 +50,21 @@ def reference(
 
     Returns ``[B, Hq, T, D]`` in ``q.dtype``.
     """
+    b, hq, t, _ = q.shape
+    chunk = max(1, SCORES_BUDGET // max(1, b * hq * k_cache.shape[2]))
+    if t <= chunk:
+        return _attend(q, k_cache, v_cache, positions, seq_lens, scale)
+    parts = [
+        _attend(q[:, :, i : i + chunk], k_cache, v_cache, positions[:, i : i + chunk], seq_lens,
+                scale)
+        for i in range(0, t, chunk)
+    ]  # fmt: skip
+    return torch.cat(parts, dim=2)
+
+
+def _attend(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
     b, hq, t, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv

@@ -1,4 +1,6 @@
-"""Fused MoE router: logits, softmax, top-k and combine weights of each token in one launch.
+"""Fused MoE router: logits, softmax, top-k and combine weights of each token in two launches
+(the logits spread over many programs, a block of experts each; then softmax and top-k, one
+program per token).
 
 Same routing as :func:`kiln.ops.moe.route`: the router product accumulated in float32 and rounded
 once to the model dtype (as ``F.linear``), ``router_bias`` added in float32, softmax in float32,
@@ -25,29 +27,23 @@ MAX_EXPERTS = 1024
 
 
 @triton.jit
-def _router_kernel(
+def _logits_kernel(
     x_ptr,
     stride_xm,
     w_ptr,
     stride_we,
-    bias_ptr,
-    wts_ptr,
-    ids_ptr,
+    logits_ptr,
     E: tl.constexpr,
     HID: tl.constexpr,
-    TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr,
-    ROUND_WEIGHTS: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
-    """Program ``n``: token ``n``'s ``TOP_K`` weights (float32) and expert ids (int64)."""
+    """Program ``(n, j)``: token ``n``'s logits of the ``j``-th block of experts, accumulated in
+    float32, rounded to the model dtype, stored as float32 ``[N, E]``."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     n = tl.program_id(0).to(tl.int64)
-    offs_e = tl.arange(0, BLOCK_E)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
     rows = w_ptr + offs_e[:, None].to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
@@ -57,7 +53,32 @@ def _router_kernel(
         xv = tl.load(x_ptr + n * stride_xm + offs_h, mask=h_mask, other=0.0).to(tl.float32)
         w = tl.load(rows + offs_h[None, :], mask=e_mask[:, None] & h_mask[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-    logits = _round(acc, DTYPE, EMULATE_RNE)
+    tl.store(logits_ptr + n * E + offs_e, _round(acc, DTYPE, EMULATE_RNE), mask=e_mask)
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr,
+    logits_ptr,
+    bias_ptr,
+    wts_ptr,
+    ids_ptr,
+    E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    ROUND_WEIGHTS: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """Program ``n``: token ``n``'s ``TOP_K`` weights (float32) and expert ids (int64) from its
+    logits (``x_ptr``: only its dtype, the model's, is read)."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    n = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
+    logits = tl.load(logits_ptr + n * E + offs_e, mask=e_mask, other=0.0)
     if HAS_BIAS:
         logits += tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
     logits = tl.where(e_mask, logits, float("-inf"))
@@ -91,9 +112,12 @@ def moe_router(
     norm_topk_prob: bool,
     round_weights: bool = False,
     router_bias: Tensor | None = None,
+    experts_per_program: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Route ``x [N, H]`` (float32/float16/bfloat16) with ``router_weight [E, H]`` (x's dtype and
-    device, unit stride along H), ``router_bias`` float32 ``[E]`` or None.
+    device, unit stride along H), ``router_bias`` float32 ``[E]`` or None; the logits of
+    ``experts_per_program`` experts (a power of two) a program (None: about 32 programs a token
+    on a GPU, one under the interpreter).
 
     Returns ``(weights [N, top_k] float32, experts [N, top_k] int64)``, largest first; weights
     hold model-dtype values when ``round_weights``. Raises ValueError on shapes, dtypes or
@@ -124,24 +148,40 @@ def moe_router(
         return weights, experts
     block_e = triton.next_power_of_2(e)
     bias = router_bias.to(x.device) if router_bias is not None else weights
-    _router_kernel[(n,)](
+    emulate = runtime.interpreting() and x.dtype == torch.bfloat16
+    # ~32 programs a token on a GPU (the router's weights come from L2 after the first token);
+    # under the interpreter, which costs per program, one a token.
+    split = experts_per_program or (block_e if runtime.interpreting() else max(1, block_e // 32))
+    if split & (split - 1):
+        raise ValueError(f"experts_per_program must be a power of two, got {split}")
+    logits = torch.empty((n, e), dtype=torch.float32, device=x.device)
+    _logits_kernel[(n, triton.cdiv(e, split))](
         x,
         x.stride(0),
         weight,
         weight.stride(0),
+        logits,
+        E=e,
+        HID=h,
+        BLOCK_E=split,
+        BLOCK_H=max(16, min(triton.next_power_of_2(h), 8192 // split)),
+        EMULATE_RNE=emulate,
+        num_warps=4,
+    )
+    _router_kernel[(n,)](
+        x,
+        logits,
         bias,
         weights,
         experts,
         E=e,
-        HID=h,
         TOP_K=top_k,
         BLOCK_E=block_e,
-        BLOCK_H=max(16, min(triton.next_power_of_2(h), 8192 // block_e)),
         BLOCK_K=triton.next_power_of_2(top_k),
         HAS_BIAS=router_bias is not None,
         NORM=norm_topk_prob,
         ROUND_WEIGHTS=round_weights and x.dtype != torch.float32,
-        EMULATE_RNE=runtime.interpreting() and x.dtype == torch.bfloat16,
+        EMULATE_RNE=emulate,
         num_warps=4,
     )
     return weights, experts
