@@ -322,14 +322,23 @@ def sweep(model: Any, out: list[dict[str, Any]], args: argparse.Namespace) -> No
         print(f"  {name:32s} {us:8.1f} us (defaults {default:8.1f} us)  {label}")
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(SHARED / "models" / "llama-3.2-1b.json"))
+def operating_point_parser(doc: str, model: str, repeats: int) -> argparse.ArgumentParser:
+    """The options of the GPU step benchmarks: ``--model`` (default ``model`` under
+    ../shared/data/models), ``--device``, ``--batch``, ``--context``, ``--repeats``,
+    ``--bandwidth`` (bytes/s) and ``--json`` (a path for the results)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--model", default=str(SHARED / "models" / model))
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1085)
-    parser.add_argument("--repeats", type=int, default=100)
-    parser.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s (H200 copy)")
+    parser.add_argument("--json", default="")
+    return parser
+
+
+if __name__ == "__main__":
+    parser = operating_point_parser(__doc__ or "", "llama-3.2-1b.json", 100)
     parser.add_argument("--sweep", action="store_true", help="per-family launch grid")
     parser.add_argument(
         "--params", default="", help='JSON list of parameter sets, e.g. \'[{}, {"pdl": "2"}]\''
@@ -337,7 +346,6 @@ if __name__ == "__main__":
     parser.add_argument(
         "--no-families", dest="families", action="store_false", help="time whole steps only"
     )
-    parser.add_argument("--json", default="")
     cli = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")

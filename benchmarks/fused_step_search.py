@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fused_decode_profile import SHARED, graph_time_us
+from fused_decode_profile import graph_time_us, operating_point_parser
 
 from kiln.cost_model.step_bytes import decode_step_bytes, weights_read_bytes
 from kiln.runtime.fused_decode import FusedDecode
@@ -166,19 +166,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(SHARED / "models" / "llama-3.2-1b.json"))
-    parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--context", type=int, default=1085)
-    parser.add_argument("--repeats", type=int, default=30)
+    parser = operating_point_parser(__doc__ or "", "llama-3.2-1b.json", 30)
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--deadline", type=float, default=240.0, help="seconds of search")
     parser.add_argument("--min-gain", type=float, default=0.005, help="relative")
     parser.add_argument("--max-diff", type=float, default=0.5, help="max |logits - defaults'|")
-    parser.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s")
     parser.add_argument("--params", default="{}", help="fused_decode parameters to start from")
-    parser.add_argument("--json", default="")
     cli = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fused_decode_profile import graph_time_us
+from fused_decode_profile import graph_time_us, operating_point_parser
 
 from kiln.cost_model.step_bytes import (
     decode_step_bytes,
@@ -38,7 +38,6 @@ from kiln.runtime.fused_decode import FusedDecode
 from kiln.workloads.config import load_config
 from kiln.workloads.models import build_model
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 VARIANTS: list[dict[str, Any]] = [
     {"name": "reference", "recipe": {}, "fused": False},
     {"name": "moe=triton_gather", "recipe": {"moe": "triton_gather"}, "fused": False},
@@ -80,7 +79,7 @@ def kernel_table(step: Any, replays: int) -> list[dict[str, Any]]:
 def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = load_config(Path(args.model))
     layers = min(args.layers or config.num_hidden_layers, config.num_hidden_layers)
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
     model = build_model(
         config,
         layers=layers,
@@ -162,17 +161,11 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(SHARED / "models" / "qwen3-30b-a3b.json"))
+    p = operating_point_parser(__doc__ or "", "qwen3-30b-a3b.json", 50)
     p.add_argument("--layers", type=int, default=8, help="layers built (0: all)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--context", type=int, default=1085)
-    p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--profile-replays", type=int, default=10)
     p.add_argument("--top", type=int, default=14)
-    p.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s (H200 copy)")
     p.add_argument("--variants", default="", help="JSON list of {name, recipe, fused, params}")
-    p.add_argument("--json", default="")
     a = p.parse_args()
     rows = main(a)
     if a.json:

@@ -182,6 +182,29 @@ def _count(text: str, name: str) -> int:
     return value
 
 
+def timed_json_row(text: str, unit: str, since: str) -> tuple[dict[str, Any], float]:
+    """A JSONL row's object and its ``timestamp`` (a finite, non-negative number in ``unit``
+    from ``since``; the error messages name both).
+
+    Raises:
+        RowError: not JSON, not an object, or a missing, unparsable or negative timestamp.
+    """
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RowError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise RowError(f"expected a JSON object, got {type(obj).__name__}")
+    if "timestamp" not in obj:
+        raise RowError("missing field 'timestamp'")
+    t = obj["timestamp"]
+    if type(t) not in (int, float) or not math.isfinite(t):
+        raise RowError(f"unparsable time {t!r} (expected {unit})")
+    if t < 0:
+        raise RowError(f"negative timestamp {t} ({unit} from {since})")
+    return obj, float(t)
+
+
 def json_count(obj: dict[str, Any], name: str) -> int:
     if name not in obj:
         raise RowError(f"missing field {name!r}")
@@ -209,19 +232,7 @@ def arrival_parts(seconds: float) -> tuple[int, float]:
 
 
 def _mooncake_row(text: str, line: int) -> _Row:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RowError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(obj, dict):
-        raise RowError(f"expected a JSON object, got {type(obj).__name__}")
-    if "timestamp" not in obj:
-        raise RowError("missing field 'timestamp'")
-    ms = obj["timestamp"]
-    if type(ms) not in (int, float) or not math.isfinite(ms):
-        raise RowError(f"unparsable time {ms!r} (expected milliseconds)")
-    if ms < 0:
-        raise RowError(f"negative timestamp {ms} (milliseconds from the trace start)")
+    obj, ms = timed_json_row(text, "milliseconds", "the trace start")
     isl = nonzero_input(json_count(obj, "input_length"), "input_length")
     osl = json_count(obj, "output_length")
     if "hash_ids" not in obj:

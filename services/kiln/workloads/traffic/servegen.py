@@ -54,6 +54,7 @@ from kiln.workloads.traffic.readers import (
     json_count,
     nonzero_input,
     open_trace,
+    timed_json_row,
     warn_zero_output,
 )
 from kiln.workloads.traffic.records import Request, RowProblem, Trace
@@ -130,19 +131,7 @@ def read_servegen_requests(
 
 
 def _request_row(text: str) -> tuple[int, float, int, int]:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RowError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(obj, dict):
-        raise RowError(f"expected a JSON object, got {type(obj).__name__}")
-    if "timestamp" not in obj:
-        raise RowError("missing field 'timestamp'")
-    t = obj["timestamp"]
-    if type(t) not in (int, float) or not math.isfinite(t):
-        raise RowError(f"unparsable time {t!r} (expected seconds)")
-    if t < 0:
-        raise RowError(f"negative timestamp {t} (seconds from the span's start)")
+    obj, t = timed_json_row(text, "seconds", "the span's start")
     data = obj.get("data")
     if not isinstance(data, dict):
         raise RowError("missing object 'data'")
@@ -160,7 +149,7 @@ def _request_row(text: str) -> tuple[int, float, int, int]:
         raise RowError("data has neither 'input_tokens' nor 'text_tokens'")
     isl = nonzero_input(isl, "input tokens")
     osl = json_count(data, "output_tokens")
-    whole, frac = arrival_parts(float(t))
+    whole, frac = arrival_parts(t)
     return whole, frac, isl, osl
 
 
