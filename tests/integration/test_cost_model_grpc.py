@@ -179,9 +179,9 @@ async def test_unsupported_model_is_invalid_argument(
     stub: cost_model_pb2_grpc.CostModelStub,
 ) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Plan(cost_model_pb2.PlanRequest(workload=_workload("gpt-oss-20b")), timeout=10)
+        await stub.Plan(cost_model_pb2.PlanRequest(workload=_workload("glm-5")), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "unsupported architecture 'gpt_oss'" in (err.value.details() or "")
+    assert "unsupported architecture 'glm_moe_dsa'" in (err.value.details() or "")
 
     empty = common_pb2.Workload(hardware=common_pb2.HardwareTarget(name="h200"))
     with pytest.raises(grpc.aio.AioRpcError) as err:

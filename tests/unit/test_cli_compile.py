@@ -35,8 +35,8 @@ def test_bad_durations(text: str) -> None:
         (["--model", "/nope/config.json", "--traffic", str(CONV)], "does not exist"),
         (["--model", str(LLAMA), "--traffic", "/nope.csv"], "does not exist"),
         (
-            ["--model", str(DATA / "models" / "gpt-oss-20b.json"), "--traffic", str(CONV)],
-            "unsupported architecture 'gpt_oss'",
+            ["--model", str(DATA / "models" / "glm-5.json"), "--traffic", str(CONV)],
+            "unsupported architecture 'glm_moe_dsa'",
         ),
         (["--model", str(LLAMA), "--traffic", str(LLAMA)], "malformed rows"),
     ],

@@ -150,7 +150,9 @@ def attention_shard(cfg: ModelConfig, tp: int) -> float:
     bias = 0.0
     if cfg.attention_bias:
         bias = heads * d / tp + 2 * cfg.num_key_value_heads * d / kv_ranks
-    norms = 2 * d if cfg.qk_norm else 0
+    norms: float = 2 * d if cfg.qk_norm else 0
+    if cfg.qk_norm and cfg.qk_norm_type == "per_layer":  # over the whole q and k (MiniMax-M2)
+        norms = heads * d / tp + cfg.num_key_value_heads * d / kv_ranks
     return q_o + kv + bias + norms
 
 

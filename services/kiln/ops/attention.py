@@ -4,6 +4,11 @@ Call: ``attention(q, k_cache, v_cache, positions, seq_lens) -> out``; params ``s
 ``t`` of sequence ``b`` at ``positions[b, t]`` sees cache slot ``s`` when ``s <= positions[b,
 t]`` and ``s < seq_lens[b]``; this step's keys are already written. Padded queries give unused
 finite output. Query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+
+gpt-oss sites add two params only the ``reference`` takes (the others are refused for it by
+their signatures): ``window`` (int or None: a query also sees only slots ``s > positions[b, t] -
+window``) and ``sinks`` (``[Hq]`` or None: per head one more logit in the softmax denominator,
+with no value, as transformers' ``GptOssAttention``).
 """
 
 from __future__ import annotations
@@ -39,9 +44,12 @@ def reference(
     seq_lens: Tensor,
     *,
     scale: float,
+    sinks: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Explicit ``softmax(q k^T * scale + mask) v`` in float32 (float64 for float64 ``q``), over
-    query chunks of at most :data:`SCORES_BUDGET` scores.
+    query chunks of at most :data:`SCORES_BUDGET` scores; ``sinks`` and ``window``: the module
+    docstring.
 
     Args:
         q: ``[B, Hq, T, D]`` (model dtype).
@@ -53,18 +61,19 @@ def reference(
     b, hq, t, _ = q.shape
     chunk = max(1, SCORES_BUDGET // max(1, b * hq * k_cache.shape[2]))
     if t <= chunk:
-        return _attend(q, k_cache, v_cache, positions, seq_lens, scale)
+        return _attend(q, k_cache, v_cache, positions, seq_lens, scale, sinks, window)
     parts = [
         _attend(q[:, :, i : i + chunk], k_cache, v_cache, positions[:, i : i + chunk], seq_lens,
-                scale)
+                scale, sinks, window)
         for i in range(0, t, chunk)
     ]  # fmt: skip
     return torch.cat(parts, dim=2)
 
 
 def _attend(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, seq_lens: Tensor, scale: float
-) -> Tensor:
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, seq_lens: Tensor,
+    scale: float, sinks: Tensor | None = None, window: int | None = None,
+) -> Tensor:  # fmt: skip
     b, hq, t, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -73,8 +82,16 @@ def _attend(
     qg = widened(q).reshape(b, hkv, group * t, d)
     scores = torch.matmul(qg, k_cache.to(qg.dtype).transpose(-1, -2)) * scale
     mask = cache_mask(positions, seq_lens, k_cache.shape[2])  # [B, 1, T, S]
+    if window is not None:
+        slots = torch.arange(k_cache.shape[2], device=positions.device)
+        mask = mask & (slots[None, None, :] > positions[:, :, None] - window)[:, None]
     scores = scores.view(b, hkv, group, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(b, hkv, group * t, -1)
+    if sinks is not None:  # one more logit per head, dropped after the softmax
+        sink = sinks.to(scores.dtype).view(1, hkv, group, 1, 1).expand(b, hkv, group, t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        probs = probs.reshape(b, hkv, group * t, -1)
+    else:
+        probs = torch.softmax(scores, dim=-1).view(b, hkv, group * t, -1)
     return torch.matmul(probs, v_cache.to(qg.dtype)).view(b, hq, t, d).to(q.dtype)
 
 

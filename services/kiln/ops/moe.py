@@ -16,7 +16,9 @@ part of this op (the layer's ``shared_ffn`` slot, an ``mlp``).
 
 Implementations keep shapes static and never synchronise with the host: ``reference`` (grouped
 by expert, summed in increasing expert id as transformers' loop), ``gathered`` (small batches),
-``dense`` (every expert on every token).
+``dense`` (every expert on every token). gpt-oss's experts (biases, clamped SwiGLU): the
+``reference``'s ``swiglu`` param (:mod:`kiln.ops.moe_clamped`), which no other implementation
+takes (binding refuses them for gpt-oss).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.moe_clamped import ClampedSwiGLU
 from kiln.ops.moe_routing import sigmoid_logits, sigmoid_route
 from kiln.ops.precision import widened
 from kiln.ops.registry import REFERENCE, register
@@ -205,10 +208,11 @@ def reference(
     topk_group: int = 1,
     correction_bias: Tensor | None = None,
     routed_scaling_factor: float = 1.0,
+    swiglu: ClampedSwiGLU | None = None,
 ) -> Tensor:
     """Assignments sorted by expert, one grouped product per projection: ``x [B, T, H]`` ->
     ``[B, T, H]`` in ``x.dtype``; more than :data:`CHUNK_TOKENS` tokens in chunks of that many
-    (each token's result is its own).
+    (each token's result is its own). ``swiglu``: gpt-oss's experts instead of SiLU ones.
     """
     n = x.numel() // x.shape[-1]
     if n > CHUNK_TOKENS:
@@ -220,6 +224,7 @@ def reference(
                 norm_topk_prob=norm_topk_prob, round_router_weights=round_router_weights,
                 router_bias=router_bias, scoring=scoring, n_group=n_group, topk_group=topk_group,
                 correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor,
+                swiglu=swiglu,
             )
             for i in range(0, n, CHUNK_TOKENS)
         ]  # fmt: skip
@@ -230,7 +235,12 @@ def reference(
         topk_group=topk_group, correction_bias=correction_bias,
         routed_scaling_factor=routed_scaling_factor,
     )  # fmt: skip
-    gate, up = grouped_linear(flat[a.token], gate_up_weight, a).chunk(2, dim=-1)
+    gate_up = grouped_linear(flat[a.token], gate_up_weight, a)
+    if swiglu is not None:
+        ys = swiglu.finish(grouped_linear(swiglu.activate(gate_up, a.experts), down_weight, a),
+                           a.experts)  # fmt: skip
+        return _combine(flat, a, ys, top_k).view(x.shape)
+    gate, up = gate_up.chunk(2, dim=-1)
     ys = grouped_linear(F.silu(gate) * up, down_weight, a)
     return _combine(flat, a, ys, top_k).view(x.shape)
 

@@ -4,7 +4,10 @@ Call: ``rope(q, k, positions) -> (q, k)``. Base params: ``inv_freq [D/2]`` float
 config's, from :mod:`kiln.workloads.models.rope_frequencies`) and ``max_positions`` (the
 engine's KV-cache length; positions are below it).
 The rotation pairs dimension ``i`` with ``i + D/2`` ("rotate half"), as transformers'
-``apply_rotary_pos_emb`` does for Llama and Qwen3 checkpoints.
+``apply_rotary_pos_emb`` does for Llama and Qwen3 checkpoints. Partial rotary (MiniMax-M2):
+when ``inv_freq`` has ``R/2 < D/2`` entries, only each head's first R dims rotate (pairing ``i``
+with ``i + R/2``) and the other ``D - R`` pass through unchanged, as transformers'
+``MiniMaxM2`` ``apply_rotary_pos_emb``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ Tensor = torch.Tensor
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``x * [cos, cos] + rotate_half(x) * [sin, sin]`` in float32, cast back to ``x.dtype``.
-    ``cos``/``sin``: ``[B, 1, T, D/2]`` float32."""
+    ``cos``/``sin``: ``[B, 1, T, R/2]`` float32; the first R dims of ``x [..., D]`` rotate, the
+    rest (R < D: partial rotary) are copied."""
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     xf = widened(x)
     x1, x2 = xf.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -42,7 +49,7 @@ def reference(
     Args:
         q: ``[B, Hq, T, D]``; k: ``[B, Hkv, T, D]`` (model dtype, any strides).
         positions: ``[B, T]`` int64 token positions (``< max_positions``; unchecked here).
-        inv_freq: ``[D/2]`` float32.
+        inv_freq: ``[R/2]`` float32, R = D or the partial rotary width (module docstring).
         max_positions: unused by this implementation (the bound for table-based ones).
 
     Returns:

@@ -32,6 +32,7 @@ from kiln.ops.qkv_proj import FUSED_QKV
 from kiln.ops.rope import COS_SIN_TABLE
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.models import DecoderModel
+from kiln.workloads.models.rope_frequencies import rotary_dim
 from kiln.workloads.models.slots import Site
 
 Tensor = torch.Tensor
@@ -111,10 +112,17 @@ def _int_params(params: Mapping[str, str]) -> tuple[dict[str, int], str | None]:
 def unsupported_reason(config: ModelConfig) -> str | None:
     """Why ``fused_decode`` cannot run ``config`` on a CUDA engine, or None: any dense decoder
     runs (Q/K norms, any GQA ratio, even head_dim up to 256, llama3 RoPE), expert layers through
-    the bound ``moe`` op; not MLA or biases.
+    the bound ``moe`` op; not MLA, biases, partial rotary or whole-projection (``per_layer``)
+    Q/K norms (MiniMax-M2: its kernels rotate all of head_dim and norm each head).
     """
     if config.mla is not None:
         return f"fused_decode: {config.name} uses latent attention (MLA)"
+    if config.model_type == "gpt_oss":  # its decode kernels have no sinks or window
+        return f"fused_decode: {config.name} has attention sinks and sliding windows (gpt-oss)"
+    if config.qk_norm and config.qk_norm_type != "per_head":
+        return f"fused_decode: {config.name} norms Q and K over whole projections (per_layer)"
+    if rotary_dim(config) != config.head_dim:
+        return f"fused_decode: {config.name} rotates {rotary_dim(config)} of {config.head_dim} dims"
     if config.attention_bias:
         return f"fused_decode: {config.name} has projection biases"
     if config.head_dim % 2 or config.head_dim > MAX_HEAD_DIM:

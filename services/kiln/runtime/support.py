@@ -153,10 +153,34 @@ def _unused_reason(config: ModelConfig, op: str) -> str:
 
 def _impl_reason(config: ModelConfig, device: str, impl: Any) -> Reason:
     name = f"{impl.op}={impl.name}"
-    del config
     if not impl.runs_on(device):
         return f"{name} runs on {', '.join(impl.devices)} only, not on a {device} engine"
-    return None
+    return _missing_params(config, impl)
+
+
+def _missing_params(config: ModelConfig, impl: Any) -> Reason:
+    """Why ``impl`` cannot take the params ``config``'s sites add (gpt-oss: sinks, window,
+    clamped SwiGLU; :data:`kiln.workloads.gpt_oss.SITE_PARAMS`), or None; binding's signature
+    check would refuse it too."""
+    import inspect
+
+    from kiln.workloads import gpt_oss
+
+    if config.model_type != gpt_oss.GPT_OSS:
+        return None
+    extra = gpt_oss.SITE_PARAMS.get(impl.op, ())
+    if not extra:
+        return None
+    params = inspect.signature(impl.fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    missing = [p for p in extra if p not in params]
+    if not missing:
+        return None
+    return (
+        f"{impl.op}={impl.name} does not implement {', '.join(missing)}, which "
+        f"{config.name} needs (gpt-oss; only {impl.op}=reference does)"
+    )
 
 
 def _triton_devices() -> tuple[str, ...]:

@@ -1,7 +1,7 @@
-"""Model architecture from a Hugging Face ``config.json``: Llama, Qwen3, Qwen3-MoE, Mixtral and
-DeepSeek-V3 / Kimi-K2 (MLA), with the derived sizes engines and the cost model need. Field names
-follow the Hugging Face configs. Every number is checked against a stated range
-(:mod:`kiln.workloads.config_bounds`).
+"""Model architecture from a Hugging Face ``config.json``: Llama, Qwen3, Qwen3-MoE, Mixtral,
+DeepSeek-V3 / Kimi-K2 (MLA), MiniMax-M2 (its main model; MTP modules ignored) and gpt-oss,
+with the derived sizes engines and the cost model need. Field names follow the Hugging Face
+configs. Every number is checked against a stated range (:mod:`kiln.workloads.config_bounds`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.domain.quoting import quote
+from kiln.workloads import gpt_oss
 from kiln.workloads.config_bounds import (
     MAX_CONFIG_CHARS,
     MAX_DTYPE_CHARS,
@@ -28,7 +29,10 @@ from kiln.workloads.config_bounds import (
 from kiln.workloads.config_bounds import ConfigRangeError as ConfigRangeError
 from kiln.workloads.config_bounds import UnsupportedModelError as UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2")
+SUPPORTED_MODEL_TYPES = (
+    "llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2", "minimax_m2",
+    "gpt_oss",
+)  # fmt: skip
 DEEPSEEK_V3_TYPES = ("deepseek_v3", "kimi_k2")
 """Model types of the DeepSeek-V3 architecture (Kimi-K2's ``config.json`` says ``kimi_k2`` and
 ``DeepseekV3ForCausalLM``)."""
@@ -105,10 +109,17 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     qk_norm: bool = False
+    qk_norm_type: str = "per_head"
+    """``per_head`` (Qwen3: weights ``[D]``, each head) or ``per_layer`` (MiniMax-M2: weights
+    ``[heads * D]``, over a token's whole q or k projection)."""
     rope_scaling: dict[str, Any] | None = None
     torch_dtype: str = "bfloat16"
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    sliding_window: int | None = None
+    """Tokens a sliding-window layer attends to (gpt-oss; :mod:`kiln.workloads.gpt_oss`)."""
+    sliding_layers: tuple[int, ...] = ()
+    """The layers that attend within ``sliding_window`` (the others attend to all)."""
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ derived sizes
@@ -165,6 +176,8 @@ class ModelConfig:
             else 0
         )
         norms = 2 * d if self.qk_norm else 0
+        if self.qk_norm and self.qk_norm_type == "per_layer":
+            norms = (self.num_attention_heads + self.num_key_value_heads) * d
         return q + kv + o + bias + norms
 
     def ffn_params(self, layer: int) -> tuple[int, int]:
@@ -215,7 +228,8 @@ class ModelConfig:
         return self.kv_elements_per_layer() * self.num_hidden_layers
 
     def kv_bytes_per_token(self, dtype: str = "bfloat16") -> int:
-        """KV-cache bytes per token across all layers in ``dtype``."""
+        """KV-cache bytes per token across all layers in ``dtype``. Sliding-window layers
+        (gpt-oss) count as full ones: kiln's cache holds the whole context in every layer."""
         return self.kv_elements_per_token() * DTYPE_BYTES[dtype]
 
     def with_layers(self, num_hidden_layers: int) -> ModelConfig:
@@ -263,6 +277,15 @@ def _moe(cfg: dict[str, Any], model_type: str, name: str, layers: int) -> MoECon
             dense_layers=dense,
             round_router_weights=True,
         )
+    if model_type == gpt_oss.GPT_OSS:  # GptOssTopKRouter: softmax over the top-k logits
+        experts = whole({"num_experts": cfg.get("num_local_experts")}, "num_experts", name)
+        return MoEConfig(
+            num_experts=experts,
+            top_k=whole(cfg, "num_experts_per_tok", name, high=experts),
+            intermediate_size=whole(cfg, "intermediate_size", name),
+            norm_topk_prob=True,
+            round_router_weights=True,
+        )
     if model_type == "mixtral":
         experts = whole({"num_experts": cfg.get("num_local_experts")}, "num_experts", name)
         return MoEConfig(
@@ -292,6 +315,18 @@ def _moe(cfg: dict[str, Any], model_type: str, name: str, layers: int) -> MoECon
             routed_scaling_factor=real(
                 cfg, "routed_scaling_factor", name, 1.0, low=0.0, high=MAX_ROUTED_SCALING
             ),
+        )
+    if model_type == "minimax_m2":
+        # transformers' MiniMaxM2SparseMoeBlock: every layer; MiniMaxM2TopKRouter: top-k of
+        # sigmoid + e_score_correction_bias, weights the un-biased sigmoid renormalised.
+        experts = whole({"num_experts": cfg.get("num_local_experts")}, "num_experts", name)
+        return MoEConfig(
+            num_experts=experts,
+            top_k=whole(cfg, "num_experts_per_tok", name, high=experts),
+            intermediate_size=whole(cfg, "intermediate_size", name),
+            norm_topk_prob=True,
+            round_router_weights=False,
+            scoring="sigmoid",
         )
     return None
 
@@ -363,11 +398,16 @@ def parse_config(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         max_position_embeddings=whole(cfg, "max_position_embeddings", name, 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "minimax_m2"),
+        qk_norm_type="per_layer" if model_type == "minimax_m2" else "per_head",
         rope_scaling=_optional_dict(cfg, "rope_scaling", name),
         torch_dtype=torch_dtype,
         moe=_moe(cfg, model_type, name, layers),
         mla=_mla(cfg, model_type, name),
+        sliding_window=gpt_oss.sliding_window(cfg, name) if model_type == gpt_oss.GPT_OSS else None,
+        sliding_layers=(
+            gpt_oss.sliding_layers(cfg, name, layers) if model_type == gpt_oss.GPT_OSS else ()
+        ),
         raw=cfg,
     )
 

@@ -132,8 +132,9 @@ class WeightStore:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF names and shapes of a Llama / Qwen3 / Qwen3-MoE / Mixtral model with ``config``'s
-    layers; WeightError for MLA or shared experts.
+    """HF names and shapes of a Llama / Qwen3 / Qwen3-MoE / Mixtral / MiniMax-M2 model with
+    ``config``'s layers (MiniMax-M2's correction biases: :mod:`kiln.workloads.minimax_m2`);
+    WeightError for MLA or shared experts.
     """
     if config.mla is not None or (config.moe is not None and config.moe.num_shared_experts):
         raise WeightError(f"{config.name}: MLA and shared-expert layouts are not known")
@@ -157,9 +158,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.o_proj.weight"] = (h, hq * d)
         if config.attention_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if config.qk_norm:  # per head ([D]) or, per_layer (MiniMax-M2), the whole projection
+            whole_proj = config.qk_norm_type == "per_layer"
+            shapes[p + "self_attn.q_norm.weight"] = (hq * d,) if whole_proj else (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (hkv * d,) if whole_proj else (d,)
         if config.moe is not None and config.is_moe_layer(i):
             e, mi = config.moe.num_experts, config.moe.intermediate_size
             shapes[p + "mlp.gate.weight"] = (e, h)

@@ -12,7 +12,10 @@ from pathlib import Path
 import torch
 
 from kiln.domain.quoting import quote
+from kiln.workloads import gpt_oss, minimax_m2
 from kiln.workloads.config import DEEPSEEK_V3_TYPES, ModelConfig
+from kiln.workloads.gpt_oss import GPT_OSS
+from kiln.workloads.gpt_oss_weights import seeded_random_gpt_oss
 from kiln.workloads.mla_weights import seeded_random_mla
 from kiln.workloads.models import routing
 from kiln.workloads.models.binding import OpBinding
@@ -21,7 +24,10 @@ from kiln.workloads.models.kv_cache import StaticKVCache
 from kiln.workloads.models.rope_frequencies import SUPPORTED_ROPE_TYPES, rope_parameters
 from kiln.workloads.weights import WeightStore, load_safetensors, seeded_random
 
-BUILDABLE_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", *DEEPSEEK_V3_TYPES)
+BUILDABLE_MODEL_TYPES = (
+    "llama", "qwen3", "qwen3_moe", "mixtral", *DEEPSEEK_V3_TYPES, minimax_m2.MINIMAX_M2,
+    GPT_OSS,
+)  # fmt: skip
 
 
 class UnbuildableModelError(NotImplementedError):
@@ -56,8 +62,11 @@ def check_buildable(config: ModelConfig) -> None:
     """Raise :class:`UnbuildableModelError` unless ``config`` is a Llama / Qwen3 dense model, a
     Qwen3-MoE / Mixtral model (top-k routed SwiGLU experts, no shared experts) with default or
     Llama-3 RoPE, or a DeepSeek-V3 / Kimi-K2 model (MLA, sigmoid ``noaux_tc`` group-limited
-    routing, shared experts, dense first layers, YaRN allowed), each with SiLU, no MLP bias and
-    no sliding window."""
+    routing, shared experts, dense first layers, YaRN allowed), or a MiniMax-M2 model (main
+    model only; :func:`kiln.workloads.minimax_m2.refusal`), or a gpt-oss model (sinks, sliding
+    windows, YaRN, clamped-SwiGLU experts; random weights only: :mod:`kiln.workloads.gpt_oss`),
+    each with SiLU, no MLP bias and no
+    sliding window."""
     why = _refusal(config)
     if why is not None:
         raise UnbuildableModelError(f"{config.name}: kiln cannot build {why}")
@@ -72,6 +81,10 @@ def _refusal(config: ModelConfig) -> str | None:
             return why
     elif config.moe is not None and config.moe.num_shared_experts:
         return f"{config.model_type!r}: shared experts"
+    if config.model_type == minimax_m2.MINIMAX_M2 and (why := minimax_m2.refusal(config)):
+        return why
+    if config.model_type == GPT_OSS and (why := gpt_oss.refusal(config.raw)):
+        return why
     if config.model_type not in BUILDABLE_MODEL_TYPES:
         return f"model type {config.model_type!r} (buildable: {', '.join(BUILDABLE_MODEL_TYPES)})"
     if raw.get("mlp_bias"):
@@ -85,8 +98,9 @@ def _refusal(config: ModelConfig) -> str | None:
     kind = rope_parameters(config)["rope_type"]
     if kind not in SUPPORTED_ROPE_TYPES:
         return f"RoPE type {quote(kind)} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-    if kind == "yarn" and config.mla is None:  # its cos/sin factor is applied by mla_proj only
-        return "RoPE type 'yarn' outside latent attention"
+    if kind == "yarn" and config.mla is None and config.model_type != GPT_OSS:
+        # its cos/sin factor is applied by mla_proj, or by gpt-oss's attention scale
+        return "RoPE type 'yarn' outside latent attention and gpt-oss"
     return None
 
 
@@ -122,7 +136,8 @@ def build_model(
 
     Raises:
         UnbuildableModelError: an architecture or feature kiln cannot build yet (and
-            ``weights_dir`` for a latent-attention model: its checkpoints are not read yet).
+            ``weights_dir`` for a latent-attention or MiniMax-M2 model: its checkpoints are not
+            read yet).
         ValueError: ``layers`` outside ``1..num_hidden_layers``.
         kiln.workloads.weights.WeightError: missing or mis-shaped weights.
         kiln.ops.registry.UnknownOpError, UnknownImplementationError: a bad recipe.
@@ -134,14 +149,24 @@ def build_model(
     calibrate = False
     if weights is None:
         if weights_dir is not None:
-            if cfg.mla is not None:
+            if cfg.model_type == GPT_OSS:
                 raise UnbuildableModelError(
-                    f"{cfg.name}: kiln cannot read latent-attention (MLA) checkpoints yet; "
+                    f"{cfg.name}: kiln cannot read gpt-oss checkpoints (MXFP4 experts) yet; "
+                    "build with random weights"
+                )
+            if cfg.mla is not None or cfg.model_type == minimax_m2.MINIMAX_M2:
+                kind = "latent-attention (MLA)" if cfg.mla is not None else "MiniMax-M2"
+                raise UnbuildableModelError(
+                    f"{cfg.name}: kiln cannot read {kind} checkpoints yet; "
                     "build with random weights"
                 )
             weights = load_safetensors(weights_dir, cfg, dtype, device)
         else:
             random = seeded_random_mla if cfg.mla is not None else seeded_random
+            if cfg.model_type == minimax_m2.MINIMAX_M2:
+                random = minimax_m2.seeded_random_minimax
+            if cfg.model_type == GPT_OSS:  # experts in kiln's layout: gpt_oss_weights
+                random = seeded_random_gpt_oss
             weights = random(cfg, dtype, device, seed)
             if skew:
                 routing.add_router_biases(weights, cfg)

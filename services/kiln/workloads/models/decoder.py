@@ -1,10 +1,11 @@
-"""The forward pass of a decoder (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3), written only
-in op-slot calls.
+"""The forward pass of a decoder (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3, MiniMax-M2),
+written only in op-slot calls.
 
-Per layer: ``input_norm`` (adds the residual), ``qkv_proj``, ``q_norm``/``k_norm`` (Qwen3),
-``rope``, KV-cache write, ``attention``, ``o_proj``, ``post_attention_norm`` (adds the residual),
-``ffn`` (``mlp``, or ``moe`` on expert layers) plus ``shared_ffn`` where there is one; then
-``final_norm`` and ``lm_head``. A latent-attention layer (DeepSeek-V3, transformers'
+Per layer: ``input_norm`` (adds the residual), ``qkv_proj``, ``q_norm``/``k_norm`` (Qwen3: per
+head; MiniMax-M2 ``per_layer``: over each token's heads together, :func:`_norm_heads`),
+``rope``, KV-cache write, ``attention``, ``o_proj``, ``post_attention_norm`` (adds the
+residual), ``ffn`` (``mlp``, or ``moe`` on expert layers) plus ``shared_ffn`` where there is
+one; then ``final_norm`` and ``lm_head``. A latent-attention layer (DeepSeek-V3, transformers'
 ``DeepseekV3Attention``): ``qkv_proj`` (``mla_proj``) gives the query's two parts, the latent and
 the rope key; ``rope`` rotates the rope parts; the cache stores the latent and the rope key;
 ``attention`` (``mla_attention``) reads them.
@@ -22,6 +23,15 @@ from kiln.workloads.models.slots import LayerSlots, ModelSlots, Site, dense_deco
 from kiln.workloads.weights import WeightStore
 
 Tensor = torch.Tensor
+
+
+def _norm_heads(norm: BoundOp, x: Tensor) -> Tensor:
+    """``norm`` (an ``rms_norm``) over each token's heads together: ``x [B, H, T, D]`` seen as
+    ``[B, T, H*D]`` (transformers' ``MiniMaxM2Attention`` norms the projection before splitting
+    heads), returned as ``[B, H, T, D]``."""
+    b, h, t, d = x.shape
+    normed, _ = norm(x.transpose(1, 2).reshape(b, t, h * d))
+    return normed.unflatten(-1, (h, d)).transpose(1, 2)
 
 
 class DecoderModel:
@@ -76,8 +86,9 @@ class DecoderModel:
         else:
             q, k, v = ops.qkv_proj(x)
             if ops.q_norm is not None and ops.k_norm is not None:
-                q, _ = ops.q_norm(q)
-                k, _ = ops.k_norm(k)
+                whole = self.config.qk_norm_type == "per_layer"
+                q = _norm_heads(ops.q_norm, q) if whole else ops.q_norm(q)[0]
+                k = _norm_heads(ops.k_norm, k) if whole else ops.k_norm(k)[0]
             q, k = ops.rope(q, k, positions)
             k_cache, v_cache = self.cache.write(i, k, v, positions)
             attn = ops.attention(q, k_cache, v_cache, positions, seq_lens)

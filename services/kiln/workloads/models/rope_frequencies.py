@@ -42,9 +42,17 @@ def rope_parameters(config: ModelConfig) -> dict[str, Any]:
 
 
 def rotary_dim(config: ModelConfig) -> int:
-    """The rotated width D: ``qk_rope_head_dim`` for MLA (its decoupled rope dims), else
-    ``head_dim``."""
-    return config.mla.qk_rope_head_dim if config.mla is not None else config.head_dim
+    """The rotated width D: ``qk_rope_head_dim`` for MLA (its decoupled rope dims); for
+    MiniMax-M2 its ``rotary_dim`` (else ``head_dim * partial_rotary_factor``, as transformers'
+    ``MiniMaxM2Config``), the leading D of each head's ``head_dim``; else ``head_dim``."""
+    if config.mla is not None:
+        return config.mla.qk_rope_head_dim
+    if config.model_type == "minimax_m2":
+        if config.raw.get("rotary_dim") is not None:
+            return int(config.raw["rotary_dim"])
+        factor = float(rope_parameters(config).get("partial_rotary_factor") or 1.0)
+        return int(config.head_dim * factor)
+    return config.head_dim
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -132,7 +140,7 @@ def inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> Tensor:
 
     Raises:
         UnsupportedRopeError: a RoPE type other than those of :data:`SUPPORTED_ROPE_TYPES`,
-            ``yarn`` without MLA, or a partial rotary factor.
+            ``yarn`` without MLA (or gpt-oss), or a partial rotary factor (except MiniMax-M2's).
     """
     p = rope_parameters(config)
     kind = p["rope_type"]
@@ -141,12 +149,13 @@ def inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> Tensor:
             f"{config.name}: RoPE type {kind!r} is not implemented "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    if kind == "yarn" and config.mla is None:
+    if kind == "yarn" and config.mla is None and config.model_type != "gpt_oss":
         raise UnsupportedRopeError(
-            f"{config.name}: RoPE type 'yarn' is implemented for latent attention (MLA) only "
-            "(its cos/sin factor is applied by mla_proj)"
+            f"{config.name}: RoPE type 'yarn' is implemented for latent attention (MLA) and "
+            "gpt-oss only (its cos/sin factor is applied by mla_proj, or gpt-oss's attention scale)"
         )
-    if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+    partial = config.model_type == "minimax_m2"  # its rotary_dim, a leading share of head_dim
+    if not partial and float(p.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedRopeError(f"{config.name}: partial rotary embeddings are not implemented")
     dim = rotary_dim(config)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)

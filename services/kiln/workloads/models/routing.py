@@ -217,7 +217,9 @@ def add_router_biases(store: WeightStore, config: ModelConfig) -> None:
     for i in moe_layers(config):
         name = bias_name(i)
         if name not in store:
-            router = store[f"model.layers.{i}.mlp.gate.weight"]
+            router = store.get(f"model.layers.{i}.mlp.gate.weight")
+            if router is None:  # gpt-oss: mlp.router.weight
+                router = store[f"model.layers.{i}.mlp.router.weight"]
             store.add(name, torch.zeros(config.moe.num_experts, device=router.device))
 
 

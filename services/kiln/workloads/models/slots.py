@@ -11,91 +11,17 @@ and an MoE layer's shared expert is ``shared_ffn`` (an ``mlp``, added to the ``m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Generic, TypeVar
+from typing import Any
 
+from kiln.workloads import minimax_m2
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.mla_weights import CORRECTION_BIAS
 from kiln.workloads.models import rope_frequencies
+from kiln.workloads.models.gpt_oss_slots import gpt_oss_layer
+from kiln.workloads.models.slot_types import LayerSlots as LayerSlots
+from kiln.workloads.models.slot_types import ModelSlots as ModelSlots
+from kiln.workloads.models.slot_types import Site as Site
 from kiln.workloads.weights import LM_HEAD, ROUTER_BIAS, WeightStore
-
-S = TypeVar("S")
-U = TypeVar("U")
-
-
-@dataclass(frozen=True)
-class Site:
-    """One op call site: ``op``, ``name`` (the HF module prefix, which keys derived layouts) and
-    ``params`` (the reference implementation's keyword params here).
-    """
-
-    op: str
-    name: str
-    params: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class LayerSlots(Generic[S]):
-    """One decoder layer's op slots (``q_norm``/``k_norm`` may be None; ``ffn`` is ``mlp`` or
-    ``moe``; ``shared_ffn`` an ``mlp`` added to ``ffn``'s output, or None; MLA roles: module
-    docstring).
-    """
-
-    input_norm: S
-    qkv_proj: S
-    q_norm: S | None
-    k_norm: S | None
-    rope: S
-    attention: S
-    o_proj: S
-    post_attention_norm: S
-    ffn: S
-    shared_ffn: S | None = None
-
-    def map(self, fn: Callable[[S], U]) -> LayerSlots[U]:
-        """The same slots with ``fn`` applied to each filled one."""
-        return LayerSlots(
-            input_norm=fn(self.input_norm),
-            qkv_proj=fn(self.qkv_proj),
-            q_norm=None if self.q_norm is None else fn(self.q_norm),
-            k_norm=None if self.k_norm is None else fn(self.k_norm),
-            rope=fn(self.rope),
-            attention=fn(self.attention),
-            o_proj=fn(self.o_proj),
-            post_attention_norm=fn(self.post_attention_norm),
-            ffn=fn(self.ffn),
-            shared_ffn=None if self.shared_ffn is None else fn(self.shared_ffn),
-        )
-
-
-@dataclass(frozen=True)
-class ModelSlots(Generic[S]):
-    """The whole model's op slots."""
-
-    embedding: S
-    layers: tuple[LayerSlots[S], ...]
-    final_norm: S
-    lm_head: S
-    sampler: S
-
-    def map(self, fn: Callable[[S], U]) -> ModelSlots[U]:
-        """The same slots with ``fn`` applied to each."""
-        return ModelSlots(
-            embedding=fn(self.embedding),
-            layers=tuple(layer.map(fn) for layer in self.layers),
-            final_norm=fn(self.final_norm),
-            lm_head=fn(self.lm_head),
-            sampler=fn(self.sampler),
-        )
-
-    def sites(self) -> list[S]:
-        """Every filled slot, in forward order."""
-        out = [self.embedding]
-        for layer in self.layers:
-            slots = [getattr(layer, f.name) for f in fields(layer)]
-            out += [slot for slot in slots if slot is not None]
-        return [*out, self.final_norm, self.lm_head, self.sampler]
 
 
 def _norm(store: WeightStore, name: str, eps: float) -> Site:
@@ -160,6 +86,8 @@ def _mla_layer(
 def _layer(config: ModelConfig, store: WeightStore, i: int, rope_site: Site) -> LayerSlots[Site]:
     if config.mla is not None:
         return _mla_layer(config, store, i, rope_site)
+    if config.model_type == "gpt_oss":
+        return gpt_oss_layer(config, store, i, rope_site)
     p = f"model.layers.{i}"
     attn = f"{p}.self_attn"
     qkv: dict[str, Any] = {
@@ -211,11 +139,13 @@ def _ffn(config: ModelConfig, store: WeightStore, i: int) -> Site:
         "router_bias": store.get(f"{mlp}.{ROUTER_BIAS}"),
     }
     if moe.scoring != "softmax":  # softmax sites keep the params every moe implementation takes
+        minimax = config.model_type == minimax_m2.MINIMAX_M2
+        bias = minimax_m2.CORRECTION_BIAS if minimax else CORRECTION_BIAS
         params.update(
             scoring=moe.scoring,
             n_group=moe.n_group,
             topk_group=moe.topk_group,
-            correction_bias=store.get(f"{mlp}.{CORRECTION_BIAS}"),
+            correction_bias=store.get(f"{mlp}.{bias}"),
             routed_scaling_factor=moe.routed_scaling_factor,
         )
     return Site("moe", mlp, params)
@@ -230,7 +160,7 @@ def _shared_ffn(config: ModelConfig, store: WeightStore, i: int) -> Site | None:
 def dense_decoder_slots(
     config: ModelConfig, store: WeightStore, *, max_positions: int
 ) -> ModelSlots[Site]:
-    """The sites of a Llama / Qwen3 / Qwen3-MoE / Mixtral / DeepSeek-V3 decoder with
+    """The sites of a Llama / Qwen3 / Qwen3-MoE / Mixtral / DeepSeek-V3 / MiniMax-M2 decoder with
     ``config``'s layers; ``max_positions`` bounds table-based RoPE.
 
     Raises:
