@@ -23,6 +23,8 @@ from kiln.workloads.models import DecoderModel, build_model
 from kiln.workloads.models.binding import BindError
 from kiln.workloads.models.build import UnbuildableModelError
 
+from .hf_testing import load_weights, max_logit_diff
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.gpt_oss")
 
@@ -67,11 +69,8 @@ def _hf(raw: dict[str, Any], model: DecoderModel) -> Any:
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": raw["rope_theta"]}
     hf_config = transformers.GptOssConfig(**fields)
     hf_config._attn_implementation = "eager"
-    hf = transformers.GptOssForCausalLM(hf_config).eval()
     state = to_transformers(model.weights, model.config)
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return hf
+    return load_weights(transformers.GptOssForCausalLM(hf_config), state)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -81,16 +80,7 @@ def test_prefill_and_decode_match_transformers(variant: str) -> None:
     hf = _hf(raw, model)
     gen = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, raw["vocab_size"], (2, 9), generator=gen)  # > window (4)
-    worst = 0.0
-    with torch.no_grad():
-        out = hf(input_ids=prompt, use_cache=True)
-        got = model.prefill(prompt, all_logits=True)
-        worst = max(worst, (got - out.logits).abs().max().item())
-        for _ in range(5):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            out = hf(input_ids=token, cache=out.past_key_values, use_cache=True)
-            step = model.decode_step(token)
-            worst = max(worst, (step - out.logits[:, -1]).abs().max().item())
+    worst = max_logit_diff(model, hf, prompt, steps=5)
     assert worst < TOL, worst
 
 

@@ -28,6 +28,8 @@ from kiln.workloads.models.build import UnbuildableModelError, check_buildable
 from kiln.workloads.models.rope_frequencies import inv_freq, rotary_dim
 from kiln.workloads.weights import WeightStore
 
+from .hf_testing import load_weights, max_logit_diff
+
 transformers = pytest.importorskip("transformers")
 
 MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
@@ -94,11 +96,8 @@ def _hf(raw: dict[str, Any], model: DecoderModel) -> Any:
     kept = {k: v for k, v in raw.items() if k != "model_type" and v is not None}
     hf_config = transformers.MiniMaxM2Config(**kept, bos_token_id=None, eos_token_id=None)
     hf_config._attn_implementation = "eager"
-    hf = transformers.MiniMaxM2ForCausalLM(hf_config).eval()
     state = {name: t.clone() for name, t in model.weights.items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return hf
+    return load_weights(transformers.MiniMaxM2ForCausalLM(hf_config), state)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -111,15 +110,7 @@ def test_prefill_and_decode_match_transformers(variant: str) -> None:
     assert hf.model.rotary_emb.inv_freq.shape == (want_dim // 2,)
     gen = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, raw["vocab_size"], (2, 6), generator=gen)
-    with torch.no_grad():
-        out = hf(input_ids=prompt, use_cache=True)
-        got = model.prefill(prompt, all_logits=True)
-        assert (got - out.logits).abs().max().item() < TOL
-        for _ in range(4):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            out = hf(input_ids=token, cache=out.cache, use_cache=True)
-            step = model.decode_step(token)
-            assert (step - out.logits[:, -1]).abs().max().item() < TOL
+    assert max_logit_diff(model, hf, prompt, steps=4) < TOL
 
 
 def test_the_layers_use_the_minimax_pieces() -> None:

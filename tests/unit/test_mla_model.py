@@ -25,6 +25,8 @@ from kiln.workloads.models.build import UnbuildableModelError, check_buildable
 from kiln.workloads.models.rope_frequencies import mla_softmax_scale
 from kiln.workloads.weights import WeightStore
 
+from .hf_testing import load_weights, max_logit_diff
+
 transformers = pytest.importorskip("transformers")
 
 MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
@@ -96,11 +98,8 @@ def _kiln(raw: dict[str, Any], batch: int = 2, max_len: int = 16) -> DecoderMode
 def _hf(raw: dict[str, Any], model: DecoderModel) -> Any:
     hf_config = transformers.DeepseekV3Config(**{k: v for k, v in raw.items() if k != "model_type"})
     hf_config._attn_implementation = "eager"
-    hf = transformers.DeepseekV3ForCausalLM(hf_config).eval()
     state = {name: t.clone() for name, t in model.weights.items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return hf
+    return load_weights(transformers.DeepseekV3ForCausalLM(hf_config), state)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -110,15 +109,7 @@ def test_prefill_and_decode_match_transformers(variant: str) -> None:
     hf = _hf(raw, model)
     gen = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, raw["vocab_size"], (2, 6), generator=gen)
-    with torch.no_grad():
-        out = hf(input_ids=prompt, use_cache=True)
-        got = model.prefill(prompt, all_logits=True)
-        assert (got - out.logits).abs().max().item() < TOL
-        for _ in range(4):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            out = hf(input_ids=token, cache=out.cache, use_cache=True)
-            step = model.decode_step(token)
-            assert (step - out.logits[:, -1]).abs().max().item() < TOL
+    assert max_logit_diff(model, hf, prompt, steps=4) < TOL
 
 
 def test_the_routing_is_the_group_limited_one() -> None:
