@@ -13,13 +13,11 @@ published (MXFP4) checkpoints is not implemented.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.gpt_oss import quantization_note
-from kiln.workloads.weights import EMBED, LM_HEAD, WeightError, WeightStore
+from kiln.workloads.weights import EMBED, LM_HEAD, WeightError, WeightStore, seeded_tensors
 
 Tensor = torch.Tensor
 GATE_UP = "mlp.experts.gate_up_proj"
@@ -59,11 +57,6 @@ def gpt_oss_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _name_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def seeded_random_gpt_oss(
     config: ModelConfig,
     dtype: torch.dtype = torch.bfloat16,
@@ -76,19 +69,7 @@ def seeded_random_gpt_oss(
     layers equal the full model's. A ``quantization_config`` is not applied (the store's
     ``notes`` say so). WeightError for another model type.
     """
-    std = float(config.raw.get("initializer_range", 0.02))
-    dev = torch.device(device)
-    tensors: dict[str, Tensor] = {}
-    for name, shape in gpt_oss_shapes(config).items():
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape, dtype=dtype, device=dev)
-            continue
-        gen = torch.Generator(device=dev).manual_seed(_name_seed(seed, name))
-        t = torch.empty(shape, dtype=dtype, device=dev)
-        for part in [t[e] for e in range(shape[0])] if len(shape) == 3 else [t]:
-            drawn = torch.empty(part.shape, dtype=torch.float32, device=dev)
-            part.copy_(drawn.normal_(0.0, std, generator=gen))
-        tensors[name] = t
+    tensors = seeded_tensors(gpt_oss_shapes(config), config, dtype, device, seed)
     note = quantization_note(config.raw)
     return WeightStore(tensors, tied=config.tie_word_embeddings, notes=(note,) if note else ())
 

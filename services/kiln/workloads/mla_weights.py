@@ -11,12 +11,10 @@ it. Reading published checkpoints (block-FP8) is not implemented here yet.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from kiln.workloads.config import ModelConfig
-from kiln.workloads.weights import EMBED, LM_HEAD, WeightError, WeightStore
+from kiln.workloads.weights import EMBED, LM_HEAD, WeightError, WeightStore, seeded_tensors
 
 CORRECTION_BIAS = "gate.e_score_correction_bias"
 """Suffix (after a layer's ``...mlp.``) of the router's float32 ``[E]`` selection bias."""
@@ -74,12 +72,6 @@ def mla_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _name_seed(seed: int, name: str) -> int:
-    """The generator seed of ``name`` (the scheme of :mod:`kiln.workloads.weights`)."""
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def seeded_random_mla(
     config: ModelConfig,
     dtype: torch.dtype = torch.bfloat16,
@@ -91,21 +83,6 @@ def seeded_random_mla(
     (stacked experts one expert at a time), cast to ``dtype``. Same seed, same weights on the
     same device type; a fast tier's layers equal the full model's. WeightError without MLA.
     """
-    std = float(config.raw.get("initializer_range", 0.02))
-    dev = torch.device(device)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, shape in mla_shapes(config).items():
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape, dtype=dtype, device=dev)
-            continue
-        if name.endswith(CORRECTION_BIAS):
-            tensors[name] = torch.zeros(shape, dtype=torch.float32, device=dev)
-            continue
-        gen = torch.Generator(device=dev).manual_seed(_name_seed(seed, name))
-        t = torch.empty(shape, dtype=dtype, device=dev)
-        parts = [t[e] for e in range(shape[0])] if len(shape) == 3 else [t]
-        for part in parts:
-            drawn = torch.empty(part.shape, dtype=torch.float32, device=dev)
-            part.copy_(drawn.normal_(0.0, std, generator=gen))
-        tensors[name] = t
+    shapes = mla_shapes(config)
+    tensors = seeded_tensors(shapes, config, dtype, device, seed, zeros=(CORRECTION_BIAS,))
     return WeightStore(tensors, tied=config.tie_word_embeddings)

@@ -183,35 +183,46 @@ def _name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def seeded_tensors(
+    shapes: Mapping[str, tuple[int, ...]],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int,
+    zeros: tuple[str, ...] = (),
+) -> dict[str, torch.Tensor]:
+    """Random tensors of ``shapes``: norms 1, names ending in one of ``zeros`` float32 zeros,
+    the rest ``normal(0, initializer_range)`` drawn in float32 from a generator on ``device``
+    seeded by ``(seed, name)`` (stacked experts one expert at a time, to bound the float32
+    copy), then cast to ``dtype``: same seed, same weights on the same device type, and a fast
+    tier's layers equal the full model's."""
+    std = float(config.raw.get("initializer_range", 0.02))
+    dev = torch.device(device)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        if _is_norm(name):
+            tensors[name] = torch.ones(shape, dtype=dtype, device=dev)
+            continue
+        if zeros and name.endswith(zeros):
+            tensors[name] = torch.zeros(shape, dtype=torch.float32, device=dev)
+            continue
+        gen = torch.Generator(device=dev).manual_seed(_name_seed(seed, name))
+        t = torch.empty(shape, dtype=dtype, device=dev)
+        for part in [t[e] for e in range(shape[0])] if len(shape) == 3 else [t]:
+            drawn = torch.empty(part.shape, dtype=torch.float32, device=dev)
+            part.copy_(drawn.normal_(0.0, std, generator=gen))
+        tensors[name] = t
+    return tensors
+
+
 def seeded_random(
     config: ModelConfig,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> WeightStore:
-    """Random weights for ``config``: norms 1, the rest ``normal(0, initializer_range)``.
-
-    Each tensor is drawn in float32 from a generator on ``device`` seeded by ``(seed, name)``,
-    then cast: same seed, same weights on the same device type, and a fast tier's layers equal
-    the full model's.
-    """
-    std = float(config.raw.get("initializer_range", 0.02))
-    dev = torch.device(device)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, shape in expected_shapes(config).items():
-        if _is_norm(name):
-            tensors[name] = torch.ones(shape, dtype=dtype, device=dev)
-            continue
-        gen = torch.Generator(device=dev).manual_seed(_name_seed(seed, name))
-        if len(shape) == 3:  # stacked experts: one expert at a time, to bound the float32 copy
-            t = torch.empty(shape, dtype=dtype, device=dev)
-            for e in range(shape[0]):
-                part = torch.empty(shape[1:], dtype=torch.float32, device=dev)
-                t[e] = part.normal_(0.0, std, generator=gen).to(dtype)
-            tensors[name] = t
-            continue
-        t = torch.empty(shape, dtype=torch.float32, device=dev).normal_(0.0, std, generator=gen)
-        tensors[name] = t.to(dtype)
+    """Random weights for ``config`` (:func:`seeded_tensors` of its expected shapes)."""
+    tensors = seeded_tensors(expected_shapes(config), config, dtype, device, seed)
     return WeightStore(tensors, tied=config.tie_word_embeddings)
 
 
