@@ -277,23 +277,19 @@ def _moe(cfg: dict[str, Any], model_type: str, name: str, layers: int) -> MoECon
             dense_layers=dense,
             round_router_weights=True,
         )
-    if model_type == gpt_oss.GPT_OSS:  # GptOssTopKRouter: softmax over the top-k logits
+    if model_type in ("mixtral", gpt_oss.GPT_OSS, "minimax_m2"):
+        # Every layer MoE, `num_local_experts` of `intermediate_size`, top-k renormalised.
+        # GptOssTopKRouter: softmax over the top-k logits, in the model dtype. MiniMax-M2's
+        # MiniMaxM2TopKRouter: top-k of sigmoid + e_score_correction_bias, weights the un-biased
+        # sigmoid renormalised.
         experts = whole({"num_experts": cfg.get("num_local_experts")}, "num_experts", name)
         return MoEConfig(
             num_experts=experts,
             top_k=whole(cfg, "num_experts_per_tok", name, high=experts),
             intermediate_size=whole(cfg, "intermediate_size", name),
             norm_topk_prob=True,
-            round_router_weights=True,
-        )
-    if model_type == "mixtral":
-        experts = whole({"num_experts": cfg.get("num_local_experts")}, "num_experts", name)
-        return MoEConfig(
-            num_experts=experts,
-            top_k=whole(cfg, "num_experts_per_tok", name, high=experts),
-            intermediate_size=whole(cfg, "intermediate_size", name),
-            norm_topk_prob=True,
-            round_router_weights=False,
+            round_router_weights=model_type == gpt_oss.GPT_OSS,
+            scoring="sigmoid" if model_type == "minimax_m2" else "softmax",
         )
     if model_type in DEEPSEEK_V3_TYPES:
         # transformers' DeepseekV3DecoderLayer: layer i is MoE when i >= first_k_dense_replace;
@@ -315,18 +311,6 @@ def _moe(cfg: dict[str, Any], model_type: str, name: str, layers: int) -> MoECon
             routed_scaling_factor=real(
                 cfg, "routed_scaling_factor", name, 1.0, low=0.0, high=MAX_ROUTED_SCALING
             ),
-        )
-    if model_type == "minimax_m2":
-        # transformers' MiniMaxM2SparseMoeBlock: every layer; MiniMaxM2TopKRouter: top-k of
-        # sigmoid + e_score_correction_bias, weights the un-biased sigmoid renormalised.
-        experts = whole({"num_experts": cfg.get("num_local_experts")}, "num_experts", name)
-        return MoEConfig(
-            num_experts=experts,
-            top_k=whole(cfg, "num_experts_per_tok", name, high=experts),
-            intermediate_size=whole(cfg, "intermediate_size", name),
-            norm_topk_prob=True,
-            round_router_weights=False,
-            scoring="sigmoid",
         )
     return None
 

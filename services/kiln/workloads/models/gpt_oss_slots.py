@@ -1,4 +1,4 @@
-"""One gpt-oss decoder layer's op sites (transformers' ``GptOssDecoderLayer``; weights:
+"""One gpt-oss decoder layer's own op sites (transformers' ``GptOssDecoderLayer``; weights:
 :mod:`kiln.workloads.gpt_oss_weights`).
 
 ``attention`` gets ``sinks`` and ``window`` (the layer's ``sliding_window`` or None) and the
@@ -19,12 +19,8 @@ from kiln.workloads import gpt_oss
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.gpt_oss_weights import DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS
 from kiln.workloads.models import rope_frequencies
-from kiln.workloads.models.slot_types import LayerSlots, Site
+from kiln.workloads.models.slot_types import Site
 from kiln.workloads.weights import ROUTER_BIAS, WeightStore
-
-
-def _norm(store: WeightStore, name: str, eps: float) -> Site:
-    return Site("rms_norm", name, {"weight": store[name + ".weight"], "eps": eps})
 
 
 def attention_scale(config: ModelConfig) -> float:
@@ -33,21 +29,12 @@ def attention_scale(config: ModelConfig) -> float:
     return float(config.head_dim**-0.5 * f * f)
 
 
-def gpt_oss_layer(
-    config: ModelConfig, store: WeightStore, i: int, rope_site: Site
-) -> LayerSlots[Site]:
-    """Layer ``i``'s sites (module docstring); WeightError for a missing weight."""
+def gpt_oss_sites(config: ModelConfig, store: WeightStore, i: int) -> tuple[Site, Site]:
+    """Layer ``i``'s ``attention`` and ``moe`` sites (module docstring; the other sites are the
+    GQA decoder's); WeightError for a missing weight."""
     assert config.moe is not None
     p = f"model.layers.{i}"
     attn, mlp = f"{p}.self_attn", f"{p}.mlp"
-    qkv: dict[str, Any] = {
-        "num_heads": config.num_attention_heads,
-        "num_kv_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-    }
-    for proj in "qkv":
-        qkv[f"{proj}_weight"] = store[f"{attn}.{proj}_proj.weight"]
-        qkv[f"{proj}_bias"] = store.get(f"{attn}.{proj}_proj.bias")
     window = config.sliding_window if i in config.sliding_layers else None
     sinks = store[f"{attn}.sinks"]
     attention = {"scale": attention_scale(config), "sinks": sinks, "window": window}
@@ -68,18 +55,4 @@ def gpt_oss_layer(
             limit=limit,
         ),
     }
-    eps = config.rms_norm_eps
-    o_proj = f"{attn}.o_proj"
-    return LayerSlots(
-        input_norm=_norm(store, f"{p}.input_layernorm", eps),
-        qkv_proj=Site("qkv_proj", attn, qkv),
-        q_norm=None,
-        k_norm=None,
-        rope=rope_site,
-        attention=Site("attention", attn, attention),
-        o_proj=Site(
-            "o_proj", o_proj, {"weight": store[o_proj + ".weight"], "bias": store[o_proj + ".bias"]}
-        ),
-        post_attention_norm=_norm(store, f"{p}.post_attention_layernorm", eps),
-        ffn=Site("moe", mlp, moe),
-    )
+    return Site("attention", attn, attention), Site("moe", mlp, moe)

@@ -17,7 +17,7 @@ from kiln.workloads import minimax_m2
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.mla_weights import CORRECTION_BIAS
 from kiln.workloads.models import rope_frequencies
-from kiln.workloads.models.gpt_oss_slots import gpt_oss_layer
+from kiln.workloads.models.gpt_oss_slots import gpt_oss_sites
 from kiln.workloads.models.slot_types import LayerSlots as LayerSlots
 from kiln.workloads.models.slot_types import ModelSlots as ModelSlots
 from kiln.workloads.models.slot_types import Site as Site
@@ -86,8 +86,6 @@ def _mla_layer(
 def _layer(config: ModelConfig, store: WeightStore, i: int, rope_site: Site) -> LayerSlots[Site]:
     if config.mla is not None:
         return _mla_layer(config, store, i, rope_site)
-    if config.model_type == "gpt_oss":
-        return gpt_oss_layer(config, store, i, rope_site)
     p = f"model.layers.{i}"
     attn = f"{p}.self_attn"
     qkv: dict[str, Any] = {
@@ -98,6 +96,11 @@ def _layer(config: ModelConfig, store: WeightStore, i: int, rope_site: Site) -> 
     for proj in "qkv":
         qkv[f"{proj}_weight"] = store[f"{attn}.{proj}_proj.weight"]
         qkv[f"{proj}_bias"] = store.get(f"{attn}.{proj}_proj.bias")
+    if config.model_type == "gpt_oss":  # sinks, windows, the clamped SwiGLU
+        attention, ffn = gpt_oss_sites(config, store, i)
+    else:
+        attention = Site("attention", attn, {"scale": config.head_dim**-0.5})
+        ffn = _ffn(config, store, i)
     eps = config.rms_norm_eps
     return LayerSlots(
         input_norm=_norm(store, f"{p}.input_layernorm", eps),
@@ -105,10 +108,10 @@ def _layer(config: ModelConfig, store: WeightStore, i: int, rope_site: Site) -> 
         q_norm=_norm(store, f"{attn}.q_norm", eps) if config.qk_norm else None,
         k_norm=_norm(store, f"{attn}.k_norm", eps) if config.qk_norm else None,
         rope=rope_site,
-        attention=Site("attention", attn, {"scale": config.head_dim**-0.5}),
+        attention=attention,
         o_proj=_o_proj(store, attn),
         post_attention_norm=_norm(store, f"{p}.post_attention_layernorm", eps),
-        ffn=_ffn(config, store, i),
+        ffn=ffn,
     )
 
 
