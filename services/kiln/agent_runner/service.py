@@ -55,7 +55,12 @@ from kiln.common.errors import (
     NotFound,
     PermissionDenied,
 )
-from kiln.common.identity import TEAM_RULE, current_call, validate_team
+from kiln.common.identity import (
+    SUBMIT_NOTES_METADATA_KEY,
+    TEAM_RULE,
+    current_call,
+    validate_team,
+)
 from kiln.common.logging import get_logger
 from kiln.common.policy import policy_for
 from kiln.common.settings import KilnSettings
@@ -70,8 +75,6 @@ MAX_CANCEL_CONFLICTS = 10
 MAX_LIST_LIMIT = 1000
 MAX_REASON_CHARS = 1000
 """Longest cancel reason: a sentence or two for people reading ``compilations show``."""
-NOTES_METADATA_KEY = "kiln-submit-notes"
-"""Trailing metadata of a Submit: what the caller should know (a JSON list of strings)."""
 
 log = get_logger("kiln.agent_runner.service")
 
@@ -186,7 +189,7 @@ class CompilerServicer(compiler_pb2_grpc.CompilerServicer):
         if notes:
             log.info("compilation submitted with notes", compilation=cid, notes=notes)
             if context is not None:  # None: submitted from inside the process (deployments)
-                context.set_trailing_metadata(((NOTES_METADATA_KEY, json.dumps(notes)),))
+                context.set_trailing_metadata(((SUBMIT_NOTES_METADATA_KEY, json.dumps(notes)),))
         snap = Snapshot(cid)
         snap.apply(events[0])
         return snap.message

@@ -38,6 +38,7 @@ from kiln.cli.context import service_addr, settings_for
 from kiln.cli.errors import CliError, err_console
 from kiln.cli.render import console
 from kiln.common.errors import FailedPrecondition, NotFound, Unavailable, from_rpc_error
+from kiln.common.identity import SUBMIT_NOTES_METADATA_KEY
 from kiln.common.settings import KilnSettings
 from kiln.domain.candidate import REFERENCE_CANDIDATE
 from kiln.v1 import common_pb2, compiler_pb2, compiler_pb2_grpc
@@ -49,8 +50,6 @@ EXIT_BY_STATUS = {
 }
 EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
-SUBMIT_NOTES_KEY = "kiln-submit-notes"
-"""Trailing metadata of Submit: notes for the caller (kiln.agent_runner.service)."""
 CANCEL_REASON = "cancelled with Ctrl-C on `kiln compile`"
 
 
@@ -165,7 +164,7 @@ async def _submit(
     compilation = await call
     trailing = dict(await call.trailing_metadata() or ())
     try:
-        notes = json.loads(trailing.get(SUBMIT_NOTES_KEY) or "[]")
+        notes = json.loads(trailing.get(SUBMIT_NOTES_METADATA_KEY) or "[]")
     except ValueError:
         notes = []
     return compilation, [str(n) for n in notes] if isinstance(notes, list) else []

@@ -26,6 +26,10 @@ TEAM_METADATA_KEY = "kiln-team"
 CORRELATION_METADATA_KEY = "kiln-correlation-id"
 """gRPC metadata key carrying the correlation id (optional; ties a chain of work together)."""
 
+SUBMIT_NOTES_METADATA_KEY = "kiln-submit-notes"
+"""Trailing metadata key of ``Compiler.Submit``: a JSON list of notes for the caller (what the
+agent runner could not check, a device count beyond the engine pools')."""
+
 CAUSATION_METADATA_KEY = "kiln-causation-id"
 """gRPC metadata key carrying the causation id (optional; the event or call that caused this)."""
 
