@@ -33,6 +33,7 @@ from .serving import serve_in_task
 
 RUNNER_CONFIG = RunnerConfig(
     experiment_deadline_s=20.0,
+    baseline_deadline_s=20.0,
     experiment_margin_s=10.0,
     search_share=0.5,
     search_min_deadline_s=5.0,

@@ -58,6 +58,7 @@ TEAM = "search"
 SPACE = space_for("cpu")
 RUNNER_CONFIG = RunnerConfig(
     experiment_deadline_s=5.0,
+    baseline_deadline_s=6.0,
     experiment_margin_s=2.0,
     search_share=0.1,
     search_min_deadline_s=1.0,
@@ -423,6 +424,13 @@ async def test_baselines_are_measured_after_the_search_outside_its_budget(stack:
     compared = [json.loads(e.data) for e in story if e.type == "BaselineCompared"]
     assert [c["name"] for c in compared] == ["gpt_fast", "hf_eager"]
     assert all(c["status"] == "ok" and c["tier"] == "full" for c in compared)
+    # A baseline's work carries the baseline deadline (a compile takes minutes), the rest theirs.
+    baseline_ids = {
+        k.removeprefix("experiment-") for k, v in requested.items() if v["agent"].startswith(
+            "compare:")
+    }  # fmt: skip
+    taken = {k: d for k, (_, d) in stack.engine.deadlines.items() if k in baseline_ids}
+    assert len(taken) == 2 and set(taken.values()) == {RUNNER_CONFIG.baseline_deadline_s}
     types = [e.type for e in story]
     assert types.index("TierAgreement") > max(
         i for i, t in enumerate(types) if t == "BaselineCompared"

@@ -84,6 +84,7 @@ LATE_S = 2.0
 it (the runner learns results from the ledger's feed)."""
 RUNNER_CONFIG = RunnerConfig(
     experiment_deadline_s=20.0,
+    baseline_deadline_s=20.0,
     experiment_margin_s=10.0,
     search_share=0.5,
     search_min_deadline_s=5.0,

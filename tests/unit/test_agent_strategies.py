@@ -317,3 +317,21 @@ async def test_a_refused_claim_gives_its_slot_back() -> None:
     with pytest.raises(ValueError, match="refused"):
         await asyncio.wait_for(agent.run(cast(Lab, lab)), 10)
     assert lab.budget.in_flight == 0
+
+
+def test_experiment_deadlines_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    from kiln.agent_runner.config import RunnerConfig, RunnerSettings
+
+    assert RunnerSettings().config() == RunnerConfig()  # unset: the defaults
+    monkeypatch.setenv("KILN_RUNNER_EXPERIMENT_DEADLINE_S", "600")
+    monkeypatch.setenv("KILN_RUNNER_BASELINE_DEADLINE_S", "1800")
+    cfg = RunnerSettings().config()
+    assert (cfg.deadline_cap_s(), cfg.deadline_cap_s("hf_compile")) == (600.0, 1800.0)
+    assert cfg.timeout_s("hf_compile") == 1800.0 + cfg.experiment_margin_s
+    assert cfg.search_deadline_s(7200.0) == 600.0  # a search candidate's cap follows it
+    for bad in ("0", "3601", "-5", "soon"):
+        monkeypatch.setenv("KILN_RUNNER_BASELINE_DEADLINE_S", bad)
+        with pytest.raises(ValidationError, match="baseline_deadline_s"):
+            RunnerSettings()

@@ -22,7 +22,7 @@ from nats.aio.client import Client
 
 from kiln.agent_runner.admission import Admission
 from kiln.agent_runner.compilation import CompilationRunner, RunnerDeps
-from kiln.agent_runner.config import RunnerConfig
+from kiln.agent_runner.config import RunnerConfig, RunnerSettings
 from kiln.agent_runner.deployments.feed import TrafficFeed
 from kiln.agent_runner.deployments.host import DeploymentControllers
 from kiln.agent_runner.deployments.service import DeploymentsServicer
@@ -52,7 +52,8 @@ class AgentRunnerApp:
 
     Args:
         settings: ledger, cost model and NATS addresses, subject prefix, own team name.
-        config: tunables (defaults for production).
+        config: tunables (default: :class:`RunnerSettings`'s deadlines, the rest as in
+            :class:`RunnerConfig`).
         quotas: the teams' quotas (default: from ``KILN_QUOTA_*``).
     """
 
@@ -66,7 +67,7 @@ class AgentRunnerApp:
         quotas: QuotaSettings | None = None,
     ) -> None:
         self.settings = settings
-        self.config = config or RunnerConfig()
+        self.config = config or RunnerSettings().config()
         self.quotas = quotas or QuotaSettings()
         limited = self.quotas.device_seconds or any(
             t.device_seconds for t in self.quotas.teams.values()

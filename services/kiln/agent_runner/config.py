@@ -15,7 +15,10 @@ class RunnerConfig:
     """How the agent runner drives compilations (seconds throughout).
 
     Attributes:
-        experiment_deadline_s: ``ExperimentWork.deadline_s`` (at most 3600).
+        experiment_deadline_s: ``ExperimentWork.deadline_s`` of a reference or candidate
+            experiment (at most 3600).
+        baseline_deadline_s: the same of a baseline's experiment (a baseline may compile its
+            model, e.g. ``hf_compile``: Inductor on a 48-layer MoE takes minutes).
         experiment_margin_s: waited beyond the deadline before the runner records ``timed_out``.
         search_share: the largest share of the wall-clock budget one search-tier candidate may
             take (:meth:`search_deadline_s`), at least ``search_min_deadline_s`` but never more
@@ -41,6 +44,7 @@ class RunnerConfig:
     """
 
     experiment_deadline_s: float = 300.0
+    baseline_deadline_s: float = 900.0
     experiment_margin_s: float = 60.0
     search_share: float = 0.25
     search_min_deadline_s: float = 60.0
@@ -64,10 +68,45 @@ class RunnerConfig:
         share = max(self.search_min_deadline_s, self.search_share * wall_seconds)
         return min(self.experiment_deadline_s, share, 0.5 * wall_seconds)
 
-    @property
-    def experiment_timeout_s(self) -> float:
-        """Seconds from publishing work to recording it timed out: deadline + margin."""
-        return self.experiment_deadline_s + self.experiment_margin_s
+    def deadline_cap_s(self, baseline: str = "") -> float:
+        """The longest ``ExperimentWork.deadline_s`` of an experiment: a baseline's (``baseline``
+        non-empty) or any other's."""
+        return self.baseline_deadline_s if baseline else self.experiment_deadline_s
+
+    def timeout_s(self, baseline: str = "") -> float:
+        """Seconds from publishing work to recording it timed out: its deadline cap + margin."""
+        return self.deadline_cap_s(baseline) + self.experiment_margin_s
+
+
+class RunnerSettings(BaseSettings):
+    """The experiment deadlines an operator may set, from ``KILN_RUNNER_*``; the rest of
+    :class:`RunnerConfig` keeps its defaults.
+
+    Raises:
+        pydantic.ValidationError: a deadline outside (0, 3600] seconds.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KILN_RUNNER_", extra="ignore", frozen=True)
+
+    experiment_deadline_s: float = Field(
+        default=RunnerConfig.experiment_deadline_s,
+        gt=0,
+        le=3600,
+        description="Deadline of a reference or candidate experiment on an engine, seconds.",
+    )
+    baseline_deadline_s: float = Field(
+        default=RunnerConfig.baseline_deadline_s,
+        gt=0,
+        le=3600,
+        description="Deadline of a baseline's experiment (hf_compile compiles), seconds.",
+    )
+
+    def config(self) -> RunnerConfig:
+        """A :class:`RunnerConfig` with these deadlines."""
+        return RunnerConfig(
+            experiment_deadline_s=self.experiment_deadline_s,
+            baseline_deadline_s=self.baseline_deadline_s,
+        )
 
 
 class LLMSettings(BaseSettings):

@@ -129,12 +129,14 @@ class ExperimentDispatcher:
     ) -> None:
         """Publish (again) the work item of a recorded experiment; JetStream drops a repeat
         within its duplicate window (``Nats-Msg-Id`` = experiment id). ``deadline_s``: the
-        engine's deadline for it (default :attr:`RunnerConfig.experiment_deadline_s`; never
-        above it). NATS being away is waited out (:func:`~kiln.agent_runner.outage.ride_out`).
+        engine's deadline for it (default and cap :meth:`RunnerConfig.deadline_cap_s`: the
+        baseline deadline for a baseline's experiment, the experiment deadline otherwise). NATS
+        being away is waited out (:func:`~kiln.agent_runner.outage.ride_out`).
 
         Raises:
             nats.js.errors.APIError: NATS refused it.
         """
+        cap = self._config.deadline_cap_s(req.baseline)
         work = ExperimentWork(
             experiment_id=req.experiment_id,
             compilation_id=req.compilation_id,
@@ -142,9 +144,7 @@ class ExperimentDispatcher:
             tier=req.tier,
             candidate=req.candidate.canonical(),
             workload=workload,
-            deadline_s=min(
-                deadline_s or self._config.experiment_deadline_s, self._config.experiment_deadline_s
-            ),
+            deadline_s=min(deadline_s or cap, cap),
             profile=req.profile,
             baseline=req.baseline,
         )
@@ -187,7 +187,7 @@ class ExperimentDispatcher:
     async def wait(self, req: Requested, timeout_s: float | None = None) -> Completed:
         """The experiment's result; after ``timeout_s`` (default: deadline + margin) without
         one, :meth:`close` it as timed out. Cancelling the caller leaves it pending."""
-        timeout = self._config.experiment_timeout_s if timeout_s is None else timeout_s
+        timeout = self._config.timeout_s(req.baseline) if timeout_s is None else timeout_s
         future = self._futures.get(req.experiment_id) or self._register(req)
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
@@ -195,7 +195,8 @@ class ExperimentDispatcher:
             return await self.close(
                 req,
                 f"no engine answered within {timeout:g} s (deadline "
-                f"{self._config.experiment_deadline_s:g} s + margin; is the engine pool running?)",
+                f"{self._config.deadline_cap_s(req.baseline):g} s + margin; is the engine pool "
+                "running?)",
             )
 
     async def close(
