@@ -256,3 +256,23 @@ def test_second_up_while_the_state_dir_is_locked_is_one_line(tmp_path: Path) -> 
         )
         _assert_one_line_error(_kiln("down", state_dir=tmp_path), "another kiln up/down")
     assert not (tmp_path / "postgres").exists()  # nothing was started
+
+
+def test_a_bad_setting_is_named_by_its_own_variable() -> None:
+    """Settings classes with their own prefix (KILN_QUOTA_, KILN_RUNNER_) are named by it."""
+    from pydantic import ValidationError
+
+    from kiln.agent_runner.config import RunnerSettings
+    from kiln.agent_runner.quotas import QuotaSettings
+    from kiln.cli.errors import describe
+
+    for cls, field, env in (
+        (RunnerSettings, "baseline_deadline_s", "KILN_RUNNER_BASELINE_DEADLINE_S"),
+        (QuotaSettings, "max_running", "KILN_QUOTA_MAX_RUNNING"),
+    ):
+        try:
+            cls(**{field: -1})
+        except ValidationError as exc:
+            assert f"{field} ({env})" in describe(exc)
+        else:
+            raise AssertionError(f"{cls.__name__} took {field}=-1")

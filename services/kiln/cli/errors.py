@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import typer
 from pydantic import ValidationError
+from pydantic_settings import BaseSettings
 from rich.console import Console
 from rich.text import Text
 from typer.core import TyperGroup
@@ -54,7 +55,10 @@ def describe(exc: BaseException) -> str:
         code = getattr(exc.code, "name", str(exc.code))
         return f"{code}: {exc.message}"
     if isinstance(exc, ValidationError):
-        return "invalid settings: " + "; ".join(_setting_problem(err) for err in exc.errors())
+        prefix = _env_prefix(exc.title)
+        return "invalid settings: " + "; ".join(
+            _setting_problem(err, prefix) for err in exc.errors()
+        )
     orig = getattr(exc, "orig", None)  # SQLAlchemy's wrapper of a driver error
     if type(exc).__module__.startswith("sqlalchemy") and orig is not None:
         return "database: " + (str(orig).strip().splitlines() or [type(orig).__name__])[0]
@@ -74,11 +78,24 @@ _SETTING_FLAGS = {
 """Settings that CLI flags can set too: the flag, named beside the variable in errors."""
 
 
-def _setting_problem(err: Any) -> str:
-    """One pydantic error about a setting: ``name (KILN_NAME / --flag): reason``."""
+def _env_prefix(title: str) -> str:
+    """The environment prefix of the settings class named ``title`` (a ValidationError's title):
+    ``KILN_QUOTA_`` for ``QuotaSettings`` and so on; ``KILN_`` when no such class is loaded."""
+    todo: list[type] = [BaseSettings]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == title and cls.__module__.startswith("kiln."):
+            prefix = cls.model_config.get("env_prefix")  # type: ignore[attr-defined]
+            return str(prefix) if prefix else "KILN_"
+        todo.extend(cls.__subclasses__())
+    return "KILN_"
+
+
+def _setting_problem(err: Any, prefix: str = "KILN_") -> str:
+    """One pydantic error about a setting: ``name (PREFIX_NAME / --flag): reason``."""
     field = ".".join(str(p) for p in err.get("loc", ())) or "settings"
-    source = f"KILN_{field.upper()}"
-    if field in _SETTING_FLAGS:
+    source = f"{prefix}{field.upper()}"
+    if prefix == "KILN_" and field in _SETTING_FLAGS:
         source += f" / {_SETTING_FLAGS[field]}"
     reason = str(err.get("msg", "invalid"))
     reason = reason.removeprefix("Value error, ")
