@@ -10,7 +10,10 @@ held at the best so far; a change is kept when the step's median replay time dro
 Every step's logits are compared with the defaults' (rounding-level differences only).
 
     python3 benchmarks/fused_step_search.py --model MODEL.json --batch 1 --context 1085 \
-        --deadline 240 --json out.json
+        --deadline 240 --json out.json [--layers N] [--recipe '{"moe": "triton_gather"}']
+
+``--layers`` builds the first N layers only (the limit counts those); ``--recipe`` binds ops
+first (an MoE model's expert layers run its bound ``moe`` op inside the chain).
 
 Prints each accepted change, then the defaults' and the best step (µs, tok/s, % of the weights +
 KV limit at ``--bandwidth``) and the best configuration per family.
@@ -31,7 +34,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fused_decode_profile import graph_time_us, operating_point_parser
 
-from kiln.cost_model.step_bytes import decode_step_bytes, weights_read_bytes
+from kiln.cost_model.step_bytes import (
+    decode_step_bytes,
+    held_kv_bytes_per_token,
+    weights_read_bytes,
+)
 from kiln.runtime.fused_decode import FusedDecode
 from kiln.workloads.config import load_config
 from kiln.workloads.models import build_model
@@ -65,11 +72,17 @@ def _attr(fd: FusedDecode, family: str) -> str:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     config = load_config(Path(args.model))
+    layers = min(args.layers or config.num_hidden_layers, config.num_hidden_layers)
     dev = torch.device(args.device)
     model = build_model(
-        config, dtype=torch.bfloat16, device=dev, seed=0, max_batch=args.batch,
+        config, layers=layers, dtype=torch.bfloat16, device=dev, seed=0, max_batch=args.batch,
         max_seq_len=args.context + 64 * args.repeats + 64,
     )  # fmt: skip
+    recipe = json.loads(args.recipe)
+    if recipe:
+        from kiln.workloads.models.binding import OpBinding
+
+        model.rebind(OpBinding.from_recipe(recipe))
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (args.batch, args.context), generator=gen)
     model.prefill(prompt.to(dev))
@@ -79,9 +92,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             for _, t in model.weights.items()
         }.values()
     )
-    weights = weights_read_bytes(config, held, 2, args.batch)
+    weights = weights_read_bytes(config, held, 2, args.batch, layers=layers)
     step = decode_step_bytes(
-        weights, args.batch, args.context, config.kv_bytes_per_token("bfloat16")
+        weights, args.batch, args.context, held_kv_bytes_per_token(config, "bfloat16", layers)
     )
     limit_us = step.total / args.bandwidth * 1e6
     tokens = torch.randint(0, config.vocab_size, (args.batch, 1), device=dev)
@@ -143,6 +156,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "model": config.name,
         "batch": args.batch,
         "context": args.context,
+        "layers": layers,
+        "recipe": recipe,
         "params": json.loads(args.params),
         "limit_us": limit_us,
         "defaults_us": default_us,
@@ -172,6 +187,8 @@ if __name__ == "__main__":
     parser.add_argument("--min-gain", type=float, default=0.005, help="relative")
     parser.add_argument("--max-diff", type=float, default=0.5, help="max |logits - defaults'|")
     parser.add_argument("--params", default="{}", help="fused_decode parameters to start from")
+    parser.add_argument("--layers", type=int, default=0, help="layers built (0: all)")
+    parser.add_argument("--recipe", default="{}", help="ops bound first, JSON")
     cli = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")

@@ -113,6 +113,48 @@ def test_kernel_with_small_tiles_matches_its_reference(dtype: torch.dtype) -> No
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_is_added_as_pytorch_adds_it(dtype: torch.dtype) -> None:
+    """``residual=`` gives bit for bit ``residual + moe_decode(...)`` (the fused chain's add)."""
+    from kiln.ops.kernels.moe_decode import MoeDecodeConfig, moe_decode
+
+    torch.manual_seed(11)
+    e, h, i, n, k = 6, 48, 40, 3, 3
+    x = randn(n, h, dtype=dtype)
+    gate_up = randn(e, 2 * i, h, dtype=dtype, scale=0.1)
+    down = randn(e, h, i, dtype=dtype, scale=0.1)
+    ids = torch.tensor([[5, 0, 2], [1, 1, 4], [3, 2, 0]])
+    wts = torch.rand(n, k)
+    residual = randn(n, h, dtype=dtype, scale=4.0)
+    cfg = MoeDecodeConfig(block_i=16, block_h=16, block_o=16, block_r=16)
+    alone = moe_decode(x, ids, wts, gate_up, down, config=cfg)
+    fused = moe_decode(x, ids, wts, gate_up, down, residual=residual, config=cfg)
+    assert torch.equal(fused, residual + alone)
+    assert not torch.equal(fused, alone)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_with_residual_fuses_only_this_implementation(dtype: torch.dtype) -> None:
+    """The fused chain's hook: a bound ``triton_gather`` gives ``residual + op(x)`` bit for bit;
+    another implementation, a sigmoid router or a batch past the kernel's gets None."""
+    import functools
+
+    torch.manual_seed(12)
+    p = params(2, dtype, "no-norm-bias")
+    x = randn(3, HIDDEN, dtype=dtype)
+    residual = randn(3, HIDDEN, dtype=dtype, scale=3.0)
+    bound = functools.partial(get("moe", "triton_gather").fn, **p)  # as OpBinding.bind
+    fused = moe_triton.with_residual(bound, x, residual)
+    assert fused is not None
+    assert torch.equal(fused, residual + bound(x[:, None, :])[:, 0])
+    other = functools.partial(get("moe", "reference").fn, **p)
+    assert moe_triton.with_residual(other, x, residual) is None
+    sigmoid = functools.partial(get("moe", "triton_gather").fn, **p, scoring="sigmoid")
+    assert moe_triton.with_residual(sigmoid, x, residual) is None
+    big = randn(moe_triton.MAX_ASSIGNMENTS, HIDDEN, dtype=dtype)
+    assert moe_triton.with_residual(bound, big, big) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_reads_only_the_routed_experts(dtype: torch.dtype) -> None:
     """Every expert no token chose holds NaN weights: the output stays finite and unchanged."""
     torch.manual_seed(2)
@@ -197,3 +239,9 @@ def test_kernel_rejects_bad_inputs() -> None:
         moe_decode(x, ids[:1], wts, gu, down)
     with pytest.raises(ValueError, match="power of two"):
         MoeDecodeConfig(block_o=12)
+    with pytest.raises(ValueError, match="pdl"):
+        MoeDecodeConfig(pdl=3)
+    with pytest.raises(ValueError, match="residual"):
+        moe_decode(x, ids, wts, gu, down, residual=x[:1])
+    with pytest.raises(ValueError, match="residual"):
+        moe_decode(x, ids, wts, gu, down, residual=x.double())

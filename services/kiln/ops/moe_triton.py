@@ -16,7 +16,9 @@ kernel modules are imported on first call (importing :mod:`kiln.ops` must not im
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 import torch
 
@@ -110,6 +112,31 @@ def triton_gather(
         )
         out = _experts(flat, experts, weights, gate_up_weight, down_weight)
     return out.view(x.shape)
+
+
+def with_residual(bound: Any, x: Tensor, residual: Tensor) -> Tensor | None:
+    """``residual + bound(x)`` with the add done by the down kernel, when ``bound`` is this
+    implementation bound to a site (a ``functools.partial`` of :func:`triton_gather`) with softmax
+    routing and the call takes the kernel path; None otherwise (the caller adds). ``x [B, H]``,
+    ``residual [B, H]`` in x's dtype; the result is bit-equal to the unfused add.
+    """
+    if not isinstance(bound, functools.partial) or bound.func is not triton_gather or bound.args:
+        return None
+    kw = bound.keywords
+    top_k = kw["top_k"]
+    if kw.get("scoring", "softmax") != "softmax" or torch.compiler.is_compiling():
+        return None
+    if x.dim() != 2 or not 1 <= x.shape[0] * top_k <= MAX_ASSIGNMENTS or not _kernel_runs(x.device):
+        return None
+    from kiln.ops.kernels.moe_decode import moe_decode
+
+    weights, experts = _route(
+        x, kw["router_weight"], top_k, kw["norm_topk_prob"], kw["round_router_weights"],
+        kw.get("router_bias"),
+    )  # fmt: skip
+    return moe_decode(
+        x, experts, weights, kw["gate_up_weight"], kw["down_weight"], residual=residual
+    )
 
 
 def _route(

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kiln.ops import moe_triton
 from kiln.ops.kernels import runtime
 from kiln.ops.mlp import FUSED_GATE_UP
 from kiln.ops.qkv_proj import FUSED_QKV
@@ -358,10 +359,15 @@ class FusedDecode:
             head_dim=self.head_dim, pdl=self.pdl,
         )  # fmt: skip
 
-    def _experts(self, i: int, x: Tensor) -> Tensor:
-        """Layer ``i``'s bound ``moe`` op on the normed ``x [B, H]`` -> ``[B, H]``."""
-        out: Tensor = self.model.ops.layers[i].ffn(x[:, None, :])
-        return out[:, 0]
+    def _experts(self, i: int, x: Tensor, residual: Tensor) -> Tensor:
+        """``residual`` plus layer ``i``'s bound ``moe`` op on the normed ``x [B, H]`` -> ``[B,
+        H]`` (the add fused into ``triton_gather``'s down kernel where it runs)."""
+        ffn = self.model.ops.layers[i].ffn
+        fused = moe_triton.with_residual(ffn, x, residual)
+        if fused is not None:
+            return fused
+        out: Tensor = ffn(x[:, None, :])
+        return residual + out[:, 0]
 
     def _gemv_step(self, tokens: Tensor, cache: Any) -> Tensor:
         """The step with matrix-vector products."""
@@ -392,7 +398,7 @@ class FusedDecode:
             s = gemv(attn.reshape(b, -1), layer.o_weight, residual=s, config=self.o_config)
             if layer.gate_up_weight is None or layer.down_weight is None:
                 x, _ = self._add_rms_norm(s, None, layer.post_norm, layer.post_eps)
-                s = s + self._experts(i, x)
+                s = self._experts(i, x, s)
                 continue
             act = rms_norm_gemv(
                 s, layer.post_norm, layer.post_eps, layer.gate_up_weight,
@@ -423,7 +429,8 @@ class FusedDecode:
             o = F.linear(attn.reshape(b, -1), layer.o_weight)
             x, s = add_rms_norm(o, s, layer.post_norm, layer.post_eps)
             if layer.gate_up_weight is None or layer.down_weight is None:
-                delta = self._experts(i, x)
+                out: Tensor = self.model.ops.layers[i].ffn(x[:, None, :])
+                delta = out[:, 0]
                 continue
             gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
             delta = F.linear(F.silu(gate) * up, layer.down_weight)

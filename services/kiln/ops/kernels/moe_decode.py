@@ -18,6 +18,7 @@ import triton.language as tl
 
 from kiln.ops.kernels import runtime
 from kiln.ops.kernels.gemv_tiles import _round
+from kiln.ops.kernels.pdl import PDL_MODES, launch_mode, pdl_enter, pdl_options
 
 Tensor = torch.Tensor
 
@@ -31,7 +32,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class MoeDecodeConfig:
     """Launch configuration: ``block_i``/``block_h`` (gate/up columns and reduction chunk),
     ``block_o``/``block_r`` (down columns and chunk), ``num_warps``; tiles are clamped to the
-    shapes. ValueError unless each is a positive power of two.
+    shapes. ``pdl``: programmatic dependent launch of both kernels (:mod:`kiln.ops.kernels.pdl`;
+    0 off, 1 or 2; where the device has none, off). ValueError unless each tile and
+    ``num_warps`` is a positive power of two and ``pdl`` is 0, 1 or 2.
     """
 
     block_i: int = 8
@@ -39,12 +42,15 @@ class MoeDecodeConfig:
     block_o: int = 16
     block_r: int = 256
     num_warps: int = 4
+    pdl: int = 2
 
     def __post_init__(self) -> None:
         for name in ("block_i", "block_h", "block_o", "block_r", "num_warps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
                 raise ValueError(f"MoeDecodeConfig.{name} must be a power of two, got {v!r}")
+        if self.pdl not in range(PDL_MODES) or isinstance(self.pdl, bool):
+            raise ValueError(f"MoeDecodeConfig.pdl must be 0, 1 or 2, got {self.pdl!r}")
 
 
 def default_config(tokens: int, hidden: int) -> MoeDecodeConfig:
@@ -73,11 +79,13 @@ def _gate_up_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``(s, j)``: ``h[s, j-th block] = silu(x[n] @ gate_e.T) * (x[n] @ up_e.T)``, ``s =
     n * TOP_K + r``, ``e = ids[s]``.
     """
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    pdl_enter(PDL)  # every load depends on the routing: nothing to issue before the wait
     s = tl.program_id(0)
     n = s // TOP_K
     e = tl.load(ids_ptr + s).to(tl.int64)
@@ -114,18 +122,24 @@ def _down_kernel(
     stride_wr,
     out_ptr,
     stride_om,
+    res_ptr,
+    stride_rm,
     INTER: tl.constexpr,
     HID: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_O: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    HAS_RES: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``(n, j)``: ``out[n, j-th block] = sum_r wts[n, r] * (h[n*TOP_K + r] @
-    down_e.T)``, every slot's rows loaded together, summed in increasing r, float32, rounded once.
+    down_e.T)``, every slot's rows loaded together, summed in increasing r, float32, rounded once;
+    with ``HAS_RES`` the residual row is added to that rounded sum and the total rounded again.
     """
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_mask = offs_o < HID
@@ -152,6 +166,9 @@ def _down_kernel(
     for r in tl.static_range(TOP_K):  # in increasing r, as the reference (adding 0.0 is exact)
         total += tl.sum(tl.where(offs_k[:, None] == r, y, 0.0), axis=0)
     out = _round(total, DTYPE, EMULATE_RNE)
+    if HAS_RES:
+        res = tl.load(res_ptr + n * stride_rm + offs_o, mask=o_mask, other=0.0).to(tl.float32)
+        out = _round(out + res, DTYPE, EMULATE_RNE)
     tl.store(out_ptr + n * stride_om + offs_o, out.to(DTYPE), mask=o_mask)
 
 
@@ -212,10 +229,12 @@ def moe_decode(
     gate_up_weight: Tensor,
     down_weight: Tensor,
     *,
+    residual: Tensor | None = None,
     config: MoeDecodeConfig | None = None,
 ) -> Tensor:
     """``out[n] = sum_r topk_weights[n, r] * down_e(silu(gate_e(x[n])) * up_e(x[n]))``, ``e =
-    topk_ids[n, r]``, reading only the routed experts' weights.
+    topk_ids[n, r]``, reading only the routed experts' weights; plus ``residual [N, H]`` (x's
+    dtype and device) when given, rounded as ``residual + out`` in PyTorch.
 
     Args:
         x: ``[N, H]`` float32/float16/bfloat16.
@@ -228,6 +247,13 @@ def moe_decode(
     device mismatches, KernelUnavailableError when Triton cannot run on ``x.device``.
     """
     _check(x, topk_ids, topk_weights, gate_up_weight, down_weight)
+    if residual is not None and (
+        tuple(residual.shape) != tuple(x.shape)
+        or residual.dtype != x.dtype
+        or residual.device != x.device
+        or residual.stride(1) != 1
+    ):
+        raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} on {x.device}, unit stride")
     runtime.require(x.device)
     interp = check_interpreter()
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -236,6 +262,7 @@ def moe_decode(
     k = ids.shape[1]
     inter = down_weight.shape[2]
     cfg = config or default_config(n, h)
+    pdl = launch_mode(cfg.pdl, x.device)
     emulate = interp and x.dtype == torch.bfloat16
     hidden = torch.empty((n * k, inter), dtype=x.dtype, device=x.device)
     block_i = min(cfg.block_i, triton.next_power_of_2(inter))
@@ -253,7 +280,9 @@ def moe_decode(
         BLOCK_I=block_i,
         BLOCK_H=min(cfg.block_h, triton.next_power_of_2(h)),
         EMULATE_RNE=emulate,
+        PDL=pdl,
         num_warps=cfg.num_warps,
+        **pdl_options(pdl),
     )
     out = torch.empty((n, h), dtype=x.dtype, device=x.device)
     block_o = min(cfg.block_o, triton.next_power_of_2(h))
@@ -270,14 +299,19 @@ def moe_decode(
         down_weight.stride(1),
         out,
         out.stride(0),
+        out if residual is None else residual,
+        0 if residual is None else residual.stride(0),
         INTER=inter,
         HID=h,
         TOP_K=k,
         BLOCK_K=block_k,
         BLOCK_O=block_o,
         BLOCK_R=block_r,
+        HAS_RES=residual is not None,
         EMULATE_RNE=emulate,
+        PDL=pdl,
         num_warps=cfg.num_warps,
+        **pdl_options(pdl),
     )
     return out
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kiln.ops.kernels import runtime
 from kiln.ops.kernels.gemv_tiles import _round
+from kiln.ops.kernels.pdl import launch_mode, pdl_enter, pdl_options
 
 Tensor = torch.Tensor
 
@@ -38,16 +39,23 @@ def _logits_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``(n, j)``: token ``n``'s logits of the ``j``-th block of experts, accumulated in
-    float32, rounded to the model dtype, stored as float32 ``[N, E]``."""
+    float32, rounded to the model dtype, stored as float32 ``[N, E]``. The first chunk of router
+    weights is loaded before the PDL wait (no kernel writes them)."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     n = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
     rows = w_ptr + offs_e[:, None].to(tl.int64) * stride_we
-    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for h0 in range(0, HID, BLOCK_H):
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < HID
+    w = tl.load(rows + offs_h[None, :], mask=e_mask[:, None] & h_mask[None, :], other=0.0)
+    pdl_enter(PDL)
+    xv = tl.load(x_ptr + n * stride_xm + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+    for h0 in range(BLOCK_H, HID, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_mask = offs_h < HID
         xv = tl.load(x_ptr + n * stride_xm + offs_h, mask=h_mask, other=0.0).to(tl.float32)
@@ -71,6 +79,7 @@ def _router_kernel(
     NORM: tl.constexpr,
     ROUND_WEIGHTS: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``n``: token ``n``'s ``TOP_K`` weights (float32) and expert ids (int64) from its
     logits (``x_ptr``: only its dtype, the model's, is read)."""
@@ -78,9 +87,12 @@ def _router_kernel(
     n = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
+    if HAS_BIAS:  # a parameter: loaded before the PDL wait
+        bias = tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
+    pdl_enter(PDL)
     logits = tl.load(logits_ptr + n * E + offs_e, mask=e_mask, other=0.0)
     if HAS_BIAS:
-        logits += tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
+        logits += bias
     logits = tl.where(e_mask, logits, float("-inf"))
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = tl.where(e_mask, p, 0.0)
@@ -113,11 +125,13 @@ def moe_router(
     round_weights: bool = False,
     router_bias: Tensor | None = None,
     experts_per_program: int | None = None,
+    pdl: int = 2,
 ) -> tuple[Tensor, Tensor]:
     """Route ``x [N, H]`` (float32/float16/bfloat16) with ``router_weight [E, H]`` (x's dtype and
     device, unit stride along H), ``router_bias`` float32 ``[E]`` or None; the logits of
     ``experts_per_program`` experts (a power of two) a program (None: about 32 programs a token
-    on a GPU, one under the interpreter).
+    on a GPU, one under the interpreter); ``pdl`` the programmatic dependent launch of both
+    kernels (:mod:`kiln.ops.kernels.pdl`: 0 off, 1 or 2; off where the device has none).
 
     Returns ``(weights [N, top_k] float32, experts [N, top_k] int64)``, largest first; weights
     hold model-dtype values when ``round_weights``. Raises ValueError on shapes, dtypes or
@@ -140,6 +154,7 @@ def moe_router(
     ):
         raise ValueError(f"router_bias must be float32 [{e}]")
     runtime.require(x.device)
+    mode = launch_mode(pdl, x.device)  # ValueError outside 0..2
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = router_weight if router_weight.stride(1) == 1 else router_weight.contiguous()
     weights = torch.empty((n, top_k), dtype=torch.float32, device=x.device)
@@ -166,7 +181,9 @@ def moe_router(
         BLOCK_E=split,
         BLOCK_H=max(16, min(triton.next_power_of_2(h), 8192 // split)),
         EMULATE_RNE=emulate,
+        PDL=mode,
         num_warps=4,
+        **pdl_options(mode),
     )
     _router_kernel[(n,)](
         x,
@@ -182,6 +199,8 @@ def moe_router(
         NORM=norm_topk_prob,
         ROUND_WEIGHTS=round_weights and x.dtype != torch.float32,
         EMULATE_RNE=emulate,
+        PDL=mode,
         num_warps=4,
+        **pdl_options(mode),
     )
     return weights, experts
