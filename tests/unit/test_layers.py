@@ -33,6 +33,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "export": ("kiln.engine_pool", "kiln.cli", "kiln.agent_runner"),
     "cli": ("kiln.agent_runner",),
     "engine_pool": ("kiln.agent_runner", "kiln.baselines"),
+    # The dashboard is a client: it reads the services over gRPC and NATS, never their code.
+    "dashboard": ("kiln.agent_runner", "kiln.engine_pool", "kiln.cost_model", "kiln.cli"),
 }
 """Package -> module prefixes none of its files may import."""
 ALLOWED: dict[str, tuple[str, ...]] = {

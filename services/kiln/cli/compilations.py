@@ -11,11 +11,13 @@ from kiln.cli.compile_view import STATUS_NAMES, summary_table
 from kiln.cli.compiler_call import call
 from kiln.cli.context import settings_for
 from kiln.cli.curve import curve
+from kiln.cli.dashboard import report
 from kiln.cli.render import console
 from kiln.v1 import compiler_pb2
 
 app = typer.Typer(help="List and show compilations.", no_args_is_help=True)
 app.command()(curve)
+app.command()(report)
 
 _STATUS_BY_NAME = {name: value for value, name in STATUS_NAMES.items()}
 

@@ -23,6 +23,7 @@ from kiln.cli import (
 )
 from kiln.cli.compile import compile as compile_command
 from kiln.cli.context import CliState
+from kiln.cli.dashboard import dashboard as dashboard_command
 from kiln.cli.errors import KilnGroup
 from kiln.cli.export import export as export_command
 from kiln.cli.plan import plan as plan_command
@@ -83,6 +84,7 @@ app.command()(health.health)
 app.command("compile")(compile_command)
 app.command("export")(export_command)
 app.command("plan")(plan_command)
+app.command("dashboard")(dashboard_command)
 app.add_typer(compilations.app, name="compilations")
 app.add_typer(deployments.app, name="deployments")
 app.add_typer(traffic.app, name="traffic")
