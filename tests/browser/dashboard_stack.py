@@ -18,8 +18,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from kiln.common.settings import KilnSettings
 from kiln.v1 import common_pb2, compiler_pb2
 
@@ -45,22 +43,14 @@ class DashboardProcess:
     log: Path
 
 
-NO_MICROBENCHMARKS = {"KILN_COST_MICROBENCH": "false", "KILN_MICROBENCH_ENABLED": "false"}
-"""The cost model asks for no microbenchmarks, the pool answers none: on the simulated pool a
-real one would hold the CPU slot for up to a minute, and the plan is not what these tests test."""
-
-
 @contextlib.asynccontextmanager
 async def dashboard_stack(settings: KilnSettings, letters: str) -> AsyncIterator[PoolStack]:
-    """:func:`~tests.integration.pool_stack.pool_stack` with its runner started, without
-    microbenchmarks (:data:`NO_MICROBENCHMARKS`), simulated engines answering."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in NO_MICROBENCHMARKS.items():
-            mp.setenv(key, value)
-        async with pool_stack(settings, letters) as stack:
-            await stack.start_runner()
-            engines_ready(stack)
-            yield stack
+    """:func:`~tests.integration.pool_stack.pool_stack` with its runner started, simulated
+    engines answering."""
+    async with pool_stack(settings, letters) as stack:
+        await stack.start_runner()
+        engines_ready(stack)
+        yield stack
 
 
 def cli_env(stack: PoolStack, team: str, state_dir: Path) -> dict[str, str]:

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from kiln.agent_runner.app import AgentRunnerApp
 from kiln.agent_runner.config import RunnerConfig
 from kiln.common import nats as kn
@@ -142,11 +144,27 @@ async def _stop(task: asyncio.Task[None]) -> None:
         await task
 
 
+NO_MICROBENCHMARKS = {"KILN_COST_MICROBENCH": "false", "KILN_MICROBENCH_ENABLED": "false"}
+"""The cost model asks for no microbenchmarks, the pool answers none: on the simulated pool a
+real one would hold the CPU slot for seconds of a test's short budget, and the plan is not what
+these tests test (tests/integration/test_cost_tiers_grpc.py tests them)."""
+
+
 @contextlib.asynccontextmanager
 async def pool_stack(settings: KilnSettings, letters: str) -> AsyncIterator[PoolStack]:
     """Ledger, cost model and a CPU engine pool that, as the embedded default's, is told
-    ``KILN_ENGINE_HARDWARE=*`` (pool id ``cpu-pool``); start the runner with
-    :meth:`PoolStack.start_runner` (after adding pools, or at once)."""
+    ``KILN_ENGINE_HARDWARE=*`` (pool id ``cpu-pool``), without microbenchmarks
+    (:data:`NO_MICROBENCHMARKS`); start the runner with :meth:`PoolStack.start_runner` (after
+    adding pools, or at once)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in NO_MICROBENCHMARKS.items():
+            mp.setenv(key, value)
+        async with _pool_stack(settings, letters) as stack:
+            yield stack
+
+
+@contextlib.asynccontextmanager
+async def _pool_stack(settings: KilnSettings, letters: str) -> AsyncIterator[PoolStack]:
     prefix = letters + uuid.uuid4().hex[:10]
     cfg = settings.model_copy(
         update={"subject_prefix": prefix, "metrics_port": 0, "grace_period_s": 1.0}

@@ -9,6 +9,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -62,7 +63,8 @@ def test_stream_management_is_the_owners_and_nobody_deletes() -> None:
         inbox = f"{kn.inbox_prefix(user)}.>"
         extra = [s for s in perms.subscribe if s != inbox]
         assert inbox in perms.subscribe
-        assert extra == (["kiln.work.experiments.>"] if user == "engine-pool" else []), user
+        pool = ["kiln.work.experiments.>", "kiln.microbench.>"]  # work; microbenchmark asks
+        assert extra == (pool if user == "engine-pool" else []), user
 
 
 def test_only_the_producers_publish_the_streams_subjects() -> None:
@@ -73,10 +75,11 @@ def test_only_the_producers_publish_the_streams_subjects() -> None:
         "kiln.work.experiments.>": {"agent-runner"},
         "$JS.API.CONSUMER.MSG.NEXT.KILN_WORK.*": {"engine-pool"},
         "$JS.ACK.KILN_WORK.>": {"engine-pool"},
+        "kiln.microbench.>": {"cost-model"},
     }
     for subject, allowed in producers.items():
         assert {u for u, p in table.items() if subject in p.publish} == allowed, subject
-    assert table["cost-model"].publish == ("$JS.API.INFO",)
+    assert table["cost-model"].publish == ("$JS.API.INFO", "kiln.microbench.>")
 
 
 def _check(config: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -220,3 +223,37 @@ def test_an_embedded_nats_without_users_is_not_silently_kept(tmp_path: Path) -> 
             wanted.start()
     finally:
         open_server.stop()
+
+
+@pytest.mark.embedded
+def test_the_cost_model_asks_the_engine_pool_for_microbenchmarks(server: EmbeddedNats) -> None:
+    """The request/reply of the cost model's tier 2 passes the embedded server's permissions:
+    the cost model requests on ``ka.microbench.<kind>``, the engine pool answers in its inbox;
+    the CLI may do neither."""
+    from kiln.common.nats import connect
+
+    url = server.start()
+    assert server.passwords is not None
+    creds = {u: server.passwords.credentials(u) for u in ("cost-model", "engine-pool", "cli")}
+
+    async def ask(asker: str) -> bytes | None:
+        pool = await connect(url, "test-pool", credentials=creds["engine-pool"])
+        cost = await connect(url, "test-cost", credentials=creds[asker])
+        try:
+
+            async def answer(msg: Any) -> None:
+                await msg.respond(b"measured:" + msg.data)
+
+            await pool.subscribe("ka.microbench.cpu", cb=answer)
+            await pool.flush()
+            try:
+                reply = await cost.request("ka.microbench.cpu", b"gemm", timeout=2.0)
+            except Exception:
+                return None
+            return bytes(reply.data)
+        finally:
+            await cost.close()
+            await pool.close()
+
+    assert asyncio.run(ask("cost-model")) == b"measured:gemm"
+    assert asyncio.run(ask("cli")) is None

@@ -134,6 +134,8 @@ DEFAULT_APPEND: tuple[AppendRule, ...] = (
     AppendRule(service="agent-runner", category="deployment", types=_RUNNER_DEPLOYMENT),
     # Measurements come from the engine pool only (engine_pool.delivery).
     AppendRule(service="engine-pool", category="experiment", types=("ExperimentCompleted",)),
+    # ... and so do the cost model's microbenchmarks (engine_pool.microbench_service).
+    AppendRule(service="engine-pool", category="microbench", types=("MicrobenchmarkMeasured",)),
 )
 """Who appends what today; the ledger and the cost model append nothing."""
 

@@ -57,6 +57,10 @@ class Estimate:
     """The CUDA-graph pool and the device's reserved bytes (context, libraries, NCCL)."""
     serving: ServingFigures | None = None
     """The serving model's figures (:mod:`kiln.cost_model.serving`) where it ran."""
+    tpot_tier: str = "roofline"
+    """Which tier produced TPOT: ``roofline``, ``microbenchmark`` or ``measured``."""
+    ttft_tier: str = "roofline"
+    """Which tier produced TTFT (``measured`` never: passes calibrate the decode step)."""
 
     @property
     def served_tpot_ms(self) -> float:

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from kiln.cost_model.estimate import Estimate
+from kiln.cost_model.evidence import NO_EVIDENCE, Evidence
 from kiln.cost_model.hardware import Hardware
 from kiln.cost_model.objective import DEFAULT_TARGETS, ServingTargets, frontier, rank
 from kiln.cost_model.roofline import estimate
@@ -181,8 +182,10 @@ def evaluate(
     num_devices: int,
     weight_dtype: str = "bfloat16",
     act_dtype: str = "bfloat16",
+    evidence: Evidence = NO_EVIDENCE,
 ) -> tuple[Estimate, str]:
-    """The estimate of one plan and its infeasibility reason ("" when feasible)."""
+    """The estimate of one plan (with ``evidence``: tiers 2 and 3) and its infeasibility
+    reason ("" when feasible)."""
     reasons = static_reasons(cfg, plan, hw, num_devices)
     if reasons and reasons[0].startswith("plan:"):
         raise ValueError(reasons[0])
@@ -191,7 +194,7 @@ def evaluate(
             f"replicas: dp={plan.dp} replicas for {point.batch_size} sequences in flight "
             "(some would idle)"
         )
-    est = estimate(cfg, hw, point, plan, weight_dtype, act_dtype)
+    est = estimate(cfg, hw, point, plan, weight_dtype, act_dtype, evidence)
     mem = memory_reason(est, hw)
     if mem:
         reasons.append(mem)
@@ -230,6 +233,7 @@ def plan_workload(
     act_dtype: str = "bfloat16",
     deadline: float | None = None,
     targets: ServingTargets | None = None,
+    evidence: Evidence = NO_EVIDENCE,
 ) -> PlanResult:
     """Cost every candidate plan on ``num_devices`` (default the node's) at ``point`` and rank
     the feasible ones under ``targets`` (default :class:`ServingTargets`).
@@ -241,15 +245,19 @@ def plan_workload(
     (:func:`kiln.cost_model.objective.rank`), and each FP8 plan has a ``kv_notes`` entry. When
     plans still fail on memory alone, the batch is halved until one fits, with a
     ``batch_note``.
-    PlanDeadlineExceeded once ``time.monotonic()`` passes ``deadline``.
+    PlanDeadlineExceeded once ``time.monotonic()`` passes ``deadline``. ``evidence``: the
+    microbenchmark table and calibration every estimate uses (:class:`Evidence`).
     """
     goal = targets or DEFAULT_TARGETS
-    result = _plan_at(cfg, hw, point, num_devices, weight_dtype, act_dtype, deadline, goal)
+    ev = evidence
+    result = _plan_at(cfg, hw, point, num_devices, weight_dtype, act_dtype, deadline, goal, ev)
     batch = point.batch_size
     while not result.feasible and batch > 1 and _memory_only(result):
         batch //= 2
         smaller = replace(point, batch_size=batch)
-        lowered = _plan_at(cfg, hw, smaller, num_devices, weight_dtype, act_dtype, deadline, goal)
+        lowered = _plan_at(
+            cfg, hw, smaller, num_devices, weight_dtype, act_dtype, deadline, goal, ev
+        )
         if lowered.feasible:
             kv = " even with an FP8 KV cache" if _fp8_kv(hw, act_dtype) else ""
             note = (
@@ -283,6 +291,7 @@ def _plan_at(
     act_dtype: str,
     deadline: float | None = None,
     targets: ServingTargets = DEFAULT_TARGETS,
+    evidence: Evidence = NO_EVIDENCE,
 ) -> PlanResult:
     n = num_devices or hw.max_devices_per_node
     feasible: list[Estimate] = []
@@ -296,7 +305,7 @@ def _plan_at(
                     f"costed {i} of {len(plans)} {what} for {n} devices at batch "
                     f"{point.batch_size} before the deadline"
                 )
-            est, reason = evaluate(cfg, hw, point, plan, n, weight_dtype, act_dtype)
+            est, reason = evaluate(cfg, hw, point, plan, n, weight_dtype, act_dtype, evidence)
             if reason:
                 pruned.append((est, reason))
             else:
@@ -320,14 +329,15 @@ def _plan_at(
                 f"KV cache in FP8 (lossy): with a {act_dtype} cache this plan needs more than "
                 f"{MEMORY_FRACTION:g} of {hw.name} memory at batch {point.batch_size}"
             )
-    ranked = _served(cfg, hw, rank(feasible, targets), targets, weight_dtype, act_dtype)
+    dtypes = (weight_dtype, act_dtype)
+    ranked = _served(cfg, hw, rank(feasible, targets), targets, dtypes, evidence)
     if fp8 and ranked and all(targets.miss(e) > 0 for e in ranked):  # none meets them: FP8 KV
         before, kept = len(feasible), len(pruned)
         lossless = [e.plan for e in feasible if not e.plan.kv_dtype]
         cost([replace(p, kv_dtype=FP8) for p in lossless], "plans with an FP8 KV cache")
         served = {e.plan: e for e in ranked if e.serving is not None}
         merged = [served.get(e.plan, e) for e in feasible]
-        retry = _served(cfg, hw, rank(merged, targets), targets, weight_dtype, act_dtype)
+        retry = _served(cfg, hw, rank(merged, targets), targets, dtypes, evidence)
         if targets.miss(retry[0]) == 0:  # kept only where an FP8 cache meets the targets
             ranked = retry
             for e in feasible[before:]:
@@ -347,21 +357,26 @@ def _served(
     hw: Hardware,
     ranked: list[Estimate],
     targets: ServingTargets,
-    weight_dtype: str,
-    act_dtype: str,
+    dtypes: tuple[str, str],
+    evidence: Evidence = NO_EVIDENCE,
 ) -> list[Estimate]:
     """``ranked`` with the serving model's figures for its best :data:`SERVED_PLANS` (those
     without them yet), re-ranked by them."""
     served = [
-        e if e.serving is not None else with_serving(cfg, hw, e, weight_dtype, act_dtype)
+        e if e.serving is not None else with_serving(cfg, hw, e, *dtypes, evidence)
         for e in ranked[:SERVED_PLANS]
     ]
     return rank(served, targets) + ranked[SERVED_PLANS:]
 
 
 def with_serving(
-    cfg: ModelConfig, hw: Hardware, est: Estimate, weight_dtype: str, act_dtype: str
+    cfg: ModelConfig,
+    hw: Hardware,
+    est: Estimate,
+    weight_dtype: str,
+    act_dtype: str,
+    evidence: Evidence = NO_EVIDENCE,
 ) -> Estimate:
     """``est`` with the serving model's figures (:func:`kiln.cost_model.serving.serve`)."""
-    stats = serve(cfg, hw, est.point, est.plan, weight_dtype, act_dtype)
+    stats = serve(cfg, hw, est.point, est.plan, weight_dtype, act_dtype, evidence)
     return replace(est, serving=stats)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from kiln.cost_model.communication import all_to_all_s, collective_s, pp_inter_node_sends
 from kiln.cost_model.estimate import Estimate, Terms
+from kiln.cost_model.evidence import NO_EVIDENCE, Evidence
 from kiln.cost_model.hardware import Hardware
 from kiln.cost_model.sharding import (
     LayerShard,
@@ -49,6 +50,7 @@ from kiln.cost_model.sharding import (
     vocab_shard,
 )
 from kiln.cost_model.step_bytes import decode_kv_bytes
+from kiln.cost_model.tier2 import MEASURED, ROOFLINE, measured_pass
 from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.config import DTYPE_BYTES, ModelConfig
 
@@ -100,11 +102,17 @@ def _pass(
     wdtype: str,
     adtype: str,
     kinds: tuple[LayerShard, LayerShard] | None = None,
-) -> float:
+    context: int = 0,
+    evidence: Evidence = NO_EVIDENCE,
+) -> tuple[float, str]:
     """Seconds of one forward over ``tokens`` on one TP group through the pipeline; records terms
     under ``phase``. ``ep_tokens``: tokens the MoE group sees (attention DP: every replica's);
     ``attention_flops`` and ``kv_bytes`` over all layers, stretched like the layers when the
     stages are uneven; ``kinds``: :func:`layer_kinds` of the plan, when already known.
+    ``evidence``: with a microbenchmark table the ops' time is the table's
+    (:mod:`kiln.cost_model.tier2`, ``context`` the attention's) and a kernel's launch cost the
+    measured one; with a calibration a decode pass's device time (ops and launches, not the
+    collectives) is multiplied by its factor. Returns (seconds, tier of the number).
     """
     dense_layer, moe_layer = kinds or layer_kinds(cfg, plan)
     n_dense, n_moe = layer_counts(cfg)
@@ -117,6 +125,7 @@ def _pass(
     head = vocab_shard(cfg, plan.tp) + h
     always = n_dense_s * dense_layer.always_read + n_moe_s * moe_layer.always_read + head
     expert_read = expert_flops = 0.0
+    load = None
     if cfg.moe is not None and n_moe:
         load = expert_load(cfg.moe, plan, ep_tokens, skew)
         t.add(
@@ -227,14 +236,39 @@ def _pass(
     )
     layer_kernels = n_dense_s * DENSE_LAYER_KERNELS + n_moe_s * MOE_LAYER_KERNELS
     kernels = layer_kernels + STEP_KERNELS
-    launch_s = kernels * hw.kernel_overhead_s
+    core_s, tier = max(mem_s, cmp_s) / 1e3, ROOFLINE
+    per_kernel_s, per_kernel_src = hw.kernel_overhead_s, "the catalogue's"
+    table = evidence.table
+    if table is not None:
+        mp = measured_pass(
+            t,
+            phase,
+            cfg,
+            hw,
+            plan,
+            table,
+            tokens=tokens,
+            context=context,
+            logit_tokens=logit_tokens,
+            kinds=(dense_layer, moe_layer),
+            layers=(n_dense_s, n_moe_s),
+            load=load,
+            wdtype=wdtype,
+            adtype=adtype,
+        )
+        core_s = t.add(f"{phase}.measured_ops_ms", mp.ms, "ms", f"sum of the ops ({mp.tier})")
+        core_s, tier = core_s / 1e3, mp.tier
+        launch = table.launch(graph=evidence.graphs and phase == "decode")
+        if launch is not None:
+            per_kernel_s, per_kernel_src = launch.ms / 1e3, f"measured on {table.label()}"
+    launch_s = kernels * per_kernel_s
     t.add(
         f"{phase}.kernel_overhead_ms",
         launch_s * 1e3,
         "ms",
         f"{kernels:.10g} kernels ({n_dense} dense layers × {DENSE_LAYER_KERNELS} + {n_moe} MoE "
         f"layers × {MOE_LAYER_KERNELS}{' stretched' if stretch != 1 else ''} + {STEP_KERNELS}) "
-        f"× {hw.kernel_overhead_s * 1e6:g} us",
+        f"× {per_kernel_s * 1e6:.4g} us ({per_kernel_src})",
     )
     fixed_s = (
         t.add(
@@ -245,7 +279,20 @@ def _pass(
         )
         / 1e3
     )
-    return max(mem_s, cmp_s) / 1e3 + fixed_s
+    cal = evidence.calibration
+    if cal is None or phase != "decode":
+        return core_s + fixed_s, tier
+    device_s = core_s + launch_s
+    t.add(f"{phase}.uncalibrated_ms", (core_s + fixed_s) * 1e3, "ms", f"the {tier} tier's step")
+    t.add(
+        f"{phase}.calibration_factor",
+        cal.factor,
+        "x",
+        f"measured passes of this model on {hw.name}: {cal.describe()}; multiplies the device "
+        "time (ops and launches), not the collectives",
+    )
+    t.add(f"{phase}.calibration_residual", cal.residual, "fraction", cal.describe())
+    return device_s * cal.factor + (fixed_s - launch_s), MEASURED
 
 
 def workspace_bytes(
@@ -290,10 +337,13 @@ def estimate(
     plan: Parallelism,
     weight_dtype: str = "bfloat16",
     act_dtype: str = "bfloat16",
+    evidence: Evidence = NO_EVIDENCE,
 ) -> Estimate:
-    """The roofline estimate of ``plan`` for ``cfg`` on ``hw`` at ``point``; ``weight_dtype``
-    sets weight bytes and matmul rate, ``act_dtype`` activation and communication bytes and
-    the KV cache's unless ``plan.kv_dtype`` sets it. ms, bytes, output tokens/s.
+    """The estimate of ``plan`` for ``cfg`` on ``hw`` at ``point``; ``weight_dtype`` sets
+    weight bytes and matmul rate, ``act_dtype`` activation and communication bytes and the KV
+    cache's unless ``plan.kv_dtype`` sets it. ms, bytes, output tokens/s. ``evidence``: the
+    microbenchmark table and decode calibration (:class:`Evidence`); without, the roofline
+    tier alone. The estimate's ``tpot_tier`` and ``ttft_tier`` say which tier produced each.
     """
     t = Terms()
     B, ctx, isl = point.batch_size, point.context_len, point.isl
@@ -379,7 +429,7 @@ def estimate(
     dqk, dv = _attention_dims(cfg, decode=True)
     decode_attn = b * ctx * cfg.num_hidden_layers * heads_per_rank * 2 * (dqk + dv) / plan.dcp
     kv_read = decode_kv_bytes(b, ctx, kv_token / kv_shards(cfg, plan))
-    tpot_s = _pass(
+    tpot_s, tpot_tier = _pass(
         t,
         "decode",
         cfg,
@@ -394,14 +444,21 @@ def estimate(
         wdtype=weight_dtype,
         adtype=act_dtype,
         kinds=kinds,
+        context=ctx,
+        evidence=evidence,
     )
-    tpot_ms = t.add("tpot_ms", tpot_s * 1e3, "ms", "max(memory, compute) + communication")
+    how = {
+        "roofline": "max(memory, compute) + kernels + communication",
+        "microbenchmark": "measured ops + kernels + communication",
+        "measured": "calibration factor × (ops + kernels) + communication",
+    }
+    tpot_ms = t.add("tpot_ms", tpot_s * 1e3, "ms", f"{tpot_tier} tier: {how[tpot_tier]}")
     tps = t.add("throughput_tokens_per_s", B / tpot_s, "tokens/s", "B / TPOT (all replicas)")
 
     dqk, dv = _attention_dims(cfg, decode=False)
     prefill_attn = cfg.num_hidden_layers * isl * isl * heads_per_rank * (dqk + dv)
     kv_write = isl * kv_token / kv_shards(cfg, plan)
-    ttft_s = _pass(
+    ttft_s, ttft_tier = _pass(
         t,
         "prefill",
         cfg,
@@ -416,8 +473,15 @@ def estimate(
         wdtype=weight_dtype,
         adtype=act_dtype,
         kinds=kinds,
+        context=isl,
+        evidence=evidence,
     )
-    ttft_ms = t.add("ttft_ms", ttft_s * 1e3, "ms", "prefill of one ISL prompt, no queueing")
+    ttft_ms = t.add(
+        "ttft_ms",
+        ttft_s * 1e3,
+        "ms",
+        f"{ttft_tier} tier: prefill of one ISL prompt, no queueing ({how[ttft_tier]})",
+    )
     return Estimate(
         plan=plan,
         point=point,
@@ -430,4 +494,6 @@ def estimate(
         ttft_ms=ttft_ms,
         throughput_tokens_per_s=tps,
         terms=tuple(t.items),
+        tpot_tier=tpot_tier,
+        ttft_tier=ttft_tier,
     )

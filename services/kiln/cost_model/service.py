@@ -35,11 +35,12 @@ from google.protobuf import json_format
 
 from kiln.common.errors import DeadlineExceeded, InvalidArgument, OutOfRange, quote
 from kiln.cost_model.bounds import check_devices, check_plan_degrees
-from kiln.cost_model.estimate import Estimate
+from kiln.cost_model.estimate import Estimate, Term
+from kiln.cost_model.evidence import NO_EVIDENCE, Evidence
 from kiln.cost_model.hardware import Hardware, get_hardware
+from kiln.cost_model.knowledge import Knowledge
 from kiln.cost_model.objective import ServingTargets, lossy_kv
 from kiln.cost_model.planner import (
-    ESTIMATE_TIER,
     PlanDeadlineExceeded,
     PlanResult,
     evaluate,
@@ -48,6 +49,7 @@ from kiln.cost_model.planner import (
 )
 from kiln.cost_model.serving import serving_terms
 from kiln.cost_model.sharding import FP8, Parallelism
+from kiln.cost_model.tier2 import TIERS
 from kiln.domain.operating_point import (
     OperatingPoint,
     OperatingPointError,
@@ -175,7 +177,7 @@ def to_proto(
         ttft_p90_ms=est.serving.ttft_p90_ms if est.serving else 0.0,
         tpot_p90_ms=est.serving.tpot_p90_ms if est.serving else 0.0,
         memory_bytes_per_device=_uint64(est.memory_bytes_per_device),
-        estimate_tier=ESTIMATE_TIER,
+        estimate_tier=est.tpot_tier,
         feasible=not reason,
         infeasible_reason=reason,
         note=note,
@@ -186,14 +188,22 @@ def to_proto(
 
 
 def explain_text(
-    est: Estimate, reason: str, notes: list[str], hw: Hardware, targets: ServingTargets
+    est: Estimate,
+    reason: str,
+    notes: list[str],
+    hw: Hardware,
+    targets: ServingTargets,
+    evidence: Evidence = NO_EVIDENCE,
 ) -> str:
-    """A readable account of an estimate: verdict, headline numbers, then every term."""
+    """A readable account of an estimate: verdict, headline numbers, the tier of each and the
+    evidence behind them, then every term."""
     p, pt = est.plan, est.point
     lines = [
         f"{p.label()} on {p.devices} × {hw.name}, B={pt.batch_size} ISL={pt.isl} "
-        f"OSL={pt.osl} context={pt.context_len} (tier {ESTIMATE_TIER})",
+        f"OSL={pt.osl} context={pt.context_len} (tier {est.tpot_tier})",
         f"verdict: {'infeasible: ' + reason if reason else 'feasible'}",
+        f"tiers: TPOT {est.tpot_tier}, TTFT {est.ttft_tier}, memory roofline",
+        *evidence_lines(evidence, hw),
         f"one step: TPOT {est.tpot_ms:.4g} ms, TTFT {est.ttft_ms:.4g} ms (one prompt alone), "
         f"{est.throughput_tokens_per_s:.4g} tokens/s, "
         f"{est.memory_bytes_per_device / 1e9:.3g} GB per device",
@@ -208,6 +218,32 @@ def explain_text(
         f"hardware: {hw.source_summary()}",
     ]
     return "\n".join(lines)
+
+
+def evidence_lines(evidence: Evidence, hw: Hardware) -> list[str]:
+    """Where tiers 2 and 3 stand for this request, in words."""
+    table, cal = evidence.table, evidence.calibration
+    bench = (
+        f"microbenchmarks: {table.label()}, {len(table.points)} points over {table.events} "
+        f"run(s) ({table.stream_id})"
+        if table is not None
+        else f"microbenchmarks: none measured on {hw.name} yet (the roofline fills in)"
+    )
+    calibration = (
+        f"calibration (measured passes): {cal.describe()}"
+        if cal is not None
+        else f"calibration (measured passes): none of this model on {hw.name} yet"
+    )
+    return [bench, calibration]
+
+
+def tier_terms(est: Estimate) -> list[Term]:
+    """``tier.tpot_ms`` and ``tier.ttft_ms``: the tier of each headline number (value: its
+    index in roofline, microbenchmark, measured)."""
+    return [
+        Term(f"tier.{name}", float(TIERS.index(tier)), "tier", tier)
+        for name, tier in (("tpot_ms", est.tpot_tier), ("ttft_ms", est.ttft_tier))
+    ]
 
 
 def _uint64(value: float) -> int:
@@ -244,8 +280,11 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
     """kiln.v1.CostModel; errors are ``KilnError`` (mapped by the runtime to status codes).
     ``plan_deadline_s``: see ``PLAN_DEADLINE_S``."""
 
-    def __init__(self, plan_deadline_s: float = PLAN_DEADLINE_S) -> None:
+    def __init__(
+        self, plan_deadline_s: float = PLAN_DEADLINE_S, knowledge: Knowledge | None = None
+    ) -> None:
         self.plan_deadline_s = plan_deadline_s
+        self.knowledge = knowledge
         self._planners = ThreadPoolExecutor(PLAN_WORKERS, thread_name_prefix="kiln-plan")
 
     def close(self) -> None:
@@ -260,6 +299,7 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         n: int,
         dtypes: tuple[str, str],
         targets: ServingTargets,
+        evidence: Evidence = NO_EVIDENCE,
     ) -> PlanResult:
         """``plan_workload`` in a planner thread, within ``plan_deadline_s`` from now."""
         deadline = time.monotonic() + self.plan_deadline_s
@@ -267,7 +307,9 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         def run() -> PlanResult:
             if time.monotonic() > deadline:
                 raise PlanDeadlineExceeded("waited for a planner thread past the deadline")
-            return plan_workload(cfg, hw, point, n, *dtypes, deadline=deadline, targets=targets)
+            return plan_workload(
+                cfg, hw, point, n, *dtypes, deadline=deadline, targets=targets, evidence=evidence
+            )
 
         loop = asyncio.get_running_loop()
         try:  # the thread stops itself at the deadline; the outer bound is a backstop
@@ -281,6 +323,16 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
                 "a shorter OSL"
             ) from None
 
+    def evidence(
+        self, spec: common_pb2.ModelSpec, cfg: ModelConfig, hw: Hardware, wdtype: str, adtype: str
+    ) -> Evidence:
+        """Tiers 2 and 3 for this request (none without a ledger follower); asks the engine
+        pool for the model's microbenchmarks when the table lacks them."""
+        if self.knowledge is None:
+            return NO_EVIDENCE
+        self.knowledge.want_microbenchmarks(cfg, hw, wdtype)
+        return self.knowledge.evidence(cfg, spec.config_json, spec.dtype, hw, wdtype, adtype)
+
     async def Plan(
         self, request: cost_model_pb2.PlanRequest, context: Any
     ) -> cost_model_pb2.PlanResponse:
@@ -291,7 +343,8 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
         wdtype, adtype = dtypes(wl.model, cfg)
         point, notes = operating_point(wl)
         targets = targets_of(request.targets)
-        result = await self._plan(cfg, hw, point, n, (wdtype, adtype), targets)
+        evidence = self.evidence(wl.model, cfg, hw, wdtype, adtype)
+        result = await self._plan(cfg, hw, point, n, (wdtype, adtype), targets, evidence)
         feasible = result.feasible[: request.max_plans or None]
         log.info(
             "planned",
@@ -343,16 +396,17 @@ class CostModelServicer(cost_model_pb2_grpc.CostModelServicer):
             kv_dtype=kv_dtype_of(rp, adtype),
         )
         targets = targets_of(request.targets)
-        est, reason = evaluate(cfg, hw, point, plan, n, wdtype, adtype)
+        evidence = self.evidence(wl.model, cfg, hw, wdtype, adtype)
+        est, reason = evaluate(cfg, hw, point, plan, n, wdtype, adtype, evidence)
         if not reason:
-            est = with_serving(cfg, hw, est, wdtype, adtype)
+            est = with_serving(cfg, hw, est, wdtype, adtype, evidence)
         terms = [
             cost_model_pb2.Term(name=t.name, value=t.value, unit=t.unit, source=t.source)
-            for t in (*est.terms, *serving_terms(est))
+            for t in (*est.terms, *serving_terms(est), *tier_terms(est))
         ]
         lossy = "KV cache in FP8 (lossy), as asked" if lossy_kv(est) else ""
         return cost_model_pb2.ExplainResponse(
             plan=to_proto(est, reason, lossy, targets=targets, kv_dtype=adtype),
             terms=terms,
-            text=explain_text(est, reason, notes, hw, targets),
+            text=explain_text(est, reason, notes, hw, targets, evidence),
         )

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kiln.cost_model.estimate import Estimate, Term
+from kiln.cost_model.evidence import NO_EVIDENCE, Evidence
 from kiln.cost_model.hardware import Hardware
 from kiln.cost_model.roofline import estimate
 from kiln.cost_model.sharding import Parallelism, replica_batch
@@ -86,29 +87,46 @@ def step_times(
     plan: Parallelism,
     weight_dtype: str = "bfloat16",
     act_dtype: str = "bfloat16",
+    evidence: Evidence = NO_EVIDENCE,
 ) -> StepTimes:
-    """Step times of one replica of ``plan`` at ``point``'s context, from roofline estimates at
-    batch sizes of powers of two and prompt lengths up to ``point.isl`` (linear between
-    them)."""
+    """Step times of one replica of ``plan`` at ``point``'s context, from estimates at batch
+    sizes of powers of two and prompt lengths up to ``point.isl`` (linear between them). With
+    a microbenchmark table (``evidence``) the decode "memory" time is the step's measured op
+    time and a prompt's math its measured prefill ops; with a calibration the decode parts and
+    the launches are multiplied by its factor."""
     one = replace(plan, dp=1)
     top = replica_batch(point.batch_size, plan.dp)
     sizes = sorted({1, top, *(2**k for k in range(int(math.log2(max(1, top))) + 1))})
-    first = estimate(cfg, hw, replace(point, batch_size=1), one, weight_dtype, act_dtype)
-    fixed = first.term("decode.fixed_ms").value
+    ev = evidence
+    first = estimate(cfg, hw, replace(point, batch_size=1), one, weight_dtype, act_dtype, ev)
+    factor = _value(first, "decode.calibration_factor", 1.0)
+    launch = first.term("decode.kernel_overhead_ms").value
+    fixed = first.term("decode.fixed_ms").value + (factor - 1.0) * launch
     memory, compute = {}, {}
     for b in sizes:
-        e = estimate(cfg, hw, replace(point, batch_size=b), one, weight_dtype, act_dtype)
-        memory[b] = e.term("decode.memory_time_ms").value
-        compute[b] = e.term("decode.compute_time_ms").value
+        e = estimate(cfg, hw, replace(point, batch_size=b), one, weight_dtype, act_dtype, ev)
+        ops = _value(e, "decode.measured_ops_ms", 0.0)
+        memory[b] = factor * (ops or e.term("decode.memory_time_ms").value)
+        compute[b] = factor * e.term("decode.compute_time_ms").value
     longest = max(1, point.isl)
     lengths = sorted(
         {1, 64, 256, 1024, 4096, longest, *(2**k for k in range(13, 25) if 2**k < longest)}
     )
     prompt = {}
     for n in lengths:
-        e = estimate(cfg, hw, replace(point, batch_size=1, isl=n), one, weight_dtype, act_dtype)
-        prompt[n] = e.term("prefill.compute_time_ms").value
+        e = estimate(cfg, hw, replace(point, batch_size=1, isl=n), one, weight_dtype, act_dtype, ev)
+        prompt[n] = (
+            _value(e, "prefill.measured_ops_ms", 0.0) or e.term("prefill.compute_time_ms").value
+        )
     return StepTimes(fixed, _interpolate(memory), _interpolate(compute), _interpolate(prompt))
+
+
+def _value(est: Estimate, name: str, default: float) -> float:
+    """The term's value, ``default`` when the estimate has none of that name."""
+    try:
+        return est.term(name).value
+    except KeyError:
+        return default
 
 
 def _interpolate(table: dict[int, float]) -> Callable[[int], float]:
@@ -248,10 +266,11 @@ def serve(
     plan: Parallelism,
     weight_dtype: str = "bfloat16",
     act_dtype: str = "bfloat16",
+    evidence: Evidence = NO_EVIDENCE,
 ) -> ServingStats:
     """The serving model of ``plan`` at ``point``: ``point.batch_size`` users over the DP
     replicas, each sending ``point.isl``-token prompts for ``point.osl`` tokens."""
-    times = step_times(cfg, hw, point, plan, weight_dtype, act_dtype)
+    times = step_times(cfg, hw, point, plan, weight_dtype, act_dtype, evidence)
     per_replica = replica_batch(point.batch_size, plan.dp)
     return simulate(times, concurrency=per_replica, isl=point.isl, osl=point.osl)
 

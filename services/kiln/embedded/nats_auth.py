@@ -118,11 +118,13 @@ def permissions(prefix: str) -> dict[str, Permissions]:
                 f"{_JS}.STREAM.CREATE.{registry}",  # an existing bucket is used as it is
                 *_reader(registry),
                 f"{_JS}.STREAM.MSG.GET.{registry}",
+                # Answers the cost model's microbenchmark requests in its reply inbox.
+                f"{kn.inbox_prefix('cost-model')}.>",
             ],
-            [f"{prefix}.work.experiments.>"],
+            [f"{prefix}.work.experiments.>", f"{prefix}.microbench.>"],
         ),
-        # Uses no NATS today: nothing but its inbox.
-        "cost-model": ([], []),
+        # Asks the engine pools for microbenchmarks (requests; replies in its inbox).
+        "cost-model": ([f"{prefix}.microbench.>"], []),
         # `kiln ledger subscribe`: reads the events stream.
         "cli": (_reader(events, delete=True), []),
         # The deployment's owner: everything but deleting or purging (inspecting consumers,

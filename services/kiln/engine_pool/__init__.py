@@ -8,5 +8,7 @@ kinds, the pin of an engine process), ``registry`` (pools and engines heartbeate
 key-value bucket), ``process`` (one engine process: start, deadline, crash and restart),
 ``worker`` (the engine process's main: a :class:`kiln.runtime.engine.Engine` answering run
 requests, a baseline through the external measure it is given), ``settings`` (``KILN_ENGINE_*``),
-``metrics``. The engine itself is :mod:`kiln.runtime`.
+``metrics``; ``microbench_*`` (the cost model's microbenchmarks: the NATS responder, the
+subprocess that times the ops; the wire format is :mod:`kiln.common.microbench_wire`). The
+engine itself is :mod:`kiln.runtime`.
 """

@@ -23,6 +23,7 @@ import grpc
 import structlog
 
 from kiln.common.settings import KilnSettings
+from kiln.engine_pool.microbench_service import MicrobenchResponder
 from kiln.engine_pool.pool import EnginePool
 from kiln.engine_pool.queue import WorkConsumer
 from kiln.engine_pool.registry import DeviceRecord, PoolRecord, Registry, now
@@ -72,6 +73,7 @@ class EnginePoolApp:
         self.registry = Registry(settings, self.engine_settings, self.record)
         self.pool.on_change = self.registry.poke
         self.servicer = EnginePoolServicer(self.pool, self.engine_settings, self.registry)
+        self.microbench = MicrobenchResponder(settings, self.pool)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._preload: asyncio.Task[object] | None = None
@@ -119,6 +121,7 @@ class EnginePoolApp:
             devices=[f"{d.name} ({d.kind}, {d.label})" for d in self.pool.devices],
         )
         self._tasks.append(asyncio.create_task(self.registry.run(self._stop), name="kiln-reg"))
+        self._tasks.append(asyncio.create_task(self.microbench.run(self._stop), name="kiln-mb"))
         if self.engine_settings.consume:
             self._tasks.append(asyncio.create_task(self.consumer.run(self._stop), name="kiln-work"))
 
