@@ -6,7 +6,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    KILN_MIGRATIONS_DIR=/app/migrations \
     KILN_LOG_FORMAT=json
 
 WORKDIR /app
@@ -16,8 +15,6 @@ COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY services ./services
 RUN pip install . && rm -rf /app/services/*.egg-info
-
-COPY migrations ./migrations
 
 RUN useradd --system --uid 10001 --home-dir /app kiln \
     && mkdir -p /pki && chown kiln /pki  # a new `pki` volume takes this owner (docker-compose.yml)

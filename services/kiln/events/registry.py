@@ -53,8 +53,8 @@ S = TypeVar("S", bound=EventSchema)
 
 
 def _ensure_loaded() -> None:
-    import kiln.events.deployment_types  # noqa: F401
-    import kiln.events.microbenchmarks  # noqa: F401  (the cost model's tier 2 stream)
+    import kiln.events.deployment_types
+    import kiln.events.microbenchmarks  # the cost model's tier 2 stream
     import kiln.events.types  # noqa: F401
 
 

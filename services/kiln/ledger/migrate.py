@@ -18,13 +18,13 @@ def sync_url(url: str) -> str:
 
 
 def migrations_dir() -> Path:
-    """The Alembic script directory: ``KILN_MIGRATIONS_DIR`` or the checkout's ``migrations/``.
+    """The Alembic script directory: ``KILN_MIGRATIONS_DIR``, else the package's own
+    ``kiln/ledger/migrations/`` (shipped in the wheel as package data).
 
-    Raises FileNotFoundError when neither exists (a wheel install must set the variable; the
-    Docker image does).
+    Raises FileNotFoundError when it holds no ``env.py``.
     """
     env = os.environ.get("KILN_MIGRATIONS_DIR")
-    path = Path(env) if env else Path(__file__).resolve().parents[3] / "migrations"
+    path = Path(env) if env else Path(__file__).resolve().parent / "migrations"
     if not (path / "env.py").is_file():
         raise FileNotFoundError(f"no Alembic migrations at {path}; set KILN_MIGRATIONS_DIR")
     return path

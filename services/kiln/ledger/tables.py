@@ -1,4 +1,5 @@
-"""The ledger's tables (SQLAlchemy Core). The schema itself is created by Alembic (migrations/).
+"""The ledger's tables (SQLAlchemy Core). The schema itself is created by Alembic
+(``kiln/ledger/migrations/``).
 
 events        append-only; ``position`` is the global order, assigned under an advisory lock held
               to commit so positions become visible in order (a tailing reader never skips a
