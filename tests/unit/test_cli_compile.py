@@ -35,8 +35,13 @@ def test_bad_durations(text: str) -> None:
         (["--model", "/nope/config.json", "--traffic", str(CONV)], "does not exist"),
         (["--model", str(LLAMA), "--traffic", "/nope.csv"], "does not exist"),
         (
-            ["--model", str(DATA / "models" / "glm-5.json"), "--traffic", str(CONV)],
-            "unsupported architecture 'glm_moe_dsa'",
+            [
+                "--model",
+                str(Path(__file__).parent / "data" / "mamba2-config.json"),
+                "--traffic",
+                str(CONV),
+            ],
+            "unsupported architecture 'mamba2'",
         ),
         (["--model", str(LLAMA), "--traffic", str(LLAMA)], "malformed rows"),
     ],

@@ -58,10 +58,14 @@ def test_fast_tier_truncates_layers() -> None:
         cfg.with_layers(17)
 
 
-@pytest.mark.parametrize("file", ["glm-5.json"])
-def test_unsupported_architectures_are_named(file: str) -> None:
+@pytest.mark.parametrize("model_type", ["mamba2", "qwen3_next", ""])
+def test_unsupported_architectures_are_named(tmp_path: Path, model_type: str) -> None:
+    cfg = json.loads((MODELS / "llama-3.2-1b.json").read_text())
+    cfg["model_type"] = model_type
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="unsupported architecture"):
-        load_config(MODELS / file)
+        load_config(path)
 
 
 def test_malformed_configs(tmp_path: Path) -> None:

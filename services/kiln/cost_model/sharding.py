@@ -143,7 +143,9 @@ def attention_shard(cfg: ModelConfig, tp: int) -> float:
         kv_down = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
         kv_up = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) / tp
         o = heads * m.v_head_dim * h / tp
-        return q + kv_down + kv_up + o
+        # GLM-5's sparse-attention indexer: small, held whole on every rank.
+        index = cfg.dsa.params(h, m.q_lora_rank or 0) if cfg.dsa is not None else 0
+        return q + kv_down + kv_up + o + index
     kv_ranks = min(tp, cfg.num_key_value_heads)
     q_o = 2 * h * heads * d / tp
     kv = 2 * h * cfg.num_key_value_heads * d / kv_ranks

@@ -9,6 +9,7 @@ them up by name.
 from kiln.ops import (
     attention,
     attention_triton,
+    dsa_indexer,
     embedding,
     linear_triton,
     lm_head,
@@ -28,6 +29,7 @@ from kiln.ops import (
 __all__ = [
     "attention",
     "attention_triton",
+    "dsa_indexer",
     "embedding",
     "linear_triton",
     "lm_head",

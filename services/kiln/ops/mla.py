@@ -17,7 +17,10 @@ and its value ``W_UV[h] c``, with ``kv_b_proj = [W_UK[h]; W_UV[h]]`` per head.
   T, Dv]``: causal attention over the latent cache with the visibility of
   :mod:`kiln.ops.attention`; ``reference`` expands per-head keys and values from the latents,
   ``absorbed`` folds ``W_UK`` into the query and ``W_UV`` into the output (the weights-absorbed
-  form, DeepSeek-V2 section 2.1.2) and never forms per-head K/V.
+  form, DeepSeek-V2 section 2.1.2) and never forms per-head K/V. GLM-5 sites pass the sparse
+  indexer's choice as the keyword ``topk_indices [B, T, K]`` (:mod:`kiln.ops.dsa_indexer`): a
+  query then sees only the visible slots it names (:func:`selection_mask`); both implementations
+  take it.
 """
 
 from __future__ import annotations
@@ -95,11 +98,29 @@ def reference_proj(
     return q_nope, q_rope, latent[:, None], k_rope
 
 
+def selection_mask(topk_indices: Tensor, cache_len: int) -> Tensor:
+    """``[B, 1, T, S]`` bool, True at the slots of ``topk_indices [B, T, K]`` int (``-1``:
+    none)."""
+    b, t, _ = topk_indices.shape
+    picked = torch.zeros(b, t, cache_len + 1, dtype=torch.bool, device=topk_indices.device)
+    slots = topk_indices.long().masked_fill(topk_indices < 0, cache_len)
+    picked.scatter_(-1, slots, True)
+    return picked[:, None, :, :cache_len]
+
+
 def _attend(
-    scores: Tensor, positions: Tensor, seq_lens: Tensor, values: Tensor, scale: float
+    scores: Tensor,
+    positions: Tensor,
+    seq_lens: Tensor,
+    values: Tensor,
+    scale: float,
+    topk_indices: Tensor | None = None,
 ) -> Tensor:
-    """``softmax(scores * scale + mask) @ values`` (``scores [B, Hq, T, S]``)."""
+    """``softmax(scores * scale + mask) @ values`` (``scores [B, Hq, T, S]``), the mask narrowed
+    to ``topk_indices`` when given."""
     mask = cache_mask(positions, seq_lens, scores.shape[-1])  # [B, 1, T, S]
+    if topk_indices is not None:
+        mask = mask & selection_mask(topk_indices, scores.shape[-1])
     probs = torch.softmax((scores * scale).masked_fill(~mask, float("-inf")), dim=-1)
     return torch.matmul(probs, values)
 
@@ -117,6 +138,7 @@ def reference(
     nope_dim: int,
     v_dim: int,
     scale: float,
+    topk_indices: Tensor | None = None,
 ) -> Tensor:
     """Per-head keys ``[k_nope, k_rope]`` and values expanded from every cached latent through
     ``kv_b_weight`` (in the model dtype, as transformers' ``expand_kv``), then explicit softmax
@@ -128,6 +150,7 @@ def reference(
         positions: ``[B, T]`` int64; seq_lens: ``[B]`` int64 valid lengths after this step.
         kv_b_weight: ``[Hq*(Dn+Dv), R]`` (``kv_b_proj``); nope_dim, v_dim: Dn, Dv.
         scale: the softmax scale (:func:`kiln.workloads.models.rope_frequencies.mla_softmax_scale`).
+        topk_indices: ``[B, T, K]`` int64 slots a query may see (``-1``: none), or None: all.
 
     Returns ``[B, Hq, T, Dv]`` in ``q_nope.dtype``.
     """
@@ -138,7 +161,8 @@ def reference(
     k = torch.cat((k_nope, rope_cache.expand(-1, heads, -1, -1)), dim=-1)
     q = widened(torch.cat((q_nope, q_rope), dim=-1))
     scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2))
-    return _attend(scores, positions, seq_lens, v.to(q.dtype), scale).to(q_nope.dtype)
+    out = _attend(scores, positions, seq_lens, v.to(q.dtype), scale, topk_indices)
+    return out.to(q_nope.dtype)
 
 
 def absorb(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -169,6 +193,7 @@ def absorbed(
     w_uk: Tensor,
     w_uv_t: Tensor,
     scale: float,
+    topk_indices: Tensor | None = None,
 ) -> Tensor:
     """Attention in the latent space: scores ``(q_nope W_UK) . c + q_rope . k_rope``, the
     probabilities times the latents, then ``W_UV`` per head (:func:`absorb`'s layout); the
@@ -179,5 +204,6 @@ def absorbed(
     ql, qr = widened(q_latent), widened(q_rope)
     latent, rope = latent_cache.to(ql.dtype), rope_cache.to(ql.dtype)  # [B, 1, S, .]
     scores = torch.matmul(ql, latent.transpose(-1, -2)) + torch.matmul(qr, rope.transpose(-1, -2))
-    out_latent = _attend(scores, positions, seq_lens, latent, scale).to(q_nope.dtype)
+    out_latent = _attend(scores, positions, seq_lens, latent, scale, topk_indices)
+    out_latent = out_latent.to(q_nope.dtype)
     return torch.matmul(out_latent, w_uv_t.to(q_nope.dtype))

@@ -27,6 +27,10 @@ OPS: dict[str, str] = {
     "seq_lens[B] -> out[B,Hq,T,D]",
     "mla_attention": "q_nope[B,Hq,T,Dn], q_rope[B,Hq,T,Dr], latent_cache[B,1,S,R], "
     "rope_cache[B,1,S,Dr], positions[B,T], seq_lens[B] -> out[B,Hq,T,Dv]",
+    "dsa_index_proj": "x[B,T,H] -> (q[B,Hi,T,Di], k[B,1,T,Di], w[B,T,Hi] float32) (GLM-5's "
+    "sparse-attention indexer)",
+    "dsa_indexer": "q[B,Hi,T,Di], w[B,T,Hi], key_cache[B,1,S,Di], positions[B,T], seq_lens[B] "
+    "-> topk_indices[B,T,K] int64 (-1: none)",
     "o_proj": "attn[B,Hq,T,D] -> hidden[B,T,H]",
     "mlp": "x[B,T,H] -> [B,T,H] (gate/up/down, SiLU)",
     "moe": "x[B,T,H] -> [B,T,H] (router top-k, softmax or grouped sigmoid, + SwiGLU experts)",

@@ -122,12 +122,16 @@ GQA_OPS = frozenset({"qkv_proj", "attention"})
 """The attention ops of a grouped-query (not latent) model."""
 MLA_OPS = frozenset({"mla_proj", "mla_attention"})
 """The attention ops of a latent-attention (MLA) model."""
+DSA_OPS = frozenset({"dsa_index_proj", "dsa_indexer"})
+"""The sparse-attention indexer's ops (GLM-5 only)."""
 
 
 def unused_ops(config: ModelConfig) -> frozenset[str]:
     """``moe`` in a dense model, ``mlp`` in a model whose every layer routes to experts and has
     no shared expert; the MLA ops in other models, ``qkv_proj`` and ``attention`` in MLA ones."""
     unused = set(GQA_OPS if config.mla is not None else MLA_OPS)
+    if config.dsa is None:
+        unused |= DSA_OPS
     shared = config.moe is not None and config.moe.num_shared_experts > 0
     if not config.is_moe:
         unused.add("moe")
@@ -144,6 +148,8 @@ def device_kind(device: str) -> str:
 def _unused_reason(config: ModelConfig, op: str) -> str:
     if op in GQA_OPS:
         why = "its attention is latent (MLA)"
+    elif op in DSA_OPS:
+        why = "it has no sparse-attention indexer (GLM-5's)"
     elif op in MLA_OPS:
         why = "its attention is not latent (MLA)"
     else:
@@ -160,15 +166,21 @@ def _impl_reason(config: ModelConfig, device: str, impl: Any) -> Reason:
 
 def _missing_params(config: ModelConfig, impl: Any) -> Reason:
     """Why ``impl`` cannot take the params ``config``'s sites add (gpt-oss: sinks, window,
-    clamped SwiGLU; :data:`kiln.workloads.gpt_oss.SITE_PARAMS`), or None; binding's signature
-    check would refuse it too."""
+    clamped SwiGLU; :data:`kiln.workloads.gpt_oss.SITE_PARAMS`; GLM-5: the indexer's
+    ``topk_indices``, :data:`kiln.workloads.glm_moe_dsa.CALL_PARAMS`), or None; binding's
+    signature check would refuse it too."""
     import inspect
 
-    from kiln.workloads import gpt_oss
+    from kiln.workloads import glm_moe_dsa, gpt_oss
 
-    if config.model_type != gpt_oss.GPT_OSS:
+    if config.model_type == glm_moe_dsa.GLM_MOE_DSA:
+        extra = glm_moe_dsa.CALL_PARAMS.get(impl.op, ())
+        family = "GLM-5's sparse-attention indexer; mla_attention=reference and absorbed take it"
+    elif config.model_type == gpt_oss.GPT_OSS:
+        extra = gpt_oss.SITE_PARAMS.get(impl.op, ())
+        family = f"gpt-oss; only {impl.op}=reference does"
+    else:
         return None
-    extra = gpt_oss.SITE_PARAMS.get(impl.op, ())
     if not extra:
         return None
     params = inspect.signature(impl.fn).parameters
@@ -179,7 +191,7 @@ def _missing_params(config: ModelConfig, impl: Any) -> Reason:
         return None
     return (
         f"{impl.op}={impl.name} does not implement {', '.join(missing)}, which "
-        f"{config.name} needs (gpt-oss; only {impl.op}=reference does)"
+        f"{config.name} needs ({family})"
     )
 
 

@@ -1,5 +1,6 @@
 """Model architecture from a Hugging Face ``config.json``: Llama, Qwen3, Qwen3-MoE, Mixtral,
-DeepSeek-V3 / Kimi-K2 (MLA), MiniMax-M2 (its main model; MTP modules ignored) and gpt-oss,
+DeepSeek-V3 / Kimi-K2 (MLA), GLM-5 (MLA + sparse-attention indexer), MiniMax-M2 (its main
+model; MTP modules ignored) and gpt-oss,
 with the derived sizes engines and the cost model need. Field names follow the Hugging Face
 configs. Every number is checked against a stated range (:mod:`kiln.workloads.config_bounds`).
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.domain.quoting import quote
-from kiln.workloads import gpt_oss
+from kiln.workloads import glm_moe_dsa, gpt_oss
 from kiln.workloads.config_bounds import (
     MAX_CONFIG_CHARS,
     MAX_DTYPE_CHARS,
@@ -31,11 +32,13 @@ from kiln.workloads.config_bounds import UnsupportedModelError as UnsupportedMod
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2", "minimax_m2",
-    "gpt_oss",
+    "gpt_oss", "glm_moe_dsa",
 )  # fmt: skip
 DEEPSEEK_V3_TYPES = ("deepseek_v3", "kimi_k2")
 """Model types of the DeepSeek-V3 architecture (Kimi-K2's ``config.json`` says ``kimi_k2`` and
 ``DeepseekV3ForCausalLM``)."""
+MLA_TYPES = (*DEEPSEEK_V3_TYPES, glm_moe_dsa.GLM_MOE_DSA)
+"""Model types built with MLA and DeepSeek-V3's MoE (GLM-5 adds the indexer)."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
@@ -120,6 +123,8 @@ class ModelConfig:
     """Tokens a sliding-window layer attends to (gpt-oss; :mod:`kiln.workloads.gpt_oss`)."""
     sliding_layers: tuple[int, ...] = ()
     """The layers that attend within ``sliding_window`` (the others attend to all)."""
+    dsa: glm_moe_dsa.IndexerConfig | None = None
+    """GLM-5's sparse-attention indexer (:mod:`kiln.workloads.glm_moe_dsa`), or None."""
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ derived sizes
@@ -166,7 +171,8 @@ class ModelConfig:
             kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
             kv += m.kv_lora_rank * self.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)
             o = self.num_attention_heads * m.v_head_dim * h
-            return q + kv + o
+            index = self.dsa.params(h, m.q_lora_rank or 0) if self.dsa is not None else 0
+            return q + kv + o + index
         q = h * self.num_attention_heads * d
         kv = 2 * h * self.num_key_value_heads * d
         o = self.num_attention_heads * d * h
@@ -217,10 +223,12 @@ class ModelConfig:
 
     def kv_elements_per_layer(self) -> int:
         """KV-cache elements one token occupies in one layer: K and V of every KV head, or for
-        MLA one latent and one rope key (``kv_lora_rank + qk_rope_head_dim``, no x2).
+        MLA one latent and one rope key (``kv_lora_rank + qk_rope_head_dim``, no x2), plus for
+        GLM-5 the indexer's key (``index_head_dim``).
         """
         if self.mla is not None:
-            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+            index = self.dsa.head_dim if self.dsa is not None else 0
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim + index
         return 2 * self.num_key_value_heads * self.head_dim
 
     def kv_elements_per_token(self) -> int:
@@ -291,8 +299,9 @@ def _moe(cfg: dict[str, Any], model_type: str, name: str, layers: int) -> MoECon
             round_router_weights=model_type == gpt_oss.GPT_OSS,
             scoring="sigmoid" if model_type == "minimax_m2" else "softmax",
         )
-    if model_type in DEEPSEEK_V3_TYPES:
-        # transformers' DeepseekV3DecoderLayer: layer i is MoE when i >= first_k_dense_replace;
+    if model_type in MLA_TYPES:
+        # transformers' DeepseekV3DecoderLayer (and GlmMoeDsaDecoderLayer): layer i is MoE when
+        # i >= first_k_dense_replace;
         # DeepseekV3TopkRouter: sigmoid scores, group-limited top-k, routed_scaling_factor.
         experts = whole({"num_experts": cfg.get("n_routed_experts")}, "num_experts", name)
         first_dense = whole(cfg, "first_k_dense_replace", name, 0, high=layers)
@@ -316,7 +325,7 @@ def _moe(cfg: dict[str, Any], model_type: str, name: str, layers: int) -> MoECon
 
 
 def _mla(cfg: dict[str, Any], model_type: str, name: str) -> MLAConfig | None:
-    if model_type not in DEEPSEEK_V3_TYPES:
+    if model_type not in MLA_TYPES:
         return None
     return MLAConfig(
         q_lora_rank=whole(cfg, "q_lora_rank", name) if cfg.get("q_lora_rank") else None,
@@ -391,6 +400,9 @@ def parse_config(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         sliding_window=gpt_oss.sliding_window(cfg, name) if model_type == gpt_oss.GPT_OSS else None,
         sliding_layers=(
             gpt_oss.sliding_layers(cfg, name, layers) if model_type == gpt_oss.GPT_OSS else ()
+        ),
+        dsa=(
+            glm_moe_dsa.indexer_config(cfg, name) if model_type == glm_moe_dsa.GLM_MOE_DSA else None
         ),
         raw=cfg,
     )

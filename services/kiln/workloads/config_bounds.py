@@ -58,6 +58,10 @@ LIMITS: dict[str, tuple[int, int]] = {
     "qk_nope_head_dim": (1, 4096),
     "qk_rope_head_dim": (1, 4096),
     "v_head_dim": (1, 4096),
+    # GLM-5's sparse-attention indexer: 32 heads of 128, top 2,048 keys per query.
+    "index_n_heads": (1, 4096),
+    "index_head_dim": (1, 4096),
+    "index_topk": (1, 1 << 24),
 }
 """(lowest, highest) accepted value of each integer field, inclusive."""
 

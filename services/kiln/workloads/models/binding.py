@@ -38,6 +38,8 @@ def _check_params(impl: OpImpl, site: Site, params: Mapping[str, Any]) -> None:
     has_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     unexpected = [] if has_var_kw else sorted(set(params) - accepts)
     missing = sorted(required - set(params))
+    if not has_var_kw:  # inputs the forward passes at call time (GLM-5's topk_indices)
+        missing += sorted(set(site.call_params) - accepts)
     if unexpected or missing:
         raise BindError(
             f"{impl.op}={impl.name} at {site.name}: params do not match "

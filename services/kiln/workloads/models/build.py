@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from kiln.domain.quoting import quote
-from kiln.workloads import gpt_oss, minimax_m2
+from kiln.workloads import glm_moe_dsa, gpt_oss, minimax_m2
 from kiln.workloads.config import DEEPSEEK_V3_TYPES, ModelConfig
+from kiln.workloads.glm_moe_dsa_weights import seeded_random_glm
 from kiln.workloads.gpt_oss import GPT_OSS
 from kiln.workloads.gpt_oss_weights import seeded_random_gpt_oss
 from kiln.workloads.mla_weights import seeded_random_mla
@@ -26,7 +27,7 @@ from kiln.workloads.weights import WeightStore, load_safetensors, seeded_random
 
 BUILDABLE_MODEL_TYPES = (
     "llama", "qwen3", "qwen3_moe", "mixtral", *DEEPSEEK_V3_TYPES, minimax_m2.MINIMAX_M2,
-    GPT_OSS,
+    GPT_OSS, glm_moe_dsa.GLM_MOE_DSA,
 )  # fmt: skip
 
 
@@ -63,9 +64,10 @@ def check_buildable(config: ModelConfig) -> None:
     Qwen3-MoE / Mixtral model (top-k routed SwiGLU experts, no shared experts) with default or
     Llama-3 RoPE, or a DeepSeek-V3 / Kimi-K2 model (MLA, sigmoid ``noaux_tc`` group-limited
     routing, shared experts, dense first layers, YaRN allowed), or a MiniMax-M2 model (main
-    model only; :func:`kiln.workloads.minimax_m2.refusal`), or a gpt-oss model (sinks, sliding
-    windows, YaRN, clamped-SwiGLU experts; random weights only: :mod:`kiln.workloads.gpt_oss`),
-    each with SiLU, no MLP bias and no
+    model only; :func:`kiln.workloads.minimax_m2.refusal`), or a GLM-5 model (DeepSeek-V3's plus
+    the sparse-attention indexer; :func:`kiln.workloads.glm_moe_dsa.refusal`), or a gpt-oss
+    model (sinks, sliding windows, YaRN, clamped-SwiGLU experts; random weights only:
+    :mod:`kiln.workloads.gpt_oss`), each with SiLU, no MLP bias and no
     sliding window."""
     why = _refusal(config)
     if why is not None:
@@ -77,6 +79,9 @@ def _refusal(config: ModelConfig) -> str | None:
     raw = config.raw
     if config.mla is not None:
         why = _mla_refusal(config)
+        if why is None and config.dsa is not None:
+            m = config.mla
+            why = glm_moe_dsa.refusal(config.raw, config.dsa, m.q_lora_rank, m.qk_rope_head_dim)
         if why is not None:
             return why
     elif config.moe is not None and config.moe.num_shared_experts:
@@ -163,6 +168,8 @@ def build_model(
             weights = load_safetensors(weights_dir, cfg, dtype, device)
         else:
             random = seeded_random_mla if cfg.mla is not None else seeded_random
+            if cfg.dsa is not None:  # MLA plus the indexer's weights
+                random = seeded_random_glm
             if cfg.model_type == minimax_m2.MINIMAX_M2:
                 random = minimax_m2.seeded_random_minimax
             if cfg.model_type == GPT_OSS:  # experts in kiln's layout: gpt_oss_weights

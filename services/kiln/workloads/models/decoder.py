@@ -8,7 +8,10 @@ residual), ``ffn`` (``mlp``, or ``moe`` on expert layers) plus ``shared_ffn`` wh
 one; then ``final_norm`` and ``lm_head``. A latent-attention layer (DeepSeek-V3, transformers'
 ``DeepseekV3Attention``): ``qkv_proj`` (``mla_proj``) gives the query's two parts, the latent and
 the rope key; ``rope`` rotates the rope parts; the cache stores the latent and the rope key;
-``attention`` (``mla_attention``) reads them.
+``attention`` (``mla_attention``) reads them. A GLM-5 layer (``GlmMoeDsaAttention``) also runs
+its sparse indexer: ``index_proj`` and ``rope`` give the index queries and key, the key is
+cached after the rope key (:mod:`kiln.workloads.models.kv_cache`), ``indexer`` picks each
+query's top-k slots and ``attention`` attends to those only (``topk_indices``).
 """
 
 from __future__ import annotations
@@ -81,8 +84,20 @@ class DecoderModel:
         if self.config.mla is not None:
             q_nope, q_rope, latent, k_rope = ops.qkv_proj(x)
             q_rope, k_rope = ops.rope(q_rope, k_rope, positions)
-            latent_cache, rope_cache = self.cache.write(i, latent, k_rope, positions)
-            attn = ops.attention(q_nope, q_rope, latent_cache, rope_cache, positions, seq_lens)
+            if ops.index_proj is None or ops.indexer is None:
+                latent_cache, rope_cache = self.cache.write(i, latent, k_rope, positions)
+                attn = ops.attention(q_nope, q_rope, latent_cache, rope_cache, positions, seq_lens)
+            else:  # GLM-5: the index key is cached after the rope key
+                q_index, k_index, head_w = ops.index_proj(x)
+                q_index, k_index = ops.rope(q_index, k_index, positions)
+                both = torch.cat((k_rope, k_index.to(k_rope.dtype)), dim=-1)
+                latent_cache, tail = self.cache.write(i, latent, both, positions)
+                rope_cache, index_cache = tail.split([k_rope.shape[-1], k_index.shape[-1]], -1)
+                topk = ops.indexer(q_index, head_w, index_cache, positions, seq_lens)
+                attn = ops.attention(
+                    q_nope, q_rope, latent_cache, rope_cache, positions, seq_lens,
+                    topk_indices=topk,
+                )  # fmt: skip
         else:
             q, k, v = ops.qkv_proj(x)
             if ops.q_norm is not None and ops.k_norm is not None:

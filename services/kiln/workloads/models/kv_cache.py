@@ -4,7 +4,10 @@ never change shape or address (CUDA-graph friendly).
 A latent (MLA) cache is the same object with one "head": ``k[l]`` holds each token's normalised
 latent ``[B, 1, S, kv_lora_rank]`` and ``v[l]`` its rotated rope key ``[B, 1, S,
 qk_rope_head_dim]``, so a token costs ``kv_lora_rank + qk_rope_head_dim`` values per layer
-(:meth:`kiln.workloads.config.ModelConfig.kv_elements_per_layer`), no per-head K/V.
+(:meth:`kiln.workloads.config.ModelConfig.kv_elements_per_layer`), no per-head K/V. A GLM-5
+cache (sparse-attention indexer) widens ``v[l]`` to ``[B, 1, S, qk_rope_head_dim +
+index_head_dim]``: the rope key, then the indexer's key (transformers' ``update_indexer``), so
+one ``write`` stores both and every reader of ``k``/``v`` sees the whole cache.
 """
 
 from __future__ import annotations
@@ -66,13 +69,14 @@ class StaticKVCache:
             ValueError: ``max_batch`` or ``max_len`` below 1.
         """
         if config.mla is not None:
+            index = config.dsa.head_dim if config.dsa is not None else 0
             return StaticKVCache(
                 layers=config.num_hidden_layers,
                 max_batch=max_batch,
                 kv_heads=1,
                 max_len=max_len,
                 head_dim=config.mla.kv_lora_rank,
-                value_dim=config.mla.qk_rope_head_dim,
+                value_dim=config.mla.qk_rope_head_dim + index,
                 dtype=dtype,
                 device=device,
             )

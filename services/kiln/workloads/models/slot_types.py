@@ -15,20 +15,24 @@ U = TypeVar("U")
 
 @dataclass(frozen=True)
 class Site:
-    """One op call site: ``op``, ``name`` (the HF module prefix, which keys derived layouts) and
-    ``params`` (the reference implementation's keyword params here).
+    """One op call site: ``op``, ``name`` (the HF module prefix, which keys derived layouts),
+    ``params`` (the reference implementation's keyword params here) and ``call_params`` (keyword
+    inputs the forward passes at each call, e.g. GLM-5's ``topk_indices``; an implementation
+    must accept them to bind).
     """
 
     op: str
     name: str
     params: Mapping[str, Any]
+    call_params: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class LayerSlots(Generic[S]):
     """One decoder layer's op slots (``q_norm``/``k_norm`` may be None; ``ffn`` is ``mlp`` or
     ``moe``; ``shared_ffn`` an ``mlp`` added to ``ffn``'s output, or None; MLA roles: module
-    docstring).
+    docstring; ``index_proj``/``indexer``: GLM-5's ``dsa_index_proj`` and ``dsa_indexer``, None
+    elsewhere).
     """
 
     input_norm: S
@@ -41,6 +45,8 @@ class LayerSlots(Generic[S]):
     post_attention_norm: S
     ffn: S
     shared_ffn: S | None = None
+    index_proj: S | None = None
+    indexer: S | None = None
 
     def map(self, fn: Callable[[S], U]) -> LayerSlots[U]:
         """The same slots with ``fn`` applied to each filled one."""
@@ -55,6 +61,8 @@ class LayerSlots(Generic[S]):
             post_attention_norm=fn(self.post_attention_norm),
             ffn=fn(self.ffn),
             shared_ffn=None if self.shared_ffn is None else fn(self.shared_ffn),
+            index_proj=None if self.index_proj is None else fn(self.index_proj),
+            indexer=None if self.indexer is None else fn(self.indexer),
         )
 
 

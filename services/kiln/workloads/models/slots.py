@@ -7,6 +7,8 @@ names for the forward.
 A latent-attention (DeepSeek-V3) layer fills the same roles with other ops: ``qkv_proj`` is
 ``mla_proj``, ``attention`` is ``mla_attention`` (:mod:`kiln.ops.mla`), no ``q_norm``/``k_norm``,
 and an MoE layer's shared expert is ``shared_ffn`` (an ``mlp``, added to the ``moe`` output).
+A GLM-5 layer adds ``index_proj`` and ``indexer`` (:mod:`kiln.workloads.models.glm_moe_dsa_slots`)
+and its ``mla_attention`` takes their ``topk_indices``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 
 from kiln.workloads import minimax_m2
 from kiln.workloads.config import ModelConfig
+from kiln.workloads.glm_moe_dsa import CALL_PARAMS as DSA_CALL_PARAMS
 from kiln.workloads.mla_weights import CORRECTION_BIAS
 from kiln.workloads.models import rope_frequencies
+from kiln.workloads.models.glm_moe_dsa_slots import indexer_sites
 from kiln.workloads.models.gpt_oss_slots import gpt_oss_sites
 from kiln.workloads.models.slot_types import LayerSlots as LayerSlots
 from kiln.workloads.models.slot_types import ModelSlots as ModelSlots
@@ -69,17 +73,24 @@ def _mla_layer(
         "scale": rope_frequencies.mla_softmax_scale(config),
     }
     eps = config.rms_norm_eps
+    index_proj = indexer = None
+    call_params: tuple[str, ...] = ()
+    if config.dsa is not None:
+        index_proj, indexer = indexer_sites(config, store, i, LATENT_NORM_EPS)
+        call_params = DSA_CALL_PARAMS["mla_attention"]
     return LayerSlots(
         input_norm=_norm(store, f"{p}.input_layernorm", eps),
         qkv_proj=Site("mla_proj", attn, proj),
         q_norm=None,
         k_norm=None,
         rope=rope_site,
-        attention=Site("mla_attention", attn, attention),
+        attention=Site("mla_attention", attn, attention, call_params),
         o_proj=_o_proj(store, attn),
         post_attention_norm=_norm(store, f"{p}.post_attention_layernorm", eps),
         ffn=_ffn(config, store, i),
         shared_ffn=_shared_ffn(config, store, i),
+        index_proj=index_proj,
+        indexer=indexer,
     )
 
 
