@@ -136,3 +136,64 @@ def test_request_parsing_and_bad_requests() -> None:
         assert err.value.status == status
     wire = encode(_run(_app(), _req("/")))
     assert wire.startswith(b"HTTP/1.1 200 OK\r\n") and b"Content-Security-Policy" in wire
+
+
+def test_the_cookie_holds_a_session_not_the_token() -> None:
+    """Browsers send a host's cookies to every port: the cookie is a random session id named
+    after the port, so another service on the host learns nothing that opens the dashboard."""
+    app = Dashboard(FakeSource(), Access("0.0.0.0", TOKEN, 9480))  # type: ignore[arg-type]
+    reply = _run(app, Request("POST", "/login", {}, {"host": "h"}, form={"token": TOKEN}))
+    name, _, session = reply.headers["Set-Cookie"].split(";")[0].partition("=")
+    assert name == "kiln_dashboard_9480" and TOKEN not in reply.headers["Set-Cookie"]
+    assert _run(app, _req("/", cookie=f"{name}={session}")).status == 200
+    assert _run(app, _req("/", cookie=f"{name}={TOKEN}")).status == 303  # the token is no session
+    assert _run(app, _req("/", cookie=f"kiln_dashboard_9481={session}")).status == 303
+    again = Dashboard(FakeSource(), Access("0.0.0.0", TOKEN, 9480))  # type: ignore[arg-type]
+    assert _run(again, _req("/", cookie=f"{name}={session}")).status == 303  # a restart forgets
+
+
+@pytest.mark.parametrize(
+    ("token", "why"),
+    [("a", "16 characters"), ("x" * 15, "16 characters"), ("tök€n-0123456789abcdef", "ASCII"),
+     ("abc;def0123456789xyz", "ASCII"), ("with space 0123456789", "ASCII")],
+)  # fmt: skip
+def test_weak_or_unsafe_tokens_are_refused(token: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        Access("0.0.0.0", token)
+
+
+def test_wrong_tokens_are_limited() -> None:
+    from kiln.dashboard.access import LOGIN_FAILURES
+
+    app = _app("0.0.0.0", TOKEN)
+
+    def login(token: str) -> int:
+        return int(
+            _run(app, Request("POST", "/login", {}, {"host": "h"}, form={"token": token})).status
+        )
+
+    assert [login("wrong-token-0000000") for _ in range(LOGIN_FAILURES)] == [401] * LOGIN_FAILURES
+    assert login(TOKEN) == 429  # even the right one, until the minute passes
+    assert app.access.login_allowed(now=1e12)
+
+
+def test_a_failing_handler_is_a_500_not_a_dropped_reply() -> None:
+    from kiln.dashboard import http
+    from kiln.dashboard.app import error
+
+    async def broken(request: Request) -> Any:
+        raise RuntimeError("bug")
+
+    async def main() -> bytes:
+        server = await http.start(broken, "127.0.0.1", 0, lambda s, m: error(s, m))
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        await writer.drain()
+        data = await reader.read()
+        writer.close()
+        server.close()
+        return data
+
+    reply = asyncio.run(main())
+    assert reply.startswith(b"HTTP/1.1 500") and b"RuntimeError" in reply

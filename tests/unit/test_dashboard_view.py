@@ -129,3 +129,20 @@ def test_report_is_self_contained() -> None:
     assert "<script" not in html.replace("&lt;script", "")
     assert "<style>" in html and "<svg" in html
     assert not re.search(r'(src|href)="(?!/compilations)', html)
+
+
+def test_the_board_is_skipped_at_once_for_a_user_that_may_not_read_it(tmp_path: Any) -> None:
+    """kiln up's `cli` NATS user may not read the board (every team's posts): the page says so
+    without waiting on the server; an agent-runner user or an open server is asked."""
+    from kiln.common.settings import KilnSettings
+    from kiln.dashboard.source import _board_refused
+
+    def settings(user: str | None) -> KilnSettings:
+        extra = {"nats_user": user, "nats_password": "pw"} if user else {}
+        return KilnSettings(state_dir=tmp_path, nats_url="nats://127.0.0.1:1", **extra)
+
+    assert "'cli' may not read it" in _board_refused(settings("cli"))
+    assert _board_refused(settings("agent-runner")) == ""
+    assert _board_refused(settings("operator")) == ""
+    assert _board_refused(settings(None)) == ""
+    assert _board_refused(settings("someone-else")) == ""

@@ -32,8 +32,6 @@ def _token(token_file: Path | None) -> str:
             token = token_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise CliError(f"--token-file {token_file}: {exc.strerror or exc}", USAGE) from None
-        if len(token) < 16:
-            raise CliError(f"--token-file {token_file}: a token needs 16 characters or more", USAGE)
         return token
     return os.environ.get("KILN_DASHBOARD_TOKEN", "").strip()
 
@@ -62,7 +60,11 @@ def dashboard(
     if not token and not is_loopback(host):
         token = secrets.token_urlsafe(24)
         err_console.print(f"dashboard token (the page asks for it): {token}", markup=False)
-    access = Access(host, token)
+    try:
+        access = Access(host, token, port)
+    except ValueError as exc:
+        where = "--token-file" if token_file is not None else "KILN_DASHBOARD_TOKEN"
+        raise CliError(f"{where}: {exc}", USAGE) from None
     source = _source(ctx)
 
     def ready(url: str) -> None:

@@ -100,11 +100,14 @@ class Dashboard:
             return _html(login_page())
         if request.method != "POST":
             return error(405, f"{request.method} is not served here")
-        if not self.access.token_ok(request.form.get("token", "")):
+        if not self.access.login_allowed():
+            return _html(login_page("too many wrong tokens: wait a minute"), 429)
+        cookie = self.access.login(request.form.get("token", ""))
+        if cookie is None:
             return _html(login_page("wrong token"), 401)
         headers = {"Location": "/"}
-        if self.access.token:
-            headers["Set-Cookie"] = self.access.cookie_header()
+        if cookie:
+            headers["Set-Cookie"] = cookie
         return Response(303, b"", headers=headers)
 
     async def _route(self, request: Request, api: bool) -> Response:

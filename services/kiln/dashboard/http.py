@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from urllib.parse import parse_qs, urlsplit
 
+import structlog
+
+log = structlog.get_logger("kiln.dashboard.http")
+
 MAX_HEADER = 16 * 1024
 MAX_BODY = 8 * 1024
 READ_TIMEOUT_S = 10.0
@@ -149,7 +153,14 @@ async def start(
                 response = on_error(exc.status, str(exc))
             except TimeoutError:
                 return
-            writer.write(encode(response))
+            except Exception as exc:  # a handler's bug: a 500 with one line, never a dropped reply
+                log.error("dashboard request failed", exc_info=exc)
+                response = on_error(500, f"internal error: {type(exc).__name__}")
+            try:
+                data = encode(response)
+            except UnicodeEncodeError:
+                data = encode(on_error(500, "internal error: a header is not latin-1"))
+            writer.write(data)
             await writer.drain()
         except (ConnectionError, OSError):
             pass

@@ -71,6 +71,7 @@ def write_pngs(plots: dict[str, str], out_dir: Path, timeout_s: float = 60.0) ->
                 encoding="utf-8",
             )
             target = (out_dir / f"{name}.png").resolve()
+            target.unlink(missing_ok=True)  # an older plot there must not pass for this one
             cmd = [
                 browser,
                 *FLAGS,
@@ -83,7 +84,7 @@ def write_pngs(plots: dict[str, str], out_dir: Path, timeout_s: float = 60.0) ->
                 subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)
             except (OSError, subprocess.TimeoutExpired) as exc:
                 raise PngUnavailable(f"{browser} failed: {exc}") from None
-            if not target.is_file() or target.stat().st_size == 0:
+            if not target.is_file() or not target.read_bytes().startswith(b"\x89PNG"):
                 raise PngUnavailable(f"{browser} wrote no screenshot for {name}")
             written.append(target)
     return written

@@ -42,6 +42,7 @@ async def serve(
         app = Dashboard(source, access)
         server = await http.start(app, access.host, port, lambda s, m: error(s, m))
         sock_port = server.sockets[0].getsockname()[1]
+        access.port = sock_port  # the session cookie is named after the port
         host = f"[{access.host}]" if ":" in access.host else access.host
         on_ready(f"http://{host}:{sock_port}/")
         async with server:

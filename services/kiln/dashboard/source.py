@@ -158,6 +158,10 @@ class Source:
         from kiln.board import Board
         from kiln.common.nats import connect
 
+        refused = _board_refused(self.settings)
+        if refused:
+            view.board_note = refused
+            return
         try:
             if self._nats is None:
                 url = self.settings.require_nats_url()
@@ -182,3 +186,24 @@ class Source:
             )
             for p in posts
         ]
+
+
+def _board_refused(settings: KilnSettings) -> str:
+    """Why ``settings``' NATS user may not read the board, known without asking the server:
+    one of kiln's own users (``kiln up``'s embedded NATS) whose permissions lack the board
+    stream's info (the board holds every team's posts: the CLI's user may not read it);
+    "" otherwise (an open server, or a user kiln does not define: the server decides)."""
+    from kiln.common import nats as kn
+    from kiln.embedded.nats_auth import NATS_USERS, permissions
+
+    creds = settings.nats_credentials()
+    if creds is None or creds[0] not in NATS_USERS:
+        return ""
+    info = f"$JS.API.STREAM.INFO.{kn.board_stream_name(settings.subject_prefix)}"
+    allowed = permissions(settings.subject_prefix)[creds[0]].publish
+    if info in allowed or ">" in allowed:
+        return ""
+    return (
+        f"the board is not shown: the NATS user {creds[0]!r} may not read it (it holds every "
+        "team's posts)"
+    )
