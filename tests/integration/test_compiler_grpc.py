@@ -490,7 +490,7 @@ async def test_bad_input_gets_the_right_status_and_changes_nothing(stack: Stack)
                 setattr(target, leaf, value)
         return w
 
-    deepseek_like = json.dumps({"model_type": "glm_moe_dsa", "hidden_size": 8})
+    unsupported = json.dumps({"model_type": "mamba2", "hidden_size": 8})
     cases: list[tuple[Any, grpc.StatusCode, str]] = [
         (
             compiler_pb2.SubmitRequest(budget=common_pb2.Budget(wall_seconds=5)),
@@ -508,9 +508,9 @@ async def test_bad_input_gets_the_right_status_and_changes_nothing(stack: Stack)
             "not valid JSON",
         ),
         (
-            _request(stack, 5, 2, workload=workload(model__config_json=deepseek_like)),
+            _request(stack, 5, 2, workload=workload(model__config_json=unsupported)),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "unsupported architecture 'glm_moe_dsa'",
+            "unsupported architecture 'mamba2'",
         ),
         (
             _request(stack, 5, 2, workload=workload(hardware__name="tpu-v9")),

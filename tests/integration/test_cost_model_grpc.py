@@ -19,7 +19,8 @@ from kiln.common.settings import KilnSettings
 from kiln.cost_model.app import create_app
 from kiln.v1 import common_pb2, cost_model_pb2, cost_model_pb2_grpc
 
-MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
+REPO = Path(__file__).resolve().parents[2]
+MODELS = REPO.parent / "shared" / "data" / "models"
 
 pytestmark = [
     pytest.mark.integration,
@@ -178,10 +179,12 @@ async def test_defaults_without_traffic(stub: cost_model_pb2_grpc.CostModelStub)
 async def test_unsupported_model_is_invalid_argument(
     stub: cost_model_pb2_grpc.CostModelStub,
 ) -> None:
+    mamba = _workload("llama-3.2-1b")
+    mamba.model.config_json = (REPO / "tests/unit/data/mamba2-config.json").read_text()
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Plan(cost_model_pb2.PlanRequest(workload=_workload("glm-5")), timeout=10)
+        await stub.Plan(cost_model_pb2.PlanRequest(workload=mamba), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "unsupported architecture 'glm_moe_dsa'" in (err.value.details() or "")
+    assert "unsupported architecture 'mamba2'" in (err.value.details() or "")
 
     empty = common_pb2.Workload(hardware=common_pb2.HardwareTarget(name="h200"))
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -93,7 +93,7 @@ async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
     pool = EnginePoolApp(cfg, engine_settings(max_batch=4, repeats=5))
     pool_task, pool_addr = await serve_in_task(pool, cfg)
     await asyncio.wait_for(pool.microbench.connected.wait(), 20)
-    cost = CostModelApp(cfg, CostSettings(microbench_budget_s=20.0))
+    cost = CostModelApp(cfg, CostSettings(microbench=True, microbench_budget_s=20.0))
     cost_task, cost_addr = await serve_in_task(cost, cfg)
     await asyncio.wait_for(cost.knowledge.caught_up.wait(), 30)
     async with LedgerClient(ledger_addr, "reader", tls=service_tls("agent-runner")) as ledger:
@@ -210,7 +210,7 @@ async def test_a_restarted_cost_model_reuses_the_table_from_the_ledger(stack: St
     cfg = stack.config
     await _explain_until(stack.cost_addr, cfg, "microbenchmark")
     before = len(await _tables(stack.ledger))
-    fresh = CostModelApp(stack.cfg, CostSettings(microbench_budget_s=20.0))
+    fresh = CostModelApp(stack.cfg, CostSettings(microbench=True, microbench_budget_s=20.0))
     task, addr = await serve_in_task(fresh, stack.cfg)
     try:
         await asyncio.wait_for(fresh.knowledge.caught_up.wait(), 30)

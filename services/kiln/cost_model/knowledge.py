@@ -56,14 +56,15 @@ FOLLOWED = ("CompilationSubmitted", "ExperimentRequested", "ExperimentCompleted"
 
 
 class CostSettings(BaseSettings):
-    """``KILN_COST_*``: ``microbench`` (ask engine pools for missing tables), ``follow`` (read
+    """``KILN_COST_*``: ``microbench`` (ask engine pools for missing tables; off by default: a
+    run holds a device that a compilation's experiments may be waiting for), ``follow`` (read
     the ledger at all), ``microbench_budget_s`` (0: the grid's own), ``retry_s`` between two
     asks for the same shapes, ``request_timeout_s`` beyond the budget."""
 
     model_config = SettingsConfigDict(env_prefix="KILN_COST_", extra="ignore")
 
     follow: bool = True
-    microbench: bool = True
+    microbench: bool = False
     microbench_budget_s: float = Field(default=0.0, ge=0, le=3600)
     retry_s: float = Field(default=300.0, ge=0)
     request_timeout_s: float = Field(default=60.0, gt=0)

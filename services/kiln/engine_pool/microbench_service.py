@@ -120,6 +120,7 @@ class MicrobenchResponder:
         budget = min(req.budget_s, self.mb.max_budget_s)
         req = req.model_copy(update={"budget_s": budget})
         try:
+            await _idle(slot, budget)
             async with slot.lock:
                 out = await self._run(slot, req)
             event = MicrobenchmarkMeasured(
@@ -186,3 +187,11 @@ class MicrobenchResponder:
         log.debug("microbench.ran", device=slot.device.name, s=time.monotonic() - start)
         result: dict[str, Any] = json.loads(stdout)
         return result
+
+
+async def _idle(slot: DeviceSlot, limit_s: float, poll_s: float = 0.2) -> None:
+    """Wait, at most ``limit_s``, until ``slot`` runs nothing and no experiment waits for it:
+    a microbenchmark yields to the compilations' experiments."""
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while (slot.busy or slot.waiting) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(poll_s)
