@@ -193,5 +193,5 @@ async def _idle(slot: DeviceSlot, limit_s: float, poll_s: float = 0.2) -> None:
     """Wait, at most ``limit_s``, until ``slot`` runs nothing and no experiment waits for it:
     a microbenchmark yields to the compilations' experiments."""
     deadline = asyncio.get_running_loop().time() + limit_s
-    while (slot.busy or slot.waiting) and asyncio.get_running_loop().time() < deadline:
+    while (slot.busy or slot.waiting) and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110  (the slot has no event to wait on)
         await asyncio.sleep(poll_s)
