@@ -78,7 +78,7 @@ async def _rival_candidate(stack: Stack) -> tuple[str, str]:
     """Another team's compilation and a candidate that only it measured."""
     async with team_channel(stack.settings.agent_runner_addr, OTHER_TEAM) as channel:
         rival = compiler_pb2_grpc.CompilerStub(channel)
-        for _ in range(3):  # the random agent may draw only candidates others measured too
+        for _ in range(6):  # the random agent may draw only candidates others measured too
             theirs = await _compile(rival, _request(stack, 30.0, 4, agents=["random"]))
             their_id = theirs[0].compilation_id
             story = await _story(stack.ledger, their_id, theirs[0].position - 1)
