@@ -18,19 +18,12 @@ import tempfile
 import time
 from typing import Any
 
+from kiln.dashboard.png import FLAGS as PNG_FLAGS
+
 CHROMIUM = os.environ.get("KILN_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--remote-debugging-pipe",
-)
+FLAGS = (*PNG_FLAGS, "--remote-debugging-pipe")
+"""The report's headless flags (kiln.dashboard.png.FLAGS), driven over the DevTools pipe."""
 
 
 def available() -> bool:
