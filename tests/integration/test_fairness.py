@@ -291,6 +291,20 @@ def _report(runs: list[Run], cids: list[str], stories: dict[str, Story]) -> str:
     return "\n".join(lines)
 
 
+def _overtaken_report(
+    report: str, run: Run, asked: float, overtaken: list[Run], asked_at: dict[str, float]
+) -> str:
+    """``report`` plus when the confirmation and the search runs that overtook it were requested
+    and started, in seconds after the confirmation's request."""
+    rows = [f"full {run.experiment_id[:8]}: asked 0.00, started {run.started_at - asked:.2f}"]
+    rows += [
+        f"fast {o.experiment_id[:8]} ({o.compilation_id[:8]}): asked "
+        f"{asked_at[o.experiment_id] - asked:.2f}, started {o.started_at - asked:.2f}"
+        for o in overtaken
+    ]
+    return "\n".join([report, *rows])
+
+
 async def test_twelve_compilations_of_three_teams_all_get_confirmations(stack: Stack) -> None:
     order = [team for team, n in TEAMS.items() for _ in range(n)]
     cids = list(
@@ -344,7 +358,7 @@ async def test_twelve_compilations_of_three_teams_all_get_confirmations(stack: S
                 and asked_at.get(o.experiment_id, 0.0) > asked + PUBLISH_SLACK_S
                 and o.started_at < run.started_at
             ]
-            assert len(overtaken) <= 2, report
+            assert len(overtaken) <= 2, _overtaken_report(report, run, asked, overtaken, asked_at)
 
     # Quotas: at most max_running compilations of a team ran at once (the others waited,
     # pending, and started in submission order); at most max_in_flight search experiments of a

@@ -184,7 +184,7 @@ async def test_a_measurement_at_the_same_point_is_reused_and_the_incumbent_compa
     }
     # the incumbent: the source's slowest correct candidate (the winner should beat it)
     incumbent = min(
-        (c for c, eid in measured.items() if done[eid]["status"] == "ok"),
+        (c for c, eid in measured.items() if done.get(eid, {}).get("status") == "ok"),
         key=lambda c: done[measured[c]]["tokens_per_s"],
     )
     await asyncio.sleep(1.0)  # the experiments projection follows the ledger within moments
@@ -211,6 +211,7 @@ async def test_a_measurement_at_the_same_point_is_reused_and_the_incumbent_compa
     for r in reused[: len(seeds)]:
         assert r["experiment_id"] == measured[r["candidate_id"]]
         assert r["source_compilation_id"] == source
+        assert r["experiment_id"] in done, (r, sorted(done))
         assert r["result"]["tokens_per_s"] == done[r["experiment_id"]]["tokens_per_s"]
     # an agent's later proposal may be answered from any of the team's earlier compilations at
     # this point (other tests of the module compile for the same team): the original must exist

@@ -67,9 +67,10 @@ def _csv(text: str) -> list[str]:
 @dataclass(eq=False)
 class Lane:
     """One work subject this pool consumes: ``subject`` and its tokens, ``sub`` (pull subscription),
-    ``queued`` (messages held on it: last scan plus publishes seen minus handled here), ``since``
-    (``time.monotonic()`` when a device here last took a message from it, or when work appeared
-    on it, whichever is later), ``lock`` (one fetch at a time).
+    ``queued`` (messages held on it: last scan plus publishes seen minus handled here),
+    ``published`` (publishes seen on it so far), ``since`` (``time.monotonic()`` when a device
+    here last took a message from it, or when work appeared on it, whichever is later), ``lock``
+    (one fetch at a time).
     """
 
     subject: str
@@ -78,6 +79,7 @@ class Lane:
     model_key: str
     sub: Any
     queued: int = 0
+    published: int = 0
     since: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -221,6 +223,9 @@ class WorkConsumer:
         if js is None:
             return
         prefix = self.settings.subject_prefix
+        # Publishes seen while the snapshot is taken may be missing from it: they are added to
+        # it (at worst one empty fetch), never lost until the next scan.
+        seen = {subject: lane.published for subject, lane in self.lanes.items()}
         info = await js.stream_info(work_stream_name(prefix), subjects_filter=work_filter(prefix))
         counts: dict[str, int] = dict(info.state.subjects or {})
         noticed = set(self._unbound)  # publishes seen meanwhile stay for the next scan
@@ -235,11 +240,12 @@ class WorkConsumer:
                     continue
                 lane = await self._bind(js, subject)
             # Published after the scan's snapshot: worth one fetch.
-            lane.count(counts.get(subject, 1 if subject in noticed else 0))
+            late = lane.published - seen.get(subject, lane.published)
+            lane.count(counts.get(subject, 1 if subject in noticed else 0) + late)
         self._unbound -= noticed
         for subject, lane in self.lanes.items():
             if subject not in counts and subject not in noticed:
-                lane.count(0)
+                lane.count(lane.published - seen.get(subject, lane.published))
         await self._notify()
 
     def _export_queued(self) -> None:
@@ -268,6 +274,7 @@ class WorkConsumer:
         if lane is None:
             self._unbound.add(msg.subject)
         else:
+            lane.published += 1
             lane.count(lane.queued + 1)
         await self._notify()
 
@@ -437,6 +444,7 @@ class WorkConsumer:
             if msg is not None:
                 lane.since = time.monotonic()  # its next message waits from now
                 return lane, msg
+            lane.queued = 0  # nothing deliverable now (in flight, nak delay): the next scan counts
         return None
 
     async def _fetch(self, lane: Lane) -> Msg | None:
