@@ -297,6 +297,21 @@ async def test_kiln_compile_cli_end_to_end(deployment: Deployment, tmp_path: Pat
     )  # fmt: skip
     listing, _ = await listed.communicate()
     assert listed.returncode == 0 and "tiny-llama" in listing.decode()
+    # Every --json is JSON lines: one object per line (issue 17).
+    for command in (["list"], ["show", match.group(1)], ["curve", match.group(1)]):
+        as_json = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kiln", "compilations", *command, "--json",
+            env=deployment.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        json_out, json_err = await as_json.communicate()
+        assert as_json.returncode == 0, json_err.decode()
+        rows = [json.loads(line) for line in json_out.decode().splitlines()]
+        assert all(isinstance(r, dict) for r in rows), command
+        if command[0] != "curve":
+            assert any(r.get("compilation_id") == match.group(1) for r in rows), rows
+    # A best with moves says what each bought (or that it was not measured apart).
+    if "best candidate" in text:
+        assert "what each move bought" in text, text
     # `kiln compilations cancel`: another team (with its own certificate) cannot even see it;
     # the owner is told it has ended.
     team_tls("someone-else")  # issued into the session's PKI, where the CLI finds it

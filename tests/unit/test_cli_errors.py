@@ -58,6 +58,16 @@ def test_unreachable_ledger_is_one_line(tmp_path: Path, args: tuple[str, ...]) -
     _assert_one_line_error(result, f"ledger at {addr} is not reachable", "kiln up")
 
 
+@pytest.mark.parametrize(
+    "args",
+    [("compilations", "list"), ("compilations", "show", "c1"), ("compilations", "curve", "c1")],
+)
+def test_unreachable_agent_runner_is_one_line(tmp_path: Path, args: tuple[str, ...]) -> None:
+    addr = f"127.0.0.1:{free_port()}"  # nothing listens there
+    result = _kiln(*args, state_dir=tmp_path, KILN_AGENT_RUNNER_ADDR=addr)
+    _assert_one_line_error(result, f"agent runner at {addr} is not reachable", "kiln up")
+
+
 def test_no_credentials_is_one_line_naming_the_fix(tmp_path: Path) -> None:
     addr = f"127.0.0.1:{free_port()}"
     result = _kiln(

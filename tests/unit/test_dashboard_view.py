@@ -146,3 +146,33 @@ def test_the_board_is_skipped_at_once_for_a_user_that_may_not_read_it(tmp_path: 
     assert _board_refused(settings("operator")) == ""
     assert _board_refused(settings(None)) == ""
     assert _board_refused(settings("someone-else")) == ""
+
+
+def test_the_page_says_what_each_move_of_the_best_bought() -> None:
+    from kiln.domain.candidate import REFERENCE_CANDIDATE, Candidate, Transform
+
+    evil = Candidate.make({"attention": EVIL})
+    best = Candidate.make({"attention": EVIL}, [Transform.of("threads", n=2)])
+    snap = compiler_pb2.Compilation(
+        compilation_id=CID, status=compiler_pb2.COMPILATION_STATUS_SUCCEEDED, created_at=_ts(0)
+    )
+    snap.best.candidate.CopyFrom(best.to_proto())
+    view = CompilationView(snap)
+    results = [(REFERENCE_CANDIDATE, 100.0), (evil, 130.0), (best, 260.0), (best, 250.0)]
+    pos = 0
+    for i, (c, tps) in enumerate(results):
+        for type_, extra in (
+            ("ExperimentRequested", {"candidate": c.canonical(), "agent": "coordinate"}),
+            ("ExperimentCompleted", {"status": "ok", "correct": True, "tokens_per_s": tps}),
+        ):
+            pos += 1
+            view.apply(
+                _event(pos, f"experiment-m{i}", type_, pos, compilation_id=CID,
+                       candidate_id=c.id, tier="fast", **extra)
+            )  # fmt: skip
+    effects = {m.move: m for m in view.move_effects()}
+    assert effects["threads(n=2)"].factor == 255.0 / 130.0  # the median of the best's two
+    assert effects[f"attention={EVIL}"].evidence == "alone"
+    page = compilation_page(view, {}, "t")
+    assert 'id="moves"' in page and "1.96x" in page and "1.30x" in page
+    assert EVIL not in page  # the op's name is escaped

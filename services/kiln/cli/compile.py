@@ -34,10 +34,11 @@ from kiln.cli.compile_view import (
     comparison_table,
     summary_table,
 )
+from kiln.cli.compiler_call import rpc_error
 from kiln.cli.context import service_addr, settings_for
 from kiln.cli.errors import CliError, err_console
 from kiln.cli.render import console
-from kiln.common.errors import FailedPrecondition, NotFound, Unavailable, from_rpc_error
+from kiln.common.errors import FailedPrecondition, NotFound, from_rpc_error
 from kiln.common.identity import SUBMIT_NOTES_METADATA_KEY
 from kiln.common.settings import KilnSettings
 from kiln.domain.candidate import REFERENCE_CANDIDATE
@@ -111,9 +112,11 @@ async def submit_and_watch(
     detach: bool,
     as_json: bool,
     comparison: Comparison | None = None,
+    view: CompileView | None = None,
 ) -> compiler_pb2.Compilation:
     """Submit, then (unless ``detach``) follow Watch until the compilation ends; returns the
-    last snapshot; ``comparison`` (when given) folds every event for the baselines table.
+    last snapshot; ``comparison`` (when given) folds every event for the baselines table,
+    ``view`` (when given) every event for the progress display and the summary's move effects.
     gRPC failures arrive as KilnError subclasses."""
     from kiln.common.client import team_channel
 
@@ -128,12 +131,12 @@ async def submit_and_watch(
                 await asyncio.wait_for(submit, 60)
             raise
         except grpc.RpcError as err:
-            raise _rpc_error(err, addr) from None
+            raise rpc_error(err, addr) from None
         for note in notes:
             err_console.print(Text(f"warning: {note}", style="yellow"))
         if detach:
             return compilation
-        view = CompileView(compilation.compilation_id, request.budget.wall_seconds)
+        view = view or CompileView(compilation.compilation_id, request.budget.wall_seconds)
         view.snapshot = compilation
         watch = stub.Watch(compiler_pb2.WatchRequest(compilation_id=compilation.compilation_id))
         try:
@@ -149,7 +152,7 @@ async def submit_and_watch(
                     if view.ended:
                         break
         except grpc.RpcError as err:
-            raise _rpc_error(err, addr) from None
+            raise rpc_error(err, addr) from None
         finally:
             watch.cancel()
         assert view.snapshot is not None
@@ -238,13 +241,6 @@ def _event_json(event: compiler_pb2.CompilationEvent) -> dict[str, object]:
     return MessageToDict(event, preserving_proto_field_name=True)
 
 
-def _rpc_error(err: grpc.RpcError, addr: str) -> Exception:
-    exc = from_rpc_error(err)
-    if isinstance(exc, Unavailable):
-        return CliError(f"agent runner at {addr} is not reachable; start kiln with `kiln up`")
-    return exc
-
-
 def compile(
     ctx: typer.Context,
     model: Annotated[Path, typer.Option(help="A Hugging Face config.json.")],
@@ -319,8 +315,11 @@ def compile(
     settings = settings_for(ctx)
     with _one_shot(settings, enabled=one_shot):
         comparison = Comparison(REFERENCE_CANDIDATE.id)
+        view = CompileView(request.compilation_id, request.budget.wall_seconds)
         try:
-            final = asyncio.run(submit_and_watch(settings, request, detach, as_json, comparison))
+            final = asyncio.run(
+                submit_and_watch(settings, request, detach, as_json, comparison, view)
+            )
         except KeyboardInterrupt:
             _interrupted(settings, request.compilation_id)  # before a one-shot's `kiln down`
     if detach:
@@ -330,7 +329,7 @@ def compile(
         )
         return
     if not as_json:
-        console.print(summary_table(final))
+        console.print(summary_table(final, view.move_effects()))
         compared = comparison_table(comparison, final)
         if compared is not None:
             console.print(compared)

@@ -16,6 +16,7 @@ from kiln.baselines.table import BandwidthLimit, Comparison
 from kiln.cli.compile_notes import baseline_rows, summary_warnings
 from kiln.cli.compile_notes import tier_text as _tier
 from kiln.cli.compile_notes import tps as _tps
+from kiln.domain.move_effects import Measured, MoveEffect, move_effects
 from kiln.v1 import common_pb2, compiler_pb2
 from kiln.workloads.config import ModelConfig
 
@@ -68,6 +69,10 @@ class CompileView:
     recent: list[str] = field(default_factory=list)
     proposals: dict[str, tuple[str, str]] = field(default_factory=dict)
     """candidate id -> (agent, description), so a result names what it measured."""
+    recipes: dict[str, Any] = field(default_factory=dict)
+    """candidate id -> its canonical form, as requested."""
+    measured: list[Measured] = field(default_factory=list)
+    """Every correct result, for :meth:`move_effects`."""
     latest: str = ""
     """The line of the last event folded in ("" when it had none)."""
 
@@ -89,6 +94,7 @@ class CompileView:
             if d.get("tier") == "full":
                 what += " (full tier)"
             self.proposals[candidate_id] = (agent or "agent", what)
+            self.recipes.setdefault(candidate_id, d.get("candidate"))
             if agent:
                 self.agents[agent] = f"measuring {what}"
             return f"{agent or 'agent'} → {what}"
@@ -97,6 +103,7 @@ class CompileView:
             status = d.get("status", "?")
             tps = float(d.get("tokens_per_s", 0.0) or 0.0)
             outcome = _tps(tps) if status == "ok" else str(d.get("error", ""))[:60]
+            self._measured(candidate_id, d, tps)
             if who in self.agents:
                 self.agents[who] = f"{what}: {status} {outcome}".strip()
             return f"{who or 'result'}: {what} → {status} {outcome}".strip()
@@ -121,6 +128,27 @@ class CompileView:
         if kind == "CompilationEnded":
             return f"ended: {d.get('status', '?')} {d.get('reason', '')}".strip()
         return kind
+
+    def _measured(self, candidate_id: str, d: dict[str, Any], tps: float) -> None:
+        from kiln.domain.candidate import Candidate
+
+        if d.get("status") != "ok" or d.get("correct") is False or tps <= 0:
+            return
+        try:
+            candidate = Candidate.from_canonical(self.recipes[candidate_id])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return  # requested before the watch began, or malformed
+        self.measured.append(Measured(candidate, str(d.get("tier", "")), tps))
+
+    def move_effects(self) -> list[MoveEffect]:
+        """What each move of the confirmed best bought on the fast tier
+        (:func:`kiln.domain.move_effects.move_effects`); empty without a best."""
+        from kiln.domain.candidate import Candidate
+
+        if self.snapshot is None or not self.snapshot.HasField("best"):
+            return []
+        best = Candidate.from_proto(self.snapshot.best.candidate)
+        return move_effects(best, self.measured, "fast")
 
     @property
     def ended(self) -> bool:
@@ -228,13 +256,13 @@ def operating_point_text(m: common_pb2.Measurement, traffic: common_pb2.TrafficS
     return text
 
 
-def summary_table(snap: compiler_pb2.Compilation) -> Table:
+def summary_table(snap: compiler_pb2.Compilation, moves: list[MoveEffect] | None = None) -> Table:
     """The end-of-compilation table: status (saying when no candidate was confirmed), baseline
     (beside a full-tier best, the full-tier reference measured next to it; the fast-tier one
     apart), best, speedup, how well the fast tier ranked candidates as the full tier did (the
     end of a succeeded compilation's reason), experiments, failures, time to 95 % of the final
-    best, each agent's spending, plan, and warnings
-    (:func:`kiln.cli.compile_notes.summary_warnings`)."""
+    best, what each move of the best bought (``moves``, when given), each agent's spending,
+    plan, and warnings (:func:`kiln.cli.compile_notes.summary_warnings`)."""
     table = Table(
         title=f"compilation {snap.compilation_id}", title_justify="left", show_header=False
     )
@@ -264,6 +292,8 @@ def summary_table(snap: compiler_pb2.Compilation) -> Table:
             over += f" ({_tps(ref)})" if ref > 0 else ""
         table.add_row("speedup", f"{snap.best.speedup:.2f}x{over}")
         table.add_row("best candidate", describe_candidate(snap.best.candidate))
+        for i, effect in enumerate(moves or []):
+            table.add_row("what each move bought" if i == 0 else "", effect.text())
         point = operating_point_text(m, snap.workload.traffic)
         if point:
             table.add_row("measured at", point)

@@ -7,7 +7,8 @@ import grpc
 import typer
 
 from kiln.cli.context import service_addr, settings_for
-from kiln.common.errors import from_rpc_error
+from kiln.cli.errors import CliError
+from kiln.common.errors import Unavailable, from_rpc_error
 from kiln.v1 import compiler_pb2_grpc
 
 
@@ -15,7 +16,8 @@ async def call(ctx: typer.Context, method: str, request: object) -> object:
     """The response of ``Compiler.<method>(request)`` as this invocation's team (30 s timeout).
 
     Raises:
-        KilnError: the RPC failed (its status code mapped by ``from_rpc_error``).
+        CliError: the agent runner is not reachable (:func:`rpc_error`).
+        KilnError: the RPC failed otherwise (its status code mapped by ``from_rpc_error``).
     """
     from kiln.common.client import team_channel
 
@@ -25,4 +27,13 @@ async def call(ctx: typer.Context, method: str, request: object) -> object:
         try:
             return await getattr(stub, method)(request, timeout=30)
         except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+            raise rpc_error(err, service_addr(settings, "agent-runner")) from None
+
+
+def rpc_error(err: grpc.RpcError, addr: str) -> Exception:
+    """``err`` as the CLI reports it: an unreachable agent runner as one line with the
+    ``kiln up`` hint, any other status as ``from_rpc_error`` maps it."""
+    exc = from_rpc_error(err)
+    if isinstance(exc, Unavailable):
+        return CliError(f"agent runner at {addr} is not reachable; start kiln with `kiln up`")
+    return exc

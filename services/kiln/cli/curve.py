@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
-import json
 from typing import Annotated
 
 import typer
 
 from kiln.cli.compiler_call import call
 from kiln.cli.errors import CliError
-from kiln.cli.render import console
+from kiln.cli.render import console, print_json_lines
 from kiln.v1 import compiler_pb2
 
 COLUMNS = (
@@ -45,7 +44,7 @@ def to_csv(rows: list[dict[str, object]]) -> str:
 def curve(
     ctx: typer.Context,
     compilation_id: Annotated[str, typer.Argument(help="The compilation's id.")],
-    as_json: Annotated[bool, typer.Option("--json", help="A JSON array of points.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per point.")] = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="CSV with a header line.")] = False,
 ) -> None:
     """The best-so-far over time: seconds since submission, experiments and device seconds
@@ -56,7 +55,7 @@ def curve(
     assert isinstance(response, compiler_pb2.Compilation)
     rows = curve_rows(response)
     if as_json:
-        typer.echo(json.dumps(rows))
+        print_json_lines(rows)
         return
     if as_csv:
         typer.echo(to_csv(rows), nl=False)

@@ -187,6 +187,27 @@ def baselines_html(view: CompilationView) -> str:
     return table(headers, rows, table_id="baselines")
 
 
+def moves_html(view: CompilationView) -> str:
+    """What each move of the confirmed best bought (fast tier), or why there is nothing."""
+    effects = view.move_effects()
+    if not effects:
+        return "<p class='note' id='moves-note'>no confirmed best with moves yet</p>"
+    rows = [
+        f'<tr class="move"><td>{e(m.move)}</td>'
+        f'<td class="num">{"-" if m.factor is None else f"{m.factor:.2f}x"}</td>'
+        f"<td>{e(m.evidence)}</td><td class='num'>{num(m.without_tps)}</td>"
+        f"<td class='num'>{num(m.with_tps)}</td></tr>"
+        for m in effects
+    ]
+    note = (
+        "<p class='note'>From the fast-tier results the search took: the best without the move "
+        "(<i>without</i>), else the move alone over the reference (<i>alone</i>); "
+        "<i>unmeasured</i> where neither was measured.</p>"
+    )
+    headers = ("move", "bought", "evidence", "without, tok/s", "with, tok/s")
+    return table(headers, rows, table_id="moves") + note
+
+
 def board_html(view: CompilationView) -> str:
     """The board's posts of this compilation (bodies are untrusted JSON text)."""
     if view.board_note:
@@ -228,6 +249,7 @@ def _body(view: CompilationView, filters: Mapping[str, str], *, live: bool) -> s
         "<p class='note'>Search agents measure on the fast tier (a few layers), confirm on the "
         "full tier: lines of different tiers are not comparable. Dashed: the confirmed best.</p>"
         f"<h2>Baselines</h2>{baselines_html(view)}"
+        f"<h2>What each move bought</h2>{moves_html(view)}"
         f"<h2>Experiments ({n})</h2>{form}{exp_table}"
         f"<h2>Board</h2>{board_html(view)}"
     )

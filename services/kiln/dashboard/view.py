@@ -16,6 +16,8 @@ from typing import Any
 
 from kiln.dashboard.svg import Series
 from kiln.domain import streams
+from kiln.domain.candidate import Candidate
+from kiln.domain.move_effects import Measured, MoveEffect, move_effects
 from kiln.v1 import compiler_pb2, ledger_pb2
 
 STATUS_NAMES = {
@@ -103,6 +105,8 @@ class CompilationView:
     baselines: list[Baseline] = field(default_factory=list)
     board: list[BoardMessage] = field(default_factory=list)
     board_note: str = ""
+    recipes: dict[str, Candidate] = field(default_factory=dict)
+    """candidate id -> the candidate as requested (ids recomputed, malformed ones left out)."""
     first_position: int = 0
     end_position: int = 0
     last_position: int = 0
@@ -166,6 +170,7 @@ class CompilationView:
             exp.agent = str(data.get("agent", ""))
             exp.baseline = str(data.get("baseline", ""))
             exp.requested_s = self._elapsed(event)
+            self._recipe(data.get("candidate"))
         elif event.type == "ExperimentCompleted":
             exp.status = str(data.get("status", "unknown"))
             exp.correct = bool(data.get("correct"))
@@ -177,6 +182,25 @@ class CompilationView:
             phases = data.get("phases_ms") or {}
             exp.phases_ms = {str(k): float(v) for k, v in phases.items()}
             exp.completed_s = self._elapsed(event)
+
+    def _recipe(self, canonical: Any) -> None:
+        try:
+            c = Candidate.from_canonical(canonical)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return
+        self.recipes.setdefault(c.id, c)
+
+    def move_effects(self) -> list[MoveEffect]:
+        """What each move of the confirmed best bought on the fast tier, from the correct
+        results folded so far (:func:`kiln.domain.move_effects.move_effects`)."""
+        if not self.snapshot.HasField("best"):
+            return []
+        measured = [
+            Measured(self.recipes[x.candidate_id], x.tier, x.tokens_per_s)
+            for x in self.experiments.values()
+            if x.status == "ok" and x.correct and x.candidate_id in self.recipes
+        ]
+        return move_effects(Candidate.from_proto(self.snapshot.best.candidate), measured, "fast")
 
     def curves(self) -> list[Series]:
         """Best-so-far tokens/s over seconds since submission: one series per (agent, tier)
