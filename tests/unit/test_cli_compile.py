@@ -88,8 +88,20 @@ def test_the_live_view_names_the_agent_and_candidate_of_each_result() -> None:
     view.update(event("ExperimentRequested", agent="coordinate", candidate_id="a", candidate=sdpa))
     view.update(event("ExperimentRequested", agent="random", candidate_id="b", candidate=fused))
     view.update(event("ExperimentCompleted", candidate_id="b", status="ok", tokens_per_s=26.2))
-    assert view.recent[-1] == "random: qkv_proj=fused → ok 26.2 tok/s"
+    assert view.recent[-1] == "random: ok 26.2 tok/s ← qkv_proj=fused"
     assert view.agents == {
         "coordinate": "measuring attention=sdpa",
-        "random": "qkv_proj=fused: ok 26.2 tok/s",
+        "random": "ok 26.2 tok/s ← qkv_proj=fused",
     }
+    # At 80 columns each line keeps its result; a long candidate is cut at its end.
+    from rich.console import Console
+
+    long = {"ops": {f"op{i}": "fused_variant" for i in range(12)}, "transforms": []}
+    view.update(event("ExperimentRequested", agent="random", candidate_id="c", candidate=long))
+    view.update(event("ExperimentCompleted", candidate_id="c", status="ok", tokens_per_s=31.5))
+    console = Console(width=80, record=True)
+    console.print(view.render())
+    lines = console.export_text().splitlines()
+    assert max(map(len, lines)) <= 80
+    assert any(line.startswith("random: ok 31.5 tok/s ← op0=fused_variant") for line in lines)
+    assert sum("ok 31.5 tok/s" in line for line in lines) == 2  # the agents table and the line

@@ -104,9 +104,10 @@ class CompileView:
             tps = float(d.get("tokens_per_s", 0.0) or 0.0)
             outcome = _tps(tps) if status == "ok" else str(d.get("error", ""))[:60]
             self._measured(candidate_id, d, tps)
+            # The result before the candidate: a narrow terminal cuts the end of the line.
             if who in self.agents:
-                self.agents[who] = f"{what}: {status} {outcome}".strip()
-            return f"{who or 'result'}: {what} → {status} {outcome}".strip()
+                self.agents[who] = f"{status} {outcome} ← {what}".strip()
+            return f"{who or 'result'}: {status} {outcome} ← {what}".strip()
         if kind == "BaselineMeasured":
             return f"baseline {_tps(float(d.get('tokens_per_s', 0.0)))}"
         if kind == "BaselineCompared":
@@ -181,10 +182,14 @@ class CompileView:
                 )
         if self.agents:
             table = Table("agent", "now", box=None, show_header=False, pad_edge=False)
+            table.columns[1].no_wrap = True
+            table.columns[1].overflow = "ellipsis"
             for name, doing in sorted(self.agents.items()):
                 table.add_row(Text(name, style="cyan"), doing)
             parts.append(table)
-        parts.extend(Text(line, style="dim") for line in self.recent)
+        parts.extend(
+            Text(line, style="dim", no_wrap=True, overflow="ellipsis") for line in self.recent
+        )
         return Group(*parts)
 
 
