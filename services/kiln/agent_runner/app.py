@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+from typing import Any
 
 import grpc
 from nats.aio.client import Client
@@ -37,6 +38,7 @@ from kiln.agent_runner.state import CompilationState
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.agent_runner.team_usage import TeamUsage
 from kiln.board import Board
+from kiln.common import tracing
 from kiln.common.client import team_channel
 from kiln.common.logging import get_logger
 from kiln.common.nats import connect, ensure_streams, owned_streams
@@ -184,9 +186,12 @@ class AgentRunnerApp:
         cid = state.compilation_id
         runner = CompilationRunner(state, self._deps, resumed=resumed)
         self._runners[cid] = runner
-        # A fresh context: the runner outlives the RPC that started it (and its log context).
+        # A fresh context: the runner outlives the RPC that started it (and its log context);
+        # its trace continues the RPC's (Submit's), in a span of its own.
         task = asyncio.create_task(
-            runner.run(), name=f"kiln-compilation-{cid}", context=contextvars.Context()
+            _traced(runner, tracing.capture(), resumed),
+            name=f"kiln-compilation-{cid}",
+            context=contextvars.Context(),
         )
         self._tasks[cid] = task
 
@@ -290,3 +295,17 @@ class AgentRunnerApp:
 def create_app(settings: KilnSettings) -> AgentRunnerApp:
     """The agent runner's ``ServiceApp`` (``kiln serve agent-runner``)."""
     return AgentRunnerApp(settings)
+
+
+async def _traced(runner: CompilationRunner, parent: Any, resumed: bool) -> None:
+    """``runner.run()`` inside a ``kiln.compilation`` span, child of ``parent`` (None: a new
+    trace, as for a compilation resumed after a restart)."""
+    state = runner.state
+    with tracing.span(
+        "kiln.compilation",
+        parent=parent,
+        compilation_id=state.compilation_id,
+        team=state.team,
+    ) as span:
+        tracing.set_attributes(span, {"kiln.resumed": resumed})
+        await runner.run()

@@ -3,7 +3,8 @@
 Requesting an experiment (:meth:`ExperimentDispatcher.record`, then
 :meth:`ExperimentDispatcher.publish`): append ``ExperimentRequested`` to ``experiment-<new id>``
 (expected version: no stream), then publish an :class:`~kiln.common.work.ExperimentWork` on
-``ExperimentWork.subject(prefix)`` with ``Nats-Msg-Id`` = the experiment id.
+``ExperimentWork.subject(prefix)`` with ``Nats-Msg-Id`` = the experiment id (and, with tracing on,
+the ``kiln.experiment.dispatch`` span's W3C ``traceparent``: :mod:`kiln.common.tracing`).
 
 Learning results: one shared follower of the ledger (``ReadAll`` with follow, types
 ``ExperimentCompleted`` and ``CompilationCancelRequested``), started from the position before
@@ -31,6 +32,7 @@ from kiln.agent_runner.ledger_access import LedgerPool
 from kiln.agent_runner.outage import ride_out
 from kiln.agent_runner.tasks import cancel_and_wait
 from kiln.common import nats as kn
+from kiln.common import tracing
 from kiln.common.errors import Aborted, AlreadyExists, KilnError
 from kiln.common.logging import get_logger
 from kiln.common.work import ExperimentWork
@@ -148,17 +150,27 @@ class ExperimentDispatcher:
             profile=req.profile,
             baseline=req.baseline,
         )
-        ack = await ride_out(
-            lambda: self._js.publish(
-                work.subject(self._prefix),  # per (device kind, tier, model)
-                work.to_json(),
-                timeout=10.0,
-                stream=kn.work_stream_name(self._prefix),
-                headers={kn.MSG_ID: req.experiment_id},
-            ),
-            what="queue an experiment's work",
-            compilation=req.compilation_id,
-        )
+        with tracing.span(
+            "kiln.experiment.dispatch",
+            kind="producer",
+            compilation_id=req.compilation_id,
+            experiment_id=req.experiment_id,
+            tier=req.tier,
+            candidate_id=req.candidate.id,
+            team=req.team,
+        ):
+            headers = tracing.inject({kn.MSG_ID: req.experiment_id})  # + the W3C traceparent
+            ack = await ride_out(
+                lambda: self._js.publish(
+                    work.subject(self._prefix),  # per (device kind, tier, model)
+                    work.to_json(),
+                    timeout=10.0,
+                    stream=kn.work_stream_name(self._prefix),
+                    headers=headers,
+                ),
+                what="queue an experiment's work",
+                compilation=req.compilation_id,
+            )
         self._work_seq[req.experiment_id] = ack.seq
 
     async def adopt(self, req: Requested, workload: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kiln.common import tracing
 from kiln.common.errors import NotFound
 from kiln.common.identity import (
     CORRELATION_METADATA_KEY,
@@ -128,12 +129,14 @@ def channel(
 ) -> grpc.aio.Channel:
     """A lazily connecting ``grpc.aio`` channel to ``addr`` with kiln's keepalive options,
     presenting ``tls`` ("current": the :func:`current_client_identity`'s for ``team``; None:
-    plaintext).
+    plaintext); with tracing on, its calls record client spans and send the trace context
+    (:mod:`kiln.common.tracing`).
 
     Raises:
         TlsUnavailable: no certificate for this process's role (the message names the fix).
     """
     material = current_client_identity().material(team) if tls == "current" else tls
+    interceptors = [*tracing.client_interceptors(), *(interceptors or [])] or None
     if material is None:
         return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS, interceptors=interceptors)
     return grpc.aio.secure_channel(

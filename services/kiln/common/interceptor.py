@@ -28,8 +28,12 @@ from kiln.common.policy import Policy
 
 log = get_logger("kiln.server")
 
-_UNINTERCEPTED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-"""Methods served without identity or policy (health checks, reflection)."""
+_UNINTERCEPTED = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1.ServerReflection/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+)
+"""Methods served without identity or policy (health checks, reflection v1 and v1alpha)."""
 
 
 def peer_principal(context: grpc.aio.ServicerContext) -> Principal:

@@ -1,7 +1,7 @@
 """The gRPC service runtime every kiln service runs in: :func:`serve` hosts a :class:`ServiceApp`
 with health (``"liveness"`` SERVING while the process runs; ``""``, ``"readiness"`` and the app's
-services follow ``app.is_ready()``), reflection, :class:`RuntimeInterceptor` on every kiln method, a
-Prometheus endpoint and graceful shutdown.
+services follow ``app.is_ready()``), reflection (v1 and v1alpha, :mod:`kiln.common.reflection`),
+:class:`RuntimeInterceptor` on every kiln method, a Prometheus endpoint and graceful shutdown.
 
 Every port serves TLS requiring a client certificate of the deployment's CA (the handshake
 refuses any other), the service presenting ``services/<name>`` (:mod:`kiln.common.tls`); the
@@ -20,8 +20,8 @@ from typing import Any, Protocol, cast, runtime_checkable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
-from grpc_reflection.v1alpha import reflection
 
+from kiln.common import tracing
 from kiln.common.client import (
     FixedIdentity,
     set_default_client_identity,
@@ -36,6 +36,7 @@ from kiln.common.metrics import (
     stop_metrics_server,
 )
 from kiln.common.policy import Policy, PolicyError, policy_for
+from kiln.common.reflection import enable_server_reflection
 from kiln.common.settings import KilnSettings, ServiceName
 from kiln.common.tls import TlsMaterial, TlsUnavailable, material_for, warn_if_insecure
 
@@ -229,6 +230,7 @@ async def serve(
         Exception: whatever ``app.start`` raises (``app.stop`` is still called).
     """
     configure_logging(settings.log_level, settings.log_format, app.name)
+    tracing.configure(app.name)  # off unless OTEL_* asks for it
     tls, policy = _security(app.name, settings)
     with use_client_identity(FixedIdentity(tls)):  # the app's own calls present its identity
         await _serve(
@@ -263,12 +265,12 @@ async def _serve(
     handle_signals: bool,
 ) -> None:
     interceptor = RuntimeInterceptor(app.name, policy, FixedIdentity(tls))
-    server = grpc.aio.server(interceptors=[interceptor], options=SERVER_OPTIONS)
+    server = grpc.aio.server(
+        interceptors=[*tracing.server_interceptors(), interceptor], options=SERVER_OPTIONS
+    )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (HEALTH_SERVICE_NAME, reflection.SERVICE_NAME, *app.grpc_service_names), server
-    )
+    enable_server_reflection((HEALTH_SERVICE_NAME, *app.grpc_service_names), server)  # v1, v1alpha
     await health.set(LIVENESS, _SERVING)
     await _set_readiness(health, app, _NOT_SERVING)
 

@@ -20,6 +20,10 @@ recorded CRASHED on delivery ``max_deliver``. A message delivered more than
 ``max_redeliveries`` times (pools died holding it) is recorded CRASHED without running again:
 JetStream's own ``max_deliver`` is unlimited, so no work item is ever dropped unrecorded.
 
+With tracing on (:mod:`kiln.common.tracing`), a message is handled in a ``kiln.experiment.run``
+span continuing the ``traceparent`` in its headers (a malformed one is ignored), each run on an
+engine in a ``kiln.experiment.measure`` span.
+
 A crash before the ack redelivers; the ledger check and expected version keep the ledger free of
 duplicates.
 """
@@ -38,6 +42,7 @@ import structlog
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
+from kiln.common import tracing
 from kiln.common.backoff import backoff_s
 from kiln.common.errors import (
     Aborted,
@@ -176,7 +181,17 @@ class Deliveries:
             return
         heartbeat = asyncio.create_task(self._heartbeat(msg))
         try:
-            await self._handle(msg, work, device)
+            with tracing.span(
+                "kiln.experiment.run",
+                kind="consumer",
+                parent=tracing.extract(msg.headers),  # the dispatcher's, if well-formed
+                compilation_id=work.compilation_id,
+                experiment_id=work.experiment_id,
+                tier=work.tier,
+                team=work.team,
+                device=device,
+            ):
+                await self._handle(msg, work, device)
         except Forged as exc:
             log.error(
                 "work.forged",
@@ -261,7 +276,7 @@ class Deliveries:
             job = Job.of(work)
             candidate_id = job.candidate.id
             for attempt in range(1, attempts + 1):
-                measurement = await self.pool.measure(job, device)
+                measurement = await self._traced_measure(job, device, attempt)
                 if not measurement.engine_died:
                     return measurement
                 log.warning(
@@ -286,6 +301,29 @@ class Deliveries:
             return Measurement.failed(
                 "crashed", exc.message, tier=work.tier, candidate_id=candidate_id
             )
+
+    async def _traced_measure(self, job: Job, device: str | None, attempt: int) -> Measurement:
+        """``pool.measure`` in a ``kiln.experiment.measure`` span carrying the outcome and the
+        measurement's phases (load, bind, check, measure, ...) in milliseconds."""
+        with tracing.span(
+            "kiln.experiment.measure",
+            experiment_id=job.work.experiment_id,
+            tier=job.work.tier,
+            candidate_id=job.candidate.id,
+            device=device,
+        ) as span:
+            measurement = await self.pool.measure(job, device)
+            if span is not None:
+                values: dict[str, float | int | str | bool] = {
+                    "kiln.attempt": attempt,
+                    "kiln.status": str(measurement.status),
+                    "kiln.correct": measurement.correct,
+                    "kiln.engine_id": str(measurement.engine_id),
+                    "kiln.device_ms": measurement.device_ms,
+                }
+                values.update({f"kiln.phase_ms.{k}": v for k, v in measurement.phases_ms.items()})
+                tracing.set_attributes(span, values)
+            return measurement
 
     async def _ride_out(self, call: Callable[[], Awaitable[T]], what: str, bound: Any) -> T:
         """``call()`` (a ledger call), tried again while the ledger is unavailable (UNAVAILABLE,
