@@ -45,7 +45,7 @@ def test_the_live_view_shows_the_tier_of_a_best_and_the_tier_agreement() -> None
     view.update(
         _event("ExperimentCompleted", status="ok", tokens_per_s=40.0, tier="full", candidate_id="x")
     )
-    assert view.agents["confirm"] == "attention=sdpa (full tier): ok 40.0 tok/s"
+    assert view.agents["confirm"] == "ok 40.0 tok/s ← attention=sdpa (full tier)"
     view.update(_event("BestCandidateImproved", tokens_per_s=50.0, speedup=1.25, tier="full"))
     assert view.recent[-1] == "new best 50.0 tok/s (1.25x, full tier)"
     view.update(_event("TierAgreement", n=4, rho=0.8, points=[]))

@@ -270,3 +270,11 @@ def compose_images() -> dict[str, tuple[str, str | None]]:
     """Image name (no tag) -> (Dockerfile, target) of every image docker-compose.yml builds."""
     data = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     return {s["image"].split(":")[0]: _build(s) for s in data["services"].values() if "build" in s}
+
+
+def test_only_the_ledger_and_the_migration_get_the_database_password() -> None:
+    """The database URL (with its password) reaches no other container: the engine pool runs
+    candidate code."""
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    given = {n for n, s in services.items() if "KILN_DATABASE_URL" in (s.get("environment") or {})}
+    assert given == {"ledger", "migrate"}

@@ -309,3 +309,14 @@ def test_make_secrets_provides_every_secret_the_pods_read(trial: list, made_secr
         # Clients dial the Service by name: the certificate must be valid for it.
         assert service in san.get_values_for_type(x509.DNSName)
     assert "ca.key" not in (REPO / "deploy" / "k8s" / "make-secrets.sh").read_text()
+
+
+def test_every_namespaced_object_is_in_kilns_namespace(base: list, trial: list) -> None:
+    """``kubectl apply -k`` without ``-n`` puts nothing in the context's namespace."""
+    for objects in (base, trial):
+        stray = [
+            (o["kind"], o["metadata"]["name"])
+            for o in objects
+            if o["kind"] != "Namespace" and o["metadata"].get("namespace") != "kiln"
+        ]
+        assert not stray, stray

@@ -100,7 +100,7 @@ def test_what_is_not_built_is_refused_by_name() -> None:
     ):
         with pytest.raises(UnbuildableModelError, match=why):
             check_buildable(parse_config({**TINY, **change}, "tiny"))
-    with pytest.raises(UnbuildableModelError, match="MLA\\) checkpoints"):
+    with pytest.raises(UnbuildableModelError, match="GLM-5 \\(glm_moe_dsa\\) checkpoints"):
         build_model(parse_config(TINY, "tiny"), weights_dir="/nonexistent")
 
 

@@ -28,6 +28,7 @@ from kiln.runtime.check import TimedOutputs
 from kiln.runtime.device_fault import SANDBOX_FAULT
 from kiln.runtime.dispatch_watch import DispatchTables
 from kiln.runtime.engine import Engine
+from kiln.runtime.engine_sandbox import WRITTEN_IN_SANDBOX
 from kiln.runtime.integrity import HarnessFingerprint
 from kiln.runtime.measurement import Measurement
 from kiln.runtime.request import RunRequest
@@ -115,8 +116,11 @@ def _judge_sandboxed(
                 continue
             assert m.status == "incorrect" and not m.correct, (m.status, m.error)
             assert m.timing is None and m.tokens_per_s == 0.0
-            for text in cheat.sandboxed:
-                assert text in m.error, (text, m.error)
+            # A host that counts the pages the sandbox copied from its private mapping of the
+            # weights rejects a write there before the judge's verdict: as strong a rejection.
+            if not m.error.startswith(WRITTEN_IN_SANDBOX):
+                for text in cheat.sandboxed:
+                    assert text in m.error, (text, m.error)
             if m.restart_engine:
                 restart()  # weights changed in place are what only a restart puts back
         # Whatever else it did is undone (by the engine): it measures the reference correctly

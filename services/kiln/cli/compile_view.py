@@ -108,6 +108,14 @@ class CompileView:
             if who in self.agents:
                 self.agents[who] = f"{status} {outcome} ← {what}".strip()
             return f"{who or 'result'}: {status} {outcome} ← {what}".strip()
+        if kind == "MeasurementReused":  # an earlier compilation's result, no engine ran
+            what = describe_candidate(d.get("candidate"))
+            result = d.get("result") or {}
+            tps = float(result.get("tokens_per_s", 0.0) or 0.0)
+            self.recipes.setdefault(candidate_id, d.get("candidate"))
+            self._measured(candidate_id, {**result, "tier": d.get("tier", "fast")}, tps)
+            outcome = _tps(tps) if result.get("status") == "ok" else str(result.get("status", "?"))
+            return f"{agent or 'agent'}: reused {outcome} ← {what}"
         if kind == "BaselineMeasured":
             return f"baseline {_tps(float(d.get('tokens_per_s', 0.0)))}"
         if kind == "BaselineCompared":
@@ -167,7 +175,7 @@ class CompileView:
         clock = f"{elapsed:,.0f}s of {self.budget_s:,.0f}s"
         if elapsed > self.budget_s:  # the search is over: settling, baselines
             clock = f"{elapsed:,.0f}s (search budget {self.budget_s:,.0f}s spent; finishing)"
-        head = Text(f"compilation {self.compilation_id}  ·  {clock}", style="bold")
+        head = Text(f"compilation {self.compilation_id[:12]}  ·  {clock}", style="bold")
         parts: list[RenderableType] = [head]
         if snap is not None:
             parts.append(
@@ -182,6 +190,8 @@ class CompileView:
                 )
         if self.agents:
             table = Table("agent", "now", box=None, show_header=False, pad_edge=False)
+            table.columns[0].no_wrap = True  # a long "now" never squeezes the names away
+            table.columns[0].min_width = max(map(len, self.agents))
             table.columns[1].no_wrap = True
             table.columns[1].overflow = "ellipsis"
             for name, doing in sorted(self.agents.items()):

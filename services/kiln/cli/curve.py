@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from kiln.cli.compile_view import ENDED
 from kiln.cli.compiler_call import call
 from kiln.cli.errors import CliError
 from kiln.cli.render import console, print_json_lines
@@ -61,7 +62,9 @@ def curve(
         typer.echo(to_csv(rows), nl=False)
         return
     if not rows:
-        console.print(f"compilation {compilation_id}: no best candidate confirmed yet")
+        yet = "" if response.status in ENDED else " yet"
+        line = f"compilation {compilation_id}: no best candidate confirmed{yet}"
+        console.print(line, markup=False)
         return
     console.print(
         f"{'elapsed s':>10} {'exps':>5} {'device s':>9} {'tokens/s':>12} {'speedup':>8}  candidate",

@@ -3,6 +3,7 @@ supervise``, the process ``kiln up`` leaves to keep it alive."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -41,7 +42,15 @@ def up(
     if supervisor.issued:
         names = ", ".join(i.principal.uri for i in supervisor.issued)
         console.print(f"issued certificates: {names}", markup=False)
-    console.print(f"state: {supervisor.state_dir}  (stop with `kiln down`)", markup=False)
+    if state_dir is None:
+        console.print(f"state: {supervisor.state_dir}  (stop with `kiln down`)", markup=False)
+    else:  # the other commands find it only when told
+        where = shlex.quote(str(supervisor.state_dir))
+        console.print(
+            f"state: {supervisor.state_dir}  (for the other commands: export "
+            f"KILN_STATE_DIR={where}; stop with `kiln down --state-dir {where}`)",
+            markup=False,
+        )
 
 
 def down(ctx: typer.Context, state_dir: StateDirOpt = None) -> None:

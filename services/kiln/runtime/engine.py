@@ -346,6 +346,7 @@ class Engine(EngineSandbox):
         spec = self.spec
         notes = [
             *spec.notes,
+            *self.weights.notes,  # e.g. a quantized checkpoint dequantized at load
             f"operating point: batch {spec.batch_size}, context {spec.context_len} tokens, "
             f"{spec.layers}/{spec.total_layers} layers, {spec.dtype} on {spec.device}",
             f"check seed {request.seed}",

@@ -19,6 +19,9 @@ from kiln.runtime.sandbox.memory import SharedWeights
 from kiln.runtime.sandbox.model import SandboxModel
 from kiln.workloads.weights import WeightStore
 
+WRITTEN_IN_SANDBOX = "incorrect: state changed in the sandbox: "
+"""How an INCORRECT verdict for weights the candidate wrote in its sandbox begins."""
+
 
 class EngineSandbox(Gate):
     """Sandbox methods of the engine (module docstring)."""
@@ -111,7 +114,7 @@ class EngineSandbox(Gate):
         if written:
             result = Measurement.failed(
                 "incorrect",
-                f"incorrect: state changed in the sandbox: {written}",
+                f"{WRITTEN_IN_SANDBOX}{written}",
                 phases_ms=result.phases_ms,
                 notes=result.notes,
                 **base,

@@ -81,13 +81,14 @@ def refusal(raw: dict[str, Any]) -> str | None:
 
 
 def quantization_note(raw: dict[str, Any]) -> str | None:
-    """A note when the config carries ``quantization_config``: kiln builds gpt-oss in the
-    config's dtype (random weights; MXFP4 checkpoints are not read)."""
+    """A note when the config carries ``quantization_config`` and the weights are random: kiln
+    builds gpt-oss in the config's dtype (a checkpoint's MXFP4 experts are dequantized into it
+    at load: :func:`kiln.workloads.gpt_oss_weights.load_gpt_oss`)."""
     q = raw.get("quantization_config")
     if not isinstance(q, dict):
         return None
     method = q.get("quant_method", "?")
     return (
         f"quantization_config {method!r} is not applied: kiln builds the experts in the model "
-        "dtype (random weights; MXFP4 checkpoints are not read yet)"
+        "dtype (random weights; a checkpoint's MXFP4 experts are dequantized into it at load)"
     )

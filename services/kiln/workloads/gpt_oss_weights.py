@@ -7,17 +7,32 @@ gate rows first, ``mlp.experts.down_proj [E, H, I]``, ``mlp.experts.down_proj_bi
 transformers holds ``gate_up_proj [E, H, 2I]`` with gate and up *interleaved* (gate in the even
 columns, ``GptOssExperts._apply_gate``) and ``down_proj [E, I, H]``;
 :func:`to_transformers` converts. Other names: ``self_attn.{q,k,v,o}_proj.{weight,bias}``,
-``self_attn.sinks [Hq]``, ``mlp.router.weight [E, H]``, ``mlp.router.bias [E]``. Reading the
-published (MXFP4) checkpoints is not implemented.
+``self_attn.sinks [Hq]``, ``mlp.router.weight [E, H]``, ``mlp.router.bias [E]``.
+
+Published checkpoints (:func:`load_gpt_oss`) hold the experts as MXFP4 ``*_blocks`` /
+``*_scales`` (:mod:`kiln.workloads.quantized_checkpoint`): dequantized, ``gate_up_proj`` is
+``[E, 2I, H]`` with gate and up rows interleaved (its bias ``[E, 2I]`` too), ``down_proj``
+``[E, H, I]``; the loader puts the gate rows first.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.gpt_oss import quantization_note
-from kiln.workloads.weights import EMBED, LM_HEAD, WeightError, WeightStore, seeded_tensors
+from kiln.workloads.quantized_checkpoint import MXFP4, quantization
+from kiln.workloads.weights import (
+    EMBED,
+    LM_HEAD,
+    WeightError,
+    WeightStore,
+    _index,
+    load_safetensors,
+    seeded_tensors,
+)
 
 Tensor = torch.Tensor
 GATE_UP = "mlp.experts.gate_up_proj"
@@ -78,6 +93,46 @@ def _interleave(gate_first: Tensor) -> Tensor:
     """``[..., 2I]`` gate-first -> gate in the even, up in the odd positions."""
     gate, up = gate_first.chunk(2, dim=-1)
     return torch.stack((gate, up), dim=-1).flatten(-2)
+
+
+def _deinterleave(rows: Tensor, dim: int) -> Tensor:
+    """Gate in the even, up in the odd positions of ``dim`` -> gate first."""
+    index = torch.arange(rows.shape[dim], device=rows.device)
+    order = torch.cat((index[0::2], index[1::2]))
+    return rows.index_select(dim, order).contiguous()
+
+
+def load_gpt_oss(
+    directory: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> WeightStore:
+    """A published gpt-oss checkpoint (``quant_method: mxfp4``, experts as ``*_blocks`` /
+    ``*_scales``) dequantized into ``dtype`` and held in kiln's layout (module docstring).
+    WeightError: another quantization, experts stored unquantized (their layout would be
+    ambiguous), or what :func:`~kiln.workloads.weights.load_safetensors` refuses.
+    """
+    if quantization(config).method != MXFP4:
+        raise WeightError(
+            f"{config.name}: gpt-oss checkpoints are read as published, with quantization_config "
+            f"quant_method {MXFP4!r}"
+        )
+    root = Path(directory)
+    if root.is_dir():
+        stored = _index(root)
+        plain = [n for n in stored if n.endswith((GATE_UP, DOWN))]
+        if plain:
+            raise WeightError(
+                f"{root}: {plain[0]} is stored unquantized; kiln reads gpt-oss experts as "
+                "published (MXFP4 *_blocks and *_scales)"
+            )
+    store = load_safetensors(root, config, dtype, device, shapes=gpt_oss_shapes(config))
+    tensors = dict(store.items())
+    for name in gpt_oss_shapes(config):
+        if name.endswith((GATE_UP, GATE_UP_BIAS)):  # [E, 2I, H] / [E, 2I]: rows interleaved
+            tensors[name] = _deinterleave(tensors[name], 1)
+    return WeightStore(tensors, notes=store.notes)  # a tied head is held under both names
 
 
 def to_transformers(store: WeightStore, config: ModelConfig) -> dict[str, Tensor]:

@@ -10,7 +10,9 @@ selection-only correction bias (``mlp.e_score_correction_bias``; the routing of
 
 kiln builds the main model only: the multi-token-prediction modules (``use_mtp``,
 ``num_mtp_modules``, ``mtp_transformer_layers``) are ignored, as transformers ignores them.
-Published checkpoints (block-FP8, ``block_sparse_moe`` names) are not read yet: random weights.
+Published checkpoints (block-FP8, ``block_sparse_moe`` names) are read with
+:func:`minimax_shapes` (dequantized at load: :mod:`kiln.workloads.quantized_checkpoint`), the
+correction biases kept float32.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ as ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``mlp.experts.down_proj [E, H, I]``
 ``mlp.gate.weight [E, H]`` and ``mlp.gate.e_score_correction_bias [E]``). Random weights follow
 :func:`kiln.workloads.weights.seeded_random`'s scheme (one generator per (seed, name), drawn in
 float32 then cast; norms 1), with the correction bias float32 zeros as transformers initialises
-it. Reading published checkpoints (block-FP8) is not implemented here yet.
+it. Published checkpoints (per-expert names, block-FP8) are read by
+:func:`kiln.workloads.weights.load_safetensors` with these shapes (dequantized at load:
+:mod:`kiln.workloads.quantized_checkpoint`), the correction biases kept float32.
 """
 
 from __future__ import annotations

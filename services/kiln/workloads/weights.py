@@ -3,7 +3,8 @@
 A :class:`WeightStore` maps Hugging Face names to tensors. MoE experts are held stacked per
 layer as transformers >= 5 holds them: ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows
 first), ``mlp.experts.down_proj [E, H, I]``, router ``mlp.gate.weight [E, H]``; per-expert
-checkpoints are stacked on load.
+checkpoints are stacked on load. Block-FP8 and MXFP4 checkpoints are dequantized at load
+(:mod:`kiln.workloads.quantized_checkpoint`).
 
 The output head against ``tie_word_embeddings`` (:func:`load_safetensors`), each case logged as a
 structlog warning and kept in :attr:`WeightStore.notes`:
@@ -248,21 +249,22 @@ Part = tuple[str, tuple[int | slice, ...]]
 """
 
 _MOE_NAME = re.compile(
-    r"(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)"
+    r"(model\.layers\.\d+)\.mlp\."
+    r"(gate\.weight|e_score_correction_bias|experts\.gate_up_proj|experts\.down_proj)"
 )
 
 
 def checkpoint_sources(name: str, shape: tuple[int, ...]) -> list[list[Part]]:
     """The ways a checkpoint may hold ``name`` of ``shape``, preferred first: its own name, or
-    per expert (Qwen3-MoE or Mixtral names).
+    per expert (Qwen3-MoE or Mixtral / MiniMax-M2 ``block_sparse_moe`` names).
     """
     options: list[list[Part]] = [[(name, ())]]
     m = _MOE_NAME.fullmatch(name)
     if m is None:
         return options
     layer, what = m.groups()
-    if what == "gate.weight":
-        options.append([(f"{layer}.block_sparse_moe.gate.weight", ())])
+    if what in ("gate.weight", "e_score_correction_bias"):
+        options.append([(f"{layer}.block_sparse_moe.{what}", ())])
         return options
     experts = shape[0]
     if what == "experts.gate_up_proj":
@@ -287,68 +289,86 @@ def load_safetensors(
     config: ModelConfig,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
+    *,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    float32: tuple[str, ...] = (),
 ) -> WeightStore:
-    """Read the weights ``config`` needs from ``directory``'s ``*.safetensors``, cast to
-    ``dtype`` on ``device``; the head against ``tie_word_embeddings`` as the module says.
-    WeightError: no directory or files, a tensor missing, mis-shaped or in two files.
+    """Read the weights ``config`` needs (``shapes``, default :func:`expected_shapes`) from
+    ``directory``'s ``*.safetensors``, cast to ``dtype`` on ``device`` (names ending in one of
+    ``float32``: float32); the head against ``tie_word_embeddings`` as the module says. Block-FP8
+    and MXFP4 checkpoints (``quantization_config``) are dequantized into ``dtype`` at load
+    (:mod:`kiln.workloads.quantized_checkpoint`; logged, and said in the store's ``notes``).
+    WeightError: no directory or files, a tensor missing, mis-shaped or in two files, a
+    quantization kiln does not read or a scale missing or mis-shaped.
     """
-    from safetensors import safe_open
+    from kiln.workloads.quantized_checkpoint import CheckpointReader, quantization
 
     root = Path(directory)
     if not root.is_dir():
         raise WeightError(f"{root}: not a directory")
+    quant = quantization(config)
     where = _index(root)
-    shapes = expected_shapes(config)
+    shapes = dict(shapes) if shapes is not None else expected_shapes(config)
     tied = config.tie_word_embeddings
     notes: list[str] = []
-    file_head = tied and LM_HEAD in where
-    if file_head:  # compared with the embedding once both are read
-        shapes[LM_HEAD] = shapes[EMBED]
-    elif not tied and LM_HEAD not in where and EMBED in where:
-        del shapes[LM_HEAD]
-        tied = True
-        notes.append(
-            f"{root}: config.json has tie_word_embeddings false but the files hold no "
-            f"{LM_HEAD}; the head is tied to {EMBED} (transformers would initialise it randomly)"
-        )
-        log.warning("checkpoint_head_tied", directory=str(root), model=config.name)
-    plan: dict[str, list[Part]] = {}
-    missing: list[str] = []
-    for name, shape in shapes.items():
-        options = checkpoint_sources(name, shape)
-        chosen = next((o for o in options if all(src in where for src, _ in o)), None)
-        if chosen is None:
-            missing.append(name if len(options) == 1 else f"{name} (or per-expert tensors)")
-        else:
-            plan[name] = chosen
-    if missing:
-        shown = ", ".join(missing[:8]) + (
-            f", ... ({len(missing)} in all)" if len(missing) > 8 else ""
-        )
-        raise WeightError(f"{root}: missing weights for {config.name}: {shown}")
-    by_file: dict[Path, list[tuple[str, str, tuple[int | slice, ...]]]] = {}
-    for name, parts in plan.items():
-        for src, index in parts:
-            by_file.setdefault(where[src], []).append((name, src, index))
     dev = torch.device(device)
-    tensors: dict[str, torch.Tensor] = {}
-    for f, items in by_file.items():
-        with safe_open(str(f), framework="pt", device=str(dev)) as handle:
-            for name, src, index in items:
-                found = tuple(handle.get_slice(src).get_shape())
+    with CheckpointReader(where, quant, dev) as files:
+        file_head = tied and LM_HEAD in files
+        if file_head:  # compared with the embedding once both are read
+            shapes[LM_HEAD] = shapes[EMBED]
+        elif not tied and LM_HEAD not in files and EMBED in files:
+            del shapes[LM_HEAD]
+            tied = True
+            notes.append(
+                f"{root}: config.json has tie_word_embeddings false but the files hold no "
+                f"{LM_HEAD}; the head is tied to {EMBED} (transformers would initialise it "
+                "randomly)"
+            )
+            log.warning("checkpoint_head_tied", directory=str(root), model=config.name)
+        plan: dict[str, list[Part]] = {}
+        missing: list[str] = []
+        for name, shape in shapes.items():
+            options = checkpoint_sources(name, shape)
+            chosen = next((o for o in options if all(src in files for src, _ in o)), None)
+            if chosen is None:
+                missing.append(name if len(options) == 1 else f"{name} (or per-expert tensors)")
+            else:
+                plan[name] = chosen
+        if missing:
+            shown = ", ".join(missing[:8]) + (
+                f", ... ({len(missing)} in all)" if len(missing) > 8 else ""
+            )
+            raise WeightError(f"{root}: missing weights for {config.name}: {shown}")
+        tensors: dict[str, torch.Tensor] = {}
+        for name, parts in plan.items():
+            held = torch.float32 if float32 and name.endswith(float32) else dtype
+            for src, index in parts:
+                found = files.shape(src)
                 want = tuple(torch.empty(shapes[name], device="meta")[index].shape)
                 if found != want:
                     part = f"{name}{list(index)}" if index else name
                     raise WeightError(
-                        f"{f.name}: {src} has shape {list(found)}, "
+                        f"{files.file(src)}: {src} has shape {list(found)}, "
                         f"{config.name} needs {list(want)} (for {part})"
                     )
                 if not index:
-                    tensors[name] = handle.get_tensor(src).to(dtype)
+                    tensors[name] = files.read(src, held)
                     continue
                 if name not in tensors:
-                    tensors[name] = torch.empty(shapes[name], dtype=dtype, device=dev)
-                tensors[name][index].copy_(handle.get_tensor(src))
+                    tensors[name] = torch.empty(shapes[name], dtype=held, device=dev)
+                tensors[name][index].copy_(files.read(src, held))
+    if quant.method is not None:
+        notes.append(
+            f"{root}: {quant.describe()} checkpoint dequantized at load into {dtype} "
+            "(kiln computes in that dtype; no FP8/FP4 GEMM yet)"
+        )
+        log.info(
+            "checkpoint_dequantized",
+            directory=str(root),
+            model=config.name,
+            format=quant.describe(),
+            dtype=str(dtype),
+        )
     if file_head:
         if torch.equal(tensors[LM_HEAD], tensors[EMBED]):
             del tensors[LM_HEAD]

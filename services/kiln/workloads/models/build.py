@@ -16,8 +16,8 @@ from kiln.workloads import glm_moe_dsa, gpt_oss, minimax_m2
 from kiln.workloads.config import DEEPSEEK_V3_TYPES, ModelConfig
 from kiln.workloads.glm_moe_dsa_weights import seeded_random_glm
 from kiln.workloads.gpt_oss import GPT_OSS
-from kiln.workloads.gpt_oss_weights import seeded_random_gpt_oss
-from kiln.workloads.mla_weights import seeded_random_mla
+from kiln.workloads.gpt_oss_weights import load_gpt_oss, seeded_random_gpt_oss
+from kiln.workloads.mla_weights import CORRECTION_BIAS, mla_shapes, seeded_random_mla
 from kiln.workloads.models import routing
 from kiln.workloads.models.binding import OpBinding
 from kiln.workloads.models.decoder import DecoderModel
@@ -66,8 +66,8 @@ def check_buildable(config: ModelConfig) -> None:
     routing, shared experts, dense first layers, YaRN allowed), or a MiniMax-M2 model (main
     model only; :func:`kiln.workloads.minimax_m2.refusal`), or a GLM-5 model (DeepSeek-V3's plus
     the sparse-attention indexer; :func:`kiln.workloads.glm_moe_dsa.refusal`), or a gpt-oss
-    model (sinks, sliding windows, YaRN, clamped-SwiGLU experts; random weights only:
-    :mod:`kiln.workloads.gpt_oss`), each with SiLU, no MLP bias and no
+    model (sinks, sliding windows, YaRN, clamped-SwiGLU experts; :mod:`kiln.workloads.gpt_oss`),
+    each with SiLU, no MLP bias and no
     sliding window."""
     why = _refusal(config)
     if why is not None:
@@ -109,6 +109,30 @@ def _refusal(config: ModelConfig) -> str | None:
     return None
 
 
+def _load_checkpoint(
+    weights_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
+) -> WeightStore:
+    """``weights_dir``'s weights for ``cfg`` (block-FP8 and MXFP4 dequantized into ``dtype``:
+    :mod:`kiln.workloads.quantized_checkpoint`); UnbuildableModelError for the families whose
+    checkpoints are not read yet (GLM-5)."""
+    if cfg.dsa is not None:
+        raise UnbuildableModelError(
+            f"{cfg.name}: kiln cannot read GLM-5 (glm_moe_dsa) checkpoints yet; "
+            "build with random weights"
+        )
+    if cfg.model_type == GPT_OSS:
+        return load_gpt_oss(weights_dir, cfg, dtype, device)
+    if cfg.model_type == minimax_m2.MINIMAX_M2:
+        shapes = minimax_m2.minimax_shapes(cfg)
+        bias = (minimax_m2.CORRECTION_BIAS,)
+        return load_safetensors(weights_dir, cfg, dtype, device, shapes=shapes, float32=bias)
+    if cfg.mla is not None:
+        return load_safetensors(
+            weights_dir, cfg, dtype, device, shapes=mla_shapes(cfg), float32=(CORRECTION_BIAS,)
+        )
+    return load_safetensors(weights_dir, cfg, dtype, device)
+
+
 def build_model(
     config: ModelConfig,
     *,
@@ -133,7 +157,8 @@ def build_model(
             the router biases fitted here to ``config.moe.load_zipf_exponent`` (measured load:
             ``model.expert_load``; :mod:`kiln.workloads.models.routing`). Checkpoint weights and a
             given store get no new bias.
-        weights_dir: a local directory of ``*.safetensors`` with HF names (instead of random).
+        weights_dir: a local directory of ``*.safetensors`` with HF names (instead of random);
+            block-FP8 and MXFP4 checkpoints are dequantized into ``dtype`` at load.
         weights: an existing store to share (instead of reading or drawing weights).
         max_batch, max_seq_len: KV-cache capacity (sequences, tokens per sequence).
         recipe: op → implementation name; other ops use ``reference``.
@@ -141,8 +166,7 @@ def build_model(
 
     Raises:
         UnbuildableModelError: an architecture or feature kiln cannot build yet (and
-            ``weights_dir`` for a latent-attention or MiniMax-M2 model: its checkpoints are not
-            read yet).
+            ``weights_dir`` for a GLM-5 model: its checkpoints are not read yet).
         ValueError: ``layers`` outside ``1..num_hidden_layers``.
         kiln.workloads.weights.WeightError: missing or mis-shaped weights.
         kiln.ops.registry.UnknownOpError, UnknownImplementationError: a bad recipe.
@@ -154,18 +178,7 @@ def build_model(
     calibrate = False
     if weights is None:
         if weights_dir is not None:
-            if cfg.model_type == GPT_OSS:
-                raise UnbuildableModelError(
-                    f"{cfg.name}: kiln cannot read gpt-oss checkpoints (MXFP4 experts) yet; "
-                    "build with random weights"
-                )
-            if cfg.mla is not None or cfg.model_type == minimax_m2.MINIMAX_M2:
-                kind = "latent-attention (MLA)" if cfg.mla is not None else "MiniMax-M2"
-                raise UnbuildableModelError(
-                    f"{cfg.name}: kiln cannot read {kind} checkpoints yet; "
-                    "build with random weights"
-                )
-            weights = load_safetensors(weights_dir, cfg, dtype, device)
+            weights = _load_checkpoint(weights_dir, cfg, dtype, device)
         else:
             random = seeded_random_mla if cfg.mla is not None else seeded_random
             if cfg.dsa is not None:  # MLA plus the indexer's weights
