@@ -19,7 +19,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from kiln.ledger.app import LedgerApp
 from kiln.ledger.client import LedgerClient
 from kiln.v1 import common_pb2, compiler_pb2, compiler_pb2_grpc, ledger_pb2
 
+from ..databases import scratch_database
 from ..pki import service_tls
 from .fake_pool import FakeEnginePool, Run
 from .serving import serve_in_task
@@ -125,11 +126,25 @@ async def _stop(task: asyncio.Task[Any]) -> None:
         await task
 
 
+@pytest.fixture(scope="module")
+def fairness_database(postgres_server_url: str) -> Iterator[str]:
+    """A database of its own: the agent runner resumes the open compilations of its ledger, and
+    another module's (on the session's database) would take this device (CI saw one hold it with
+    its confirmation while a test here waited for the device)."""
+    with scratch_database(postgres_server_url) as url:
+        yield url
+
+
 @pytest_asyncio.fixture(scope="module")
-async def stack(settings: KilnSettings) -> AsyncIterator[Stack]:
+async def stack(settings: KilnSettings, fairness_database: str) -> AsyncIterator[Stack]:
     prefix = "kf" + uuid.uuid4().hex[:10]
     cfg = settings.model_copy(
-        update={"subject_prefix": prefix, "metrics_port": 0, "grace_period_s": 1.0}
+        update={
+            "subject_prefix": prefix,
+            "metrics_port": 0,
+            "grace_period_s": 1.0,
+            "database_url": fairness_database,
+        }
     )
     tasks: list[asyncio.Task[Any]] = []
     ledger_task, ledger_addr = await serve_in_task(LedgerApp(cfg), cfg)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from kiln.workloads.config import ModelConfig
+from kiln.workloads.weight_errors import WeightError
 
 FP8 = "fp8"
 MXFP4 = "mxfp4"
@@ -54,8 +55,6 @@ _FLOAT8 = tuple(
 
 
 def _weight_error(message: str) -> Exception:
-    from kiln.workloads.weights import WeightError  # (weights imports this module)
-
     return WeightError(message)
 
 

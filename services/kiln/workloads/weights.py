@@ -30,6 +30,7 @@ import structlog
 import torch
 
 from kiln.workloads.config import ModelConfig
+from kiln.workloads.weight_errors import WeightError
 
 log = structlog.get_logger(__name__)
 
@@ -41,10 +42,6 @@ ROUTER_BIAS = "gate.kiln_skew_bias"
 """Suffix (after a layer's ``...mlp.``) of kiln's float32 ``[E]`` router-logit bias on random-weight
 MoE routers (:mod:`kiln.workloads.models.routing`; not a checkpoint weight).
 """
-
-
-class WeightError(ValueError):
-    """Weights missing, mis-shaped or unreadable; the message names the tensors."""
 
 
 class WeightStore:
