@@ -81,7 +81,7 @@ async def _compile(stack: PoolStack, batch: int) -> compiler_pb2.Compilation:
             traffic=common_pb2.TrafficShape(batch_size=batch, context_len=256),
             hardware=common_pb2.HardwareTarget(name="cpu"),
         ),
-        budget=common_pb2.Budget(wall_seconds=3.0, max_experiments=4),
+        budget=common_pb2.Budget(wall_seconds=15.0, max_experiments=4),  # a loaded host
         agents=["coordinate"],
         baselines=["none"],
     )
