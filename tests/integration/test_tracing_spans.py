@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from kiln.cli.compile_view import ENDED
 from kiln.common import tracing
 from kiln.common.settings import KilnSettings
 from kiln.v1 import common_pb2, compiler_pb2
@@ -40,11 +41,6 @@ pytestmark = [
 ]
 
 TEAM = "tracing"
-ENDED = (
-    compiler_pb2.COMPILATION_STATUS_SUCCEEDED,
-    compiler_pb2.COMPILATION_STATUS_FAILED,
-    compiler_pb2.COMPILATION_STATUS_CANCELLED,
-)
 
 
 @pytest.fixture(scope="module")
