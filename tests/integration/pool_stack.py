@@ -29,6 +29,7 @@ from kiln.ledger.app import LedgerApp
 from kiln.ledger.client import LedgerClient
 from kiln.v1 import compiler_pb2_grpc, engine_pool_pb2, engine_pool_pb2_grpc
 
+from ..databases import scratch_database
 from ..pki import service_tls
 from .fake_pool import FakeEnginePool
 from .serving import serve_in_task
@@ -165,9 +166,26 @@ async def pool_stack(settings: KilnSettings, letters: str) -> AsyncIterator[Pool
 
 @contextlib.asynccontextmanager
 async def _pool_stack(settings: KilnSettings, letters: str) -> AsyncIterator[PoolStack]:
+    # A database of its own: the runner resumes every open compilation of its ledger, and
+    # another module's, left on the session's database, would hold these engines (CI saw a
+    # compilation here spend its 15 s before its baseline ran).
+    with scratch_database(settings.require_database_url()) as database_url:
+        async with _pool_stack_on(settings, letters, database_url) as stack:
+            yield stack
+
+
+@contextlib.asynccontextmanager
+async def _pool_stack_on(
+    settings: KilnSettings, letters: str, database_url: str
+) -> AsyncIterator[PoolStack]:
     prefix = letters + uuid.uuid4().hex[:10]
     cfg = settings.model_copy(
-        update={"subject_prefix": prefix, "metrics_port": 0, "grace_period_s": 1.0}
+        update={
+            "subject_prefix": prefix,
+            "metrics_port": 0,
+            "grace_period_s": 1.0,
+            "database_url": database_url,
+        }
     )
     ledger_task, ledger_addr = await serve_in_task(LedgerApp(cfg), cfg)
     cfg = cfg.model_copy(update={"ledger_addr": ledger_addr})

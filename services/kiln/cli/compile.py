@@ -202,17 +202,33 @@ async def cancel_compilation(settings: KilnSettings, compilation_id: str) -> str
     )
 
 
-def _interrupted(settings: KilnSettings, compilation_id: str) -> NoReturn:
-    """After Ctrl-C: cancel the compilation, say so in one line, exit 130."""
+class _Interrupted(Exception):
+    """Ctrl-C ended the watch; ``line`` says what became of the compilation."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
+
+
+async def _watch_until_interrupted(
+    settings: KilnSettings, request: compiler_pb2.SubmitRequest, *args: Any
+) -> compiler_pb2.Compilation:
+    """``submit_and_watch``; on Ctrl-C the cancel is asked in the same event loop (a second
+    loop would get the first one's late gRPC completions), then ``_Interrupted``."""
     try:
-        line = asyncio.run(cancel_compilation(settings, compilation_id))
-    except KeyboardInterrupt:
-        line = (
-            f"interrupted again: compilation {compilation_id} may still run; stop it with "
-            f"`kiln compilations cancel {compilation_id}`"
-        )
-    except Exception as exc:  # e.g. no certificate: still one line, still 130
-        line = f"interrupted, but the cancel of compilation {compilation_id} failed: {exc}"
+        return await submit_and_watch(settings, request, *args)
+    except asyncio.CancelledError:
+        try:
+            line = await cancel_compilation(settings, request.compilation_id)
+        except Exception as exc:  # e.g. no certificate: still one line, still 130
+            line = (
+                f"interrupted, but the cancel of compilation {request.compilation_id} failed: {exc}"
+            )
+        raise _Interrupted(line) from None
+
+
+def _interrupted(line: str) -> NoReturn:
+    """After Ctrl-C: say what became of the compilation in one line, exit 130."""
     err_console.print(line, markup=False, highlight=False)
     raise typer.Exit(EXIT_INTERRUPTED)
 
@@ -318,10 +334,15 @@ def compile(
         view = CompileView(request.compilation_id, request.budget.wall_seconds)
         try:
             final = asyncio.run(
-                submit_and_watch(settings, request, detach, as_json, comparison, view)
+                _watch_until_interrupted(settings, request, detach, as_json, comparison, view)
             )
-        except KeyboardInterrupt:
-            _interrupted(settings, request.compilation_id)  # before a one-shot's `kiln down`
+        except _Interrupted as stop:
+            _interrupted(stop.line)  # before a one-shot's `kiln down`
+        except KeyboardInterrupt:  # a second Ctrl-C while the cancel was asked
+            _interrupted(
+                f"interrupted: compilation {request.compilation_id} may still run; "
+                f"stop it with `kiln compilations cancel {request.compilation_id}`"
+            )
     if detach:
         console.print(
             f"submitted {final.compilation_id}; see it with "
