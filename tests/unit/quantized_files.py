@@ -88,15 +88,22 @@ DEEPSEEK_EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
 MINIMAX_EXPERTS = ("block_sparse_moe", "w1", "w3", "w2")
 
 
+FP8_WEIGHTS = ("proj.weight", "proj_with_mqa.weight")
+"""Name endings of the matrices DeepSeek-V3 and MiniMax-M2 publish in FP8 (every projection)."""
+
+
 def fp8_files(
     state: Mapping[str, torch.Tensor],
     block: tuple[int, int],
     experts: tuple[str, str, str, str] = DEEPSEEK_EXPERTS,
+    fp8: tuple[str, ...] = FP8_WEIGHTS,
+    plain: tuple[str, ...] = (),
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(the files, FP8 as DeepSeek-V3 or MiniMax-M2 publish them: every projection FP8 with its
-    scale_inv, per expert under ``experts`` = (module, gate, up, down) names; router, norms,
-    embedding, head and correction bias as they are, under ``module``; the dequantized
-    transformers state dict) of a float32 transformers state dict (stacked experts)."""
+    """(the files, FP8 as DeepSeek-V3, MiniMax-M2 or GLM-5 publish them: every matrix whose name
+    ends in one of ``fp8`` and in none of ``plain`` FP8 with its scale_inv, experts per expert
+    under ``experts`` = (module, gate, up, down) names; router, norms, embedding, head and
+    correction bias as they are, under ``module``; the dequantized transformers state dict) of
+    a float32 transformers state dict (stacked experts)."""
     module, gate_name, up_name, down_name = experts
     files: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
@@ -119,7 +126,7 @@ def fp8_files(
         elif name.endswith("experts.down_proj"):
             base = f"{layer}.{module}.experts.{{}}.{down_name}.weight"
             dequantized[name] = torch.stack([put(base.format(e), t[e]) for e in range(t.shape[0])])
-        elif name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
+        elif name.endswith(fp8) and not (plain and name.endswith(plain)):
             dequantized[name] = put(name, t)
         else:
             files[name.replace(".mlp.", f".{module}.")] = dequantized[name] = t

@@ -1,4 +1,5 @@
-"""Weight names and shapes of GLM-5 (``glm_moe_dsa``) and seeded random weights for it.
+"""Weight names and shapes of GLM-5 (``glm_moe_dsa``), seeded random weights for it, and reading
+its checkpoints.
 
 Names and shapes are transformers' ``GlmMoeDsaForCausalLM`` state dict: DeepSeek-V3's
 (:func:`kiln.workloads.mla_weights.mla_shapes`) plus per layer the indexer's
@@ -6,16 +7,20 @@ Names and shapes are transformers' ``GlmMoeDsaForCausalLM`` state dict: DeepSeek
 ``k_norm.bias [Di]`` and ``weights_proj.weight [Hi, H]``. Random weights follow
 :func:`kiln.workloads.weights.seeded_tensors` (norms 1, correction biases and the key norm's bias
 float32 zeros, the rest normal), except ``weights_proj``, drawn and kept in float32 as
-transformers keeps it (``_keep_in_fp32_modules``). Published checkpoints are not read yet.
+transformers keeps it (``_keep_in_fp32_modules``). Checkpoints as published (transformers'
+``save_pretrained`` names: DeepSeek-V3's per-expert ``mlp.experts.{e}.*_proj``, the indexer's as
+above; block-FP8 dequantized at load) are read by :func:`load_glm`.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from kiln.workloads.config import ModelConfig
 from kiln.workloads.mla_weights import CORRECTION_BIAS, mla_shapes
-from kiln.workloads.weights import WeightError, WeightStore, seeded_tensors
+from kiln.workloads.weights import WeightError, WeightStore, load_safetensors, seeded_tensors
 
 INDEXER = "self_attn.indexer"
 """The indexer's module path within a layer (``model.layers.{i}.``)."""
@@ -66,3 +71,20 @@ def seeded_random_glm(
     tensors.update(seeded_tensors(head, config, torch.float32, device, seed))
     ordered = {n: tensors[n] for n in shapes}
     return WeightStore(ordered, tied=config.tie_word_embeddings)
+
+
+def load_glm(
+    directory: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> WeightStore:
+    """``directory``'s weights of :func:`glm_shapes`, read by
+    :func:`kiln.workloads.weights.load_safetensors` (per-expert tensors stacked, block-FP8
+    dequantized into ``dtype``, other tensors in the files such as the MTP layer ignored) and
+    held as the random weights are: correction biases and ``weights_proj`` float32, the rest
+    ``dtype``. WeightError naming a missing or mis-shaped tensor (the indexer's included), or
+    what the loader refuses."""
+    shapes = glm_shapes(config)
+    keep = (CORRECTION_BIAS, HEAD_WEIGHTS)
+    return load_safetensors(directory, config, dtype, device, shapes=shapes, float32=keep)

@@ -14,7 +14,7 @@ import torch
 from kiln.domain.quoting import quote
 from kiln.workloads import glm_moe_dsa, gpt_oss, minimax_m2
 from kiln.workloads.config import DEEPSEEK_V3_TYPES, ModelConfig
-from kiln.workloads.glm_moe_dsa_weights import seeded_random_glm
+from kiln.workloads.glm_moe_dsa_weights import load_glm, seeded_random_glm
 from kiln.workloads.gpt_oss import GPT_OSS
 from kiln.workloads.gpt_oss_weights import load_gpt_oss, seeded_random_gpt_oss
 from kiln.workloads.mla_weights import CORRECTION_BIAS, mla_shapes, seeded_random_mla
@@ -113,13 +113,9 @@ def _load_checkpoint(
     weights_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
 ) -> WeightStore:
     """``weights_dir``'s weights for ``cfg`` (block-FP8 and MXFP4 dequantized into ``dtype``:
-    :mod:`kiln.workloads.quantized_checkpoint`); UnbuildableModelError for the families whose
-    checkpoints are not read yet (GLM-5)."""
-    if cfg.dsa is not None:
-        raise UnbuildableModelError(
-            f"{cfg.name}: kiln cannot read GLM-5 (glm_moe_dsa) checkpoints yet; "
-            "build with random weights"
-        )
+    :mod:`kiln.workloads.quantized_checkpoint`); WeightError for missing or mis-shaped ones."""
+    if cfg.dsa is not None:  # MLA plus the indexer's weights
+        return load_glm(weights_dir, cfg, dtype, device)
     if cfg.model_type == GPT_OSS:
         return load_gpt_oss(weights_dir, cfg, dtype, device)
     if cfg.model_type == minimax_m2.MINIMAX_M2:
@@ -165,8 +161,7 @@ def build_model(
         allow_lossy: permit lossy implementations in ``recipe``.
 
     Raises:
-        UnbuildableModelError: an architecture or feature kiln cannot build yet (and
-            ``weights_dir`` for a GLM-5 model: its checkpoints are not read yet).
+        UnbuildableModelError: an architecture or feature kiln cannot build yet.
         ValueError: ``layers`` outside ``1..num_hidden_layers``.
         kiln.workloads.weights.WeightError: missing or mis-shaped weights.
         kiln.ops.registry.UnknownOpError, UnknownImplementationError: a bad recipe.
