@@ -14,8 +14,10 @@ controller records, with each window, the sequence to re-read from after a resta
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,7 @@ from typing import Any
 import nats
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from kiln.common import nats as kn
 from kiln.common.logging import get_logger
@@ -32,6 +35,8 @@ log = get_logger("kiln.agent_runner.deployments.feed")
 
 MAX_RECORDS_PER_MESSAGE = 500
 """Records ObserveTraffic packs into one NATS message at most."""
+PUBLISH_ATTEMPTS = 4
+"""Tries of one message's publish when JetStream's acknowledgement times out."""
 MAX_HASH_IDS = 4096
 """Prefix block ids a record may carry (a 2M-token prompt at 512 tokens a block)."""
 
@@ -119,18 +124,34 @@ class TrafficFeed:
     async def publish(self, deployment_id: str, records: Sequence[dict[str, Any]]) -> int:
         """Publish ``records`` (encoded objects) in messages of at most
         :data:`MAX_RECORDS_PER_MESSAGE`, each acknowledged by JetStream (stored) before the
-        next; returns the last message's stream sequence (0 when none was sent)."""
+        next; returns the last message's stream sequence (0 when none was sent). Each message
+        carries a ``Nats-Msg-Id``, so a publish retried after a lost acknowledgement is stored
+        once; nats errors propagate after :data:`PUBLISH_ATTEMPTS` tries."""
         seq = 0
         for i in range(0, len(records), MAX_RECORDS_PER_MESSAGE):
             chunk = list(records[i : i + MAX_RECORDS_PER_MESSAGE])
             body = json.dumps({"records": chunk}, separators=(",", ":")).encode()
-            ack = await self._js.publish(self.subject(deployment_id), body, stream=self._stream)
-            seq = ack.seq
+            seq = await self._publish(deployment_id, body)
         return seq
 
     async def publish_flush(self, deployment_id: str) -> None:
         """Ask the controller to close the open windows (the end of a file)."""
-        await self._js.publish(self.subject(deployment_id), b'{"flush":true}', stream=self._stream)
+        await self._publish(deployment_id, b'{"flush":true}')
+
+    async def _publish(self, deployment_id: str, body: bytes) -> int:
+        """One message, retried on a timeout under its one message id; its stream sequence."""
+        headers = {kn.MSG_ID: f"traffic:{uuid.uuid4().hex}"}
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type((nats.errors.TimeoutError, asyncio.TimeoutError)),
+            stop=stop_after_attempt(PUBLISH_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            reraise=True,
+        ):
+            with attempt:
+                ack = await self._js.publish(
+                    self.subject(deployment_id), body, stream=self._stream, headers=headers
+                )
+        return int(ack.seq)
 
     async def last_arrival(self, deployment_id: str) -> float | None:
         """The largest ``arrival_s`` of the subject's last message, None when it has none."""
