@@ -41,7 +41,7 @@ from kiln.baselines.harness import (
 from kiln.baselines.result import BaselineResult
 from kiln.baselines.runner import run_named
 from kiln.baselines.table import bandwidth_limit
-from kiln.cost_model.step_bytes import weights_read_bytes
+from kiln.cost_model.step_bytes import decode_step_bytes_for, weights_read_bytes
 from kiln.domain.baselines import BASELINE_NAMES, parse_names
 from kiln.workloads.config import DTYPE_BYTES, load_config
 
@@ -115,12 +115,18 @@ def main(argv: list[str] | None = None) -> int:
         extra = options if name in ("hf_compile", "gpt_fast") else {}
         results.append(run_named(name, config, **at, weights=point.weights, **extra))
     results.append(measure("kiln_reference", point, kiln_reference))
+    weights_read = round(
+        weights_read_bytes(config, weights_bytes, DTYPE_BYTES[args.dtype], args.batch)
+    )
+    step = decode_step_bytes_for(config, weights_read, args.batch, args.context, args.dtype)
     limit = bandwidth_limit(
         args.hardware,
-        round(weights_read_bytes(config, weights_bytes, DTYPE_BYTES[args.dtype], args.batch)),
+        weights_read,
         args.batch,
         context=args.context,
-        kv_bytes_per_token=config.kv_bytes_per_token(args.dtype),  # the layers kept
+        kv_bytes_per_token=step.kv_bytes_per_token,  # the layers kept
+        kv_bytes=step.kv,  # what their attention reads (sliding/sparse layers: their span)
+        kv_span=step.kv_span,
     )
     reference = results[-1].tokens_per_s
     if args.json:

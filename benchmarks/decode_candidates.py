@@ -8,7 +8,8 @@ engine pool measures experiments (checked against the reference, timed, a timed 
 and prints decode tokens/s with the fraction of the memory-bandwidth limit: the engine's weights
 bytes (including the LM head) read once per step plus the KV cache of every sequence at the
 measured batch and context over the layers held
-(:func:`kiln.cost_model.step_bytes.decode_step_bytes`), at ``--bandwidth`` (default 4.26 TB/s,
+(:func:`kiln.cost_model.step_bytes.decode_step_bytes_for`: sliding and sparse layers read only
+what they attend), at ``--bandwidth`` (default 4.26 TB/s,
 the H200's measured device-to-device copy rate, tool library H200 notes). On CPU only the
 candidates that run there are measured.
 
@@ -29,8 +30,7 @@ from engine_hot_reload import MODEL, TRACE, request_for, workload
 
 from kiln.cost_model.step_bytes import (
     DecodeStepBytes,
-    decode_step_bytes,
-    held_kv_bytes_per_token,
+    decode_step_bytes_for,
     weights_read_bytes,
 )
 from kiln.domain.candidate import Candidate, Transform
@@ -95,13 +95,15 @@ def candidates(
 def step_bytes(spec: EngineSpec, weights: int, batch: int = 0, context: int = 0) -> DecodeStepBytes:
     """What one decode step of ``spec``'s engine reads: the ``weights`` bytes it holds that a
     step reads (:func:`~kiln.cost_model.step_bytes.weights_read_bytes`) plus the KV cache
-    (``spec.dtype``, ``spec.layers`` held) of ``batch`` sequences at ``context`` tokens
-    (0: the spec's; a measurement says where it was measured)."""
+    (``spec.dtype``, ``spec.layers`` held) its attention reads for ``batch`` sequences at
+    ``context`` tokens (0: the spec's; a measurement says where it was measured; sliding and
+    sparse layers only what they attend:
+    :func:`~kiln.cost_model.step_bytes.decode_step_bytes_for`)."""
     config, batch = spec.model_config(), batch or spec.batch_size
-    kv_per_token = held_kv_bytes_per_token(config, spec.dtype, spec.layers)
     size = DTYPE_BYTES.get(spec.dtype, 2)
     read = weights_read_bytes(config, weights, size, batch, layers=spec.layers)
-    return decode_step_bytes(read, batch, context or spec.context_len, kv_per_token)
+    context = context or spec.context_len
+    return decode_step_bytes_for(config, read, batch, context, spec.dtype, spec.layers)
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,8 +14,9 @@ the ``fused_decode`` transform:
 The difference between the step and the sum of the families is what the chain costs beyond its
 kernels (the embedding, the cache-length update, gaps between different kernels). A step's
 "of limit" is its time over the bandwidth limit's: the weights once plus the bf16 KV cache of
-``--batch`` sequences at ``--context`` tokens, at ``--bandwidth``
-(:func:`kiln.cost_model.step_bytes.decode_step_bytes`).
+``--batch`` sequences at ``--context`` tokens that the attention reads (sliding and sparse layers
+only what they attend), at ``--bandwidth``
+(:func:`kiln.cost_model.step_bytes.decode_step_bytes_for`).
 
     python3 benchmarks/fused_decode_profile.py --json out.json
 """
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kiln.cost_model.step_bytes import decode_step_bytes, weights_read_bytes
+from kiln.cost_model.step_bytes import decode_step_bytes_for, weights_read_bytes
 from kiln.runtime.fused_decode import FusedDecode
 from kiln.workloads.config import load_config
 from kiln.workloads.models import build_model
@@ -195,9 +196,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     }
     held = sum(storages.values())  # tied embeddings counted once
     weights = weights_read_bytes(config, held, 2, args.batch)  # an untied table: B rows read
-    step = decode_step_bytes(
-        weights, args.batch, args.context, config.kv_bytes_per_token("bfloat16")
-    )
+    step = decode_step_bytes_for(config, weights, args.batch, args.context, "bfloat16")
     limit_us = step.total / args.bandwidth * 1e6
     print(
         f"{config.name}: batch {args.batch}, context {args.context}; weights {weights / 1e9:.3f}"

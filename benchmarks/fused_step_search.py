@@ -35,8 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fused_decode_profile import graph_time_us, operating_point_parser
 
 from kiln.cost_model.step_bytes import (
-    decode_step_bytes,
-    held_kv_bytes_per_token,
+    decode_step_bytes_for,
     weights_read_bytes,
 )
 from kiln.runtime.fused_decode import FusedDecode
@@ -93,9 +92,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         }.values()
     )
     weights = weights_read_bytes(config, held, 2, args.batch, layers=layers)
-    step = decode_step_bytes(
-        weights, args.batch, args.context, held_kv_bytes_per_token(config, "bfloat16", layers)
-    )
+    step = decode_step_bytes_for(config, weights, args.batch, args.context, "bfloat16", layers)
     limit_us = step.total / args.bandwidth * 1e6
     tokens = torch.randint(0, config.vocab_size, (args.batch, 1), device=dev)
     saved = model.cache.state()

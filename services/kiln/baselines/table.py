@@ -2,9 +2,11 @@
 reference and kiln's best, each with tokens/s, ms/step, speedup over kiln's reference, the
 fraction of the bandwidth limit and the prefill median (ms, blank when not timed).
 
-Bandwidth limit: ``batch x bandwidth / (weights_bytes + batch x context x kv_bytes_per_token)``
-tokens/s at the catalogue's achievable bandwidth; weights only (an upper bound, said so) when the
-context is unknown.
+Bandwidth limit: ``batch x bandwidth / (weights_bytes + KV read)`` tokens/s at the catalogue's
+achievable bandwidth, the KV read that of
+:func:`kiln.cost_model.step_bytes.decode_step_bytes_for` (``batch x context x kv_bytes_per_token``
+when every layer attends the whole context; sliding-window and sparse layers read only what they
+attend); weights only (an upper bound, said so) when the context is unknown.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.cost_model.step_bytes import DecodeStepBytes, decode_step_bytes, held_kv_bytes_per_token
+from kiln.cost_model.step_bytes import DecodeStepBytes, decode_step_bytes, decode_step_bytes_for
 from kiln.domain.baselines import BASELINE_CANDIDATE_PREFIX, BASELINE_NAMES
 from kiln.workloads.config import DTYPE_BYTES, ModelConfig
 
@@ -177,33 +179,38 @@ class Comparison:
     ) -> BandwidthLimit | None:
         """The bandwidth limit of the baselines' operating point on ``hardware``.
 
-        Weights plus KV at :meth:`context` and :meth:`batch` (KV per token from ``config``);
-        weights only, saying why, when either is unknown; MoE experts a step is expected not to
-        read (by ``expert_zipf_exponent``) are left out. None when the weights bytes or hardware
-        are unknown.
+        Weights plus the KV a step reads at :meth:`context` and :meth:`batch`
+        (:func:`~kiln.cost_model.step_bytes.decode_step_bytes_for` of ``config``: sliding and
+        sparse layers only what they attend); weights only, saying why, when either is unknown;
+        MoE experts a step is expected not to read (by ``expert_zipf_exponent``) are left out.
+        None when the weights bytes or hardware are unknown.
         """
         context, dtype = self.context(), self.dtype() or dtype
-        kv_per_token, why = 0, ""
+        why = ""
         if context <= 0:
             why = "context unknown"
         elif config is None:
             why = "model config unknown"
         elif dtype not in DTYPE_BYTES:
             why = f"KV dtype {dtype or 'unknown'}"
-        else:
-            kv_per_token = held_kv_bytes_per_token(config, dtype, self.layers())
         weights, note = self.weights_bytes(), ""
         if config is not None and weights > 0:
             weights, note = _weights_read(
                 config, weights, self.batch(), self.layers(), dtype, expert_zipf_exponent
             )
+        if why or config is None:
+            return bandwidth_limit(
+                hardware, weights, self.batch(), weights_only_reason=why, moe_note=note
+            )
+        step = decode_step_bytes_for(config, weights, self.batch(), context, dtype, self.layers())
         return bandwidth_limit(
             hardware,
             weights,
             self.batch(),
-            context=context if kv_per_token else 0,
-            kv_bytes_per_token=kv_per_token,
-            weights_only_reason=why,
+            context=context,
+            kv_bytes_per_token=step.kv_bytes_per_token,
+            kv_bytes=step.kv,
+            kv_span=step.kv_span,
             moe_note=note,
         )
 
@@ -322,9 +329,10 @@ class BandwidthLimit:
         tb_s = self.bandwidth_bytes_per_s / 1e12
         head = f"{self.tokens_per_s:,.0f} tok/s = batch x {tb_s:.2f} TB/s"
         if self.counts_kv:
+            span = f"; attention read: {s.kv_span}" if s.kv_span else ""
             bytes_ = (
                 f"(weights {_size(s.weights)} + KV {_size(s.kv)} at batch {s.batch:,}, "
-                f"context {s.context:,})"
+                f"context {s.context:,}{span})"
             )
         else:
             why = self.weights_only_reason or "context unknown"
@@ -351,12 +359,16 @@ def bandwidth_limit(
     *,
     context: int = 0,
     kv_bytes_per_token: float = 0,
+    kv_bytes: float | None = None,
+    kv_span: str = "",
     weights_only_reason: str = "",
     moe_note: str = "",
 ) -> BandwidthLimit | None:
     """The bandwidth limit on ``hardware`` (catalogue name) of a step reading ``weights_bytes``
-    plus ``batch x context x kv_bytes_per_token``; weights only when either of the last two is 0.
-    None when the hardware is unknown or ``weights_bytes`` or ``batch`` is 0.
+    plus its KV: ``kv_bytes`` when given (the step's read, bytes; ``kv_span`` says how sliding or
+    sparse layers cut it), else ``batch x context x kv_bytes_per_token``; weights only when
+    ``context`` or ``kv_bytes_per_token`` is 0. None when the hardware is unknown or
+    ``weights_bytes`` or ``batch`` is 0.
     """
     from kiln.common.errors import NotFound
     from kiln.cost_model.hardware import get_hardware
@@ -373,8 +385,10 @@ def bandwidth_limit(
     )
     source = f"{hw.name} achievable bandwidth; {why}" if why else f"{hw.name} catalogue"
     if context <= 0 or kv_bytes_per_token <= 0:
-        context, kv_bytes_per_token = 0, 0
-    step = decode_step_bytes(weights_bytes, batch, context, kv_bytes_per_token)
+        context, kv_bytes_per_token, kv_bytes, kv_span = 0, 0, None, ""
+    step = decode_step_bytes(
+        weights_bytes, batch, context, kv_bytes_per_token, kv_bytes=kv_bytes, kv_span=kv_span
+    )
     reason = "" if context else (weights_only_reason or "context unknown")
     return BandwidthLimit(step.limit_tokens_per_s(bw), bw, source, step, reason, moe_note)
 

@@ -7,9 +7,13 @@ Pure functions of a model config, hardware and plan; every number is a :class:`T
   ``b = ceil(B / dp)``.
 - Decode step (b sequences of one replica): ``max(bytes / achievable bandwidth, FLOPs / dense
   rate) + kernels x kernel overhead + comm``. Bytes: the weights a step touches (embedding: b
-  rows; MoE: experts routed to) plus the KV of b x context tokens in the plan's KV dtype.
-  FLOPs: 2 per weight per token plus attention. Kernels: :data:`DENSE_LAYER_KERNELS` a dense
-  layer, :data:`MOE_LAYER_KERNELS` a MoE layer, :data:`STEP_KERNELS` a step.
+  rows; MoE: experts routed to) plus the KV the b sequences' attention reads in the plan's KV
+  dtype: per layer the tokens it attends (full: context; sliding window: min(context, window);
+  GLM-5's DSA: min(context, top-k) latents plus the indexer keys of all context tokens;
+  :mod:`kiln.cost_model.attention_span`). FLOPs: 2 per weight per token plus attention over the
+  same tokens (DSA: plus the indexer's scoring of every context token). Kernels:
+  :data:`DENSE_LAYER_KERNELS` a dense layer, :data:`MOE_LAYER_KERNELS` a MoE layer,
+  :data:`STEP_KERNELS` a step.
 - Communication: ring all-reduce ``bytes x 2(n-1)/n / link + latency + (n-1) x per-peer
   latency``; TP two all-reduces of b x hidden per layer; EP all-to-all of b x top_k x hidden
   per MoE layer (:func:`all_to_all_s`: over the inter-node link for the off-node share when
@@ -22,7 +26,9 @@ Pure functions of a model config, hardware and plan; every number is a :class:`T
 - Pipeline: one micro-batch through all stages plus (pp-1) sends, no bubbles; every stage is
   charged as long as the largest, ``ceil(L / pp)`` layers (the pace of a pipelined engine), so
   uneven stages cost ``pp x ceil(L / pp) / L`` of the layers' time.
-- TTFT: one ISL prompt alone, compute against reading the weights once plus communication.
+- TTFT: one ISL prompt alone, compute against reading the weights once plus communication;
+  attention over the causal pairs within each layer's span (DSA: plus the indexer over all
+  causal pairs); the KV written is every token's in every layer.
 - Throughput = ``B / TPOT`` output tokens/s; per device ``B / TPOT / (tp x pp x dp)``.
 
 MLA: decode in the absorbed form, prefill expanded. FP8 block scales (of weights or KV) are not
@@ -31,10 +37,12 @@ counted; an FP8 KV cache is read at its own bytes and computed on as BF16.
 
 from __future__ import annotations
 
+from kiln.cost_model import attention_span
 from kiln.cost_model.communication import all_to_all_s, collective_s, pp_inter_node_sends
 from kiln.cost_model.estimate import Estimate, Terms
 from kiln.cost_model.evidence import NO_EVIDENCE, Evidence
 from kiln.cost_model.hardware import Hardware
+from kiln.cost_model.memory_terms import PREFILL_CHUNK_TOKENS, graph_pool_bytes, workspace_bytes
 from kiln.cost_model.sharding import (
     LayerShard,
     Parallelism,
@@ -49,7 +57,6 @@ from kiln.cost_model.sharding import (
     stored_weights_per_device,
     vocab_shard,
 )
-from kiln.cost_model.step_bytes import decode_kv_bytes
 from kiln.cost_model.tier2 import MEASURED, ROOFLINE, measured_pass
 from kiln.domain.operating_point import OperatingPoint
 from kiln.workloads.config import DTYPE_BYTES, ModelConfig
@@ -64,26 +71,11 @@ GEMMs, activation and combine."""
 STEP_KERNELS = 4
 """Once a step: embedding, final norm, LM head, sampling."""
 
-PREFILL_CHUNK_TOKENS = 8192
-"""Largest prefill the workspace estimate provisions for at once, tokens (an assumption in line with
-vLLM's and SGLang's chunked-prefill budgets).
-"""
-
 
 def step_kernels(cfg: ModelConfig) -> int:
     """Kernels of one forward step (see the module docs)."""
     n_dense, n_moe = layer_counts(cfg)
     return n_dense * DENSE_LAYER_KERNELS + n_moe * MOE_LAYER_KERNELS + STEP_KERNELS
-
-
-def _attention_dims(cfg: ModelConfig, decode: bool) -> tuple[int, int]:
-    """(score dim, value dim) per attention head for FLOP counting (MLA: absorbed on decode)."""
-    if cfg.mla is not None:
-        m = cfg.mla
-        if decode:
-            return m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank
-        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
-    return cfg.head_dim, cfg.head_dim
 
 
 def _pass(
@@ -101,14 +93,17 @@ def _pass(
     kv_bytes: float,
     wdtype: str,
     adtype: str,
+    kv_source: str = "KV cache read (decode) or written",
+    attention_source: str = "",
     kinds: tuple[LayerShard, LayerShard] | None = None,
     context: int = 0,
     evidence: Evidence = NO_EVIDENCE,
 ) -> tuple[float, str]:
     """Seconds of one forward over ``tokens`` on one TP group through the pipeline; records terms
     under ``phase``. ``ep_tokens``: tokens the MoE group sees (attention DP: every replica's);
-    ``attention_flops`` and ``kv_bytes`` over all layers, stretched like the layers when the
-    stages are uneven; ``kinds``: :func:`layer_kinds` of the plan, when already known.
+    ``attention_flops`` and ``kv_bytes`` over all layers (:mod:`kiln.cost_model.attention_span`),
+    stretched like the layers when the stages are uneven, ``kv_source`` and ``attention_source``
+    saying how they were counted; ``kinds``: :func:`layer_kinds` of the plan, when already known.
     ``evidence``: with a microbenchmark table the ops' time is the table's
     (:mod:`kiln.cost_model.tier2`, ``context`` the attention's) and a kernel's launch cost the
     measured one; with a calibration a decode pass's device time (ops and launches, not the
@@ -151,7 +146,7 @@ def _pass(
         f"(V·h/tp); routed experts only where touched) × {wb} B ({wdtype}); the embedding "
         f"table is not read, only B rows of it{stages}",
     )
-    kv = t.add(f"{phase}.kv_bytes", kv_bytes, "bytes", "KV cache read (decode) or written")
+    kv = t.add(f"{phase}.kv_bytes", kv_bytes, "bytes", kv_source)
     bw = hw.achievable_bandwidth_bytes_per_s
     mem_s = t.add(
         f"{phase}.memory_time_ms",
@@ -166,7 +161,7 @@ def _pass(
         "FLOP",
         f"2 × per-device weights × {tokens} tokens (LM head × {logit_tokens}) + 2 × expert "
         f"slice × token-expert assignments on the busiest rank + attention "
-        f"{attention_flops:.4g}",
+        f"{attention_flops:.4g}{attention_source}",
     )
     rate = hw.flops_for(wdtype)
     cmp_s = t.add(
@@ -295,41 +290,6 @@ def _pass(
     return device_s * cal.factor + (fixed_s - launch_s), MEASURED
 
 
-def workspace_bytes(
-    cfg: ModelConfig, plan: Parallelism, point: OperatingPoint, adtype: str
-) -> float:
-    """Activation and logits workspace on one device, bytes (an estimate):
-    ``min(ISL, 8192) x widest per-token activations of a layer x act bytes + b x V/tp x 4``
-    (b: the replica's batch).
-    """
-    chunk = min(point.isl, PREFILL_CHUNK_TOKENS)
-    logits = replica_batch(point.batch_size, plan.dp) * cfg.vocab_size / plan.tp * 4
-    return chunk * token_activations(cfg, plan) * DTYPE_BYTES[adtype] + logits
-
-
-def token_activations(cfg: ModelConfig, plan: Parallelism) -> float:
-    """The widest activations one token has live inside a layer on one device, elements:
-    ``3h + (heads + 2 kv heads) x head_dim / tp + FFN (2 x intermediate / tp; MoE: top_k x
-    (h + 2 x expert intermediate / expert tp) when wider)``."""
-    h = cfg.hidden_size
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim / plan.tp
-    ffn = 2 * cfg.intermediate_size / plan.tp
-    if cfg.moe is not None:
-        m = cfg.moe
-        ffn = max(ffn, m.top_k * (h + 2 * m.intermediate_size / plan.expert_tp))
-    return 3 * h + qkv + ffn
-
-
-def graph_pool_bytes(
-    cfg: ModelConfig, plan: Parallelism, point: OperatingPoint, adtype: str
-) -> float:
-    """The CUDA-graph memory pool of the decode graphs on one device, bytes: the largest
-    captured batch's (the replica's b) live activations and float32 logits, ``b x widest
-    activations x act bytes + b x V/tp x 4`` (captured graphs share one pool)."""
-    b = replica_batch(point.batch_size, plan.dp)
-    return b * token_activations(cfg, plan) * DTYPE_BYTES[adtype] + b * cfg.vocab_size / plan.tp * 4
-
-
 def estimate(
     cfg: ModelConfig,
     hw: Hardware,
@@ -425,10 +385,32 @@ def estimate(
         "weights + KV cache + workspace + CUDA-graph pool + reserved",
     )
 
-    heads_per_rank = cfg.num_attention_heads / plan.tp
-    dqk, dv = _attention_dims(cfg, decode=True)
-    decode_attn = b * ctx * cfg.num_hidden_layers * heads_per_rank * 2 * (dqk + dv) / plan.dcp
-    kv_read = decode_kv_bytes(b, ctx, kv_token / kv_shards(cfg, plan))
+    shards = kv_shards(cfg, plan)
+    decode_attn = attention_span.decode_attention_flops(cfg, b, ctx, tp=plan.tp, dcp=plan.dcp)
+    kv_read = attention_span.decode_kv_read_bytes(cfg, b, ctx, kv_dtype, shards=shards)
+    dense = attention_span.is_dense(cfg)
+    spans = attention_span.describe(cfg, ctx)
+    kv_size, index = DTYPE_BYTES[kv_dtype], attention_span.index_elements_per_layer(cfg)
+    kv_read_source = (
+        f"KV cache read: b × context = {b} × {ctx} tokens × {kv_token} B/token "
+        f"({kv_dtype_name(kv_dtype)}) / {shards} shards: every layer attends the whole context"
+        if dense
+        else f"KV cache read: b = {b} × ({spans}) × {kv_size} B ({kv_dtype_name(kv_dtype)}) × "
+        f"{attention_span.attended_elements_per_layer(cfg)} elements a token and layer"
+        + (f" (indexer key {index} elements)" if index else "")
+        + f" / {shards} shards: sliding/sparse layers read only the tokens they attend"
+    )
+    decode_attn_source = (
+        ""
+        if dense
+        else f" (2 × heads/tp × (dqk + dv) over the tokens each layer attends: {spans}"
+        + (
+            f"; indexer 2 × {cfg.dsa.n_heads} heads × {cfg.dsa.head_dim} over all context "
+            "tokens, not split by tp)"
+            if cfg.dsa is not None
+            else ")"
+        )
+    )
     tpot_s, tpot_tier = _pass(
         t,
         "decode",
@@ -441,6 +423,8 @@ def estimate(
         skew=point.expert_load_skew,
         attention_flops=decode_attn,
         kv_bytes=kv_read,
+        kv_source=kv_read_source,
+        attention_source=decode_attn_source,
         wdtype=weight_dtype,
         adtype=act_dtype,
         kinds=kinds,
@@ -455,9 +439,19 @@ def estimate(
     tpot_ms = t.add("tpot_ms", tpot_s * 1e3, "ms", f"{tpot_tier} tier: {how[tpot_tier]}")
     tps = t.add("throughput_tokens_per_s", B / tpot_s, "tokens/s", "B / TPOT (all replicas)")
 
-    dqk, dv = _attention_dims(cfg, decode=False)
-    prefill_attn = cfg.num_hidden_layers * isl * isl * heads_per_rank * (dqk + dv)
-    kv_write = isl * kv_token / kv_shards(cfg, plan)
+    prefill_attn = attention_span.prefill_attention_flops(cfg, isl, tp=plan.tp)
+    kv_write = isl * kv_token / shards
+    prefill_attn_source = (
+        " (causal: ISL²/2 pairs a layer)"
+        if dense
+        else f" (causal pairs within each layer's span: {attention_span.describe(cfg)}; "
+        "linear in ISL past the span"
+        + (
+            f"; indexer 2 × {cfg.dsa.n_heads} heads × {cfg.dsa.head_dim} over all ISL²/2 pairs)"
+            if cfg.dsa is not None
+            else ")"
+        )
+    )
     ttft_s, ttft_tier = _pass(
         t,
         "prefill",
@@ -470,6 +464,9 @@ def estimate(
         skew=point.expert_load_skew,
         attention_flops=prefill_attn,
         kv_bytes=kv_write,
+        kv_source=f"KV cache written: ISL = {isl} tokens × {kv_token} B/token / {shards} shards "
+        "(every layer caches every token)",
+        attention_source=prefill_attn_source,
         wdtype=weight_dtype,
         adtype=act_dtype,
         kinds=kinds,

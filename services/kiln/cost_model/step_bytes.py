@@ -1,6 +1,13 @@
 """Bytes one decode step reads: the weights it touches (all but an untied embedding table and
-the routed experts no token picks) and the KV cache of its batch; the bandwidth limit they set.
-Used by the roofline and by the baselines table's limit column."""
+the routed experts no token picks) and the KV cache its batch's attention reads; the bandwidth
+limit they set. Used by the roofline, the baselines table's limit column and the benchmarks.
+
+The KV a step reads is :func:`kiln.cost_model.attention_span.decode_kv_read_bytes`: per layer
+the tokens its attention attends (sliding-window layers their window, GLM-5's sparse layers the
+indexer's top-k latents plus every token's indexer key), not the whole cache it holds
+(:func:`held_kv_bytes_per_token`). :func:`decode_step_bytes_for` is the one entry point for a
+model; :func:`decode_kv_bytes` is the dense formula (every layer reads the whole context).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +15,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kiln.cost_model.attention_span import decode_kv_read_bytes, describe, is_dense
 from kiln.workloads.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class DecodeStepBytes:
     """Bytes one decode step reads: ``weights`` (once per step), ``kv`` (0 when ``context`` is 0,
-    unknown) at ``batch`` and ``kv_bytes_per_token`` over the layers held.
+    unknown) at ``batch`` sequences of ``context`` tokens; ``kv_bytes_per_token``: the KV one
+    token holds over the layers held (every layer's, :func:`held_kv_bytes_per_token`);
+    ``kv_span``: how the layers' attention spans cut ``kv`` below ``batch x context x
+    kv_bytes_per_token`` ("" when they do not: every layer attends the whole context).
     """
 
     weights: float
@@ -22,6 +33,7 @@ class DecodeStepBytes:
     batch: int
     context: int
     kv_bytes_per_token: float
+    kv_span: str = ""
 
     @property
     def total(self) -> float:
@@ -34,16 +46,51 @@ class DecodeStepBytes:
 
 
 def decode_kv_bytes(batch: int, context: int, kv_bytes_per_token: float) -> float:
-    """``batch x context x kv_bytes_per_token``: KV-cache bytes one decode step reads."""
+    """``batch x context x kv_bytes_per_token``: the KV-cache bytes a decode step reads when
+    every layer attends the whole context (the dense formula; a model with sliding or sparse
+    layers reads less: :func:`kiln.cost_model.attention_span.decode_kv_read_bytes`)."""
     return float(batch * context * kv_bytes_per_token)
 
 
 def decode_step_bytes(
-    weights_bytes: float, batch: int, context: int, kv_bytes_per_token: float
+    weights_bytes: float,
+    batch: int,
+    context: int,
+    kv_bytes_per_token: float,
+    *,
+    kv_bytes: float | None = None,
+    kv_span: str = "",
 ) -> DecodeStepBytes:
-    """The weights once plus :func:`decode_kv_bytes`; ``context`` 0 gives the weights alone."""
-    kv = decode_kv_bytes(batch, context, kv_bytes_per_token)
-    return DecodeStepBytes(float(weights_bytes), kv, batch, context, float(kv_bytes_per_token))
+    """The weights once plus the KV read: ``kv_bytes`` when given (the step's KV read, bytes,
+    e.g. :func:`~kiln.cost_model.attention_span.decode_kv_read_bytes`; ``kv_span`` says how it
+    was cut), else :func:`decode_kv_bytes`; ``context`` 0 gives the weights alone."""
+    if context <= 0:
+        kv = 0.0
+    elif kv_bytes is not None:
+        kv = float(kv_bytes)
+    else:
+        kv = decode_kv_bytes(batch, context, kv_bytes_per_token)
+    return DecodeStepBytes(
+        float(weights_bytes), kv, batch, context, float(kv_bytes_per_token), kv_span
+    )
+
+
+def decode_step_bytes_for(
+    cfg: ModelConfig,
+    weights_bytes: float,
+    batch: int,
+    context: int,
+    dtype: str = "bfloat16",
+    layers: int = 0,
+) -> DecodeStepBytes:
+    """What one decode step of ``cfg`` reads: ``weights_bytes`` once plus the KV its attention
+    reads (:func:`~kiln.cost_model.attention_span.decode_kv_read_bytes`) for ``batch``
+    sequences at ``context`` tokens in ``dtype`` over the first ``layers`` layers (0: all);
+    ``context`` 0 gives the weights alone. The roofline's ``decode.kv_bytes`` at one shard."""
+    held = held_kv_bytes_per_token(cfg, dtype, layers)
+    kv = decode_kv_read_bytes(cfg, batch, context, dtype, layers=layers)
+    span = "" if is_dense(cfg, layers) else describe(cfg, layers=layers)
+    return decode_step_bytes(weights_bytes, batch, context, held, kv_bytes=kv, kv_span=span)
 
 
 def expected_experts_read(
