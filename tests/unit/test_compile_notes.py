@@ -4,6 +4,7 @@ under ``--one-shot`` (the cancel is asked for before kiln is brought down)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +124,12 @@ def test_a_compilation_that_confirmed_nothing_says_why() -> None:
 
 
 @pytest.mark.skipif(not LLAMA.is_file(), reason="../shared/data is not here")
+@pytest.mark.parametrize("how", ["task cancelled", "KeyboardInterrupt"])
 def test_ctrl_c_on_a_one_shot_cancels_before_kiln_goes_down(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
+    """A Ctrl-C inside the watch's loop (asyncio cancels its task) asks the cancel in that loop;
+    one that escapes the loop as KeyboardInterrupt asks it in a loop of its own."""
     import kiln.cli.compile as compile_cmd
     import kiln.embedded.supervisor as supervisor
 
@@ -147,10 +151,19 @@ def test_ctrl_c_on_a_one_shot_cancels_before_kiln_goes_down(
         def down(self) -> None:
             order.append("down")
 
+    loops: list[object] = []
+
     async def interrupted(*args: Any, **kw: Any) -> Any:
-        raise KeyboardInterrupt
+        loops.append(asyncio.get_running_loop())
+        if how == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # what asyncio.run does on SIGINT
+        await asyncio.sleep(5)
 
     async def cancel(settings: Any, compilation_id: str) -> str:
+        loops.append(asyncio.get_running_loop())
         order.append(f"cancel {compilation_id}")
         return f"cancelled compilation {compilation_id} (Ctrl-C)"
 
@@ -162,3 +175,4 @@ def test_ctrl_c_on_a_one_shot_cancels_before_kiln_goes_down(
     assert result.exit_code == 130, result.output
     assert order == ["up", "cancel c1", "down"]
     assert "cancelled compilation c1 (Ctrl-C)" in result.output
+    assert (loops[0] is loops[1]) == (how == "task cancelled")

@@ -210,25 +210,57 @@ class _Interrupted(Exception):
         self.line = line
 
 
+@dataclasses.dataclass
+class _CancelAsked:
+    """Whether the Ctrl-C's cancel was asked inside the watch's loop (a KeyboardInterrupt after
+    it is a second Ctrl-C)."""
+
+    asked: bool = False
+
+
 async def _watch_until_interrupted(
-    settings: KilnSettings, request: compiler_pb2.SubmitRequest, *args: Any
+    settings: KilnSettings,
+    request: compiler_pb2.SubmitRequest,
+    cancel: _CancelAsked,
+    *args: Any,
 ) -> compiler_pb2.Compilation:
-    """``submit_and_watch``; on Ctrl-C the cancel is asked in the same event loop (a second
-    loop would get the first one's late gRPC completions), then ``_Interrupted``."""
+    """``submit_and_watch``; on Ctrl-C (asyncio cancels the task) the cancel is asked in the same
+    event loop (a second loop would get the first one's late gRPC completions), then
+    ``_Interrupted``."""
     try:
         return await submit_and_watch(settings, request, *args)
     except asyncio.CancelledError:
-        try:
-            line = await cancel_compilation(settings, request.compilation_id)
-        except Exception as exc:  # e.g. no certificate: still one line, still 130
+        cancel.asked = True
+        raise _Interrupted(await _cancel_line(settings, request.compilation_id)) from None
+
+
+async def _cancel_line(settings: KilnSettings, compilation_id: str) -> str:
+    """:func:`cancel_compilation`'s line, or the one line saying it failed."""
+    try:
+        return await cancel_compilation(settings, compilation_id)
+    except Exception as exc:  # e.g. no certificate: still one line, still 130
+        return f"interrupted, but the cancel of compilation {compilation_id} failed: {exc}"
+
+
+def _interrupted(
+    settings: KilnSettings, compilation_id: str, cancel: _CancelAsked, line: str = ""
+) -> NoReturn:
+    """After Ctrl-C: the cancel's ``line`` (asked here in a loop of its own when the interrupt
+    came outside the watch's loop), printed as one line; exit 130."""
+    if not line:
+        if cancel.asked:
             line = (
-                f"interrupted, but the cancel of compilation {request.compilation_id} failed: {exc}"
+                f"interrupted again: compilation {compilation_id} may still run; stop it with "
+                f"`kiln compilations cancel {compilation_id}`"
             )
-        raise _Interrupted(line) from None
-
-
-def _interrupted(line: str) -> NoReturn:
-    """After Ctrl-C: say what became of the compilation in one line, exit 130."""
+        else:
+            try:
+                line = asyncio.run(_cancel_line(settings, compilation_id))
+            except KeyboardInterrupt:
+                line = (
+                    f"interrupted again: compilation {compilation_id} may still run; stop it "
+                    f"with `kiln compilations cancel {compilation_id}`"
+                )
     err_console.print(line, markup=False, highlight=False)
     raise typer.Exit(EXIT_INTERRUPTED)
 
@@ -332,17 +364,17 @@ def compile(
     with _one_shot(settings, enabled=one_shot):
         comparison = Comparison(REFERENCE_CANDIDATE.id)
         view = CompileView(request.compilation_id, request.budget.wall_seconds)
+        cancel = _CancelAsked()
         try:
             final = asyncio.run(
-                _watch_until_interrupted(settings, request, detach, as_json, comparison, view)
+                _watch_until_interrupted(
+                    settings, request, cancel, detach, as_json, comparison, view
+                )
             )
-        except _Interrupted as stop:
-            _interrupted(stop.line)  # before a one-shot's `kiln down`
-        except KeyboardInterrupt:  # a second Ctrl-C while the cancel was asked
-            _interrupted(
-                f"interrupted: compilation {request.compilation_id} may still run; "
-                f"stop it with `kiln compilations cancel {request.compilation_id}`"
-            )
+        except _Interrupted as stop:  # before a one-shot's `kiln down`
+            _interrupted(settings, request.compilation_id, cancel, stop.line)
+        except KeyboardInterrupt:  # outside the watch's loop, or a second Ctrl-C
+            _interrupted(settings, request.compilation_id, cancel)
     if detach:
         console.print(
             f"submitted {final.compilation_id}; see it with "
