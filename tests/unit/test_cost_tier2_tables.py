@@ -3,6 +3,7 @@ estimates composed from it (kiln.cost_model.interpolate, microbench_table, tier2
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -258,3 +259,23 @@ def test_moe_layers_pay_the_measured_expert_per_touched_expert() -> None:
     expect = cfg.num_hidden_layers * load.distinct_experts * found.ms
     assert est.term("decode.op.experts_ms").value == pytest.approx(expect)
     assert est.term("decode.op.router_ms").value > 0
+
+
+def test_sliding_layers_are_costed_at_their_window() -> None:
+    """A layer attending a 64-token window is read off the table at 64 tokens on decode and at
+    its share of the causal pairs on prefill; the full layers at the whole context."""
+    cfg = dataclasses.replace(tiny(), sliding_window=64, sliding_layers=(1,))
+    hw, table = get_hardware("cpu"), _table_for(tiny())
+    point = OperatingPoint(batch_size=4, context_len=256, isl=256, osl=8)
+    est = estimate(cfg, hw, point, Parallelism(), evidence=Evidence(table, None, graphs=False))
+    dense = estimate(tiny(), hw, point, Parallelism(), evidence=Evidence(table, None, False))
+    heads, kvh = attention_heads(cfg, 1)
+    full = table.attention_decode(4, 256, heads, kvh, cfg.head_dim, "bfloat16")
+    window = table.attention_decode(4, 64, heads, kvh, cfg.head_dim, "bfloat16")
+    assert full is not None and window is not None and window.ms < full.ms
+    assert est.term("decode.op.attention_ms").value == pytest.approx(2 * full.ms + window.ms)
+    assert dense.term("decode.op.attention_ms").value == pytest.approx(3 * full.ms)
+    pre = table.attention_prefill(256, heads, kvh, cfg.head_dim, "bfloat16")
+    assert pre is not None
+    cut = (64 * 256 - 64 * 64 / 2) / (256 * 256 / 2)
+    assert est.term("prefill.op.attention_ms").value == pytest.approx(pre.ms * (2 + cut))

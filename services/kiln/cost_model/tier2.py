@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.cost_model.attention_span import causal_pairs, layer_groups
 from kiln.cost_model.estimate import Terms
 from kiln.cost_model.hardware import Hardware
 from kiln.cost_model.interpolate import Lookup
@@ -98,7 +99,8 @@ def measured_pass(
     m = max(1, tokens)
     heads, kvh = attention_heads(cfg, plan.tp)
     d = cfg.head_dim
-    ctx = max(1, -(-context // plan.dcp))
+    spans = layer_groups(cfg)
+    span_layers = sum(g.layers for g in spans)
     for shard, count in zip(kinds, layers, strict=True):
         if not count or not shard.always_read:
             continue
@@ -106,17 +108,22 @@ def measured_pass(
             found = table.gemm(m, n, k, gdtype)
             ms = ops.add(name, count, found, n * k * ops.wb, 2.0 * m * n * k)
             by_name[name] = by_name.get(name, 0.0) + ms
-        if phase == "decode":
-            att = None if cfg.mla else table.attention_decode(m, ctx, heads, kvh, d, adtype)
-            kv = m * ctx * 2 * kvh * d * ops.ab
-            flops = 4.0 * m * heads * ctx * d
-        else:
-            att = None if cfg.mla else table.attention_prefill(m, heads, kvh, d, adtype)
-            kv = m * 2 * kvh * d * ops.ab
-            flops = 2.0 * heads * m * m * d
-        by_name["attention"] = by_name.get("attention", 0.0) + ops.add(
-            "attention", count, att, kv, flops
-        )
+        for group in spans:  # each span's share of the layers (sliding, sparse, full)
+            share = count * group.layers / span_layers
+            if phase == "decode":
+                gctx = max(1, -(-group.attended(context) // plan.dcp))
+                att = None if cfg.mla else table.attention_decode(m, gctx, heads, kvh, d, adtype)
+                kv = m * gctx * 2 * kvh * d * ops.ab
+                flops = 4.0 * m * heads * gctx * d
+            else:  # a table's prefill is full-causal: scaled by the span's share of the pairs
+                cut = causal_pairs(m, group.span) / causal_pairs(m)
+                found = None if cfg.mla else table.attention_prefill(m, heads, kvh, d, adtype)
+                att = None if found is None else found.scaled(cut)
+                kv = m * 2 * kvh * d * ops.ab
+                flops = 2.0 * heads * m * m * d * cut
+            by_name["attention"] = by_name.get("attention", 0.0) + ops.add(
+                "attention", share, att, kv, flops
+            )
         if shard.routed_expert and load is not None and load.distinct_experts > 0:
             dims = expert_dims(cfg, plan)
             assert dims is not None
