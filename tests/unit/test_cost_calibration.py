@@ -72,7 +72,14 @@ def test_calibrated_step_multiplies_the_device_time() -> None:
     one = estimate(cfg, hw, point, Parallelism(), evidence=Evidence(None, cal))
     assert one.tpot_tier == "measured" and one.ttft_tier == "roofline"
     assert one.tpot_ms == pytest.approx(2.0 * base.tpot_ms)  # one device: all device time
-    assert one.ttft_ms == pytest.approx(base.ttft_ms)  # prefill is not calibrated
+    assert one.ttft_ms == pytest.approx(base.ttft_ms)  # no prefill calibration: not calibrated
+    pre = estimate(
+        cfg, hw, point, Parallelism(), evidence=Evidence(None, None, True, fit([(3, 1)]))
+    )
+    assert (pre.tpot_tier, pre.ttft_tier) == ("roofline", "measured")
+    assert pre.tpot_ms == pytest.approx(base.tpot_ms)
+    assert pre.ttft_ms == pytest.approx(3.0 * base.ttft_ms)
+    assert pre.term("prefill.uncalibrated_ms").value == pytest.approx(base.ttft_ms)
     tp2 = Parallelism(tp=2)
     base2 = estimate(cfg, hw, point, tp2)
     two = estimate(cfg, hw, point, tp2, evidence=Evidence(None, cal))
@@ -138,3 +145,52 @@ def test_knowledge_folds_measured_passes_and_calibrates_against_them() -> None:
     other = k.evidence(cfg, text, "float32", hw, "float32", "float32")  # another dtype: none
     assert other.calibration is None
     assert model_key(text, "") == model_key(json.dumps(json.loads(text), indent=2), "")
+
+
+def test_a_prefill_of_several_prompts_is_one_pass_over_all_their_tokens() -> None:
+    """An engine times ``batch`` prompts of ``context`` tokens at once: the prediction it is
+    calibrated against takes them in one pass (weights once, every prompt's attention)."""
+    cfg, hw = parse_config_json(json.dumps(TINY), "tiny"), get_hardware("h200")
+    point = OperatingPoint(batch_size=4, context_len=256, isl=256, osl=1)
+    one = estimate(cfg, hw, point, Parallelism())
+    four = estimate(cfg, hw, point, Parallelism(), prefill_prompts=4)
+    assert four.term("prefill.kv_bytes").value == pytest.approx(
+        4 * one.term("prefill.kv_bytes").value
+    )
+    assert one.ttft_ms < four.ttft_ms < 4 * one.ttft_ms  # the weights are read once
+    assert four.tpot_ms == pytest.approx(one.tpot_ms)
+    with pytest.raises(ValueError):
+        estimate(cfg, hw, point, Parallelism(), prefill_prompts=0)
+
+
+def test_knowledge_calibrates_the_prefill_against_the_timed_prefills() -> None:
+    cfg, hw = parse_config_json(json.dumps(TINY), "tiny"), get_hardware("cpu")
+    text = json.dumps(TINY)
+    k = _knowledge()
+    workload = {"model": {"name": "tiny", "config_json": text}, "hardware": {"name": "cpu"}}
+    k.fold("compilation-c1", "CompilationSubmitted", {"hardware": "cpu", "workload": workload})
+    k.fold("experiment-e1", "ExperimentCompleted", _completed("c1", 2, 64, 5.0))  # none timed
+    assert k.evidence(cfg, text, "", hw, "bfloat16", "bfloat16").prefill_calibration is None
+    k.fold(
+        "experiment-e2",
+        "ExperimentCompleted",
+        _completed("c1", 2, 64, 6.0, prefill_median_ms=30.0),
+    )
+    k.fold(  # a faster decode without a timed prefill keeps the prefill already timed
+        "experiment-e3", "ExperimentCompleted", _completed("c1", 2, 64, 4.0)
+    )
+    k.fold(
+        "experiment-e4",
+        "ExperimentCompleted",
+        _completed("c1", 2, 64, 7.0, prefill_median_ms=20.0),  # the fastest prefill is kept
+    )
+    (p,) = k.measured_passes(text, "", "cpu")
+    assert (p.ms, p.prefill_ms) == (4.0, 20.0)
+    ev = k.evidence(cfg, text, "", hw, "bfloat16", "bfloat16")
+    at = OperatingPoint(batch_size=2, context_len=64, isl=64, osl=1)
+    predicted = estimate(cfg, hw, at, Parallelism(), prefill_prompts=2).ttft_ms
+    assert ev.prefill_calibration is not None
+    assert ev.prefill_calibration.factor == pytest.approx(20.0 / predicted)
+    calibrated = estimate(cfg, hw, at, Parallelism(), evidence=ev, prefill_prompts=2)
+    assert calibrated.ttft_tier == "measured"
+    assert calibrated.ttft_ms == pytest.approx(20.0)  # one device, one point: reproduced

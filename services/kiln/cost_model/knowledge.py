@@ -13,19 +13,23 @@ restarted cost model rebuilds everything it knew, and folds three event types:
   forward kiln would deploy), at most :data:`MAX_POINTS` points. Baseline experiments (other
   engines, ``ExperimentRequested.baseline``) are not evidence.
 
-:meth:`Knowledge.evidence` gives a request its table and its decode calibration
+:meth:`Knowledge.evidence` gives a request its table and its decode and prefill calibrations
 (:mod:`kiln.cost_model.calibration`: the predictions at the measured points, at tp=1 as the
-engines ran, against the measurements). :meth:`Knowledge.want_microbenchmarks` asks an engine
-pool over NATS to measure a model's shapes when the table lacks them (in the background, once
-per ``retry_s``); the results come back through the ledger.
+engines ran, against the measurements; the prefill's from the timed prefills the completions
+carry, ``prefill_median_ms`` of ``batch`` prompts of ``context`` tokens).
+:meth:`Knowledge.want_microbenchmarks` asks an engine pool over NATS to measure a model's
+shapes when the table lacks them (in the background, once per ``retry_s``); the results come
+back through the ledger.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -89,13 +93,16 @@ def model_key(config_json: str, dtype: str) -> str:
 
 @dataclass(frozen=True)
 class PassPoint:
-    """One measured decode step: ``ms`` at ``batch`` x ``context`` over ``layers`` (0: all)."""
+    """One measured decode step: ``ms`` at ``batch`` x ``context`` over ``layers`` (0: all);
+    ``prefill_ms``: the fastest timed prefill of ``batch`` prompts of ``context`` tokens at
+    that point, ms (0: none timed)."""
 
     batch: int
     context: int
     layers: int
     ms: float
     experiment_id: str
+    prefill_ms: float = 0.0
 
 
 class Knowledge:
@@ -117,7 +124,7 @@ class Knowledge:
         self._asked: dict[tuple[str, str, str], float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._nc: Any = None
-        self._cal: dict[tuple[Any, ...], Calibration | None] = {}
+        self._cal: dict[tuple[Any, ...], tuple[Calibration | None, Calibration | None]] = {}
         self._snapshots: dict[str, MicrobenchTable] = {}
 
     # ------------------------------------------------------------------ folding
@@ -157,6 +164,8 @@ class Knowledge:
         )
         if found is None or batch < 1 or ctx < 1 or ms <= 0 or layers < 0:
             return
+        prefill = float(data.get("prefill_median_ms", 0.0) or 0.0)
+        prefill = prefill if math.isfinite(prefill) and prefill > 0 else 0.0
         points = self.passes.setdefault(found, OrderedDict())
         at = (batch, ctx, layers)
         old = points.pop(at, None)
@@ -165,7 +174,8 @@ class Knowledge:
             if old is not None and old.ms <= ms
             else PassPoint(batch, ctx, layers, ms, stream_id)
         )
-        points[at] = keep
+        prefills = [p for p in (prefill, old.prefill_ms if old else 0.0) if p > 0]
+        points[at] = dataclasses.replace(keep, prefill_ms=min(prefills, default=0.0))
         while len(points) > MAX_POINTS:
             points.popitem(last=False)
 
@@ -213,8 +223,9 @@ class Knowledge:
                 self._cal[memo] = self._calibrate(
                     cfg, hw, list(points.values()), Evidence(table, None, graphs), wdtype, adtype
                 )
-            cal = self._cal[memo]
-        return Evidence(table, cal, graphs)
+            cal, prefill = self._cal[memo]
+            return Evidence(table, cal, graphs, prefill)
+        return Evidence(table, None, graphs)
 
     def _calibrate(
         self,
@@ -224,14 +235,18 @@ class Knowledge:
         base: Evidence,
         wdtype: str,
         adtype: str,
-    ) -> Calibration | None:
-        pairs = []
+    ) -> tuple[Calibration | None, Calibration | None]:
+        """The decode and the prefill calibrations: each point predicted at tp=1 as the engine
+        ran it (its prefill: ``batch`` prompts of ``context`` tokens in one pass)."""
+        decode, prefill = [], []
         for p in points:
             model = cfg.with_layers(p.layers) if 0 < p.layers < cfg.num_hidden_layers else cfg
             at = OperatingPoint(batch_size=p.batch, context_len=p.context, isl=p.context, osl=1)
-            est = estimate(model, hw, at, Parallelism(), wdtype, adtype, base)
-            pairs.append((p.ms, est.tpot_ms))
-        return fit(pairs)
+            est = estimate(model, hw, at, Parallelism(), wdtype, adtype, base, p.batch)
+            decode.append((p.ms, est.tpot_ms))
+            if p.prefill_ms > 0:
+                prefill.append((p.prefill_ms, est.ttft_ms))
+        return fit(decode), fit(prefill)
 
     def measured_passes(self, config_json: str, dtype_field: str, hw_name: str) -> list[PassPoint]:
         """The measured passes kept for a model on a hardware kind."""

@@ -274,8 +274,8 @@ def _pass(
         )
         / 1e3
     )
-    cal = evidence.calibration
-    if cal is None or phase != "decode":
+    cal = evidence.calibration if phase == "decode" else evidence.prefill_calibration
+    if cal is None:
         return core_s + fixed_s, tier
     device_s = core_s + launch_s
     t.add(f"{phase}.uncalibrated_ms", (core_s + fixed_s) * 1e3, "ms", f"the {tier} tier's step")
@@ -283,7 +283,8 @@ def _pass(
         f"{phase}.calibration_factor",
         cal.factor,
         "x",
-        f"measured passes of this model on {hw.name}: {cal.describe()}; multiplies the device "
+        f"measured {'passes' if phase == 'decode' else 'prefills'} of this model on {hw.name}: "
+        f"{cal.describe()}; multiplies the device "
         "time (ops and launches), not the collectives",
     )
     t.add(f"{phase}.calibration_residual", cal.residual, "fraction", cal.describe())
@@ -298,13 +299,18 @@ def estimate(
     weight_dtype: str = "bfloat16",
     act_dtype: str = "bfloat16",
     evidence: Evidence = NO_EVIDENCE,
+    prefill_prompts: int = 1,
 ) -> Estimate:
     """The estimate of ``plan`` for ``cfg`` on ``hw`` at ``point``; ``weight_dtype`` sets
     weight bytes and matmul rate, ``act_dtype`` activation and communication bytes and the KV
     cache's unless ``plan.kv_dtype`` sets it. ms, bytes, output tokens/s. ``evidence``: the
     microbenchmark table and decode calibration (:class:`Evidence`); without, the roofline
     tier alone. The estimate's ``tpot_tier`` and ``ttft_tier`` say which tier produced each.
+    ``prefill_prompts``: prompts of ISL tokens the prefill pass takes at once (1: TTFT of one
+    prompt; an engine's timed prefill is ``batch`` prompts of ``context`` tokens).
     """
+    if prefill_prompts < 1:
+        raise ValueError(f"prefill_prompts must be >= 1, got {prefill_prompts}")
     t = Terms()
     B, ctx, isl = point.batch_size, point.context_len, point.isl
     kv_dtype = plan.kv_dtype or act_dtype
@@ -439,8 +445,9 @@ def estimate(
     tpot_ms = t.add("tpot_ms", tpot_s * 1e3, "ms", f"{tpot_tier} tier: {how[tpot_tier]}")
     tps = t.add("throughput_tokens_per_s", B / tpot_s, "tokens/s", "B / TPOT (all replicas)")
 
-    prefill_attn = attention_span.prefill_attention_flops(cfg, isl, tp=plan.tp)
-    kv_write = isl * kv_token / shards
+    n = prefill_prompts
+    prefill_attn = n * attention_span.prefill_attention_flops(cfg, isl, tp=plan.tp)
+    kv_write = n * isl * kv_token / shards
     prefill_attn_source = (
         " (causal: ISL²/2 pairs a layer)"
         if dense
@@ -458,14 +465,14 @@ def estimate(
         cfg,
         hw,
         plan,
-        tokens=isl,
-        logit_tokens=1,
-        ep_tokens=isl,
+        tokens=n * isl,
+        logit_tokens=n,
+        ep_tokens=n * isl,
         skew=point.expert_load_skew,
         attention_flops=prefill_attn,
         kv_bytes=kv_write,
-        kv_source=f"KV cache written: ISL = {isl} tokens × {kv_token} B/token / {shards} shards "
-        "(every layer caches every token)",
+        kv_source=f"KV cache written: {n} × ISL = {n} × {isl} tokens × {kv_token} B/token / "
+        f"{shards} shards (every layer caches every token)",
         attention_source=prefill_attn_source,
         wdtype=weight_dtype,
         adtype=act_dtype,
@@ -477,7 +484,8 @@ def estimate(
         "ttft_ms",
         ttft_s * 1e3,
         "ms",
-        f"{ttft_tier} tier: prefill of one ISL prompt, no queueing ({how[ttft_tier]})",
+        f"{ttft_tier} tier: prefill of {'one ISL prompt' if n == 1 else f'{n} ISL prompts'}, "
+        f"no queueing ({how[ttft_tier]})",
     )
     return Estimate(
         plan=plan,

@@ -234,7 +234,13 @@ def evidence_lines(evidence: Evidence, hw: Hardware) -> list[str]:
         if cal is not None
         else f"calibration (measured passes): none of this model on {hw.name} yet"
     )
-    return [bench, calibration]
+    pre = evidence.prefill_calibration
+    prefill = (
+        f"prefill calibration (timed prefills): {pre.describe()}"
+        if pre is not None
+        else f"prefill calibration (timed prefills): none of this model on {hw.name} yet"
+    )
+    return [bench, calibration, prefill]
 
 
 def tier_terms(est: Estimate) -> list[Term]:
