@@ -373,3 +373,24 @@ def test_memory_counts_the_graph_pool_and_the_reserved_bytes() -> None:
         .value
         == 0
     )
+
+
+@needs_models
+def test_equal_plans_go_to_ep_over_expert_tp() -> None:
+    """Where the roofline costs the same group split by EP or by expert TP alike, the plan with
+    whole experts per rank (the larger EP) ranks first, as practitioners deploy MoE."""
+    cfg = model("qwen3-235b-a22b")
+    result = plan_workload(
+        cfg, H200, OperatingPoint(batch_size=256, context_len=4096, isl=1024, osl=256), 8
+    )
+    best = result.feasible[0]
+    tied = [
+        e
+        for e in result.feasible
+        if e.served_per_device == best.served_per_device
+        and e.served_tpot_ms == best.served_tpot_ms
+        and e.plan.devices == best.plan.devices
+    ]
+    assert len(tied) > 1, "no tie to break at this point any more"
+    assert best.plan.expert_tp == min(e.plan.expert_tp for e in tied)
+    assert [e.plan.expert_tp for e in tied] == sorted(e.plan.expert_tp for e in tied)

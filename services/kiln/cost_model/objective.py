@@ -10,9 +10,11 @@ with a lossless KV cache (the activation dtype) before those with an FP8 one, wh
 model's outputs, so FP8 KV is the answer only where no lossless plan meets the targets (or none
 fits the batch). Among those meeting the targets, most output tokens/s per occupied device, then
 lowest TPOT, then fewest devices; among those missing, the smallest miss (``max(TPOT / target,
-TTFT / target) - 1``) first. The planner computes the *frontier* over the plans the serving
-model ran for: a plan is on it when no other of them has at least its tokens/s per device and
-at most its TPOT, one of them strictly.
+TTFT / target) - 1``) first. Ties (the roofline often costs expert TP and EP over the same group
+alike) go to the simpler plan, as practice has it: experts split by EP rather than by expert TP
+(whole expert GEMMs), then no DCP, then no PP. The planner computes the *frontier* over the
+plans the serving model ran for: a plan is on it when no other of them has at least its tokens/s
+per device and at most its TPOT, one of them strictly.
 
 Targets of 0 (unset) take :data:`DEFAULT_TPOT_MS` and :data:`DEFAULT_TTFT_MS`.
 """
@@ -68,17 +70,13 @@ DEFAULT_TARGETS = ServingTargets()
 def rank(estimates: Sequence[Estimate], targets: ServingTargets) -> list[Estimate]:
     """``estimates`` best first under ``targets`` (see the module docs)."""
 
-    def key(e: Estimate) -> tuple[float, float, float, int, str]:
+    def key(e: Estimate) -> tuple[float, float, float, int, int, int, int, str]:
         miss, lossy = targets.miss(e), lossy_kv(e)
+        p = e.plan
+        simpler = (p.expert_tp, p.dcp, p.pp, p.label())
         if miss > 0:
-            return (3.0 if lossy else 2.0, miss, e.served_tpot_ms, e.plan.devices, e.plan.label())
-        return (
-            1.0 if lossy else 0.0,
-            -e.served_per_device,
-            e.served_tpot_ms,
-            e.plan.devices,
-            e.plan.label(),
-        )
+            return (3.0 if lossy else 2.0, miss, e.served_tpot_ms, p.devices, *simpler)
+        return (1.0 if lossy else 0.0, -e.served_per_device, e.served_tpot_ms, p.devices, *simpler)
 
     return sorted(estimates, key=key)
 
