@@ -457,7 +457,9 @@ async def test_cost_model_health_answers_while_the_largest_plan_runs(stubs: Stub
     from kiln.cost_model.service import PLAN_DEADLINE_S
 
     assert took < PLAN_DEADLINE_S + 5
-    assert checks and max(checks) < 1.0, checks
+    # Prompt, not instant: the planner's threads share the GIL with the server's loop, and CI's
+    # two-core host runs two test workers (a 1.9 s outlier seen there with other load beside).
+    assert checks and max(checks) < 2.5 and sorted(checks)[len(checks) // 2] < 0.5, checks
 
 
 # --------------------------------------------------------------------------------------- #

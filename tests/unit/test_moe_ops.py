@@ -261,7 +261,8 @@ def test_reference_over_many_tokens_runs_in_chunks_to_the_same_values(
     monkeypatch.setattr(moe, "CHUNK_TOKENS", 4)  # 21 tokens: 6 chunks, the last of one token
     chunked = moe.reference(x, **p)
     assert chunked.shape == x.shape and chunked.dtype == dtype
-    torch.testing.assert_close(chunked, whole, atol=0, rtol=0)
+    # float32 products over fewer rows may round differently in the last bit (BLAS blocking)
+    torch.testing.assert_close(chunked, whole, atol=1e-7, rtol=2e-6)
 
 
 def test_dense_runs_the_reference_where_its_scratch_would_pass_the_bound(
