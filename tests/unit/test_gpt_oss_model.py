@@ -146,10 +146,12 @@ def test_the_support_statement_refuses_them() -> None:
     for device in ("cpu", "cuda"):
         support = support_for(REAL, device, name="gpt-oss-20b")
         for op, impl in (
-            ("attention", "sdpa"), ("attention", "flash_decoding"), ("moe", "gathered"),
-            ("moe", "dense"), ("moe", "triton_gather"),
+            ("attention", "sdpa"), ("moe", "gathered"), ("moe", "dense"), ("moe", "triton_gather"),
         ):  # fmt: skip
             assert support.op_reason(op, impl), (device, op, impl)
+        # The decode kernel takes sinks and window: refused on CPU for its device only.
+        reason = support.op_reason("attention", "flash_decoding")
+        assert reason is None if device == "cuda" else "cuda only" in (reason or "")
         assert support.op_reason("qkv_proj", "fused") is None
         assert support.transform_reason("fused_decode")
     assert "sinks" in (unsupported_reason(parse_config(REAL, "gpt-oss-20b")) or "")

@@ -92,10 +92,29 @@ def test_decode_sees_exactly_the_valid_slots() -> None:
     torch.testing.assert_close(attention.reference(q, k2, v2, positions, seq_lens, scale=1.0), out)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("window", [1, 3, CACHE_LEN])
+def test_sdpa_honours_a_window(dtype: torch.dtype, tokens: int, window: int) -> None:
+    """sdpa's boolean mask carries gpt-oss's window (it has no sinks: refused for gpt-oss by its
+    signature); the whole-prompt causal path is skipped with a window."""
+    torch.manual_seed(window * 10 + tokens)
+    q, k, v, positions, seq_lens = _case(3, tokens, 2, dtype)
+    scale = HEAD_DIM**-0.5
+    expected = attention.reference(q, k, v, positions, seq_lens, scale=scale, window=window)
+    assert_close(attention.sdpa(q, k, v, positions, seq_lens, scale=scale, window=window), expected)
+    prompt = torch.arange(tokens).expand(3, tokens)
+    full = torch.full((3,), tokens)
+    expected = attention.reference(q, k, v, prompt, full, scale=scale, window=window)
+    assert_close(attention.sdpa(q, k, v, prompt, full, scale=scale, window=window), expected)
+
+
 def test_cache_mask_shape_and_values() -> None:
     mask = attention.cache_mask(torch.tensor([[0, 1, 2]]), torch.tensor([2]), 4)
     assert mask.shape == (1, 1, 3, 4) and mask.dtype == torch.bool
     assert mask[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
+    mask = attention.cache_mask(torch.tensor([[0, 1, 2]]), torch.tensor([3]), 4, window=2)
+    assert mask[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0]]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

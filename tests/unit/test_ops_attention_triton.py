@@ -74,6 +74,24 @@ def test_attention_matches_reference(
     assert_close(out, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize(("sinks", "window"), [(True, None), (False, 3), (True, 3)])
+def test_attention_with_sinks_and_window_matches_reference(
+    dtype: torch.dtype, tokens: int, sinks: bool, window: int | None
+) -> None:
+    """gpt-oss's params: the kernel at decode, sdpa's windowed mask or the reference (sinks) at
+    prefill."""
+    torch.manual_seed(tokens * 10 + (window or 0))
+    q, k, v, positions, seq_lens = _attention_case(3, tokens, 2, dtype)
+    kwargs = {"scale": HEAD_DIM**-0.5, "window": window}
+    if sinks:
+        kwargs["sinks"] = randn(KV_HEADS * 2, dtype=dtype, scale=2.0)
+    want = get("attention", "reference")(q, k, v, positions, seq_lens, **kwargs)
+    out = get("attention", "flash_decoding")(q, k, v, positions, seq_lens, **kwargs)
+    assert_close(out, want)
+
+
 def test_attention_under_torch_compile_calls_the_kernel_as_an_opaque_op() -> None:
     torch.manual_seed(7)
     q, k, v, positions, seq_lens = _attention_case(3, 1, 4, torch.float32)
@@ -91,6 +109,23 @@ def test_attention_under_torch_compile_calls_the_kernel_as_an_opaque_op() -> Non
     assert_close(out, get("attention", "reference")(q, k, v, positions, seq_lens, scale=scale))
     inductor = torch.compile(impl.fn, fullgraph=True)(q, k, v, positions, seq_lens, scale=scale)
     assert torch.equal(inductor, out)
+
+
+def test_the_opaque_op_carries_sinks_and_window() -> None:
+    torch.manual_seed(8)
+    q, k, v, positions, seq_lens = _attention_case(3, 1, 2, torch.float32)
+    kwargs: dict[str, Any] = {"scale": HEAD_DIM**-0.5, "sinks": randn(4, dtype=torch.float32)}
+    kwargs["window"] = 7
+    calls = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        calls.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    fn = get("attention", "flash_decoding").fn
+    out = torch.compile(fn, backend=backend, fullgraph=True)(q, k, v, positions, seq_lens, **kwargs)
+    assert "kiln.decode_attention.default" in calls
+    assert_close(out, get("attention", "reference")(q, k, v, positions, seq_lens, **kwargs))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

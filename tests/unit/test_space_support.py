@@ -142,10 +142,13 @@ def test_moe_models_get_fused_decode_and_unused_ops_are_gone(name: str) -> None:
         assert FUSED_DECODE not in gpu and not any(d.startswith(FUSED_DECODE) for d in gpu)
         assert "per_layer" in (support_for(config, "cuda").transform_reason(FUSED_DECODE) or "")
         assert OP_PREFIX + "moe" in gpu and OP_PREFIX + "mlp" not in gpu
-    elif config.model_type == "gpt_oss":  # sinks, windows, clamped SwiGLU: reference only
+    elif config.model_type == "gpt_oss":  # sinks, windows, clamped SwiGLU: no fused chain
         assert FUSED_DECODE not in gpu and not any(d.startswith(FUSED_DECODE) for d in gpu)
         assert "sinks" in (support_for(config, "cuda").transform_reason(FUSED_DECODE) or "")
-        assert not {OP_PREFIX + "attention", OP_PREFIX + "moe", OP_PREFIX + "mlp"} & gpu
+        assert not {OP_PREFIX + "moe", OP_PREFIX + "mlp"} & gpu
+        # attention: the sink- and window-aware decode kernel, never sdpa (no sinks)
+        values = {d.name: d.values for d in _space(name, "h200").dims}[OP_PREFIX + "attention"]
+        assert "flash_decoding" in values and "sdpa" not in values
     elif config.is_moe:  # the fused chain runs expert layers through the bound moe op
         assert {FUSED_DECODE, FUSED_DECODE + ".block_k", OP_PREFIX + "moe"} <= gpu
         assert OP_PREFIX + "mlp" not in gpu  # every layer of these MoE configs routes

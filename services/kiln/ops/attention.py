@@ -5,10 +5,11 @@ Call: ``attention(q, k_cache, v_cache, positions, seq_lens) -> out``; params ``s
 t]`` and ``s < seq_lens[b]``; this step's keys are already written. Padded queries give unused
 finite output. Query head ``h`` reads KV head ``h // (Hq // Hkv)``.
 
-gpt-oss sites add two params only the ``reference`` takes (the others are refused for it by
-their signatures): ``window`` (int or None: a query also sees only slots ``s > positions[b, t] -
-window``) and ``sinks`` (``[Hq]`` or None: per head one more logit in the softmax denominator,
-with no value, as transformers' ``GptOssAttention``).
+gpt-oss sites add two params: ``window`` (int or None: a query also sees only slots ``s >
+positions[b, t] - window``) and ``sinks`` (``[Hq]`` or None: per head one more logit in the
+softmax denominator, with no value, as transformers' ``GptOssAttention``). ``reference`` and
+``flash_decoding`` (:mod:`kiln.ops.attention_triton`) take both; ``sdpa`` takes ``window`` only,
+so it is refused for gpt-oss by its signature, as every implementation lacking one of them is.
 """
 
 from __future__ import annotations
@@ -22,12 +23,18 @@ from kiln.ops.registry import register
 Tensor = torch.Tensor
 
 
-def cache_mask(positions: Tensor, seq_lens: Tensor, cache_len: int) -> Tensor:
-    """``[B, 1, T, S]`` bool, True where query (``positions [B, T]``) may see a slot."""
+def cache_mask(
+    positions: Tensor, seq_lens: Tensor, cache_len: int, window: int | None = None
+) -> Tensor:
+    """``[B, 1, T, S]`` bool, True where query (``positions [B, T]``) may see a slot (within
+    ``window`` when given)."""
     slots = torch.arange(cache_len, device=positions.device)
     causal = slots[None, None, :] <= positions[:, :, None]
     valid = slots[None, None, :] < seq_lens[:, None, None]
-    return (causal & valid)[:, None]
+    mask = causal & valid
+    if window is not None:
+        mask = mask & (slots[None, None, :] > positions[:, :, None] - window)
+    return mask[:, None]
 
 
 SCORES_BUDGET = 1 << 28
@@ -81,10 +88,7 @@ def _attend(
     # queries as [B, Hkv, group * T, D] instead of copying the cache group times.
     qg = widened(q).reshape(b, hkv, group * t, d)
     scores = torch.matmul(qg, k_cache.to(qg.dtype).transpose(-1, -2)) * scale
-    mask = cache_mask(positions, seq_lens, k_cache.shape[2])  # [B, 1, T, S]
-    if window is not None:
-        slots = torch.arange(k_cache.shape[2], device=positions.device)
-        mask = mask & (slots[None, None, :] > positions[:, :, None] - window)[:, None]
+    mask = cache_mask(positions, seq_lens, k_cache.shape[2], window)  # [B, 1, T, S]
     scores = scores.view(b, hkv, group, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
     if sinks is not None:  # one more logit per head, dropped after the softmax
         sink = sinks.to(scores.dtype).view(1, hkv, group, 1, 1).expand(b, hkv, group, t, 1)
@@ -92,6 +96,8 @@ def _attend(
         probs = probs.reshape(b, hkv, group * t, -1)
     else:
         probs = torch.softmax(scores, dim=-1).view(b, hkv, group * t, -1)
+        if window is not None:  # a padded query past its window sees no slot: 0, not NaN
+            probs = probs.nan_to_num(0.0)
     return torch.matmul(probs, v_cache.to(qg.dtype)).view(b, hq, t, d).to(q.dtype)
 
 
@@ -117,14 +123,16 @@ def sdpa(
     seq_lens: Tensor,
     *,
     scale: float,
+    window: int | None = None,
 ) -> Tensor:
-    """``scaled_dot_product_attention`` with ``enable_gqa``; the contract of :func:`reference`.
+    """``scaled_dot_product_attention`` with ``enable_gqa``; the contract of :func:`reference`
+    (``window`` too, no ``sinks``).
 
-    A whole-prompt prefill runs causally without a mask tensor, so PyTorch may pick a flash or
-    memory-efficient kernel; other steps use the boolean cache mask.
+    A whole-prompt prefill without a window runs causally without a mask tensor, so PyTorch may
+    pick a flash or memory-efficient kernel; other steps use the boolean cache mask.
     """
     t = q.shape[2]
-    if t > 1 and _whole_prompt(positions, seq_lens, k_cache.shape[2]):
+    if t > 1 and window is None and _whole_prompt(positions, seq_lens, k_cache.shape[2]):
         return F.scaled_dot_product_attention(
             q,
             k_cache[:, :, :t],
@@ -133,7 +141,7 @@ def sdpa(
             scale=scale,
             enable_gqa=q.shape[1] != k_cache.shape[1],
         )
-    mask = cache_mask(positions, seq_lens, k_cache.shape[2])
+    mask = cache_mask(positions, seq_lens, k_cache.shape[2], window)
     return F.scaled_dot_product_attention(
         q,
         k_cache,

@@ -169,30 +169,46 @@ def _missing_params(config: ModelConfig, impl: Any) -> Reason:
     clamped SwiGLU; :data:`kiln.workloads.gpt_oss.SITE_PARAMS`; GLM-5: the indexer's
     ``topk_indices``, :data:`kiln.workloads.glm_moe_dsa.CALL_PARAMS`), or None; binding's
     signature check would refuse it too."""
-    import inspect
-
     from kiln.workloads import glm_moe_dsa, gpt_oss
 
     if config.model_type == glm_moe_dsa.GLM_MOE_DSA:
         extra = glm_moe_dsa.CALL_PARAMS.get(impl.op, ())
-        family = "GLM-5's sparse-attention indexer; mla_attention=reference and absorbed take it"
     elif config.model_type == gpt_oss.GPT_OSS:
         extra = gpt_oss.SITE_PARAMS.get(impl.op, ())
-        family = f"gpt-oss; only {impl.op}=reference does"
     else:
         return None
-    if not extra:
-        return None
-    params = inspect.signature(impl.fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return None
-    missing = [p for p in extra if p not in params]
+    missing = _missing(impl.fn, extra)
     if not missing:
         return None
+    family = (
+        "GLM-5's sparse-attention indexer"
+        if config.model_type == glm_moe_dsa.GLM_MOE_DSA
+        else "gpt-oss"
+    )
+    family += f"; implementations that do: {_takers(impl.op, extra)}"
     return (
         f"{impl.op}={impl.name} does not implement {', '.join(missing)}, which "
         f"{config.name} needs ({family})"
     )
+
+
+def _missing(fn: Any, extra: Iterable[str]) -> list[str]:
+    """The names in ``extra`` that ``fn``'s signature cannot take."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return []
+    return [p for p in extra if p not in params]
+
+
+def _takers(op: str, extra: Iterable[str]) -> str:
+    """``op=a, b``: the registered implementations of ``op`` that take every param in
+    ``extra``."""
+    from kiln.ops import registry
+
+    names = [n for n in registry.implementations(op) if not _missing(registry.get(op, n).fn, extra)]
+    return f"{op}={', '.join(names) or 'none'}"
 
 
 def _triton_devices() -> tuple[str, ...]:

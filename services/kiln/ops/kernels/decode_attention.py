@@ -2,9 +2,11 @@
 flash-decoding in two Triton kernels (design: docs/design/kernels.md).
 
 Stage 1: one program per (sequence, KV head, split of ``split_s`` positions) over all query heads
-of the group, online softmax in float32; stage 2 combines the splits by log-sum-exp. The split
-count is fixed by the cache length (CUDA-graph safe). On CPU set ``TRITON_INTERPRET`` before
-importing this module.
+of the group, online softmax in float32; stage 2 (:mod:`kiln.ops.kernels.decode_combine`)
+combines the splits by log-sum-exp. The split count is fixed by the cache length (CUDA-graph
+safe). Optional gpt-oss semantics, compiled in only when given (constexpr flags): a sliding
+``window`` (splits before it write the empty partial) and per-head attention ``sinks`` (one more
+logit in the combine's denominator). On CPU set ``TRITON_INTERPRET`` before importing this module.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import triton
 import triton.language as tl
 
 from kiln.ops.kernels import runtime
+from kiln.ops.kernels.decode_combine import combine_row, load_sink, stage2
 from kiln.ops.kernels.pdl import PDL_MODES, launch_mode, pdl_enter, pdl_options
-from kiln.ops.kernels.rounding import cast, emulate_rounding
+from kiln.ops.kernels.rounding import emulate_rounding
 
 Tensor = torch.Tensor
 
@@ -101,6 +104,8 @@ def _stage1(
     stride_ob,
     stride_oh,
     stride_od,
+    sinks_ptr,
+    window,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -114,6 +119,8 @@ def _stage1(
     NUM_SPLITS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     EMULATE: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -124,6 +131,14 @@ def _stage1(
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     start = split * SPLIT_S
     end = tl.minimum(tl.minimum(start + SPLIT_S, seq_len), cache_len)
+    first = start
+    if WINDOWED:
+        # The query (at seq_len - 1) sees slots >= lo: a split with none (lo >= end) is empty;
+        # the others loop from the block holding their first visible slot, so that the first
+        # iteration has a valid position, as without a window.
+        lo = tl.maximum(seq_len - window, 0)
+        first = start + (tl.maximum(lo - start, 0) // BLOCK_S) * BLOCK_S
+        end = tl.where(lo < end, end, start)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -149,8 +164,10 @@ def _stage1(
     # loop over tensor bounds, and the compiled loop unrolls/pipelines better.
     if start < end:
         for it in range(0, SPLIT_S // BLOCK_S):
-            pos = start + it * BLOCK_S + offs_s
+            pos = first + it * BLOCK_S + offs_s
             mask_s = pos < end
+            if WINDOWED:
+                mask_s = mask_s & (pos >= lo)
             kv_mask = mask_s[:, None] & mask_d[None, :]
             k = tl.load(k_base + pos[:, None] * stride_ks, mask=kv_mask, other=0.0)
             v = tl.load(v_base + pos[:, None] * stride_vs, mask=kv_mask, other=0.0)
@@ -189,7 +206,7 @@ def _stage1(
         if done == NUM_SPLITS - 1:
             for g in tl.static_range(GROUP):
                 head = kvh * GROUP + g
-                _combine_row(
+                combine_row(
                     m_ptr,
                     l_ptr,
                     acc_ptr,
@@ -197,106 +214,25 @@ def _stage1(
                     (b * num_kv_heads * GROUP + head) * NUM_SPLITS,
                     b * stride_ob + head * stride_oh,
                     stride_od,
+                    load_sink(sinks_ptr, head, HAS_SINKS),
                     NUM_SPLITS,
                     HEAD_DIM,
                     D_PAD,
                     BLOCK_SPLITS,
                     EMULATE,
+                    HAS_SINKS,
                 )
             tl.atomic_xchg(counter_ptr + bh, 0)
 
 
-@triton.jit
-def _combine_row(
-    m_ptr,
-    l_ptr,
-    acc_ptr,
-    out_ptr,
-    base,
-    out_offset,
-    stride_od,
-    NUM_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,
-    EMULATE: tl.constexpr,
-):
-    """Combine one (sequence, query head)'s split partials by log-sum-exp and store the row."""
-    offs_c = tl.arange(0, BLOCK_SPLITS)
-    offs_d = tl.arange(0, D_PAD)
-    mask_d = offs_d < HEAD_DIM
-    m_vec = tl.full([BLOCK_SPLITS], float("-inf"), tl.float32)
-    for c in range(0, NUM_SPLITS, BLOCK_SPLITS):
-        idx = c + offs_c
-        m = tl.load(
-            m_ptr + base + idx, mask=idx < NUM_SPLITS, other=float("-inf"), cache_modifier=".cg"
-        )
-        m_vec = tl.maximum(m_vec, m)
-    m_max = tl.max(m_vec, axis=0)
-    l_vec = tl.zeros([BLOCK_SPLITS], tl.float32)
-    acc = tl.zeros([BLOCK_SPLITS, D_PAD], tl.float32)
-    for c in range(0, NUM_SPLITS, BLOCK_SPLITS):
-        idx = c + offs_c
-        mask_c = idx < NUM_SPLITS
-        m = tl.load(m_ptr + base + idx, mask=mask_c, other=float("-inf"), cache_modifier=".cg")
-        ell = tl.load(l_ptr + base + idx, mask=mask_c, other=0.0, cache_modifier=".cg")
-        a = tl.load(
-            acc_ptr + (base + idx)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=mask_c[:, None] & mask_d[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        # Empty splits (m = -inf) weigh 0; so does everything when the row is empty.
-        w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
-        l_vec += w * ell
-        acc += w[:, None] * a
-    total = tl.sum(l_vec, axis=0)
-    out = tl.sum(acc, axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        out_ptr + out_offset + offs_d * stride_od,
-        cast(out, out_ptr.dtype.element_ty, EMULATE),
-        mask=mask_d,
-    )
-
-
-@triton.jit
-def _stage2(
-    m_ptr,
-    l_ptr,
-    acc_ptr,
-    out_ptr,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    num_heads,
-    NUM_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,
-    EMULATE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_enter(PDL)
-    row = tl.program_id(0)
-    b = row // num_heads
-    h = row % num_heads
-    _combine_row(
-        m_ptr,
-        l_ptr,
-        acc_ptr,
-        out_ptr,
-        row.to(tl.int64) * NUM_SPLITS,
-        b * stride_ob + h * stride_oh,
-        stride_od,
-        NUM_SPLITS,
-        HEAD_DIM,
-        D_PAD,
-        BLOCK_SPLITS,
-        EMULATE,
-    )
-
-
-def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> None:
+def _check(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seq_lens: Tensor,
+    sinks: Tensor | None = None,
+    window: int | None = None,
+) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(
             f"expected q [B, Hq, D] and caches [B, Hkv, S, D], got {tuple(q.shape)}, "
@@ -314,7 +250,12 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> Non
         raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     if seq_lens.shape != (b,) or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"seq_lens must be [B={b}] int64, got {tuple(seq_lens.shape)}")
-    devices = {t.device for t in (q, k_cache, v_cache, seq_lens)}
+    if sinks is not None and (sinks.shape != (hq,) or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be [Hq={hq}] float, got {tuple(sinks.shape)} {sinks.dtype}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    extra = () if sinks is None else (sinks,)
+    devices = {t.device for t in (q, k_cache, v_cache, seq_lens, *extra)}
     if len(devices) != 1:
         raise ValueError(f"tensors on different devices: {sorted(map(str, devices))}")
 
@@ -326,9 +267,12 @@ def decode_attention(
     seq_lens: Tensor,
     *,
     scale: float,
+    sinks: Tensor | None = None,
+    window: int | None = None,
     config: DecodeAttentionConfig | None = None,
 ) -> Tensor:
-    """Attention of each sequence's decode query over its first ``seq_lens[b]`` cache slots.
+    """Attention of each sequence's decode query (at ``seq_lens[b] - 1``) over its first
+    ``seq_lens[b]`` cache slots, with ``window`` only the last ``window`` of them.
 
     Args:
         q: ``[B, Hq, D]`` (model dtype).
@@ -336,11 +280,14 @@ def decode_attention(
             head ``h // (Hq // Hkv)``.
         seq_lens: ``[B]`` int64 on q's device in ``[1, S]`` (larger clamped; 0 gives a zero row).
         scale: score multiplier.
+        sinks: ``[Hq]`` float (any float dtype) or None: per head one more logit (natural-log
+            units, not scaled) in the softmax denominator, with no value.
+        window: int >= 1 or None: slots ``s >= seq_lens[b] - window`` only.
 
     Returns ``[B, Hq, D]`` in q's dtype. Raises ValueError on inconsistent shapes, dtypes or
     devices, KernelUnavailableError without CUDA or ``TRITON_INTERPRET=1``.
     """
-    _check(q, k_cache, v_cache, seq_lens)
+    _check(q, k_cache, v_cache, seq_lens, sinks, window)
     runtime.require(q.device)
     config = config or DecodeAttentionConfig()
     b, hq, d = q.shape
@@ -360,6 +307,8 @@ def decode_attention(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     counters = _counters(q.device, b * hkv) if config.fused_combine else m
     pdl = launch_mode(config.pdl, q.device)
+    # A window covering the whole cache masks nothing: the full-attention kernel, unchanged.
+    win = window if window is not None and window < cache_len else 0
     _stage1[(b * hkv, splits)](
         q,
         k_cache,
@@ -378,6 +327,8 @@ def decode_attention(
         counters,
         out,
         *out.stride(),
+        q if sinks is None else sinks,  # not read without sinks
+        win,
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=d,
@@ -392,6 +343,8 @@ def decode_attention(
         NUM_SPLITS=splits,
         BLOCK_SPLITS=block_splits,
         EMULATE=emulate,
+        WINDOWED=win > 0,
+        HAS_SINKS=sinks is not None,
         PDL=pdl,
         num_warps=config.num_warps,
         **({} if config.num_stages is None else {"num_stages": config.num_stages}),
@@ -399,11 +352,12 @@ def decode_attention(
     )
     if config.fused_combine:
         return out
-    _stage2[(b * hq,)](
+    stage2[(b * hq,)](
         m,
         ell,
         acc,
         out,
+        q if sinks is None else sinks,
         *out.stride(),
         hq,
         NUM_SPLITS=splits,
@@ -411,6 +365,7 @@ def decode_attention(
         D_PAD=d_pad,
         BLOCK_SPLITS=block_splits,
         EMULATE=emulate,
+        HAS_SINKS=sinks is not None,
         PDL=pdl,
         num_warps=4 if d_pad >= 128 else 2,
         **pdl_options(pdl),
@@ -432,8 +387,8 @@ def _counters(device: torch.device, n: int) -> Tensor:
 def decode_attention_reference(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, *, scale: float
 ) -> Tensor:
-    """Plain-PyTorch :func:`decode_attention` (float32 softmax); same arguments, result and
-    ValueError.
+    """Plain-PyTorch :func:`decode_attention` without sinks or window (float32 softmax; for
+    those, :func:`kiln.ops.attention.reference`); same other arguments, result and ValueError.
     """
     _check(q, k_cache, v_cache, seq_lens)
     b, hq, d = q.shape
