@@ -19,8 +19,11 @@ and its value ``W_UV[h] c``, with ``kv_b_proj = [W_UK[h]; W_UV[h]]`` per head.
   ``absorbed`` folds ``W_UK`` into the query and ``W_UV`` into the output (the weights-absorbed
   form, DeepSeek-V2 section 2.1.2) and never forms per-head K/V. GLM-5 sites pass the sparse
   indexer's choice as the keyword ``topk_indices [B, T, K]`` (:mod:`kiln.ops.dsa_indexer`): a
-  query then sees only the visible slots it names (:func:`selection_mask`); both implementations
-  take it.
+  query then sees only the visible slots it names (:func:`selection_mask`); every implementation
+  takes it. ``absorbed_triton`` (CUDA) is ``absorbed`` with a decode step's latent-space
+  attention in the split-KV Triton kernel :mod:`kiln.ops.kernels.mla_decode` (imported on first
+  call, as :mod:`kiln.ops.attention_triton` does; under ``torch.compile`` the custom op
+  ``kiln::mla_decode``).
 """
 
 from __future__ import annotations
@@ -207,3 +210,89 @@ def absorbed(
     out_latent = _attend(scores, positions, seq_lens, latent, scale, topk_indices)
     out_latent = out_latent.to(q_nope.dtype)
     return torch.matmul(out_latent, w_uv_t.to(q_nope.dtype))
+
+
+@register("mla_attention", "absorbed_triton", derived=ABSORBED, devices=("cuda",))
+def absorbed_triton(
+    q_nope: Tensor,
+    q_rope: Tensor,
+    latent_cache: Tensor,
+    rope_cache: Tensor,
+    positions: Tensor,
+    seq_lens: Tensor,
+    *,
+    w_uk: Tensor,
+    w_uv_t: Tensor,
+    scale: float,
+    topk_indices: Tensor | None = None,
+) -> Tensor:
+    """:func:`absorbed` (its contract, params and rounding points: the absorbed query and the
+    latent output in the model dtype) with a decode step's (``T == 1``) attention over the latent
+    cache in :func:`kiln.ops.kernels.mla_decode.mla_decode`: scores and softmax in float32, the
+    probabilities rounded to the cache dtype for ``p @ c``. At decode the query sits at
+    ``seq_lens[b] - 1``, so ``positions`` is not read; a slot ``topk_indices`` names twice is
+    attended once, as :func:`selection_mask` does. Prefill (``T > 1``) and float64 run
+    :func:`absorbed`.
+
+    Raises:
+        KernelUnavailableError: at decode without CUDA (or ``TRITON_INTERPRET=1``).
+    """
+    if q_nope.shape[2] != 1 or q_nope.dtype == torch.float64:
+        return absorbed(
+            q_nope, q_rope, latent_cache, rope_cache, positions, seq_lens,
+            w_uk=w_uk, w_uv_t=w_uv_t, scale=scale, topk_indices=topk_indices,
+        )  # fmt: skip
+    q_latent = torch.matmul(q_nope, w_uk.to(q_nope.dtype))[:, :, 0]  # [B, Hq, R]
+    selected = None if topk_indices is None else topk_indices[:, 0]
+    args = (q_latent, q_rope[:, :, 0], latent_cache[:, 0], rope_cache[:, 0], seq_lens)
+    if torch.compiler.is_compiling():
+        out_latent = mla_decode_op(*args, scale, selected)
+    else:
+        out_latent = _mla_decode(*args, scale, selected)
+    return torch.matmul(out_latent.unsqueeze(2), w_uv_t.to(q_nope.dtype))
+
+
+def _mla_decode(
+    q_latent: Tensor,
+    q_rope: Tensor,
+    latent_cache: Tensor,
+    rope_cache: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    topk_indices: Tensor | None,
+) -> Tensor:
+    from kiln.ops.kernels.mla_decode import mla_decode
+
+    return mla_decode(
+        q_latent, q_rope, latent_cache, rope_cache, seq_lens, scale=scale,
+        topk_indices=topk_indices,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("kiln::mla_decode", mutates_args=())
+def mla_decode_op(
+    q_latent: Tensor,
+    q_rope: Tensor,
+    latent_cache: Tensor,
+    rope_cache: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    topk_indices: Tensor | None,
+) -> Tensor:
+    """:func:`kiln.ops.kernels.mla_decode.mla_decode` as an op ``torch.compile`` does not trace
+    into: ``q_latent [B, Hq, R]``, ``q_rope [B, Hq, Dr]``, caches ``[B, S, R]`` / ``[B, S, Dr]``,
+    ``seq_lens [B]`` int64, ``topk_indices [B, K]`` or None; a new ``[B, Hq, R]`` in q's dtype."""
+    return _mla_decode(q_latent, q_rope, latent_cache, rope_cache, seq_lens, scale, topk_indices)
+
+
+@mla_decode_op.register_fake
+def _mla_decode_fake(
+    q_latent: Tensor,
+    q_rope: Tensor,
+    latent_cache: Tensor,
+    rope_cache: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    topk_indices: Tensor | None,
+) -> Tensor:
+    return q_latent.new_empty(q_latent.shape)
