@@ -148,3 +148,28 @@ def settings(
         team="test-team",
         log_format="console",
     )
+
+
+HEAVY_FILES = (
+    "tests/e2e/",
+    "tests/unit/test_red_team.py",
+    "tests/unit/test_moe_gate.py",
+    "tests/unit/test_fused_decode.py",
+    "tests/integration/test_fairness.py",
+    "tests/unit/test_gpt_oss_model.py",
+    "tests/unit/test_space_support.py",
+    "tests/integration/test_warm_start_grpc.py",
+)
+"""Files dispatched to the workers first (``--dist loadfile`` hands files out in collection
+order): a long file started last kept one worker busy minutes after the other had finished."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The :data:`HEAVY_FILES` first, in that order; every other file, and the tests inside
+    each file, keep their order."""
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, p in enumerate(HEAVY_FILES) if path.startswith(p)), len(HEAVY_FILES))
+
+    items.sort(key=rank)
