@@ -21,17 +21,9 @@ from kiln.ops.kernels import runtime
 from kiln.ops.kernels.decode_combine import combine_row, load_sink, stage2
 from kiln.ops.kernels.pdl import PDL_MODES, launch_mode, pdl_enter, pdl_options
 from kiln.ops.kernels.rounding import emulate_rounding
+from kiln.ops.kernels.tiles import LOG2E, MMA_MIN, NUM_WARPS, is_pow2
 
 Tensor = torch.Tensor
-
-#: log2(e): the kernels use ``exp2`` with scores pre-multiplied by it.
-LOG2E = 1.4426950408889634
-_WARPS = (1, 2, 4, 8, 16)
-_MMA_MIN = 16  # tl.dot needs every dimension >= 16
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -61,14 +53,14 @@ class DecodeAttentionConfig:
     num_stages: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_pow2(self.block_s) or self.block_s < _MMA_MIN:
+        if not is_pow2(self.block_s) or self.block_s < MMA_MIN:
             raise ValueError(f"block_s must be a power of two >= 16, got {self.block_s}")
-        if not _is_pow2(self.split_s) or self.split_s < self.block_s:
+        if not is_pow2(self.split_s) or self.split_s < self.block_s:
             raise ValueError(
                 f"split_s must be a power of two >= block_s ({self.block_s}), got {self.split_s}"
             )
-        if self.num_warps not in _WARPS:
-            raise ValueError(f"num_warps must be one of {_WARPS}, got {self.num_warps}")
+        if self.num_warps not in NUM_WARPS:
+            raise ValueError(f"num_warps must be one of {NUM_WARPS}, got {self.num_warps}")
         if self.pdl not in range(PDL_MODES):
             raise ValueError(f"pdl must be 0, 1 or 2, got {self.pdl}")
         if self.num_stages is not None and self.num_stages not in range(1, 5):
@@ -297,7 +289,7 @@ def decode_attention(
     group_pad = triton.next_power_of_2(group)
     d_pad = triton.next_power_of_2(d)
     if use_dot:
-        group_pad, d_pad = max(group_pad, _MMA_MIN), max(d_pad, _MMA_MIN)
+        group_pad, d_pad = max(group_pad, MMA_MIN), max(d_pad, MMA_MIN)
     splits = triton.cdiv(cache_len, config.split_s)
     block_splits = min(triton.next_power_of_2(splits), 64)
     emulate = emulate_rounding(q.dtype)

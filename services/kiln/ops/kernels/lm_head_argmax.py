@@ -13,12 +13,12 @@ import triton.language as tl
 
 from kiln.ops.kernels import runtime
 from kiln.ops.kernels.rounding import cast, emulate_rounding
+from kiln.ops.kernels.tiles import NUM_WARPS
 
 Tensor = torch.Tensor
 
 #: Largest M (rows of x) the kernels take; tl.dot pads M to this.
 MAX_ROWS = 16
-_WARPS = (1, 2, 4, 8, 16)
 
 
 def check_gemv_args(
@@ -38,8 +38,8 @@ def check_gemv_args(
     for name, block in (("block_n", block_n), ("block_k", block_k)):
         if block < 16 or block & (block - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {block}")
-    if num_warps not in _WARPS:
-        raise ValueError(f"num_warps must be one of {_WARPS}, got {num_warps}")
+    if num_warps not in NUM_WARPS:
+        raise ValueError(f"num_warps must be one of {NUM_WARPS}, got {num_warps}")
 
 
 @triton.jit

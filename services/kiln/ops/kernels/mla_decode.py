@@ -21,20 +21,14 @@ import triton
 import triton.language as tl
 
 from kiln.ops.kernels import runtime
-from kiln.ops.kernels.rounding import cast, emulate_rounding
+from kiln.ops.kernels.decode_combine import stage2
+from kiln.ops.kernels.rounding import emulate_rounding
+from kiln.ops.kernels.tiles import LOG2E, MMA_MIN, NUM_WARPS, is_pow2
 
 Tensor = torch.Tensor
 
-#: log2(e): scores are pre-multiplied by it for ``exp2``.
-LOG2E = 1.4426950408889634
 #: The dtypes the kernel takes (float64 is the callers' business).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_WARPS = (1, 2, 4, 8, 16)
-_MMA_MIN = 16  # tl.dot needs every dimension >= 16
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -65,16 +59,16 @@ class MlaDecodeConfig:
     def __post_init__(self) -> None:
         for name in ("block_h", "block_s"):
             value = getattr(self, name)
-            if not _is_pow2(value) or value < _MMA_MIN:
+            if not is_pow2(value) or value < MMA_MIN:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.split_s is not None and (not _is_pow2(self.split_s) or self.split_s < self.block_s):
+        if self.split_s is not None and (not is_pow2(self.split_s) or self.split_s < self.block_s):
             raise ValueError(
                 f"split_s must be a power of two >= block_s ({self.block_s}), got {self.split_s}"
             )
         if self.target_programs < 1 or self.max_splits < 1:
             raise ValueError("target_programs and max_splits must be >= 1")
-        if self.num_warps not in _WARPS:
-            raise ValueError(f"num_warps must be one of {_WARPS}, got {self.num_warps}")
+        if self.num_warps not in NUM_WARPS:
+            raise ValueError(f"num_warps must be one of {NUM_WARPS}, got {self.num_warps}")
         if self.num_stages is not None and self.num_stages not in range(1, 5):
             raise ValueError(f"num_stages must be 1..4 or None, got {self.num_stages}")
 
@@ -224,62 +218,6 @@ def _stage1(
     )
 
 
-@triton.jit
-def _stage2(
-    m_ptr,
-    l_ptr,
-    acc_ptr,
-    out_ptr,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    num_heads,
-    NUM_SPLITS: tl.constexpr,
-    R: tl.constexpr,
-    R_PAD: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,
-    EMULATE: tl.constexpr,
-):
-    """One (sequence, head) row: its split partials combined by log-sum-exp, stored rounded."""
-    row = tl.program_id(0).to(tl.int64)
-    b = row // num_heads
-    h = row % num_heads
-    base = row * NUM_SPLITS
-    offs_c = tl.arange(0, BLOCK_SPLITS)
-    offs_r = tl.arange(0, R_PAD)
-    mask_r = offs_r < R
-    m_vec = tl.full([BLOCK_SPLITS], float("-inf"), tl.float32)
-    for c in range(0, NUM_SPLITS, BLOCK_SPLITS):
-        idx = c + offs_c
-        m_vec = tl.maximum(
-            m_vec, tl.load(m_ptr + base + idx, mask=idx < NUM_SPLITS, other=float("-inf"))
-        )
-    m_max = tl.max(m_vec, axis=0)
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # an empty row: no -inf - -inf
-    l_vec = tl.zeros([BLOCK_SPLITS], tl.float32)
-    acc = tl.zeros([BLOCK_SPLITS, R_PAD], tl.float32)
-    for c in range(0, NUM_SPLITS, BLOCK_SPLITS):
-        idx = c + offs_c
-        mask_c = idx < NUM_SPLITS
-        m = tl.load(m_ptr + base + idx, mask=mask_c, other=float("-inf"))
-        ell = tl.load(l_ptr + base + idx, mask=mask_c, other=0.0)
-        a = tl.load(
-            acc_ptr + (base + idx)[:, None] * R + offs_r[None, :],
-            mask=mask_c[:, None] & mask_r[None, :],
-            other=0.0,
-        )
-        w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
-        l_vec += w * ell
-        acc += w[:, None] * a
-    total = tl.sum(l_vec, axis=0)
-    out = tl.sum(acc, axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        out_ptr + b * stride_ob + h * stride_oh + offs_r * stride_od,
-        cast(out, out_ptr.dtype.element_ty, EMULATE),
-        mask=mask_r,
-    )
-
-
 def _check(
     q_latent: Tensor,
     q_rope: Tensor,
@@ -362,7 +300,7 @@ def mla_decode(
     entries = sel.shape[1] if topk_indices is not None else cache_len
     head_blocks = triton.cdiv(h, config.block_h)
     split_s, splits = config.splits(entries, b, head_blocks)
-    r_pad = max(triton.next_power_of_2(r), _MMA_MIN)
+    r_pad = max(triton.next_power_of_2(r), MMA_MIN)
     m = torch.empty((b, h, splits), dtype=torch.float32, device=q_latent.device)
     ell = torch.empty((b, h, splits), dtype=torch.float32, device=q_latent.device)
     acc = torch.empty((b, h, splits, r), dtype=torch.float32, device=q_latent.device)
@@ -392,7 +330,7 @@ def mla_decode(
         R=r,
         R_PAD=r_pad,
         DR=dr,
-        DR_PAD=max(triton.next_power_of_2(dr), _MMA_MIN),
+        DR_PAD=max(triton.next_power_of_2(dr), MMA_MIN),
         BLOCK_H=config.block_h,
         SPLIT_S=split_s,
         BLOCK_S=config.block_s,
@@ -403,18 +341,21 @@ def mla_decode(
         num_warps=config.num_warps,
         **({} if config.num_stages is None else {"num_stages": config.num_stages}),
     )
-    _stage2[(b * h,)](
+    stage2[(b * h,)](  # the same partials' layout as decode attention's: its combine
         m,
         ell,
         acc,
         out,
+        out,  # no sinks: never read
         *out.stride(),
         h,
         NUM_SPLITS=splits,
-        R=r,
-        R_PAD=r_pad,
+        HEAD_DIM=r,
+        D_PAD=r_pad,
         BLOCK_SPLITS=min(triton.next_power_of_2(splits), 16),
         EMULATE=emulate_rounding(q_latent.dtype),
+        HAS_SINKS=False,
+        PDL=0,
         num_warps=4 if r_pad >= 256 else 2,
     )
     return out
