@@ -247,20 +247,17 @@ def _interrupted(
 ) -> NoReturn:
     """After Ctrl-C: the cancel's ``line`` (asked here in a loop of its own when the interrupt
     came outside the watch's loop), printed as one line; exit 130."""
-    if not line:
-        if cancel.asked:
-            line = (
-                f"interrupted again: compilation {compilation_id} may still run; stop it with "
-                f"`kiln compilations cancel {compilation_id}`"
-            )
-        else:
-            try:
-                line = asyncio.run(_cancel_line(settings, compilation_id))
-            except KeyboardInterrupt:
-                line = (
-                    f"interrupted again: compilation {compilation_id} may still run; stop it "
-                    f"with `kiln compilations cancel {compilation_id}`"
-                )
+    again = (
+        f"interrupted again: compilation {compilation_id} may still run; stop it with "
+        f"`kiln compilations cancel {compilation_id}`"
+    )
+    if not line and cancel.asked:
+        line = again
+    elif not line:
+        try:
+            line = asyncio.run(_cancel_line(settings, compilation_id))
+        except KeyboardInterrupt:
+            line = again
     err_console.print(line, markup=False, highlight=False)
     raise typer.Exit(EXIT_INTERRUPTED)
 
