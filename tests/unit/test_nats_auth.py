@@ -117,9 +117,10 @@ def test_nats_server_accepts_the_rendered_configurations(tmp_path: Path) -> None
 # --- credentials from settings ---------------------------------------------------------------
 def test_credentials_from_the_environment(tmp_path: Path) -> None:
     assert KilnSettings(state_dir=tmp_path, nats_url="nats://x:4222").nats_credentials() is None
-    given = KilnSettings(state_dir=tmp_path, nats_user="ledger", nats_password="pw")
-    assert given.nats_credentials() == ("ledger", "pw")
-    assert "pw" not in repr(given)
+    # a password no path or default contains (a tmp dir was once named ..._pw14)
+    given = KilnSettings(state_dir=tmp_path, nats_user="ledger", nats_password="Zq9-secret-Xv")
+    assert given.nats_credentials() == ("ledger", "Zq9-secret-Xv")
+    assert "Zq9-secret-Xv" not in repr(given)
     secret = tmp_path / "secret"
     secret.write_text("from-file\n")
     by_file = KilnSettings(state_dir=tmp_path, nats_user="ledger", nats_password_file=secret)
